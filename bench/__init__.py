@@ -1,0 +1,1 @@
+"""Benchmarks and the tools they need (the vLLM simulator lives in `bench.sim`)."""

@@ -1,0 +1,39 @@
+"""Routing strategies behind one small interface (see `policies.base`).
+
+Importing this package imports every strategy module, and each registers itself with
+`policies.registry.register`; nothing else has to be edited to add one.
+"""
+
+import importlib
+import pkgutil
+
+from policies.base import (
+    SPILL_REASONS,
+    BackendLike,
+    FleetView,
+    Pick,
+    Policy,
+    PolicyParams,
+    Reason,
+    RouteRequest,
+)
+from policies.registry import create, names, params_union, policy_class
+
+__all__ = [
+    "SPILL_REASONS",
+    "BackendLike",
+    "FleetView",
+    "Pick",
+    "Policy",
+    "PolicyParams",
+    "Reason",
+    "RouteRequest",
+    "create",
+    "names",
+    "params_union",
+    "policy_class",
+]
+
+for _mod in pkgutil.iter_modules(__path__):
+    if _mod.name not in {"base", "registry"}:
+        importlib.import_module(f"{__name__}.{_mod.name}")

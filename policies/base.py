@@ -1,0 +1,113 @@
+"""The one small interface every routing strategy implements.
+
+A policy is pure: it reads a `FleetView` snapshot (the candidates for this request and
+their router-local in-flight counts) and returns a `Pick` that says which backend and
+why. It never does I/O, so it can be tested with plain objects and reused by the HTTP
+and gRPC ingresses alike. Optional hooks default to no-ops so a stateless policy stays
+a dozen lines.
+"""
+
+from __future__ import annotations
+
+import typing
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
+
+import msgspec
+
+if typing.TYPE_CHECKING:
+    from hashing.fingerprint import Fingerprinter
+
+
+class BackendLike(Protocol):
+    """What a policy may read of a backend (router/backends.py provides it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def weight(self) -> int: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+
+class Reason(StrEnum):
+    """Why a backend was picked; exported as the `reason` label of decisions."""
+
+    RANDOM = "random"
+    ROUND_ROBIN = "round_robin"
+    LEAST_OUTSTANDING = "least_outstanding"
+    AFFINITY = "affinity"
+    SPILL_THRESHOLD = "spill_threshold"
+    SPILL_UNAVAILABLE = "spill_unavailable"
+    ALL_SATURATED = "all_saturated"
+    NO_CANDIDATE = "no_candidate"
+
+
+SPILL_REASONS = frozenset({Reason.SPILL_THRESHOLD, Reason.SPILL_UNAVAILABLE, Reason.ALL_SATURATED})
+
+
+class RouteRequest(NamedTuple):
+    """The routing-relevant facts of one request, already canonicalised."""
+
+    model: str
+    fingerprint: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class FleetView:
+    """A snapshot for one request.
+
+    `members` is every configured backend in configuration order (consistent hashing
+    is built over it so that health flaps do not reshuffle prefixes); `candidates` is
+    the subset that is healthy and serves the requested model; `candidate_names`
+    makes membership checks O(1). The router caches one view per model and rebuilds
+    it only when membership or health changes.
+    """
+
+    members: tuple[BackendLike, ...]
+    candidates: tuple[BackendLike, ...]
+    candidate_names: frozenset[str]
+
+
+class Pick(NamedTuple):
+    backend: BackendLike | None
+    reason: Reason
+
+
+class PolicyParams(
+    msgspec.Struct, tag_field="strategy", forbid_unknown_fields=True, frozen=True, kw_only=True
+):
+    """Base of every strategy's parameters; the subclass tag is its YAML name."""
+
+
+P = TypeVar("P", bound=PolicyParams)
+
+
+class Policy(Generic[P]):
+    """Base class: subclasses implement `pick`; hooks are optional."""
+
+    params_type: ClassVar[type[PolicyParams]]
+
+    def __init__(self, params: P) -> None:
+        self.params = params
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in getattr(cls, "__orig_bases__", ()):
+            args = typing.get_args(base)
+            if args and isinstance(args[0], type) and issubclass(args[0], PolicyParams):
+                cls.params_type = args[0]
+
+    @property
+    def fingerprinter(self) -> Fingerprinter | None:
+        """The fingerprint this policy needs, or None to skip fingerprinting."""
+        return None
+
+    def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
+        raise NotImplementedError
+
+    def on_fleet_change(self, members: tuple[BackendLike, ...]) -> None:
+        """Called when backends are added, removed or re-weighted."""

@@ -1,0 +1,27 @@
+"""ROUND_ROBIN: candidates in turn, one shared counter.
+
+Reads FleetView.candidates only. Cost: O(1). With per-model candidate lists the turn is
+shared across models, which keeps each list evenly served on average.
+YAML:  routing: {strategy: ROUND_ROBIN}
+"""
+
+import itertools
+
+from policies.base import FleetView, Pick, Policy, PolicyParams, Reason, RouteRequest
+from policies.registry import register
+
+
+class RoundRobinParams(PolicyParams, tag="ROUND_ROBIN"):
+    pass
+
+
+@register
+class RoundRobinPolicy(Policy[RoundRobinParams]):
+    def __init__(self, params: RoundRobinParams) -> None:
+        super().__init__(params)
+        self._turn = itertools.count()
+
+    def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
+        if not fleet.candidates:
+            return Pick(None, Reason.NO_CANDIDATE)
+        return Pick(fleet.candidates[next(self._turn) % len(fleet.candidates)], Reason.ROUND_ROBIN)

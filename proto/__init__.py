@@ -1,0 +1,1 @@
+"""gRPC ingress protocol definitions and their generated code (see the gRPC issue)."""

@@ -1,0 +1,113 @@
+"""`kvroute` command line: serve, check a config, list strategies, and the bench tools."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+import uvloop
+
+import policies
+from router import log
+from router.config import ConfigError, load
+
+
+def _version() -> str:
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="run the router",
+        description=(
+            "Run the router in front of vLLM backends. Settings come from the YAML file "
+            "(-c); flags override it; with --backend no file is needed."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("-c", "--config", metavar="FILE", help="YAML config file")
+    p.add_argument("--host", help="listen address (config default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="listen port (config default 8000)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        metavar="URL",
+        help="a vLLM server, e.g. http://10.0.0.5:8000; repeat for each; replaces the file's list",
+    )
+    p.add_argument("--strategy", choices=policies.names(), help="routing strategy")
+    p.add_argument("--prefix-length", type=int, help="tokens in the prefix fingerprint")
+    p.add_argument(
+        "--concurrency-threshold",
+        type=int,
+        help="in-flight requests at which a pinned backend spills over (PREFIX_AWARE)",
+    )
+    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--check", action="store_true", help="validate the config and exit")
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    backends = [{"url": url} for url in args.backend] if args.backend else None
+    return {
+        "listen.host": args.host,
+        "listen.port": args.port,
+        "backends": backends,
+        "routing.strategy": args.strategy,
+        "routing.prefix_length": args.prefix_length,
+        "routing.concurrency_threshold": args.concurrency_threshold,
+        "log_level": args.log_level,
+    }
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        config = load(args.config, _overrides(args))
+    except ConfigError as exc:
+        print(f"kvroute: invalid config: {exc}", file=sys.stderr)
+        return 2
+    if args.check:
+        strategy = config.routing.__struct_config__.tag
+        print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
+        return 0
+    from router.app import serve
+
+    log.setup(config.log_level)
+    uvloop.run(serve(config))
+    return 0
+
+
+def _cmd_policies(args: argparse.Namespace) -> int:
+    for name in policies.names():
+        module = sys.modules[policies.policy_class(name).__module__]
+        print(f"{name:28} {(module.__doc__ or '').strip().splitlines()[0]}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvroute",
+        description="KV-cache-aware router for fleets of vLLM servers.",
+    )
+    parser.add_argument("--version", action="version", version=f"kvroute {_version()}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _serve_parser(sub)
+    sub.add_parser("policies", help="list the routing strategies")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    commands = {"serve": _cmd_serve, "policies": _cmd_policies}
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+"""Named loggers, one per subsystem; nothing on the request path logs per request."""
+
+import logging
+
+root = logging.getLogger("kvroute")
+config = logging.getLogger("kvroute.config")
+server = logging.getLogger("kvroute.server")
+backends = logging.getLogger("kvroute.backends")
+proxy = logging.getLogger("kvroute.proxy")
+
+
+def setup(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

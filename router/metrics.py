@@ -1,0 +1,116 @@
+"""Every Prometheus metric of the router, defined once per router instance.
+
+Each router gets its own CollectorRegistry so several can live in one process (tests,
+the benchmark harness). Per-backend gauges are read from backend state at scrape time
+by a collector, so the request path pays nothing for them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+from router.backends import Backend
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
+_TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+
+
+class _BackendCollector:
+    def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
+        self._members = members
+
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily(
+            "kvroute_backend_inflight_requests",
+            "Requests the router has in flight to each backend",
+            labels=["backend"],
+        )
+        up = GaugeMetricFamily(
+            "kvroute_backend_up", "1 if the backend is usable for routing", labels=["backend"]
+        )
+        for b in self._members():
+            inflight.add_metric([b.name], b.inflight)
+            up.add_metric([b.name], 1.0 if b.healthy else 0.0)
+        return [inflight, up]
+
+
+class Metrics:
+    def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        r.register(_BackendCollector(members))
+        self.requests = Counter(
+            "kvroute_requests",
+            "Requests finished, by backend, strategy and HTTP status",
+            ["backend", "strategy", "status"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "kvroute_policy_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
+        self.spillovers = Counter(
+            "kvroute_spillovers",
+            "Requests not sent to their pinned backend, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.decision_seconds = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Time to parse, fingerprint and pick (microsecond buckets)",
+            buckets=_DECISION_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvroute_time_to_first_token_seconds",
+            "Time from request arrival to the first streamed chunk",
+            ["backend"],
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "kvroute_inter_token_latency_seconds",
+            "Time between streamed chunks",
+            ["backend"],
+            buckets=_ITL_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "kvroute_e2e_request_latency_seconds",
+            "Time from request arrival to the end of the response",
+            ["backend"],
+            buckets=_E2E_BUCKETS,
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors",
+            "Failures talking to a backend, by kind",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            "kvroute_client_disconnects",
+            "Requests whose client went away before the response ended",
+            ["backend"],
+            registry=r,
+        )
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,41 @@
+"""Fixtures for functional router tests: real stub backends and a real router on 127.0.0.1."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from router.app import Router
+from router.config import build
+from tests.stub_backend import StubBackend
+
+
+@asynccontextmanager
+async def running(
+    n: int = 3, routing: dict[str, Any] | None = None, **config: Any
+) -> AsyncIterator[tuple[Router, list[StubBackend]]]:
+    """Start `n` stub backends and a router in front of them; stop all on exit."""
+    stubs = [await StubBackend().start() for _ in range(n)]
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": s.url, "name": f"b{i}"} for i, s in enumerate(stubs)],
+        "routing": routing or {"strategy": "RANDOM"},
+        **config,
+    }
+    router = Router(build(data))
+    await router.start()
+    try:
+        yield router, stubs
+    finally:
+        await router.stop()
+        for stub in stubs:
+            await stub.stop()
+
+
+async def settle(router: Router, timeout: float = 5.0) -> None:
+    """Wait (bounded) until the router has nothing in flight."""
+    async with asyncio.timeout(timeout):
+        while router.dispatcher.active or any(b.inflight for b in router.fleet.members):
+            await asyncio.sleep(0.01)

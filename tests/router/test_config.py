@@ -1,0 +1,129 @@
+"""Config loading: defaults, overrides, and errors that name the field."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from router.config import ConfigError, apply_overrides, build, load
+
+ONE = [{"url": "http://127.0.0.1:9001"}]
+
+
+def test_defaults_need_only_backends() -> None:
+    cfg = build({"backends": ONE})
+    assert cfg.routing.__struct_config__.tag == "RANDOM"
+    assert cfg.listen.port == 8000
+    assert cfg.limits.max_body_bytes > 0
+    assert cfg.backends[0].key == "127.0.0.1:9001"
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param({"backends": ONE, "lisen": {}}, "unknown field `lisen`", id="unknown-key"),
+        pytest.param(
+            {"backends": ONE, "listen": {"port": "eighty"}},
+            "Expected `int`, got `str` - at `$.listen.port`",
+            id="wrong-type",
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"strategy": "PREFIX_AWARE", "concurrency_threshold": -1}},
+            "Expected `int` >= 1 - at `$.routing.concurrency_threshold`",
+            id="negative-threshold",
+        ),
+        pytest.param(
+            {"backends": ONE + ONE},
+            "duplicate backend",
+            id="duplicate-backend",
+        ),
+        pytest.param(
+            {"backends": [{"url": "http://a:1", "name": "x"}, {"url": "http://b:1", "name": "x"}]},
+            "duplicate backend 'x'",
+            id="duplicate-name",
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"strategy": "FASTEST"}},
+            "Invalid value 'FASTEST' - at `$.routing.strategy`",
+            id="unknown-strategy",
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"strategy": "RANDOM", "prefix_length": 5}},
+            "unknown field `prefix_length` - at `$.routing`",
+            id="param-of-another-strategy",
+        ),
+        pytest.param({"backends": []}, "at least one backend", id="no-backends"),
+        pytest.param({}, "missing required field `backends`", id="missing-backends"),
+        pytest.param(
+            {"backends": [{"url": "ftp://x:1"}]}, "must look like http://host:port", id="bad-url"
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"strategy": "PREFIX_AWARE", "tokenizer": {"kind": "hf"}}},
+            "needs tokenizer.path",
+            id="hf-without-path",
+        ),
+    ],
+)
+def test_bad_config_names_the_problem(data: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        build(data)
+    assert message in str(info.value)
+
+
+def test_overrides_win_and_strategy_change_drops_foreign_keys() -> None:
+    data = {
+        "backends": ONE,
+        "routing": {"strategy": "PREFIX_AWARE", "prefix_length": 64, "concurrency_threshold": 4},
+    }
+    out = apply_overrides(data, {"routing.strategy": "RANDOM", "listen.port": 9})
+    cfg = build(out)
+    assert cfg.routing.__struct_config__.tag == "RANDOM"
+    assert cfg.listen.port == 9
+    cfg = build(apply_overrides(data, {"routing.prefix_length": 128}))
+    assert (cfg.routing.prefix_length, cfg.routing.concurrency_threshold) == (128, 4)
+
+
+def test_backends_from_flags_need_no_file() -> None:
+    cfg = load(None, {"backends": [{"url": "http://127.0.0.1:1"}, {"url": "http://127.0.0.1:2"}]})
+    assert [b.key for b in cfg.backends] == ["127.0.0.1:1", "127.0.0.1:2"]
+
+
+def test_unreadable_and_invalid_yaml(tmp_path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("backends: [\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load(bad)
+
+
+def _kvroute(*args: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "router", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_check_command(tmp_path) -> None:
+    good = tmp_path / "good.yaml"
+    good.write_text(
+        textwrap.dedent(
+            """
+            backends:
+              - url: http://127.0.0.1:9001
+              - url: http://127.0.0.1:9002
+            routing: {strategy: PREFIX_AWARE, prefix_length: 128}
+            """
+        )
+    )
+    ok = _kvroute("serve", "--check", "-c", str(good))
+    assert ok.returncode == 0, ok.stderr
+    assert "2 backends, strategy PREFIX_AWARE" in ok.stdout
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "backends: [{url: http://127.0.0.1:1}]\nrouting: {strategy: PREFIX_AWARE, x: 1}\n"
+    )
+    res = _kvroute("serve", "--check", "-c", str(bad))
+    assert res.returncode == 2
+    assert "unknown field `x` - at `$.routing`" in res.stderr

@@ -1,0 +1,253 @@
+"""The router as a drop-in vLLM endpoint: real OpenAI SDK and aiohttp clients, real
+stub backends, everything over 127.0.0.1 sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+import aiohttp
+import openai
+import orjson
+import pytest
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.router.conftest import running, settle
+
+MODEL = "stub-model"
+CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
+
+
+def client(router) -> AsyncOpenAI:
+    return AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0, timeout=10)
+
+
+async def test_chat_and_completions_non_stream_and_stream() -> None:
+    async with running(2) as (router, _stubs):
+        oai = client(router)
+        raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+        assert raw.parse().choices[0].message.content == "tok0 tok1 tok2 "
+        assert raw.headers["x-kvroute-backend"] in {"b0", "b1"}
+        assert raw.headers["x-request-id"]
+
+        stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+        deltas = [c.choices[0].delta.content async for c in stream]
+        assert deltas == ["tok0 ", "tok1 ", "tok2 "]
+
+        done = await oai.completions.create(model=MODEL, prompt="once upon")
+        assert done.choices[0].text == "tok0 tok1 tok2 "
+        stream = await oai.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True)
+        assert [c.choices[0].text async for c in stream] == ["tok0 ", "tok1 ", "tok2 "]
+
+        emb = await oai.embeddings.create(model=MODEL, input="vectorize me")
+        assert emb.data[0].embedding == [0.1, 0.2]
+        await settle(router)
+
+
+async def test_body_and_request_id_are_forwarded_unchanged() -> None:
+    async with running(1) as (router, stubs):
+        body = (
+            b'{"model": "stub-model",  "messages": [{"role":"user","content":"x"}], "x_extra": 1}'
+        )
+        headers = {"Content-Type": "application/json", "X-Request-Id": "req-42"}
+        async with aiohttp.ClientSession() as http:
+            url = router.url + "/v1/chat/completions"
+            async with http.post(url, data=body, headers=headers) as resp:
+                assert resp.status == 200
+                assert resp.headers["X-Request-Id"] == "req-42"
+                assert resp.headers["x-kvroute-backend"] == "b0"
+        assert stubs[0].raw[-1] == body  # the original bytes, unknown fields and spacing kept
+        assert stubs[0].headers[-1]["X-Request-Id"] == "req-42"
+
+
+async def test_stream_arrives_chunk_by_chunk() -> None:
+    """Each chunk reaches the client as the backend sends it, not at the end."""
+    pace, n = 0.2, 5
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.pace = n, pace
+        arrivals: list[float] = []
+        payload = {"model": MODEL, "messages": CHAT, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=payload) as resp:
+                async for line in resp.content:
+                    if line.startswith(b"data: {"):
+                        arrivals.append(time.monotonic())
+        assert len(arrivals) == n
+        sent = stubs[0].chunk_sent_at
+        lags = [a - s for a, s in zip(arrivals, sent, strict=True)]
+        # every chunk arrives long before the next one is even sent
+        assert max(lags) < pace / 2, lags
+        gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+        assert min(gaps) > pace / 2, gaps
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
+async def test_client_disconnect_aborts_upstream(stream: bool) -> None:
+    async with running(1) as (router, stubs):
+        b = stubs[0].behaviour
+        if stream:
+            b.chunks, b.pace = 50, 0.2
+        else:
+            b.delay = 30
+        payload = {"model": MODEL, "messages": CHAT, "stream": stream}
+        async with aiohttp.ClientSession() as http:
+            resp = (
+                await http.post(router.url + "/v1/chat/completions", json=payload)
+                if stream
+                else None
+            )
+            if stream:
+                await resp.content.readline()  # the first chunk arrived
+                resp.close()
+            else:
+                task = asyncio.create_task(
+                    http.post(router.url + "/v1/chat/completions", json=payload)
+                )
+                async with asyncio.timeout(5):
+                    while not stubs[0].active:
+                        await asyncio.sleep(0.01)
+                task.cancel()
+        async with asyncio.timeout(5):
+            while not stubs[0].aborted:
+                await asyncio.sleep(0.01)
+        assert stubs[0].completed == 0
+        await settle(router)
+
+
+async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.cut_after_chunks = 5, 2
+        payload = {"model": MODEL, "messages": CHAT, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=payload) as resp:
+                assert resp.status == 200
+                events = [ln for ln in (await resp.read()).split(b"\n") if ln.startswith(b"data: ")]
+        assert len(events) == 4
+        error = orjson.loads(events[2][6:])["error"]
+        assert error["code"] == 502 and "stream" in error["message"]
+        assert events[3] == b"data: [DONE]"
+        await settle(router)
+        # the SDK surfaces it as an error instead of hanging
+        oai = client(router)
+        stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+        with pytest.raises(openai.APIError):
+            async for _ in stream:
+                pass
+        await settle(router)
+
+
+async def test_idle_timeout_mid_stream_ends_stream() -> None:
+    async with running(1, timeouts={"idle": 0.3}) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.hang_after_chunks = 5, 1
+        payload = {"model": MODEL, "messages": CHAT, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=payload) as resp:
+                body = await asyncio.wait_for(resp.read(), 5)
+        assert b'"code":504' in body and body.endswith(b"data: [DONE]\n\n")
+        await settle(router)
+        async with asyncio.timeout(5):
+            while not stubs[0].aborted:
+                await asyncio.sleep(0.01)
+
+
+async def _status(url: str, **kwargs) -> tuple[int, dict, dict]:
+    async with aiohttp.ClientSession() as http, http.post(url, **kwargs) as resp:
+        return resp.status, dict(resp.headers), await resp.json(content_type=None)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "status", "text"),
+    [
+        pytest.param({"data": b"{not json"}, 400, "not valid JSON", id="malformed-json"),
+        pytest.param({"json": {"model": MODEL}}, 400, "`messages`", id="missing-messages"),
+        pytest.param(
+            {"json": {"model": MODEL, "messages": "hi"}}, 400, "$.messages", id="wrong-type"
+        ),
+        pytest.param(
+            {"json": {"model": "gpt-nope", "messages": CHAT}}, 404, "gpt-nope", id="unknown-model"
+        ),
+        pytest.param({"data": b"x" * 5000}, 413, "exceeds the limit", id="too-large"),
+    ],
+)
+async def test_client_errors(kwargs: dict, status: int, text: str) -> None:
+    async with running(1, limits={"max_body_bytes": 4096}) as (router, stubs):
+        code, _, body = await _status(router.url + "/v1/chat/completions", **kwargs)
+        assert code == status
+        assert body["error"]["code"] == status and text in body["error"]["message"]
+        assert stubs[0].received == []  # nothing reached the backend
+        await settle(router)
+
+
+async def test_backend_errors() -> None:
+    url_path = "/v1/chat/completions"
+    payload = {"json": {"model": MODEL, "messages": CHAT}}
+    async with running(1, timeouts={"first_byte": 0.3}) as (router, stubs):
+        stubs[0].behaviour.status = 500  # a backend error is passed through as is
+        code, _, body = await _status(router.url + url_path, **payload)
+        assert (code, body["error"]["message"]) == (500, "stub failure")
+
+        stubs[0].behaviour.status, stubs[0].behaviour.hang_before_headers = 200, True
+        code, _, body = await _status(router.url + url_path, **payload)
+        assert code == 504 and body["error"]["type"] == "GatewayTimeoutError"
+        await settle(router)
+
+        await stubs[0].stop()  # connection refused before the poller notices
+        code, _, body = await _status(router.url + url_path, **payload)
+        assert code == 502 and "connect" in body["error"]["message"]
+
+        router.fleet.set_healthy(router.fleet.members[0], False)
+        code, headers, body = await _status(router.url + url_path, **payload)
+        assert code == 503 and headers["Retry-After"] == "1"
+        await settle(router)
+
+
+async def test_concurrency_limit_answers_429() -> None:
+    async with running(1, limits={"max_concurrent_requests": 2}) as (router, stubs):
+        stubs[0].behaviour.delay = 1.0
+        payload = {"json": {"model": MODEL, "messages": CHAT}}
+        url = router.url + "/v1/chat/completions"
+        results = await asyncio.gather(*(_status(url, **payload) for _ in range(4)))
+        codes = sorted(r[0] for r in results)
+        assert codes == [200, 200, 429, 429]
+        assert all(r[1].get("Retry-After") == "1" for r in results if r[0] == 429)
+        await settle(router)
+
+
+async def test_models_health_ready_metrics() -> None:
+    async with running(2) as (router, stubs):
+        async with aiohttp.ClientSession() as http:
+            async with http.get(router.url + "/v1/models") as resp:
+                assert [c["id"] for c in (await resp.json())["data"]] == [MODEL]
+            async with http.get(router.url + "/health") as resp:
+                assert resp.status == 200
+            async with http.get(router.url + "/ready") as resp:
+                assert resp.status == 200
+            await client(router).chat.completions.create(model=MODEL, messages=CHAT)
+            async with http.get(router.url + "/metrics") as resp:
+                text = await resp.text()
+        names = {f.name for f in text_string_to_metric_families(text)}
+        for name in (
+            "kvroute_requests",
+            "kvroute_policy_decisions",
+            "kvroute_routing_decision_seconds",
+            "kvroute_backend_inflight_requests",
+            "kvroute_e2e_request_latency_seconds",
+        ):
+            assert name in names
+        for stub in stubs:
+            await stub.stop()
+        for backend in router.fleet.members:
+            router.fleet.set_healthy(backend, False)
+        async with aiohttp.ClientSession() as http, http.get(router.url + "/ready") as resp:
+            assert resp.status == 503
+
+
+async def test_unknown_path_is_openai_style_404() -> None:
+    async with running(1) as (router, _), aiohttp.ClientSession() as http:
+        async with http.get(router.url + "/v1/nothing-here") as resp:
+            assert resp.status == 404
+            assert (await resp.json())["error"]["code"] == 404
+        async with http.post(router.url + "/tokenize", json={"prompt": "abcdefgh"}) as resp:
+            assert (await resp.json())["count"] == 2

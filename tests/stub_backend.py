@@ -1,0 +1,188 @@
+"""A minimal, scriptable vLLM-like backend for router tests (real aiohttp server).
+
+It answers the OpenAI endpoints with vLLM's shapes and SSE framing, paces stream chunks
+so tests can measure pass-through latency, and can be told to fail, hang or cut a stream
+so every error path of the router can be exercised. It records what it received and how
+many requests were aborted by a disconnect.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+
+
+@dataclass
+class Behaviour:
+    chunks: int = 3
+    pace: float = 0.0
+    status: int = 200
+    hang_before_headers: bool = False
+    hang_after_chunks: int | None = None
+    cut_after_chunks: int | None = None
+    delay: float = 0.0
+
+
+@dataclass
+class StubBackend:
+    model: str = "stub-model"
+    behaviour: Behaviour = field(default_factory=Behaviour)
+    received: list[dict] = field(default_factory=list)
+    headers: list = field(default_factory=list)
+    raw: list[bytes] = field(default_factory=list)
+    active: int = 0
+    max_active: int = 0
+    aborted: int = 0
+    completed: int = 0
+    chunk_sent_at: list[float] = field(default_factory=list)
+    port: int = 0
+    _runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> StubBackend:
+        app = web.Application()
+        app.add_routes(
+            [
+                web.get("/v1/models", self._models),
+                web.post("/v1/chat/completions", self._generate),
+                web.post("/v1/completions", self._generate),
+                web.post("/v1/embeddings", self._embeddings),
+                web.post("/tokenize", self._tokenize),
+                web.get("/health", self._health),
+            ]
+        )
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+        return self
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    async def _models(self, request: web.Request) -> web.Response:
+        card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
+        return web.json_response({"object": "list", "data": [card]})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        tokens = list(range(len(str(body.get("prompt", ""))) // 4))
+        return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        self.received.append(orjson.loads(await request.read()))
+        data = [{"object": "embedding", "index": 0, "embedding": [0.1, 0.2]}]
+        return web.json_response({"object": "list", "data": data, "model": self.model})
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        body = orjson.loads(raw)
+        self.received.append(body)
+        self.raw.append(raw)
+        self.headers.append(request.headers.copy())
+        if body.get("model") not in (None, "", self.model):
+            return _error(404, f"The model `{body.get('model')}` does not exist.")
+        b = self.behaviour
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+        try:
+            if b.delay:
+                await asyncio.sleep(b.delay)
+            if b.hang_before_headers:
+                await asyncio.sleep(3600)
+            if b.status != 200:
+                return _error(b.status, "stub failure")
+            chat = request.path.endswith("chat/completions")
+            if body.get("stream"):
+                response = await self._stream(request, b, chat)
+            else:
+                response = web.json_response(_completion(self.model, chat, b.chunks))
+            self.completed += 1
+            return response
+        except asyncio.CancelledError:
+            self.aborted += 1
+            raise
+        finally:
+            self.active -= 1
+
+    async def _stream(self, request: web.Request, b: Behaviour, chat: bool) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for i in range(b.chunks):
+            if b.cut_after_chunks == i:
+                request.transport.close()
+                raise asyncio.CancelledError  # the connection is gone
+            if b.hang_after_chunks == i:
+                await asyncio.sleep(3600)
+            if i and b.pace:
+                await asyncio.sleep(b.pace)
+            self.chunk_sent_at.append(time.monotonic())
+            await response.write(b"data: " + orjson.dumps(_chunk(self.model, chat, i)) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _error(status: int, message: str) -> web.Response:
+    body = {"error": {"message": message, "type": "Error", "param": None, "code": status}}
+    return web.json_response(body, status=status)
+
+
+def _chunk(model: str, chat: bool, i: int) -> dict:
+    if chat:
+        choice = {"index": 0, "delta": {"content": f"tok{i} "}, "finish_reason": None}
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": model,
+            "choices": [choice],
+        }
+    choice = {"index": 0, "text": f"tok{i} ", "finish_reason": None}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def _completion(model: str, chat: bool, n: int) -> dict:
+    text = "".join(f"tok{i} " for i in range(n))
+    usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+    if chat:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": "stop",
+        }
+        return {
+            "id": "chatcmpl-1",
+            "object": "chat.completion",
+            "created": 0,
+            "model": model,
+            "choices": [choice],
+            "usage": usage,
+        }
+    choice = {"index": 0, "text": text, "finish_reason": "stop"}
+    return {
+        "id": "cmpl-1",
+        "object": "text_completion",
+        "created": 0,
+        "model": model,
+        "choices": [choice],
+        "usage": usage,
+    }
