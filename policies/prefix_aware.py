@@ -20,7 +20,7 @@ Parameters (defaults):
   concurrency_threshold (32, null = never spill): in-flight requests at which a pinned
       backend is considered full.
   tokenizer: {kind: approx, chars_per_token: 4.0} or {kind: hf, path: /models/tok/}.
-  vnodes (160): ring points per unit of backend weight.
+  vnodes (512): ring points per unit of backend weight.
 YAML:
   routing:
     strategy: PREFIX_AWARE
@@ -38,7 +38,7 @@ import msgspec
 from msgspec import Meta
 
 from hashing.fingerprint import Fingerprinter
-from hashing.ring import HashRing
+from hashing.ring import DEFAULT_VNODES, HashRing
 from hashing.tokens import make_tokenization
 from policies.base import (
     BackendLike,
@@ -69,7 +69,7 @@ class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
     prefix_length: Annotated[int, Meta(ge=1)] = 256
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = 32
     tokenizer: TokenizerParams = TokenizerParams()
-    vnodes: Annotated[int, Meta(ge=1, le=4096)] = 160
+    vnodes: Annotated[int, Meta(ge=1, le=4096)] = DEFAULT_VNODES
     seed: Annotated[int, Meta(ge=0)] | None = None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from importlib.metadata import PackageNotFoundError, version
 
@@ -96,10 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _serve_parser(sub)
     sub.add_parser("policies", help="list the routing strategies")
+    for name, (_, text) in _TOOLS.items():
+        tool = sub.add_parser(name, help=text, add_help=False)
+        tool.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+#: subcommands implemented in bench/, each with its own `main(argv)` and --help
+_TOOLS = {
+    "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in _TOOLS:
+        module = importlib.import_module(_TOOLS[argv[0]][0])
+        return module.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     commands = {"serve": _cmd_serve, "policies": _cmd_policies}

@@ -25,6 +25,7 @@ from policies import SPILL_REASONS, RouteRequest
 from router.backends import Backend, Fleet
 from router.config import Config
 from router.errors import (
+    BadRequest,
     KvrouteError,
     ModelNotFound,
     NoBackendAvailable,
@@ -74,7 +75,10 @@ class Dispatcher:
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         policy = fleet.policy
         fingerprinter = policy.fingerprinter
-        fp = 0 if fingerprinter is None else _fingerprint(fingerprinter, call, model)
+        try:
+            fp = 0 if fingerprinter is None else _fingerprint(fingerprinter, call, model)
+        except ValueError as exc:  # e.g. a prompt mixing texts and token ids
+            raise BadRequest(f"Invalid prompt: {exc}", param="prompt") from None
         pick = policy.pick(RouteRequest(model, fp), fleet.view(model))
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)

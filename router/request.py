@@ -26,7 +26,8 @@ class _Common(msgspec.Struct):
 
 class ChatRequest(_Common):
     messages: list[Message] = msgspec.field(default_factory=list)
-    tools: msgspec.Raw | None = None
+    #: empty when absent (msgspec cannot decode into `Raw | None`, msgspec issue #659)
+    tools: msgspec.Raw = msgspec.Raw()
 
 
 class CompletionRequest(_Common):

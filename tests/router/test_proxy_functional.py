@@ -251,3 +251,17 @@ async def test_unknown_path_is_openai_style_404() -> None:
             assert (await resp.json())["error"]["code"] == 404
         async with http.post(router.url + "/tokenize", json={"prompt": "abcdefgh"}) as resp:
             assert (await resp.json())["count"] == 2
+
+
+async def test_prefix_aware_reads_tools_and_rejects_mixed_prompts() -> None:
+    async with running(2, {"strategy": "PREFIX_AWARE"}) as (router, stubs):
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+        reply = await client(router).chat.completions.create(
+            model=MODEL, messages=CHAT, tools=tools
+        )
+        assert reply.choices[0].message.content
+        code, _, body = await _status(
+            router.url + "/v1/completions", json={"model": MODEL, "prompt": ["text", 7]}
+        )
+        assert code == 400 and body["error"]["param"] == "prompt"
+        assert sum(len(s.received) for s in stubs) == 1
