@@ -7,12 +7,19 @@ The request path through this package, one module per step:
     fingerprint  namespace(model, tenant) + key → xxh3_64 fingerprint
     ring         fingerprint → owner member, then a deterministic spillover order
 
+and for KV-aware routing:
+
+    chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
+                  their block keys, cached by prefix checkpoints
+    blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
+    prefix_index  which backend holds which block keys (KV events + speculative inserts)
+
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
 prometheus_client (stdlib, msgspec and xxhash only; ``tokenizers`` when an HF tokenizer is
 built). Nothing depends on ``hash()``, so every process and replica computes the same values.
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
 
-from hashing import canonical, fingerprint, ring, tokens
+from hashing import blocks, canonical, chat_tokens, fingerprint, prefix_index, ring, tokens
 
-__all__ = ["canonical", "fingerprint", "ring", "tokens"]
+__all__ = ["blocks", "canonical", "chat_tokens", "fingerprint", "prefix_index", "ring", "tokens"]

@@ -31,7 +31,14 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
-__all__ = ["ApproxTokenizer", "HFTokenizer", "Tokenization", "ids_leading", "make_tokenization"]
+__all__ = [
+    "ApproxTokenizer",
+    "HFTokenizer",
+    "Tokenization",
+    "ids_leading",
+    "make_tokenization",
+    "pack_ids",
+]
 
 _HF_FIRST_WINDOW_CHARS_PER_TOKEN = 6
 # Text the canonical builder must hand over for n tokens: well above the ~4 chars per token of
@@ -80,7 +87,7 @@ class HFTokenizer:
 
     def leading(self, text: str, n: int) -> tuple[bytes, int]:
         ids = self._window_ids(text, n)[:n]
-        return _pack(ids), len(ids)
+        return pack_ids(ids), len(ids)
 
     def chars_for(self, n: int) -> int:
         return n * _HF_MAX_CHARS_PER_TOKEN
@@ -97,7 +104,7 @@ class HFTokenizer:
 def ids_leading(ids: Sequence[int], n: int) -> tuple[bytes, int]:
     """The key of the first n token ids of a prompt given as ids, and how many it covers."""
     head = ids[:n]
-    return _pack(head), len(head)
+    return pack_ids(head), len(head)
 
 
 def make_tokenization(kind: str, chars_per_token: float, path: str | None) -> Tokenization:
@@ -111,7 +118,8 @@ def make_tokenization(kind: str, chars_per_token: float, path: str | None) -> To
     raise ValueError(f'unknown tokenization {kind!r}: expected "approx" or "hf"')
 
 
-def _pack(ids: Sequence[int]) -> bytes:
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as little-endian uint32 bytes (the layout every key here is built on)."""
     try:
         return struct.pack(f"<{len(ids)}I", *ids)
     except struct.error as exc:

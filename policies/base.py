@@ -10,6 +10,7 @@ a dozen lines.
 from __future__ import annotations
 
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
@@ -17,6 +18,7 @@ from typing import Any, ClassVar, Generic, NamedTuple, Protocol, TypeVar
 import msgspec
 
 if typing.TYPE_CHECKING:
+    from hashing.chat_tokens import PromptBlocks
     from hashing.fingerprint import Fingerprinter
 
 
@@ -44,16 +46,25 @@ class Reason(StrEnum):
     SPILL_UNAVAILABLE = "spill_unavailable"
     ALL_SATURATED = "all_saturated"
     NO_CANDIDATE = "no_candidate"
+    KV_HIT = "kv_hit"
+    KV_COLD = "kv_cold"
 
 
 SPILL_REASONS = frozenset({Reason.SPILL_THRESHOLD, Reason.SPILL_UNAVAILABLE, Reason.ALL_SATURATED})
 
 
 class RouteRequest(NamedTuple):
-    """The routing-relevant facts of one request, already canonicalised."""
+    """The routing-relevant facts of one request, already canonicalised.
+
+    `fingerprint` is filled for policies with a `fingerprinter`; `blocks` (the chain of
+    block keys of the prompt's full blocks) and `prompt_tokens` for those with a
+    `block_keys` describer.
+    """
 
     model: str
     fingerprint: int = 0
+    blocks: Sequence[int] = ()
+    prompt_tokens: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,6 +86,8 @@ class FleetView:
 class Pick(NamedTuple):
     backend: BackendLike | None
     reason: Reason
+    #: prompt tokens the policy expects the backend to find cached (KV-aware policies)
+    predicted_cached: int = 0
 
 
 class PolicyParams(
@@ -104,6 +117,11 @@ class Policy(Generic[P]):
     @property
     def fingerprinter(self) -> Fingerprinter | None:
         """The fingerprint this policy needs, or None to skip fingerprinting."""
+        return None
+
+    @property
+    def block_keys(self) -> PromptBlocks | None:
+        """The block-key describer this policy needs (`RouteRequest.blocks`), or None."""
         return None
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:

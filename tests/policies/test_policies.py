@@ -37,6 +37,7 @@ def make(params, members: list[B]):
 
 def test_registry_lists_every_strategy() -> None:
     assert policies.names() == [
+        "KV_AWARE",
         "LEAST_OUTSTANDING_REQUESTS",
         "PREFIX_AWARE",
         "RANDOM",
@@ -56,7 +57,7 @@ def test_registry_lists_every_strategy() -> None:
 def test_no_candidate(params) -> None:
     members = [B("a"), B("b")]
     pick = make(params, members).pick(RouteRequest("m", 1), fleet(members, down=("a", "b")))
-    assert pick == (None, Reason.NO_CANDIDATE)
+    assert (pick.backend, pick.reason) == (None, Reason.NO_CANDIDATE)
 
 
 def test_random_is_roughly_uniform() -> None:
@@ -125,7 +126,7 @@ def test_prefix_aware_all_saturated_takes_least_loaded() -> None:
     members = [B("a", 5), B("b", 3), B("c", 7)]
     policy = make(PrefixAwareParams(concurrency_threshold=2, seed=1), members)
     pick = policy.pick(RouteRequest("m", 42), fleet(members))
-    assert pick == (members[1], Reason.ALL_SATURATED)
+    assert (pick.backend, pick.reason) == (members[1], Reason.ALL_SATURATED)
 
 
 def test_prefix_aware_same_fingerprint_same_backend_and_spread() -> None:

@@ -1,0 +1,44 @@
+"""Router-side block keys: a chain of xxh3_64 over the full blocks of a token-id sequence.
+
+    root  = xxh3_64(len-prefixed model-or-LoRA name + len-prefixed cache_salt)
+    key_0 = xxh3_64(ids of block 0 as little-endian uint32, seed=root)
+    key_i = xxh3_64(ids of block i, seed=key_{i-1})
+
+A key therefore stands for the whole prefix up to the end of its block, under the same
+isolation vLLM applies (model or adapter, salt). vLLM's own block hashes are never
+recomputed (llm-d's dual-key design, see vllm-telemetry.md §3.3): the index re-hashes the
+token ids that BlockStored events carry into these keys, so vLLM's hash algorithm, its
+NONE_HASH and PYTHONHASHSEED cannot make the router silently miss.
+
+Cost: one xxh3 call per block over a memoryview slice of one packed buffer: O(tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import xxhash
+
+from hashing.tokens import pack_ids
+
+__all__ = ["chain", "root_key"]
+
+_UINT32 = 4
+
+
+def root_key(model: str, salt: str | None) -> int:
+    """The seed of a chain: what vLLM isolates caches by (model/LoRA name, cache_salt)."""
+    m = model.encode()
+    s = b"" if salt is None else b"\x01" + salt.encode()
+    return xxhash.xxh3_64_intdigest(len(m).to_bytes(4, "little") + m + s)
+
+
+def chain(parent: int, ids: Sequence[int], block_size: int) -> list[int]:
+    """Keys of every full block of `ids`, chained from `parent` (a root or a block key)."""
+    buf = memoryview(pack_ids(ids))
+    step = block_size * _UINT32
+    keys: list[int] = []
+    for start in range(0, len(buf) - step + 1, step):
+        parent = xxhash.xxh3_64_intdigest(buf[start : start + step], seed=parent)
+        keys.append(parent)
+    return keys

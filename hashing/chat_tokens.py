@@ -1,0 +1,166 @@
+"""Exact prompt token ids for KV-aware matching, and their block keys, cached by prefix.
+
+KV events speak in token ids, so KV_AWARE needs the ids the backend itself computes.
+`ChatML4` reproduces `kvroute sim`'s tokenizer exactly (it is the simulator's own
+definition, shared from here): chat messages rendered through a fixed ChatML template,
+then one token per 4 characters, id = xxh32(chars) % 32000, no special tokens.
+
+`BlockKeyCache` turns a rendered prompt into the chain of block keys
+(`hashing.blocks.chain`) for its full blocks. Tokenizing a long prompt in Python costs
+~0.3 µs per token, so keys are cached at checkpoints every `checkpoint_blocks` blocks,
+keyed by xxh3 of the text up to there: a request that shares a cached prefix only
+tokenizes and hashes the text past the last checkpoint it shares. Checkpoints fall on
+block boundaries of a tokenizer whose tokens have a fixed width in characters, which is
+what makes text prefixes and token prefixes line up. Cost: O(checkpoint) tokens plus one
+xxh3 over the prefix per probe; memory bounded by `max_entries` (LRU).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+import xxhash
+
+from hashing.blocks import chain, root_key
+from hashing.canonical import Message, MessagePart
+
+__all__ = [
+    "CHARS_PER_TOKEN",
+    "VOCAB_SIZE",
+    "BlockKeyCache",
+    "ChatML4",
+    "PromptBlocks",
+    "render_chat",
+    "tokenize",
+]
+
+VOCAB_SIZE = 32000
+CHARS_PER_TOKEN = 4
+
+
+def tokenize(text: str) -> list[int]:
+    """One id per 4-character run of `text` (the last run may be shorter)."""
+    return [
+        xxhash.xxh32_intdigest(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
+        for i in range(0, len(text), CHARS_PER_TOKEN)
+    ]
+
+
+def render_chat(
+    messages: Iterable[tuple[str, str]],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+) -> str:
+    """Render (role, content text) pairs through the fixed ChatML template."""
+    rendered = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
+    if continue_final_message and rendered:
+        rendered[-1] = rendered[-1].removesuffix("<|im_end|>\n")
+    elif add_generation_prompt:
+        rendered.append("<|im_start|>assistant\n")
+    return "".join(rendered)
+
+
+def text_of(content: str | Sequence[MessagePart] | None) -> str:
+    """Content as the template sees it: text parts concatenated, other parts dropped."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(part.text or "" for part in content if part.type == "text")
+
+
+class ChatML4:
+    """The simulator's tokenizer as a prompt renderer for router-side matching."""
+
+    chars_per_token = CHARS_PER_TOKEN
+
+    def chat_text(self, messages: Sequence[Message]) -> str:
+        return render_chat((m.role, text_of(m.content)) for m in messages)
+
+    def tokenize(self, text: str) -> list[int]:
+        return tokenize(text)
+
+
+class BlockKeyCache:
+    def __init__(
+        self,
+        tokenizer: ChatML4,
+        block_size: int,
+        checkpoint_blocks: int = 16,
+        max_entries: int = 4096,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._block_size = block_size
+        self._step = checkpoint_blocks * block_size * tokenizer.chars_per_token
+        self._checkpoint_blocks = checkpoint_blocks
+        self._max = max_entries
+        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+
+    def keys(self, root: int, text: str, max_blocks: int) -> tuple[list[int], int]:
+        """(keys of the first full blocks of `text`, up to max_blocks; its token count)."""
+        cpt = self._tokenizer.chars_per_token
+        tokens = -(-len(text) // cpt)
+        end = min(len(text), max_blocks * self._block_size * cpt)
+        start, keys = self._longest_cached(root, text, end)
+        parent = keys[-1] if keys else root
+        tail = self._tokenizer.tokenize(text[start:end])
+        keys = keys + chain(parent, tail, self._block_size)
+        self._remember(root, text, start, end, keys)
+        return keys, tokens
+
+    def _longest_cached(self, root: int, text: str, end: int) -> tuple[int, list[int]]:
+        for stop in range(end - end % self._step, 0, -self._step):
+            prefix = _prefix_id(root, text, stop)
+            found = self._cache.get(prefix)
+            if found is not None:
+                self._cache.move_to_end(prefix)
+                return stop, found
+        return 0, []
+
+    def _remember(self, root: int, text: str, start: int, end: int, keys: list[int]) -> None:
+        first = start + self._step
+        for stop in range(first - first % self._step, end + 1, self._step):
+            blocks = stop // (self._block_size * self._tokenizer.chars_per_token)
+            self._cache[_prefix_id(root, text, stop)] = keys[:blocks]
+        while len(self._cache) > self._max:
+            self._cache.popitem(last=False)
+
+
+def _prefix_id(root: int, text: str, stop: int) -> int:
+    return xxhash.xxh3_64_intdigest(text[:stop].encode(), seed=root)
+
+
+class PromptBlocks:
+    """A request's block keys and token count, as the KV-aware policy reads them.
+
+    The root mixes the model (or LoRA name) and `cache_salt`, the isolation vLLM applies.
+    Only the first `max_blocks` blocks are keyed: matching never needs more than the
+    longest prefix worth routing on.
+    """
+
+    def __init__(self, block_size: int, max_blocks: int, tokenizer: ChatML4 | None = None):
+        self._tokenizer = tokenizer or ChatML4()
+        self._cache = BlockKeyCache(self._tokenizer, block_size)
+        self._block_size = block_size
+        self._max_blocks = max_blocks
+
+    def chat(
+        self, model: str, salt: str | None, messages: Sequence[Message], tools: object = None
+    ) -> tuple[list[int], int]:
+        text = self._tokenizer.chat_text(messages)
+        return self._cache.keys(root_key(model, salt), text, self._max_blocks)
+
+    def prompt(
+        self, model: str, salt: str | None, prompt: str | Sequence[str | int | Sequence[int]]
+    ) -> tuple[list[int], int]:
+        root = root_key(model, salt)
+        if isinstance(prompt, str):
+            return self._cache.keys(root, prompt, self._max_blocks)
+        first = prompt[0] if prompt else ""
+        if isinstance(first, str):
+            return self._cache.keys(root, first, self._max_blocks)
+        ids = prompt if isinstance(first, int) else first
+        head = ids[: self._max_blocks * self._block_size]
+        return chain(root, head, self._block_size), len(ids)

@@ -1,0 +1,155 @@
+"""KV_AWARE: the backend with the lowest estimated time to first token, from its real cache.
+
+For each candidate b, in seconds:
+
+    ttft(b) = (queued_tokens(b) + uncached(b)) / prefill_tokens_per_s
+              + decode_s_per_request * inflight(b)
+              + waiting_s_per_request * waiting(b)
+
+- uncached(b) = prompt tokens minus the longest prefix b holds, in blocks, from the prefix
+  index (fed by b's KV events, or learned from our own routing when b publishes none);
+- queued_tokens(b) = uncached prompt tokens the router has sent to b and not seen
+  finish (router-local, exact, the fast signal);
+- waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
+  replica; 0 when stale);
+- inflight(b) = router-local in-flight requests (their decode steps slow b down).
+
+The minimum wins. Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among
+them the one holding the longest prefix wins (a hit saves the fleet a prefill even when
+the TTFT is the same), then one is drawn at random, so equals share the work. A hot
+prefix spreads by itself: once its holders' queues cost clearly more than a cold
+backend's full prefill, the next request goes to another backend, which then holds the
+prefix too (the speculative insert keeps a burst together there until its KV events
+confirm it), so the holder set grows only as demand needs. `concurrency_threshold` is a
+hard cap: backends at it are skipped unless all are (then the least loaded, ties at random).
+
+Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
+Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/.
+
+Parameters (defaults): block_size (16, the backends' KV block size), max_prefix_tokens
+(32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
+(0.05), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold (null),
+speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s (600, when
+it does not), index_capacity (1_000_000 keys per backend), seed.
+YAML:
+  routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000}
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import deque
+from typing import Annotated, Any
+
+from msgspec import Meta
+
+from hashing.chat_tokens import PromptBlocks
+from hashing.prefix_index import PrefixIndex
+from policies.base import BackendLike, FleetView, Pick, Policy, PolicyParams, Reason, RouteRequest
+from policies.least_outstanding_requests import least_loaded
+from policies.registry import register
+
+Positive = Annotated[float, Meta(gt=0)]
+NonNegative = Annotated[float, Meta(ge=0)]
+
+
+class KvAwareParams(PolicyParams, tag="KV_AWARE"):
+    block_size: Annotated[int, Meta(ge=1, le=4096)] = 16
+    max_prefix_tokens: Annotated[int, Meta(ge=1)] = 32768
+    prefill_tokens_per_s: Positive = 10000.0
+    decode_s_per_request: NonNegative = 0.002
+    waiting_s_per_request: NonNegative = 0.05
+    tie_fraction: NonNegative = 0.1
+    tie_seconds: NonNegative = 0.005
+    concurrency_threshold: Annotated[int, Meta(ge=1)] | None = None
+    speculative_ttl_s: Positive = 2.0
+    approximate_ttl_s: Positive = 600.0
+    index_capacity: Annotated[int, Meta(ge=1)] = 1_000_000
+    seed: Annotated[int, Meta(ge=0)] | None = None
+
+
+def _attr(backend: BackendLike, name: str) -> float:
+    return getattr(backend, name, 0) or 0
+
+
+@register
+class KvAwarePolicy(Policy[KvAwareParams]):
+    def __init__(self, params: KvAwareParams) -> None:
+        super().__init__(params)
+        self.index = PrefixIndex(params.index_capacity)
+        max_blocks = params.max_prefix_tokens // params.block_size
+        self._blocks = PromptBlocks(params.block_size, max_blocks)
+        self._rng = random.Random(params.seed)
+        #: the last decisions with their scores, for /debug/routing
+        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        #: backends that publish KV events; the others are indexed from our own decisions
+        self.event_backends: set[str] = set()
+
+    @property
+    def block_keys(self) -> PromptBlocks:
+        return self._blocks
+
+    def on_fleet_change(self, members: tuple[BackendLike, ...]) -> None:
+        names = {m.name for m in members}
+        for gone in self.event_backends - names:
+            self.index.forget(gone)
+
+    def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
+        pool = self._under_cap(fleet.candidates)
+        if not pool:
+            if not fleet.candidates:
+                return Pick(None, Reason.NO_CANDIDATE)
+            return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
+        scored = [self._score(req, b) for b in pool]
+        best = min(cost for cost, _, _ in scored)
+        margin = max(self.params.tie_seconds, best * self.params.tie_fraction)
+        ties = [s for s in scored if s[0] <= best + margin]
+        most = max(cached for _, cached, _ in ties)
+        ties = [s for s in ties if s[1] == most]
+        _, cached, backend = ties[self._rng.randrange(len(ties))]
+        self._learn(req, backend, cached)
+        self._record(req, backend, scored)
+        reason = Reason.KV_HIT if cached else Reason.KV_COLD
+        return Pick(backend, reason, cached)
+
+    def _under_cap(self, candidates: tuple[BackendLike, ...]) -> list[BackendLike]:
+        cap = self.params.concurrency_threshold
+        if cap is None:
+            return list(candidates)
+        return [b for b in candidates if b.inflight < cap]
+
+    def _score(self, req: RouteRequest, backend: BackendLike) -> tuple[float, int, BackendLike]:
+        p = self.params
+        blocks = self.index.longest_prefix(req.blocks, backend.name)
+        cached = min(req.prompt_tokens, blocks * p.block_size)
+        queued = _attr(backend, "queued_tokens") + req.prompt_tokens - cached
+        cost = (
+            queued / p.prefill_tokens_per_s
+            + p.decode_s_per_request * backend.inflight
+            + p.waiting_s_per_request * _attr(backend, "waiting")
+        )
+        return cost, cached, backend
+
+    def _learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
+        """Speculative insert: the blocks we send are about to be cached there.
+
+        Only the blocks past the cached prefix are inserted, so a hit costs O(new blocks).
+        """
+        p = self.params
+        new = req.blocks[cached // p.block_size :]
+        if not new:
+            return
+        ttl = p.speculative_ttl_s if backend.name in self.event_backends else p.approximate_ttl_s
+        self.index.learn(backend.name, new, time.monotonic() + ttl)
+
+    def _record(self, req: RouteRequest, chosen: BackendLike, scored: list) -> None:
+        self.recent.append(
+            {
+                "at": time.time(),
+                "model": req.model,
+                "prompt_tokens": req.prompt_tokens,
+                "chosen": chosen.name,
+                "scores": {b.name: {"ttft_s": round(c, 6), "cached": k} for c, k, b in scored},
+            }
+        )

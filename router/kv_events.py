@@ -1,0 +1,226 @@
+"""vLLM KV cache events → the prefix index, one ZMQ subscription per backend.
+
+Wire format (vllm-telemetry.md §2): PUB frames `[topic, seq (8-byte big-endian), payload]`,
+payload msgpack `[ts, events, dp_rank]`; each event is a positional array `[tag, ...]`
+(vLLM ≤0.23) or a map `{"type": tag, ...}` (≥0.24), so both are accepted, unknown fields
+and tags ignored, absent or nil fields tolerated. Block hashes may be uint64 ints or raw
+digests (bin): bins fold to their last 8 bytes big-endian, as llm-d does.
+
+Sequence tracking: the next batch must carry `last + 1`. A gap is filled from the
+replay socket (a DEALER sends `[b"", start_seq]`; replies `[b"", topic, seq, payload]`
+(≥0.26) or `[b"", seq, payload]` (≤0.24), then an end marker with seq 0xFF*8); if replay
+is unavailable or incomplete the backend's entries are cleared, since the index can no
+longer be trusted. A sequence going back means the backend restarted: cleared too.
+Only GPU-tier stores are indexed (CPU/disk offload tiers need a weighted score; not yet).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from hashing.blocks import root_key
+from hashing.prefix_index import PrefixIndex
+from router import log
+
+END_OF_REPLAY = 2**64 - 1
+_BLOCK_STORED_FIELDS = (
+    "block_hashes",
+    "parent_block_hash",
+    "token_ids",
+    "block_size",
+    "lora_id",
+    "medium",
+    "lora_name",
+    "extra_keys",
+)
+_REMOVED_FIELDS = ("block_hashes", "medium")
+_REPLAY_TIMEOUT_S = 2.0
+
+
+@dataclass
+class EventStats:
+    batches: int = 0
+    gaps_replayed: int = 0
+    resets: int = 0
+    skipped: int = 0
+
+
+def as_uint64(value: int | bytes) -> int:
+    if isinstance(value, int):
+        return value & 0xFFFFFFFFFFFFFFFF
+    return int.from_bytes(bytes(value)[-8:], "big")
+
+
+def _fields(event: Any, names: Sequence[str]) -> dict[str, Any] | None:
+    """An event as a dict of the named fields, from either encoding; None if malformed."""
+    if isinstance(event, dict):
+        return event
+    if isinstance(event, list) and event:
+        return dict(zip(names, event[1:], strict=False))
+    return None
+
+
+def _tag(event: Any) -> str | None:
+    if isinstance(event, dict):
+        return event.get("type")
+    if isinstance(event, list) and event and isinstance(event[0], str):
+        return event[0]
+    return None
+
+
+def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
+    """cache_salt of block 0: the bare string among its extra keys that is not the LoRA."""
+    if not extra_keys or not isinstance(extra_keys, list) or not extra_keys[0]:
+        return None
+    found = [k for k in extra_keys[0] if isinstance(k, str) and k != lora_name]
+    return found[-1] if found else None
+
+
+class EventApplier:
+    """Applies decoded batches of one backend to the index (pure, no sockets)."""
+
+    def __init__(
+        self, backend: str, index: PrefixIndex, block_size: int, base_model: Callable[[], str]
+    ) -> None:
+        self._backend = backend
+        self._index = index
+        self._block_size = block_size
+        self._base_model = base_model
+        self.stats = EventStats()
+
+    def apply_payload(self, payload: bytes) -> None:
+        try:
+            batch = msgspec.msgpack.decode(payload)
+            events = batch[1]
+        except (msgspec.DecodeError, TypeError, IndexError, KeyError):
+            self.stats.skipped += 1
+            return
+        self.stats.batches += 1
+        for event in events if isinstance(events, list) else ():
+            self._apply(event)
+
+    def _apply(self, event: Any) -> None:
+        tag = _tag(event)
+        if tag == "BlockStored":
+            self._stored(_fields(event, _BLOCK_STORED_FIELDS) or {})
+        elif tag == "BlockRemoved":
+            fields = _fields(event, _REMOVED_FIELDS) or {}
+            if _gpu(fields.get("medium")):
+                hashes = [as_uint64(h) for h in fields.get("block_hashes") or ()]
+                self._index.removed(self._backend, hashes)
+        elif tag == "AllBlocksCleared":
+            self._index.cleared(self._backend)
+
+    def _stored(self, f: dict[str, Any]) -> None:
+        tokens, hashes = f.get("token_ids") or [], f.get("block_hashes") or []
+        if not _gpu(f.get("medium")) or f.get("block_size") != self._block_size or not tokens:
+            self.stats.skipped += 1  # another tier, block size or a token-less placeholder
+            return
+        lora = f.get("lora_name")
+        parent = f.get("parent_block_hash")
+        root = root_key(lora or self._base_model(), _salt(f.get("extra_keys"), lora))
+        self._index.stored(
+            self._backend,
+            None if parent is None else as_uint64(parent),
+            [as_uint64(h) for h in hashes],
+            tokens,
+            self._block_size,
+            root,
+        )
+
+
+def _gpu(medium: Any) -> bool:
+    return medium is None or str(medium).lower() == "gpu"
+
+
+class EventSubscriber:
+    """One backend's SUB socket, sequence tracking and replay."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        applier: EventApplier,
+        endpoint: str,
+        replay_endpoint: str | None,
+        topic: str,
+        on_reset: Callable[[str], None],
+    ) -> None:
+        self._ctx = ctx
+        self._applier = applier
+        self._endpoint = endpoint
+        self._replay = replay_endpoint
+        self._topic = topic.encode()
+        self._on_reset = on_reset
+        self.last_seq: int | None = None
+
+    async def run(self) -> None:
+        sub = self._ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self._topic)
+        sub.connect(self._endpoint)
+        try:
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) == 3 and len(frames[1]) == 8:
+                    await self._on_batch(int.from_bytes(frames[1], "big"), frames[2])
+        finally:
+            sub.close()
+
+    async def _on_batch(self, seq: int, payload: bytes) -> None:
+        last = self.last_seq
+        if last is not None and seq <= last:
+            self._reset("sequence went back (backend restarted)")
+        elif last is not None and seq > last + 1 and not await self._fill(last + 1, seq):
+            self._reset(f"unrecoverable gap {last + 1}..{seq - 1}")
+        self._applier.apply_payload(payload)
+        self.last_seq = seq
+
+    def _reset(self, why: str) -> None:
+        self._applier.stats.resets += 1
+        self._on_reset(why)
+
+    async def _fill(self, start: int, until: int) -> bool:
+        """Replay batches start..until-1; True when all of them arrived."""
+        if not self._replay:
+            return False
+        dealer = self._ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.LINGER, 0)
+        dealer.connect(self._replay)
+        expected = start
+        try:
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            async with asyncio.timeout(_REPLAY_TIMEOUT_S):
+                while expected < until:
+                    frames = await dealer.recv_multipart()
+                    seq, payload = int.from_bytes(frames[-2], "big"), frames[-1]
+                    if seq == END_OF_REPLAY:
+                        break
+                    if seq == expected:
+                        self._applier.apply_payload(payload)
+                        expected += 1
+        except (TimeoutError, zmq.ZMQError, IndexError) as exc:
+            log.backends.warning("KV event replay from %s failed: %s", self._replay, exc)
+        finally:
+            dealer.close()
+        if expected >= until:
+            self._applier.stats.gaps_replayed += 1
+        return expected >= until
+
+
+async def run_forever(subscriber: EventSubscriber, name: str) -> None:
+    """Keep a subscription alive: log and retry after unexpected errors."""
+    while True:
+        try:
+            await subscriber.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.backends.exception("KV event subscriber of %s failed; restarting", name)
+        await asyncio.sleep(1.0)

@@ -1,0 +1,106 @@
+"""PrefixIndex, block keys and the ChatML4 key cache: table-driven cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from hashing.blocks import chain, root_key
+from hashing.chat_tokens import BlockKeyCache, ChatML4, PromptBlocks, tokenize
+from hashing.prefix_index import PrefixIndex
+
+ROOT = root_key("m", None)
+IDS = list(range(64))  # four blocks of 16
+
+
+def test_root_isolates_model_and_salt() -> None:
+    roots = {root_key("m", None), root_key("m", "a"), root_key("n", None), root_key("m", "")}
+    assert len(roots) == 4
+
+
+@pytest.mark.parametrize(
+    ("ids", "blocks"),
+    [
+        pytest.param(list(range(15)), 0, id="partial-block-ignored"),
+        pytest.param(list(range(16)), 1, id="one-block"),
+        pytest.param(list(range(40)), 2, id="trailing-partial"),
+    ],
+)
+def test_chain_keys_full_blocks_only(ids: list[int], blocks: int) -> None:
+    assert len(chain(ROOT, ids, 16)) == blocks
+
+
+def test_chain_is_prefix_stable() -> None:
+    assert chain(ROOT, IDS, 16)[:2] == chain(ROOT, IDS[:32] + [999] * 32, 16)[:2]
+    assert chain(ROOT, IDS, 16)[2] != chain(ROOT, IDS[:32] + [999] * 32, 16)[2]
+    # continuing from a block key gives the same keys as one chain
+    head = chain(ROOT, IDS[:32], 16)
+    assert head + chain(head[-1], IDS[32:], 16) == chain(ROOT, IDS, 16)
+
+
+def stored(index: PrefixIndex, backend: str = "a", ids=IDS, parent=None, hashes=None) -> bool:
+    hashes = hashes if hashes is not None else [1000 + i for i in range(len(ids) // 16)]
+    return index.stored(backend, parent, hashes, ids, 16, ROOT)
+
+
+def test_store_lookup_remove_clear() -> None:
+    index = PrefixIndex()
+    keys = chain(ROOT, IDS, 16)
+    assert stored(index)
+    assert index.longest_prefix(keys, "a") == 4
+    assert index.longest_prefix(keys, "b") == 0
+    index.removed("a", [1003])  # the tail block evicted
+    assert index.longest_prefix(keys, "a") == 3
+    index.cleared("a")
+    assert index.longest_prefix(keys, "a") == 0
+
+
+def test_store_continues_from_a_known_parent_and_skips_orphans() -> None:
+    index = PrefixIndex()
+    keys = chain(ROOT, IDS, 16)
+    assert stored(index, ids=IDS[:32], hashes=[1, 2])
+    assert stored(index, ids=IDS[32:], parent=2, hashes=[3, 4])
+    assert index.longest_prefix(keys, "a") == 4
+    assert not stored(index, ids=IDS[32:], parent=77, hashes=[5, 6])
+    assert index.orphans == 1
+
+
+def test_capacity_evicts_least_recent() -> None:
+    index = PrefixIndex(capacity=3)
+    stored(index)
+    assert index.size("a") == (3, 0)
+
+
+def test_speculative_keys_expire() -> None:
+    index = PrefixIndex()
+    keys = chain(ROOT, IDS, 16)
+    index.learn("a", keys[:2], expires_at=10.0)
+    assert index.longest_prefix(keys, "a") == 2
+    index.expire(now=5.0)
+    assert index.longest_prefix(keys, "a") == 2
+    index.expire(now=11.0)
+    assert index.longest_prefix(keys, "a") == 0
+
+
+def test_key_cache_matches_uncached_chain() -> None:
+    tok = ChatML4()
+    cache = BlockKeyCache(tok, 16, checkpoint_blocks=2)
+    doc = "x" * 1000
+    for question in ("first", "second, longer question", "first"):
+        text = doc + question
+        keys, tokens = cache.keys(ROOT, text, 10_000)
+        assert keys == chain(ROOT, tokenize(text), 16)
+        assert tokens == len(tokenize(text))
+
+
+@pytest.mark.parametrize(
+    "prompt",
+    [
+        pytest.param("p" * 200, id="text"),
+        pytest.param(list(range(50)), id="ids"),
+        pytest.param([list(range(50)), [1, 2]], id="id-batch"),
+        pytest.param(["p" * 200, "q"], id="text-batch"),
+    ],
+)
+def test_prompt_blocks_forms(prompt) -> None:
+    keys, tokens = PromptBlocks(16, 100).prompt("m", None, prompt)
+    assert tokens == 50 and len(keys) == 3
