@@ -40,9 +40,17 @@ CHARS_PER_TOKEN = 4
 
 
 def tokenize(text: str) -> list[int]:
-    """One id per 4-character run of `text` (the last run may be shorter)."""
+    """One id per 4-character run of `text` (the last run may be shorter).
+
+    ASCII text is encoded once and sliced (a character is a byte there): same ids, ~2x
+    faster than encoding each run.
+    """
+    h = xxhash.xxh32_intdigest
+    if text.isascii():
+        raw = text.encode()
+        return [h(raw[i : i + CHARS_PER_TOKEN]) % VOCAB_SIZE for i in range(0, len(raw), 4)]
     return [
-        xxhash.xxh32_intdigest(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
+        h(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
         for i in range(0, len(text), CHARS_PER_TOKEN)
     ]
 

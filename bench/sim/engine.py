@@ -81,6 +81,7 @@ class SimEngine:
         self.scheduler.abort(req)
         self.stats.requests_aborted += 1
         self.metrics.success["abort"].inc()
+        self._set_gauges()  # the loop may now idle: do not leave the last step's values
 
     def restart(self) -> None:
         """Simulate a process restart: in-flight requests die, cache/metrics/seq reset."""
@@ -151,9 +152,12 @@ class SimEngine:
             m.e2e.observe(now - req.arrival)
             m.success[req.finish_reason or "stop"].inc()
             st.requests_finished += 1
-        m.running.set(len(self.scheduler.running))
-        m.waiting.set(len(self.scheduler.waiting))
-        m.kv_usage.set(self.kv.usage)
+        self._set_gauges()
+
+    def _set_gauges(self) -> None:
+        self.metrics.running.set(len(self.scheduler.running))
+        self.metrics.waiting.set(len(self.scheduler.waiting))
+        self.metrics.kv_usage.set(self.kv.usage)
 
     def _record_token(self, req: SimRequest, now: float) -> None:
         if req.first_token_at is None:

@@ -194,7 +194,11 @@ async def start_fleet(
     try:
         for i in range(n):
             sock = _listen(host, base_port + i if base_port else 0)
-            publisher = _publisher(ctx, params, host, sock.getsockname()[1], i, n)
+            try:
+                publisher = _publisher(ctx, params, host, sock.getsockname()[1], i, n)
+            except BaseException:
+                sock.close()
+                raise
             backend = SimBackend(i, params, sock, publisher)
             fleet.backends.append(backend)
             await backend.start()

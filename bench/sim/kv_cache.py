@@ -38,10 +38,6 @@ class KVCache:
         self._events: list[KVEvent] = []
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def num_cached(self) -> int:
         return len(self._cached)
 

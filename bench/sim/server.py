@@ -105,8 +105,8 @@ async def _echo_request_id(request: web.Request, response: web.StreamResponse) -
         response.headers["X-Request-Id"] = rid
 
 
-def _json(obj: Any, status: int = 200) -> web.Response:
-    return _json_bytes(orjson.dumps(obj), status)
+def _json(obj: Any) -> web.Response:
+    return _json_bytes(orjson.dumps(obj))
 
 
 def _json_bytes(body: bytes, status: int = 200) -> web.Response:
@@ -272,22 +272,19 @@ class _Handlers:
     async def _stream(
         self, request: web.Request, body: GenerateBody, responder: Responder, cut_after: int | None
     ) -> web.StreamResponse:
-        resp = web.StreamResponse(
-            headers={**_SSE_HEADERS, "X-Request-Id": responder.req.request_id}
-        )
+        req, opts = responder.req, body.stream_options
+        continuous = opts is not None and opts.continuous_usage_stats
+        resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": req.request_id})
         await resp.prepare(request)
         out = _SSEWriter(resp, cut_after)
-        opts = body.stream_options
         try:
             if (first := responder.fmt.first_choice()) is not None:
                 await out.send(responder.chunk([first]))
             sent = 0
-            async for n in updates(responder.req):
-                await out.send(
-                    responder.token_chunk(sent, n, bool(opts and opts.continuous_usage_stats))
-                )
+            async for n in updates(req):
+                await out.send(responder.token_chunk(sent, n, continuous))
                 sent = n
-            if responder.req.dropped:
+            if req.dropped:
                 raise _Cut
             if opts is not None and opts.include_usage:
                 await out.send(responder.chunk([], with_usage=True))

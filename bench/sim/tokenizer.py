@@ -6,31 +6,25 @@ last run may be shorter). Each run is one token whose id is
 special tokens are ever added, so `add_special_tokens` has no effect.
 
 Chat template (ChatML-like; the same for every model):
-    for each message:  "<|im_start|>" + role + "\n" + content + "<|im_end|>\n"
-    then, if add_generation_prompt (the default):  "<|im_start|>assistant\n"
+    for each message:  "<|im_start|>" + role + "\\n" + content + "<|im_end|>\\n"
+    then, if add_generation_prompt (the default):  "<|im_start|>assistant\\n"
 `content` is a string, None (empty), or a list of parts whose `type == "text"` parts are
 concatenated with no separator; other part types (images, audio) contribute nothing.
-With continue_final_message the last message is left open (no "<|im_end|>\n") and no
+With continue_final_message the last message is left open (no "<|im_end|>\\n") and no
 generation prompt is added.
 
 A prompt given as token ids is used as-is. Cost: one xxh32 per 4 characters.
+The definition has one implementation, `hashing.chat_tokens` (ChatML4), which the
+router uses to predict these ids; this module adapts it to OpenAI-style dict messages.
 """
 
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-import xxhash
+from hashing.chat_tokens import CHARS_PER_TOKEN, VOCAB_SIZE, tokenize
+from hashing.chat_tokens import render_chat as _render_pairs
 
-VOCAB_SIZE = 32000
-CHARS_PER_TOKEN = 4
-
-
-def tokenize(text: str) -> list[int]:
-    """Token ids of `text`: one per 4-character run (see module docstring)."""
-    h, n, raw = xxhash.xxh32_intdigest, CHARS_PER_TOKEN, text.encode()
-    if len(raw) == len(text):  # ASCII: characters are bytes, so slice the bytes (2x faster)
-        return [h(raw[i : i + n]) % VOCAB_SIZE for i in range(0, len(raw), n)]
-    return [h(run.encode()) % VOCAB_SIZE for run in token_strs(text)]
+__all__ = ["CHARS_PER_TOKEN", "VOCAB_SIZE", "render_chat", "token_strs", "tokenize"]
 
 
 def token_strs(text: str) -> list[str]:
@@ -44,16 +38,12 @@ def render_chat(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
 ) -> str:
-    """Render OpenAI-style chat messages through the fixed template."""
-    rendered = [
-        f"<|im_start|>{m.get('role', '')}\n{_content_text(m.get('content'))}<|im_end|>\n"
-        for m in messages
-    ]
-    if continue_final_message and rendered:
-        rendered[-1] = rendered[-1].removesuffix("<|im_end|>\n")
-    elif add_generation_prompt:
-        rendered.append("<|im_start|>assistant\n")
-    return "".join(rendered)
+    """Render OpenAI-style chat messages (dicts) through the fixed template."""
+    return _render_pairs(
+        ((m.get("role") or "", _content_text(m.get("content"))) for m in messages),
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+    )
 
 
 def _content_text(content: str | Sequence[Mapping[str, Any]] | None) -> str:
