@@ -59,6 +59,6 @@ def test_route(benchmark, dispatcher: Dispatcher) -> None:
 
     def route() -> str:
         call = Call(Kind.CHAT, parse(Kind.CHAT, BODY), "POST", "/", BODY, CIMultiDict(), 0.0)
-        return dispatcher.route(call).name
+        return dispatcher.route(call).backend.name
 
     assert benchmark(route) == route()  # deterministic

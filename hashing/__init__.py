@@ -11,6 +11,7 @@ and for KV-aware routing:
 
     chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
                   their block keys, cached by prefix checkpoints
+    hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts)
 
@@ -20,6 +21,24 @@ built). Nothing depends on ``hash()``, so every process and replica computes the
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
 
-from hashing import blocks, canonical, chat_tokens, fingerprint, prefix_index, ring, tokens
+from hashing import (
+    blocks,
+    canonical,
+    chat_tokens,
+    fingerprint,
+    hf_chat,
+    prefix_index,
+    ring,
+    tokens,
+)
 
-__all__ = ["blocks", "canonical", "chat_tokens", "fingerprint", "prefix_index", "ring", "tokens"]
+__all__ = [
+    "blocks",
+    "canonical",
+    "chat_tokens",
+    "fingerprint",
+    "hf_chat",
+    "prefix_index",
+    "ring",
+    "tokens",
+]

@@ -24,6 +24,7 @@ import xxhash
 
 from hashing.blocks import chain, root_key
 from hashing.canonical import Message, MessagePart
+from hashing.hf_chat import HFChat
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -31,6 +32,7 @@ __all__ = [
     "BlockKeyCache",
     "ChatML4",
     "PromptBlocks",
+    "make_prompt_blocks",
     "render_chat",
     "tokenize",
 ]
@@ -145,30 +147,48 @@ class PromptBlocks:
 
     The root mixes the model (or LoRA name) and `cache_salt`, the isolation vLLM applies.
     Only the first `max_blocks` blocks are keyed: matching never needs more than the
-    longest prefix worth routing on.
+    longest prefix worth routing on. With `ChatML4` keys are cached at text checkpoints;
+    with an `HFChat` tokenizer its own history cache saves the encoding and the keys are
+    chained from the ids.
     """
 
-    def __init__(self, block_size: int, max_blocks: int, tokenizer: ChatML4 | None = None):
+    def __init__(
+        self, block_size: int, max_blocks: int, tokenizer: ChatML4 | HFChat | None = None
+    ) -> None:
         self._tokenizer = tokenizer or ChatML4()
-        self._cache = BlockKeyCache(self._tokenizer, block_size)
+        self._cache = BlockKeyCache(ChatML4(), block_size)
         self._block_size = block_size
         self._max_blocks = max_blocks
 
     def chat(
         self, model: str, salt: str | None, messages: Sequence[Message], tools: object = None
     ) -> tuple[list[int], int]:
-        text = self._tokenizer.chat_text(messages)
-        return self._cache.keys(root_key(model, salt), text, self._max_blocks)
+        root = root_key(model, salt)
+        tok = self._tokenizer
+        if isinstance(tok, ChatML4):
+            return self._cache.keys(root, tok.chat_text(messages), self._max_blocks)
+        return self._of_ids(root, tok.chat_ids(messages, tools or None))
 
     def prompt(
         self, model: str, salt: str | None, prompt: str | Sequence[str | int | Sequence[int]]
     ) -> tuple[list[int], int]:
         root = root_key(model, salt)
-        if isinstance(prompt, str):
-            return self._cache.keys(root, prompt, self._max_blocks)
-        first = prompt[0] if prompt else ""
+        first = prompt if isinstance(prompt, str) else (prompt[0] if prompt else "")
         if isinstance(first, str):
-            return self._cache.keys(root, first, self._max_blocks)
-        ids = prompt if isinstance(first, int) else first
+            tok = self._tokenizer
+            if isinstance(tok, ChatML4):
+                return self._cache.keys(root, first, self._max_blocks)
+            return self._of_ids(root, tok.prompt_ids(first))
+        return self._of_ids(root, prompt if isinstance(first, int) else first)
+
+    def _of_ids(self, root: int, ids: Sequence[int]) -> tuple[list[int], int]:
         head = ids[: self._max_blocks * self._block_size]
         return chain(root, head, self._block_size), len(ids)
+
+
+def make_prompt_blocks(
+    block_size: int, max_blocks: int, kind: str, path: str | None
+) -> PromptBlocks:
+    """From config: kind "chatml4" (`kvroute sim`'s tokenizer) or "hf" (a tokenizer dir)."""
+    tokenizer = HFChat(path) if kind == "hf" and path else ChatML4()
+    return PromptBlocks(block_size, max_blocks, tokenizer)

@@ -26,7 +26,8 @@ hard cap: backends at it are skipped unless all are (then the least loaded, ties
 Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
 Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/.
 
-Parameters (defaults): block_size (16, the backends' KV block size), max_prefix_tokens
+Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
+chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
 (0.05), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold (null),
 speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s (600, when
@@ -40,11 +41,12 @@ from __future__ import annotations
 import random
 import time
 from collections import deque
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
+import msgspec
 from msgspec import Meta
 
-from hashing.chat_tokens import PromptBlocks
+from hashing.chat_tokens import PromptBlocks, make_prompt_blocks
 from hashing.prefix_index import PrefixIndex
 from policies.base import BackendLike, FleetView, Pick, Policy, PolicyParams, Reason, RouteRequest
 from policies.least_outstanding_requests import least_loaded
@@ -54,8 +56,21 @@ Positive = Annotated[float, Meta(gt=0)]
 NonNegative = Annotated[float, Meta(ge=0)]
 
 
+class KvTokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """The backends' exact tokenizer: "hf" (a local HuggingFace tokenizer directory with
+    its chat template) for vLLM, or "chatml4" (`kvroute sim`'s)."""
+
+    kind: Literal["chatml4", "hf"] = "chatml4"
+    path: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind == "hf" and not self.path:
+            raise ValueError("tokenizer.kind 'hf' needs tokenizer.path (a tokenizer directory)")
+
+
 class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     block_size: Annotated[int, Meta(ge=1, le=4096)] = 16
+    tokenizer: KvTokenizerParams = KvTokenizerParams()
     max_prefix_tokens: Annotated[int, Meta(ge=1)] = 32768
     prefill_tokens_per_s: Positive = 10000.0
     decode_s_per_request: NonNegative = 0.002
@@ -79,7 +94,8 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         super().__init__(params)
         self.index = PrefixIndex(params.index_capacity)
         max_blocks = params.max_prefix_tokens // params.block_size
-        self._blocks = PromptBlocks(params.block_size, max_blocks)
+        tok = params.tokenizer
+        self._blocks = make_prompt_blocks(params.block_size, max_blocks, tok.kind, tok.path)
         self._rng = random.Random(params.seed)
         #: the last decisions with their scores, for /debug/routing
         self.recent: deque[dict[str, Any]] = deque(maxlen=64)

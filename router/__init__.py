@@ -2,20 +2,28 @@
 
 One request's way, module by module:
 
-  http_ingress.py   aiohttp routes: read the body (413 above the limit), parse the few
-                    routing fields (request.py, 400 on bad JSON), build a `Call`
-  dispatch.py       the one place that chains the steps: admission limit → model check
-                    (404) → fingerprint (hashing/) → policy pick (policies/) on a cached
-                    per-model FleetView → take the in-flight slot → proxy → give it back
-                    and record metrics, whatever the ending
+  http_ingress.py   aiohttp routes: check the token (auth.py, 401), read the body (413
+                    above the limit, 408 too slow), parse the few routing fields
+                    (request.py, 400 on bad JSON), build a `Call`
+  grpc_ingress.py   grpc.aio: protobuf → the same JSON body and `Call`; SSE → messages
+  dispatch.py       the one place that chains the steps: admission (admission.py: wait
+                    queue, 429) → model check (404) → fingerprint (hashing/) → policy
+                    pick (policies/) on a cached per-model FleetView → take the in-flight
+                    slot → proxy → [before the first byte: retry on the policy's next
+                    pick (retry.py)] → give it back, feed the breaker, record metrics
   proxy.py          original bytes to the backend over a pooled keep-alive session; JSON
                     answers relayed whole, SSE relayed chunk by chunk, untouched; upstream
                     failures translated to errors.py classes (502/504)
 
 Beside the path, never on it:
 
-  health.py         polls each backend's /v1/models: model lists and reachability
-  backends.py       backend state and cached FleetView snapshots (rebuilt on change)
+  health.py         active /health checks with thresholds; /v1/models discovery
+  breaker.py        per-backend circuit breaker fed by request outcomes (passive)
+  backends.py       backend state (health, breaker, drain, in-flight) and cached
+                    FleetView snapshots (rebuilt on change)
+  reload.py         SIGHUP / admin reload: build, validate, swap
+  admin.py          admin API on its own listener and token
+  auth.py           data-plane bearer tokens (static, signed), `kvroute token issue`
   metrics.py        every Prometheus metric, one registry per router
   config.py         YAML → typed, validated Config; app.py wires it all; __main__.py CLI
 """

@@ -65,19 +65,28 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    from router.app import Router, serve
+
     try:
-        config = load(args.config, _overrides(args))
-    except ConfigError as exc:
+        config = load(args.config, overrides)
+        if args.check:
+            Router(config)  # also reads the secrets and tokenizer the config names
+    except (ConfigError, OSError, ValueError) as exc:
         print(f"kvroute: invalid config: {exc}", file=sys.stderr)
         return 2
     if args.check:
         strategy = config.routing.__struct_config__.tag
         print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
         return 0
-    from router.app import serve
+    from router.reload import ConfigSource
 
     log.setup(config.log_level)
-    uvloop.run(serve(config))
+    try:
+        uvloop.run(serve(config, ConfigSource(args.config, overrides)))
+    except ConfigError as exc:  # a secret the config names cannot be read
+        print(f"kvroute: invalid config: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -103,9 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-#: subcommands implemented in bench/, each with its own `main(argv)` and --help
+#: subcommands implemented elsewhere, each with its own `main(argv)` and --help
 _TOOLS = {
+    "token": ("router.auth", "issue a signed data-plane token (kvroute token issue -h)"),
     "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
+    "bench": ("bench.harness", "compare routing strategies on one workload (kvroute bench -h)"),
+    "demo": ("bench.demo", "4 simulated backends, 3 strategies, one table, in about a minute"),
 }
 
 

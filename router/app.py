@@ -10,13 +10,18 @@ from aiohttp import web
 
 import policies
 from router import log
+from router.admin import AdminServer
+from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config
 from router.dispatch import Dispatcher
-from router.health import ModelPoller
-from router.http_ingress import HttpIngress, errors_middleware
+from router.grpc_ingress import GrpcIngress
+from router.health import HealthChecker, ModelPoller
+from router.http_ingress import HttpIngress, errors_middleware, server_limits
 from router.metrics import Metrics
 from router.proxy import make_session
+from router.reload import ConfigSource, Reloader, check_admin_token
+from router.telemetry import Telemetry
 
 _STARTUP_POLL_SECONDS = 3.0
 
@@ -24,12 +29,19 @@ _STARTUP_POLL_SECONDS = 3.0
 class Router:
     """One router instance: HTTP listener, backend fleet, policy, metrics, loops."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, source: ConfigSource | None = None) -> None:
+        """Build the pieces; ConfigError if a secret the config names cannot be read."""
         self.config = config
-        self.fleet = Fleet(config.backends, policies.create(config.routing))
+        self.fleet = Fleet(config.backends, policies.create(config.routing), config.breaker)
+        self.auth = Authenticator(config.auth)
+        self.admin = AdminServer(self, config.admin) if config.admin is not None else None
+        check_admin_token(self.admin, self.auth)
+        self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.metrics = Metrics(lambda: self.fleet.members)
         self.port = 0
         self._runner: web.AppRunner | None = None
+        self.grpc: GrpcIngress | None = None  # gRPC ingress (issue 6), when config.grpc.enabled
+        self.grpc_port = 0
         self._tasks: list[asyncio.Task] = []
 
     @property
@@ -39,22 +51,47 @@ class Router:
     async def start(self) -> None:
         cfg = self.config
         self._session = make_session(cfg.timeouts.connect)
-        poller = ModelPoller(
+        self.poller = poller = ModelPoller(
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(poller.poll_once(), _STARTUP_POLL_SECONDS)
         self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
+        self.health = HealthChecker(self.fleet, self._session, cfg.health)
+        self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
+        # backend telemetry (issue 4): /metrics scraping and KV event subscriptions
+        kv_events = {b.key: b.kv_events for b in cfg.backends if b.kv_events is not None}
+        self.telemetry = Telemetry(
+            self.fleet, self._session, self.metrics, cfg.telemetry, kv_events
+        )
+        self.telemetry.start()
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
-        app.add_routes(HttpIngress(cfg, self.fleet, self.dispatcher, self.metrics).routes())
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        ingress = HttpIngress(cfg, self.fleet, self.dispatcher, self.metrics, self.auth)
+        app.add_routes(ingress.routes())
+        self._runner = web.AppRunner(
+            app,
+            handler_cancellation=True,
+            access_log=None,
+            shutdown_timeout=cfg.shutdown.drain_seconds,  # in-flight requests' grace
+            **server_limits(cfg.limits),
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
+        if self.admin is not None:
+            await self.admin.start()
+        # gRPC ingress (issue 6): same loop, same dispatcher, its own port
+        if cfg.grpc.enabled:
+            self.grpc = GrpcIngress(cfg, self.fleet, self.dispatcher, self.metrics, self.auth)
+            try:
+                self.grpc_port = await self.grpc.start()
+            except BaseException:
+                await self.stop()  # e.g. the port is taken: release what started
+                raise
         log.server.info(
             "kvroute listening on %s, strategy %s, %d backends",
             self.url,
@@ -63,6 +100,11 @@ class Router:
         )
 
     async def stop(self) -> None:
+        if self.grpc is not None:  # gRPC ingress (issue 6): started last, stopped first
+            await self.grpc.stop()
+        await self.telemetry.stop()
+        if self.admin is not None:
+            await self.admin.stop()
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
@@ -70,17 +112,25 @@ class Router:
             await self._runner.cleanup()
         await self._session.close()
 
+    async def shutdown(self) -> None:
+        """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the
+        listeners close, and requests in flight get `shutdown.drain_seconds` to end."""
+        self.dispatcher.draining = True
+        await asyncio.sleep(self.config.shutdown.unready_seconds)
+        await self.stop()
 
-async def serve(config: Config) -> None:
-    """Run until SIGINT or SIGTERM."""
-    router = Router(config)
+
+async def serve(config: Config, source: ConfigSource | None = None) -> None:
+    """Run until SIGINT or SIGTERM, then drain (Router.shutdown); SIGHUP reloads."""
+    router = Router(config, source)
     await router.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, router.reloader.reload_soon)
     try:
         await stop.wait()
     finally:
-        log.server.info("shutting down")
-        await router.stop()
+        log.server.info("shutting down: draining for up to %gs", config.shutdown.drain_seconds)
+        await router.shutdown()

@@ -5,41 +5,73 @@ it is usable, and the router-local in-flight count (the accounting in dispatch k
 exact). `Fleet` caches one `FleetView` per model and rebuilds the cache only when
 membership, health or model lists change, so per-request work is a dict lookup.
 Telemetry loops write here; the request path only reads and counts.
+
+Usable = passes active health checks (`healthy`), its circuit breaker admits attempts,
+and it is not draining. Three writers, each beside the path: the health checker
+(`set_healthy`), the request outcomes (`attempt_begins` / `attempt_verdict`, which
+drive the breaker) and the operator (`set_draining`, `update` on reload). Every change
+of usability drops the cached views and counts a transition (exported at scrape time).
+
+`update` swaps membership in one step with no await: unchanged backends keep their
+object (in-flight count, health, breaker), so nothing in flight is lost; removed ones
+move to `retired`, which no view contains, until their last request ends.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable
 
 from yarl import URL
 
 from policies import FleetView, Policy
-from router.config import BackendConfig
+from router import log
+from router.breaker import Breaker, BreakerState
+from router.config import BackendConfig, BreakerConfig
 
 _MAX_CACHED_VIEWS = 1024
+_DEFAULT_BREAKER = BreakerConfig()
+_RECOVERIES = frozenset({"up", "closed", "undrained"})
 
 
 class Backend:
     __slots__ = (
+        "breaker",
+        "check_streak",
         "configured_models",
         "discovered_models",
+        "draining",
         "healthy",
         "inflight",
         "model_cards",
         "name",
+        "queued_tokens",
+        "transitions",
         "url",
+        "waiting",
         "weight",
     )
 
-    def __init__(self, cfg: BackendConfig) -> None:
+    def __init__(self, cfg: BackendConfig, breaker: BreakerConfig = _DEFAULT_BREAKER) -> None:
         self.name = cfg.key
         self.url = URL(cfg.url)
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
         self.discovered_models: frozenset[str] | None = None
+        self.breaker = Breaker(breaker)
+        #: consecutive active checks: > 0 passed in a row, < 0 failed in a row
+        self.check_streak = 0
+        self.draining = False
+        #: state changes by new state (up, down, open, half_open, closed, ...)
+        self.transitions: dict[str, int] = {}
         self.model_cards: list[dict] = []
         self.healthy = True
         self.inflight = 0
+        #: prompt tokens sent here and expected uncached, not yet answered (KV_AWARE)
+        self.queued_tokens = 0
+        #: scraped vllm:num_requests_waiting, 0 while unknown or stale
+        self.waiting = 0.0
 
     @property
     def models(self) -> frozenset[str] | None:
@@ -50,6 +82,16 @@ class Backend:
         models = self.models
         return not model or models is None or model in models
 
+    @property
+    def usable(self) -> bool:
+        """May new requests go here? Health checks, breaker and drain all agree."""
+        return self.healthy and not self.draining and self.breaker.admits
+
+    def reconfigure(self, cfg: BackendConfig) -> None:
+        """Apply a reloaded config of the same backend (same name and URL)."""
+        self.weight = cfg.weight
+        self.configured_models = frozenset(cfg.models) if cfg.models else None
+
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, inflight={self.inflight}, healthy={self.healthy})"
 
@@ -57,8 +99,14 @@ class Backend:
 class Fleet:
     """The configured backends and the cached per-model views over them."""
 
-    def __init__(self, configs: Iterable[BackendConfig], policy: Policy) -> None:
-        self.members: tuple[Backend, ...] = tuple(Backend(c) for c in configs)
+    def __init__(
+        self,
+        configs: Iterable[BackendConfig],
+        policy: Policy,
+        breaker: BreakerConfig = _DEFAULT_BREAKER,
+    ) -> None:
+        self.members: tuple[Backend, ...] = tuple(Backend(c, breaker) for c in configs)
+        self.retired: tuple[Backend, ...] = ()
         self.policy = policy
         self._views: dict[str, FleetView] = {}
         policy.on_fleet_change(self.members)
@@ -82,7 +130,66 @@ class Fleet:
     def set_healthy(self, backend: Backend, healthy: bool) -> None:
         if backend.healthy != healthy:
             backend.healthy = healthy
+            self._transition(backend, "up" if healthy else "down")
+
+    def set_draining(self, backend: Backend, draining: bool) -> None:
+        if backend.draining != draining:
+            backend.draining = draining
+            self._transition(backend, "draining" if draining else "undrained")
+
+    def attempt_begins(self, backend: Backend) -> bool:
+        """An attempt is sent to `backend`; True if it is the breaker's half-open trial."""
+        trial = backend.breaker.begin()
+        if trial:
+            self.changed()  # no other attempt until the trial's verdict
+        return trial
+
+    def attempt_verdict(self, backend: Backend, ok: bool | None, trial: bool) -> None:
+        """Feed an attempt's outcome to the breaker (None: ended without a verdict)."""
+        breaker = backend.breaker
+        admitted = breaker.admits
+        state = breaker.record(ok, trial)
+        if state is BreakerState.OPEN:
+            loop = asyncio.get_running_loop()
+            loop.call_later(breaker.cfg.open_seconds, self._half_open, backend)
+        if state is not None:
+            self._transition(backend, state.value)
+        elif breaker.admits != admitted:
             self.changed()
+
+    def prepare(self, configs: Iterable[BackendConfig], breaker: BreakerConfig) -> list[Backend]:
+        """The backends `configs` describe: the current object where name and URL are
+        unchanged (reconfigured by `update`), else a new one, not routable until then."""
+        current = {b.name: b for b in self.members}
+        out = []
+        for cfg in configs:
+            backend = current.get(cfg.key)
+            if backend is None or backend.url != URL(cfg.url):
+                backend = Backend(cfg, breaker)
+            out.append(backend)
+        return out
+
+    def update(
+        self,
+        configs: Iterable[BackendConfig],
+        backends: list[Backend],
+        policy: Policy,
+        breaker: BreakerConfig,
+    ) -> None:
+        """Swap in `backends` (from `prepare`, in config order) and `policy`, no await.
+
+        Requests in flight keep their Backend objects; removed ones go to `retired`.
+        """
+        for backend, cfg in zip(backends, configs, strict=True):
+            backend.reconfigure(cfg)
+            backend.breaker.cfg = breaker
+        members = tuple(backends)
+        policy.on_fleet_change(members)
+        stayed = {id(b) for b in members}
+        removed = (b for b in self.members if id(b) not in stayed)
+        self.retired = tuple(b for b in (*self.retired, *removed) if b.inflight)
+        self.members, self.policy = members, policy
+        self.changed()
 
     def set_discovered(self, backend: Backend, cards: list[dict]) -> None:
         models = frozenset(str(c.get("id", "")) for c in cards if isinstance(c, dict))
@@ -92,11 +199,25 @@ class Fleet:
             self.changed()
 
     def any_usable(self) -> bool:
-        return any(b.healthy for b in self.members)
+        return any(b.usable for b in self.members)
 
     def total_inflight(self) -> int:
-        return sum(b.inflight for b in self.members)
+        return sum(b.inflight for b in (*self.members, *self.retired))
+
+    def find(self, name: str) -> Backend | None:
+        return next((b for b in self.members if b.name == name), None)
+
+    def _half_open(self, backend: Backend) -> None:
+        state = backend.breaker.half_open()
+        if state is not None:
+            self._transition(backend, state.value)
+
+    def _transition(self, backend: Backend, to: str) -> None:
+        backend.transitions[to] = backend.transitions.get(to, 0) + 1
+        level = logging.INFO if to in _RECOVERIES else logging.WARNING
+        log.backends.log(level, "backend %s: %s", backend.name, to)
+        self.changed()
 
     def _build_view(self, model: str) -> FleetView:
-        candidates = tuple(b for b in self.members if b.healthy and b.serves(model))
+        candidates = tuple(b for b in self.members if b.usable and b.serves(model))
         return FleetView(self.members, candidates, frozenset(b.name for b in candidates))

@@ -32,11 +32,43 @@ class ListenConfig(_Strict):
     port: Port = 8000
 
 
+class GrpcConfig(_Strict):
+    """The gRPC ingress (issue 6): off by default, so a router opens no second port unasked.
+
+    `host` unset means the HTTP listener's host; the port is its own (50051, gRPC's usual).
+    """
+
+    enabled: bool = False
+    host: str | None = None
+    port: Port = 50051
+
+
+class KvEventsConfig(_Strict):
+    """Where a backend publishes vLLM KV cache events (its `--kv-events-config`)."""
+
+    #: the PUB socket, e.g. tcp://10.0.0.5:5557 (vLLM binds tcp://*:5557 by default)
+    endpoint: str
+    #: the replay ROUTER socket, if vLLM has `replay_endpoint` set; fills sequence gaps
+    replay_endpoint: str | None = None
+    #: frame-0 topic prefix to subscribe to ("" = all)
+    topic: str = ""
+
+
+class TelemetryConfig(_Strict):
+    """Backend /metrics scraping, beside the request path (KV_AWARE reads it)."""
+
+    enabled: bool = True
+    scrape_interval: Seconds = 1.0
+    #: metrics older than this count as absent, seconds
+    stale_after: Seconds = 5.0
+
+
 class BackendConfig(_Strict):
     url: str
     name: str | None = None
     models: list[str] | None = None
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
+    kv_events: KvEventsConfig | None = None
 
     def __post_init__(self) -> None:
         url = URL(self.url)
@@ -64,16 +96,130 @@ class TimeoutsConfig(_Strict):
 
 
 class LimitsConfig(_Strict):
+    """Client-side limits: sizes, read timeouts (slowloris), admission."""
+
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 16 * 1024 * 1024
     max_concurrent_requests: Annotated[int, Meta(ge=1)] = 10_000
+    #: requests that may wait for a slot beyond max_concurrent_requests (then 429)
+    queue_size: Annotated[int, Meta(ge=0)] = 256
+    #: longest wait for a slot in that queue, seconds (then 429)
+    queue_timeout: Seconds = 5.0
+    #: in-flight cap per tenant (token or tenant_header), None = no cap
+    max_concurrent_per_tenant: Annotated[int, Meta(ge=1)] | None = None
+    #: longest request line or header line, bytes
+    max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 16 * 1024
+    max_headers: Annotated[int, Meta(ge=8, le=1000)] = 100
+    #: a connection whose request headers are incomplete (or that idles between
+    #: keep-alive requests) this long is closed, seconds
+    header_timeout: Seconds = 30.0
+    #: the whole request body must arrive within this, seconds (else 408)
+    body_timeout: Seconds = 60.0
+
+
+class HealthConfig(_Strict):
+    """Active checks: GET `path` on each backend every `interval` seconds.
+
+    A check fails on a connection error, a 5xx, or no answer within `timeout`; a slow
+    answer inside the timeout passes, so a busy backend is never marked down.
+    """
+
+    enabled: bool = True
+    path: str = "/health"
+    interval: Seconds = 10.0
+    timeout: Seconds = 5.0
+    #: consecutive failed checks that mark a backend down
+    unhealthy_threshold: Annotated[int, Meta(ge=1)] = 3
+    #: consecutive passed checks that mark it up again
+    healthy_threshold: Annotated[int, Meta(ge=1)] = 2
+
+
+class BreakerConfig(_Strict):
+    """Passive ejection: a circuit breaker per backend fed by the request path."""
+
+    enabled: bool = True
+    #: consecutive failed attempts (connection error, timeout, 5xx, cut stream) that open it
+    failure_threshold: Annotated[int, Meta(ge=1)] = 5
+    #: how long it stays open before one trial request is let through, seconds
+    open_seconds: Seconds = 10.0
+    #: consecutive trial successes that close it again
+    half_open_successes: Annotated[int, Meta(ge=1)] = 2
+
+
+class RetryConfig(_Strict):
+    """Retries before the first byte reached the client, to another backend."""
+
+    max_retries: Annotated[int, Meta(ge=0, le=10)] = 2
+    #: backend statuses worth another backend (vLLM answers 503 when its queue is full)
+    retry_on: tuple[Annotated[int, Meta(ge=400, le=599)], ...] = (502, 503, 504)
+    #: first backoff, doubled per retry up to backoff_max, with jitter; seconds
+    backoff: Seconds = 0.025
+    backoff_max: Seconds = 0.5
+
+
+class ShutdownConfig(_Strict):
+    """SIGTERM: /ready turns 503, then after `unready_seconds` (time for a load balancer
+    to notice) the listener closes and requests in flight get `drain_seconds` to end."""
+
+    unready_seconds: Annotated[float, Meta(ge=0)] = 0.0
+    drain_seconds: Annotated[float, Meta(ge=0)] = 30.0
+
+
+def _one_source(section: str, file: str | None, env: str | None) -> None:
+    if (file is None) == (env is None):
+        raise ValueError(f"{section} needs exactly one of `token_file` or `token_env`")
+
+
+class AdminConfig(_Strict):
+    """The admin API: its own listener (loopback by default) and its own bearer token,
+    read from a file or an environment variable (never written in this file)."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8001
+    token_file: str | None = None
+    token_env: str | None = None
+
+    def __post_init__(self) -> None:
+        _one_source("admin", self.token_file, self.token_env)
+
+
+class AuthConfig(_Strict):
+    """Bearer tokens on the data plane; off unless `enabled`.
+
+    Static tokens: one per line (`TOKEN` or `TOKEN TENANT`, `#` comments) in
+    `tokens_file`, or comma-separated in the `tokens_env` variable. Signed tokens
+    (`kvroute token issue`): HMAC-SHA256 with the key in `signing_key_file` or
+    `signing_key_env`, expiring, at most 12 hours, carrying a tenant.
+    """
+
+    enabled: bool = False
+    tokens_file: str | None = None
+    tokens_env: str | None = None
+    signing_key_file: str | None = None
+    signing_key_env: str | None = None
+
+    def __post_init__(self) -> None:
+        sources = (self.tokens_file, self.tokens_env, self.signing_key_file, self.signing_key_env)
+        if self.enabled and all(s is None for s in sources):
+            raise ValueError("auth.enabled needs tokens_file, tokens_env or a signing key")
+        if self.signing_key_file is not None and self.signing_key_env is not None:
+            raise ValueError("auth: give signing_key_file or signing_key_env, not both")
 
 
 class Config(_Strict):
     backends: list[BackendConfig]
     listen: ListenConfig = ListenConfig()
+    grpc: GrpcConfig = GrpcConfig()
     routing: policies.params_union() = RandomParams()  # type: ignore[valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    health: HealthConfig = HealthConfig()
+    breaker: BreakerConfig = BreakerConfig()
+    retries: RetryConfig = RetryConfig()
+    shutdown: ShutdownConfig = ShutdownConfig()
+    #: the admin API listener; none unless configured (it needs a token)
+    admin: AdminConfig | None = None
+    auth: AuthConfig = AuthConfig()
+    telemetry: TelemetryConfig = TelemetryConfig()
     #: request header whose value isolates tenants' fingerprints (cache_salt always does)
     tenant_header: str | None = None
     #: how often backends' /v1/models is polled, seconds

@@ -1,11 +1,18 @@
 """One request's way through the router: canonicalise → fingerprint → pick → proxy → account.
 
 This is the only module that chains those steps; the HTTP and gRPC ingresses parse
-their wire format into a `Call` and hand it here, so both get the same routing,
-accounting and metrics. Accounting survives every ending: the backend's in-flight slot
-is taken with no `await` before the `try` whose `finally` gives it back, whether the
-exchange succeeds, fails upstream, times out, or the client disconnects (which cancels
-this task and closes the upstream connection, so the backend aborts the generation).
+their wire format into a `Call` and hand it here, so both get the same admission,
+routing, retries, accounting and metrics.
+
+Order: admission (admission.py: wait queue, 429) → pick → attempt → [retry: the
+policy's next pick without the backends tried (retry.py), only while nothing reached
+the client] → relay inside `exchange` → account once, for the last attempt.
+
+Accounting survives every ending: each attempt takes its backend's in-flight slot (and
+the breaker's trial slot) with no `await` before the `try` whose `finally` gives it
+back, whether the attempt is retried, succeeds, fails upstream, times out, or the
+client disconnects (which cancels this task and closes the upstream connection, so the
+backend aborts the generation). Each attempt's outcome feeds the backend's breaker.
 """
 
 from __future__ import annotations
@@ -14,28 +21,31 @@ import asyncio
 import os
 import random
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Collection, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from multidict import CIMultiDict
 
+from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
-from policies import SPILL_REASONS, RouteRequest
+from policies import SPILL_REASONS, Policy, RouteRequest
+from router.admission import Admission
 from router.backends import Backend, Fleet
-from router.config import Config
+from router.config import Config, TimeoutsConfig
 from router.errors import (
     BadRequest,
     KvrouteError,
     ModelNotFound,
     NoBackendAvailable,
-    Overloaded,
     UpstreamError,
     UpstreamTimeout,
 )
 from router.metrics import Metrics
 from router.proxy import Upstream, open_upstream
 from router.request import Kind
+from router.retry import RetryPolicy, excluding
 
 
 @dataclass(slots=True)
@@ -60,26 +70,39 @@ class Dispatcher:
     def __init__(self, config: Config, fleet: Fleet, metrics: Metrics, session) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self.strategy = config.routing.__struct_config__.tag
         self._session = session
-        self._timeouts = config.timeouts
-        self._max_active = config.limits.max_concurrent_requests
-        self.active = 0
+        self.admission = Admission(config.limits)
+        #: shutting down: readiness is false (requests in flight still finish)
+        self.draining = False
+        self.configure(config)
 
-    def route(self, call: Call) -> Backend:
-        """Pick the backend for `call`; raise the client-facing error if there is none."""
+    def configure(self, config: Config) -> None:
+        """Take the reloadable settings of `config`; requests in flight keep theirs."""
+        self.strategy = config.routing.__struct_config__.tag
+        self._timeouts = config.timeouts
+        self._retry = RetryPolicy(config.retries)
+        self.admission.configure(config.limits)
+
+    @property
+    def active(self) -> int:
+        """Requests admitted and not yet finished."""
+        return self.admission.active
+
+    def route(self, call: Call, tried: Collection[str] = ()) -> Routed:
+        """Pick the backend for `call`, none named in `tried`; raise the client-facing
+        error if there is none."""
         t0 = time.perf_counter()
         fleet = self.fleet
         model = call.req.model or ""
         if not fleet.known_model(model):
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         policy = fleet.policy
-        fingerprinter = policy.fingerprinter
         try:
-            fp = 0 if fingerprinter is None else _fingerprint(fingerprinter, call, model)
+            route_req = _describe(policy, call, model)
         except ValueError as exc:  # e.g. a prompt mixing texts and token ids
             raise BadRequest(f"Invalid prompt: {exc}", param="prompt") from None
-        pick = policy.pick(RouteRequest(model, fp), fleet.view(model))
+        view = fleet.view(model)
+        pick = policy.pick(route_req, excluding(view, tried) if tried else view)
         m = self.metrics
         m.decision_seconds.observe(time.perf_counter() - t0)
         m.decisions.labels(self.strategy, pick.reason).inc()
@@ -89,88 +112,232 @@ class Dispatcher:
             raise NoBackendAvailable(
                 f"No backend is available for model `{model}`; retry shortly.", retry_after=1
             )
-        return pick.backend
+        return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
 
     @asynccontextmanager
     async def exchange(self, call: Call) -> AsyncIterator[Upstream]:
-        """Route `call` and open the upstream response; the body is read inside the block."""
+        """Admit and route `call` and open the upstream response (retrying elsewhere
+        while the client has seen nothing); the body is read inside the block."""
         try:
-            if self.active >= self._max_active:
-                raise Overloaded("The router is at its concurrent request limit.", retry_after=1)
-            backend = self.route(call)
+            held = await self.admission.enter(call.tenant)
         except KvrouteError as err:
             self.rejected(err)
             raise
-        loop = asyncio.get_running_loop()
-        t = self._timeouts
-        end = call.started + t.total
-        itl = self.metrics.itl.labels(backend.name).observe
-        status = "error"
-        ok = False
-        upstream: Upstream | None = None
-        backend.inflight += 1  # taken here, given back in `finally`: no await in between
-        self.active += 1
         try:
-            async with asyncio.timeout_at(min(loop.time() + t.first_byte, end)) as deadline:
-                upstream = await open_upstream(
-                    self._session,
-                    backend.url.with_path(call.path, encoded=True),
-                    call.method,
-                    call.body,
-                    call.headers,
-                    deadline,
-                    t.idle,
-                    end,
-                    itl,
-                )
-                upstream.backend_name = backend.name
-                status = str(upstream.status)
-                yield upstream
+            attempt = await self._connect(call)
+            ok = False
+            try:  # no await since _connect returned: the attempt is released below
+                with attempt.noting():
+                    async with asyncio.timeout_at(attempt.deadline) as deadline:
+                        attempt.upstream.watch(deadline)
+                        yield attempt.upstream
                 ok = True
-        except TimeoutError as exc:
-            status = self._failed(backend, UpstreamTimeout.status, UpstreamTimeout.kind)
-            raise UpstreamTimeout("The backend did not answer in time.") from exc
-        except UpstreamError as exc:
-            status = self._failed(backend, exc.status, exc.kind)
-            raise
-        except (asyncio.CancelledError, ConnectionResetError):
-            status = "499"  # nginx's "client closed request"
-            self.metrics.client_disconnects.labels(backend.name).inc()
-            raise
+            finally:
+                self._finish(attempt, ok)
         finally:
-            backend.inflight -= 1
-            self.active -= 1
-            if upstream is not None:
-                upstream.finish(clean=ok)
-            self._account(backend, status, call.started, upstream, loop.time())
+            self.admission.leave(held)
 
-    def _failed(self, backend: Backend, status: int, kind: str) -> str:
-        self.metrics.upstream_errors.labels(backend.name, kind).inc()
-        return str(status)
+    async def _connect(self, call: Call) -> _Attempt:
+        """Send `call` until a backend gives an answer to relay, or no retry is left.
 
-    def _account(
-        self, backend: Backend, status: str, started: float, upstream: Upstream | None, now: float
-    ) -> None:
+        Returns the attempt holding its slots; its answer may be a backend's own error
+        status, passed through. Raises the last failure if no answer came at all.
+        """
+        try:
+            routed = self.route(call)
+        except KvrouteError as err:
+            self.rejected(err)
+            raise
+        tried: list[str] = []
+        while True:
+            attempt = _Attempt(self, routed, call.started)  # no await before the `try`
+            tried.append(attempt.backend.name)
+            try:
+                with attempt.noting():
+                    await attempt.open(call, self._session, self._timeouts)
+            except BaseException:
+                self._finish(attempt, False)
+                raise
+            upstream = attempt.upstream
+            if upstream is not None and not self._retry.retryable_status(upstream.status):
+                return attempt
+            routed = self._retry_target(call, tried)
+            if routed is None and upstream is not None:
+                return attempt
+            self._finish(attempt, False, retried=routed is not None)
+            if routed is None:
+                raise attempt.error
+            room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
+            await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
+
+    def _retry_target(self, call: Call, tried: list[str]) -> Routed | None:
+        if not self._retry.allows(len(tried)):
+            return None
+        try:
+            return self.route(call, tried)
+        except KvrouteError:  # no other candidate
+            return None
+
+    def _finish(self, attempt: _Attempt, ok: bool, retried: bool = False) -> None:
+        """Release the attempt; account the request if this was its last attempt."""
+        attempt.release(clean=ok)
+        name = attempt.backend.name
         m = self.metrics
-        m.requests.labels(backend.name, self.strategy, status).inc()
-        m.e2e.labels(backend.name).observe(now - started)
+        if retried:
+            error = attempt.error
+            m.retries.labels(name, error.kind if error else f"http_{attempt.status}").inc()
+            return
+        started, upstream = attempt.started, attempt.upstream
+        m.requests.labels(name, self.strategy, attempt.status).inc()
+        m.e2e.labels(name).observe(asyncio.get_running_loop().time() - started)
         if upstream is not None and upstream.first_chunk_at is not None:
-            m.ttft.labels(backend.name).observe(upstream.first_chunk_at - started)
+            m.ttft.labels(name).observe(upstream.first_chunk_at - started)
+        if ok and attempt.routed.prompt_tokens:
+            self._check_prediction(attempt.routed, upstream)
+
+    def _check_prediction(self, routed: Routed, upstream: Upstream) -> None:
+        """Closed loop: the backend's reported cached_tokens against our prediction."""
+        actual = upstream.cached_tokens()
+        if actual is not None:
+            self.metrics.prediction_error.observe(routed.predicted_cached - actual)
+            self.metrics.cached_tokens.labels("predicted").inc(routed.predicted_cached)
+            self.metrics.cached_tokens.labels("reported").inc(actual)
 
     def rejected(self, error: KvrouteError) -> None:
         """Count a request refused before it reached any backend."""
         self.metrics.requests.labels("none", self.strategy, str(error.status)).inc()
 
 
-def _fingerprint(fingerprinter: Fingerprinter, call: Call, model: str) -> int:
+class _Attempt:
+    """One try of a request on one backend.
+
+    Construction takes the backend's in-flight slot (and the breaker's half-open trial
+    slot, when this is the trial); `release` gives them back, once. The breaker hears
+    at most one verdict per attempt: at the response headers (a 5xx fails), or when the
+    attempt fails (connection, timeout, cut stream); a client that leaves gives none.
+    """
+
+    __slots__ = (
+        "_fleet",
+        "_metrics",
+        "_queued",
+        "_trial",
+        "backend",
+        "deadline",
+        "error",
+        "routed",
+        "started",
+        "status",
+        "upstream",
+    )
+
+    def __init__(self, dispatcher: Dispatcher, routed: Routed, started: float) -> None:
+        self._fleet = fleet = dispatcher.fleet
+        self._metrics = dispatcher.metrics
+        self.routed = routed
+        self.backend = backend = routed.backend
+        self.started = started
+        self._queued = routed.prompt_tokens - routed.predicted_cached
+        backend.inflight += 1
+        backend.queued_tokens += self._queued
+        self._trial = fleet.attempt_begins(backend)
+        self.status = "error"
+        self.deadline = 0.0
+        self.upstream: Upstream | None = None
+        self.error: UpstreamError | None = None
+
+    async def open(self, call: Call, session, t: TimeoutsConfig) -> None:
+        """Send the request and wait for the answer's headers (`upstream`), or note
+        why there is none (`error`) if it failed before the backend answered."""
+        end = call.started + t.total
+        self.deadline = min(asyncio.get_running_loop().time() + t.first_byte, end)
+        backend = self.backend
+        try:
+            async with asyncio.timeout_at(self.deadline):
+                upstream = await open_upstream(
+                    session,
+                    backend.url.with_path(call.path, encoded=True),
+                    call.method,
+                    call.body,
+                    call.headers,
+                    t.idle,
+                    end,
+                    self._metrics.itl.labels(backend.name).observe,
+                )
+        except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
+            self._note(exc)
+            return
+        upstream.backend_name = backend.name
+        self.upstream = upstream
+        self.status = str(upstream.status)
+        self._verdict(upstream.status < 500)
+
+    @contextmanager
+    def noting(self) -> Iterator[None]:
+        """Note how the attempt ends if an exception ends it (timeouts become 504s)."""
+        try:
+            yield
+        except TimeoutError as exc:
+            timeout = UpstreamTimeout("The backend did not answer in time.")
+            self._note(timeout)
+            raise timeout from exc
+        except BaseException as exc:
+            self._note(exc)
+            raise
+
+    def release(self, clean: bool) -> None:
+        backend = self.backend
+        backend.inflight -= 1
+        backend.queued_tokens -= self._queued
+        if self._trial:  # the trial ended without a verdict: free the slot
+            self._verdict(None)
+        if self.upstream is not None:
+            self.upstream.finish(clean)
+
+    def _note(self, exc: BaseException) -> None:
+        if isinstance(exc, UpstreamError):
+            self.error, self.status = exc, str(exc.status)
+            self._metrics.upstream_errors.labels(self.backend.name, exc.kind).inc()
+            self._verdict(False)
+        elif isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+            self.status = "499"  # nginx's "client closed request"
+            self._metrics.client_disconnects.labels(self.backend.name).inc()
+
+    def _verdict(self, ok: bool | None) -> None:
+        self._fleet.attempt_verdict(self.backend, ok, self._trial)
+        self._trial = False
+
+
+class Routed(NamedTuple):
+    backend: Backend
+    #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
+    prompt_tokens: int = 0
+    predicted_cached: int = 0
+
+
+def _describe(policy: Policy, call: Call, model: str) -> RouteRequest:
+    """The RouteRequest with what this policy reads: a fingerprint and/or block keys."""
     req = call.req
-    tenant = _tenant(call.tenant, req.cache_salt)
+    fingerprinter, block_keys = policy.fingerprinter, policy.block_keys
+    fp = 0
+    if fingerprinter is not None:
+        # routing isolation: the tenant header and vLLM's cache partition (cache_salt)
+        fp = _apply(fingerprinter, call, model, _tenant(call.tenant, req.cache_salt))
+        fp = random.getrandbits(64) if fp is None else fp  # e.g. /v1/responses: spread
+    blocks, tokens = (), 0
+    if block_keys is not None:
+        # block keys isolate exactly as vLLM does: by cache_salt alone
+        blocks, tokens = _apply(block_keys, call, model, req.cache_salt) or ((), 0)
+    return RouteRequest(model, fp, blocks, tokens)
+
+
+def _apply(describer: Fingerprinter | PromptBlocks, call: Call, model: str, tenant: str | None):
+    """Run `describer` on the request's prompt; None when it has none (not generation)."""
+    req = call.req
     if call.kind is Kind.CHAT:
-        return fingerprinter.chat(model, tenant, req.messages, req.tools)
+        return describer.chat(model, tenant, req.messages, req.tools)
     prompt = getattr(req, "prompt", None) or getattr(req, "input", None)
-    if prompt is None:  # not a generation request (e.g. /v1/responses): spread evenly
-        return random.getrandbits(64)
-    return fingerprinter.prompt(model, tenant, prompt)
+    return None if prompt is None else describer.prompt(model, tenant, prompt)
 
 
 def _tenant(header: str | None, cache_salt: str | None) -> str | None:

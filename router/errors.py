@@ -3,19 +3,29 @@
 Every failure a client can see is a `KvrouteError` carrying the HTTP status and the
 OpenAI `type`; `to_http()` renders it before the response started, `sse_event()` after
 (a stream that already sent 200 ends with an error event and `[DONE]`, never a second
-response). Subclasses also inherit the builtin they resemble so generic handlers work.
+response), `to_grpc()` for the gRPC ingress (any time: gRPC's status travels in trailers).
+`from_body()` turns a backend's OpenAI-style error (a non-200 answer or an in-band SSE
+event) back into one, so backend errors take the same path. Subclasses also inherit the
+builtin they resemble so generic handlers work.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import grpc
 import orjson
 from aiohttp import web
+from google.protobuf import any_pb2, duration_pb2
+from google.rpc import error_details_pb2, status_pb2
 
 _STATUS_TYPE = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
     429: "RateLimitError",
     500: "InternalServerError",
@@ -70,6 +80,51 @@ class KvrouteError(Exception):
         """The event that ends a stream that already started: the error, then [DONE]."""
         return b"data: " + orjson.dumps(self.body()) + b"\n\ndata: [DONE]\n\n"
 
+    # --- gRPC (issue 6) ---------------------------------------------------------------
+
+    def to_grpc(self, metadata: Iterable[tuple[str, str]] = ()) -> GrpcStatus:
+        """The gRPC status for this error: `await context.abort(*err.to_grpc(trailers))`.
+
+        Trailers get `metadata`, `retry-after` (seconds) when set, and the standard
+        `grpc-status-details-bin`: a google.rpc.Status with an ErrorInfo (the OpenAI type,
+        the HTTP status, the param) and, when set, a RetryInfo.
+        """
+        code = grpc_code(self.status)
+        trailers = list(metadata)
+        info = {"http_status": str(self.status), **({"param": self.param} if self.param else {})}
+        reason = _STATUS_TYPE.get(self.status, "Error")
+        details = [error_details_pb2.ErrorInfo(reason=reason, domain="kvroute", metadata=info)]
+        if self.retry_after is not None:
+            trailers.append(("retry-after", str(self.retry_after)))
+            delay = duration_pb2.Duration(seconds=self.retry_after)
+            details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        status = status_pb2.Status(
+            code=code.value[0], message=self.message, details=map(_any, details)
+        )
+        trailers.append(("grpc-status-details-bin", status.SerializeToString()))
+        return GrpcStatus(code, self.message, tuple(trailers))
+
+    @classmethod
+    def from_body(cls, body: bytes | dict, status: int | None = None) -> KvrouteError:
+        """A backend's OpenAI-style error: `{"error": {...}}` or vLLM's older flat form.
+
+        `status` is the HTTP status of the answer; an in-band SSE event has none, so its
+        `code` (an HTTP status in vLLM's events) is used, else 500.
+        """
+        try:
+            data = orjson.loads(body) if isinstance(body, bytes) else body
+        except orjson.JSONDecodeError:
+            data = None
+        err = data.get("error", data) if isinstance(data, dict) else None
+        if not isinstance(err, dict):
+            err = {}
+        code = err.get("code")
+        if status is None:
+            status = code if isinstance(code, int) and 400 <= code <= 599 else 500
+        message = err.get("message") or f"The backend answered HTTP {status}."
+        param = err.get("param")
+        return cls(str(message), param=param if isinstance(param, str) else None, status=status)
+
 
 class BadRequest(KvrouteError, ValueError):
     status = 400
@@ -77,6 +132,18 @@ class BadRequest(KvrouteError, ValueError):
 
 class PayloadTooLarge(KvrouteError, ValueError):
     status = 413
+
+
+class Unauthorized(KvrouteError, PermissionError):
+    """A missing, unknown, expired or forged bearer token."""
+
+    status = 401
+
+
+class RequestTimeout(KvrouteError, TimeoutError):
+    """The client did not send its request body in time (slowloris)."""
+
+    status = 408
 
 
 class ModelNotFound(KvrouteError, LookupError):
@@ -109,3 +176,51 @@ class UpstreamDisconnected(UpstreamError):
 class UpstreamTimeout(UpstreamError, TimeoutError):
     status = 504
     kind = "timeout"
+
+
+# --- gRPC (issue 6): the HTTP status → gRPC code table used by to_grpc() --------------
+
+
+class GrpcStatus(NamedTuple):
+    """The arguments of `ServicerContext.abort`."""
+
+    code: grpc.StatusCode
+    details: str
+    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+
+
+_C = grpc.StatusCode
+#: HTTP status → gRPC code, after grpc's doc/http-grpc-status-mapping.md, made finer where
+#: the router knows the meaning (400 is the client's argument, 404 an unknown model).
+_GRPC_CODE = {
+    400: _C.INVALID_ARGUMENT,
+    401: _C.UNAUTHENTICATED,  # the router's bearer-token check, or a backend's 401
+    403: _C.PERMISSION_DENIED,
+    404: _C.NOT_FOUND,
+    408: _C.DEADLINE_EXCEEDED,
+    413: _C.RESOURCE_EXHAUSTED,  # what gRPC itself answers for an oversized message
+    422: _C.INVALID_ARGUMENT,
+    429: _C.RESOURCE_EXHAUSTED,
+    499: _C.CANCELLED,
+    500: _C.INTERNAL,
+    501: _C.UNIMPLEMENTED,
+    502: _C.UNAVAILABLE,
+    503: _C.UNAVAILABLE,
+    504: _C.DEADLINE_EXCEEDED,
+}
+
+
+def grpc_code(status: int) -> grpc.StatusCode:
+    """The gRPC code for an HTTP status; other 4xx are the client's, other 5xx internal."""
+    code = _GRPC_CODE.get(status)
+    if code is not None:
+        return code
+    if 400 <= status < 500:
+        return _C.INVALID_ARGUMENT
+    return _C.INTERNAL if 500 <= status < 600 else _C.UNKNOWN
+
+
+def _any(message) -> any_pb2.Any:
+    packed = any_pb2.Any()
+    packed.Pack(message)
+    return packed

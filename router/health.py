@@ -1,20 +1,82 @@
-"""Backend model discovery and reachability, beside the request path.
+"""Beside the request path: active health checks and model discovery.
 
-Every `interval` seconds each backend's `GET /v1/models` is fetched concurrently (a
-slow backend never delays the others): its cards feed `/v1/models` and the per-model
-candidate lists, and a connection failure marks it unusable until it answers again.
-A timeout keeps the previous state, so a busy backend is never ejected for being slow.
+`HealthChecker` GETs each backend's `health.path` (vLLM's `/health`, which answers
+without queueing behind generations) every `interval` seconds, all backends
+concurrently so a slow one never delays the others. A check fails on a connection
+error, a 5xx, or no answer within `timeout`; anything else passes, however slow.
+Hysteresis: `unhealthy_threshold` consecutive failures mark the backend down and
+`healthy_threshold` consecutive passes mark it up again, so one lost probe never flaps
+routing and a busy backend that answers late but in time is never ejected (peers.md §4,
+item 11). The verdict is written with `Fleet.set_healthy`; the request path's own
+outcomes feed the circuit breaker (breaker.py), the other half of ejection.
+
+`ModelPoller` fetches each backend's `/v1/models` every `models_refresh_interval`: the
+cards feed `/v1/models` and the per-model candidate lists. A failed fetch keeps what
+was known; reachability is the health checker's job.
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Iterable
 
 import aiohttp
 import orjson
 
-from router import log
 from router.backends import Backend, Fleet
+from router.config import HealthConfig
+
+
+class HealthChecker:
+    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, cfg: HealthConfig) -> None:
+        self._fleet = fleet
+        self._session = session
+        self.cfg = cfg
+        #: loop time of each backend's last passed check (telemetry freshness, admin API)
+        self.last_pass: dict[str, float] = {}
+
+    async def check_once(self) -> None:
+        await asyncio.gather(*(self._check(b) for b in self._fleet.members))
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval)
+            if self.cfg.enabled:
+                await self.check_once()
+
+    async def admit(self, backends: list[Backend]) -> None:
+        """One check for backends about to join the fleet (reload, admin API): each
+        joins up if it passes and down if not, then ordinary checks take over."""
+        if not self.cfg.enabled:
+            return
+        results = await asyncio.gather(*(self._probe(b) for b in backends))
+        for backend, passed in zip(backends, results, strict=True):
+            backend.healthy, backend.check_streak = passed, 1 if passed else -1
+
+    async def _check(self, backend: Backend) -> None:
+        self.judge(backend, await self._probe(backend))
+
+    async def _probe(self, backend: Backend) -> bool:
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                async with self._session.get(backend.url.with_path(self.cfg.path)) as resp:
+                    await resp.read()
+        except (aiohttp.ClientError, OSError, TimeoutError):
+            return False
+        if resp.status >= 500:
+            return False
+        self.last_pass[backend.name] = asyncio.get_running_loop().time()
+        return True
+
+    def judge(self, backend: Backend, passed: bool) -> None:
+        """Count the check into the backend's streak; flip it at the thresholds."""
+        streak = backend.check_streak
+        streak = max(streak, 0) + 1 if passed else min(streak, 0) - 1
+        backend.check_streak = streak
+        if passed and streak >= self.cfg.healthy_threshold:
+            self._fleet.set_healthy(backend, True)
+        elif not passed and -streak >= self.cfg.unhealthy_threshold:
+            self._fleet.set_healthy(backend, False)
 
 
 class ModelPoller:
@@ -27,7 +89,10 @@ class ModelPoller:
         self._timeout = timeout
 
     async def poll_once(self) -> None:
-        await asyncio.gather(*(self._poll(b) for b in self._fleet.members))
+        await self.poll(self._fleet.members)
+
+    async def poll(self, backends: Iterable[Backend]) -> None:
+        await asyncio.gather(*(self._poll(b) for b in backends))
 
     async def run(self) -> None:
         while True:
@@ -39,16 +104,8 @@ class ModelPoller:
             async with asyncio.timeout(self._timeout):
                 async with self._session.get(backend.url.with_path("/v1/models")) as resp:
                     body = await resp.read()
-        except (aiohttp.ClientConnectionError, OSError) as exc:
-            if backend.healthy:
-                log.backends.warning("backend %s unreachable: %s", backend.name, exc)
-            self._fleet.set_healthy(backend, False)
+        except (aiohttp.ClientError, OSError, TimeoutError):
             return
-        except TimeoutError:
-            return
-        if not backend.healthy:
-            log.backends.info("backend %s reachable again", backend.name)
-        self._fleet.set_healthy(backend, True)
         if resp.status == 200:
             self._fleet.set_discovered(backend, _cards(body))
 

@@ -5,26 +5,42 @@ proxied to a backend the same way (model-aware, fingerprint-free). JSON answers 
 relayed whole; SSE streams are relayed chunk by chunk as they arrive. Before the first
 byte reaches the client a failure is an OpenAI-style JSON error; after it, an error
 event and `[DONE]` end the stream.
+
+Hostile clients are refused before any work: the bearer token is checked before the
+body is read (auth.py, 401); the body must arrive within `body_timeout` (408) and stop
+at `max_body_bytes` (413, read no further); aiohttp enforces the header limits and the
+header timeout (`server_limits`). A refusal never reaches dispatch or a backend.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 from multidict import CIMultiDict
 
+from router import log
+from router.auth import Authenticator
 from router.backends import Fleet
-from router.config import Config
+from router.config import Config, LimitsConfig
 from router.dispatch import Call, Dispatcher, new_request_id
-from router.errors import KvrouteError, PayloadTooLarge
+from router.errors import (
+    BadRequest,
+    KvrouteError,
+    PayloadTooLarge,
+    RequestTimeout,
+    Unauthorized,
+)
 from router.metrics import CONTENT_TYPE, Metrics
 from router.proxy import Upstream, forward_headers
 from router.request import Kind, parse
 
 BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
+_LINGER_SECONDS = 2.0  # aiohttp's default, 10 s, lets a slow sender hold a connection
 
 #: vLLM OpenAI-surface paths that are proxied but not fingerprinted
 _PROXIED = (
@@ -46,12 +62,21 @@ _PROXIED = (
 
 
 class HttpIngress:
-    def __init__(self, config: Config, fleet: Fleet, dispatcher: Dispatcher, metrics: Metrics):
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        dispatcher: Dispatcher,
+        metrics: Metrics,
+        auth: Authenticator | None = None,
+    ):
         self._fleet = fleet
         self._dispatch = dispatcher
         self._metrics = metrics
         self._max_body = config.limits.max_body_bytes
+        self._body_timeout = config.limits.body_timeout
         self._tenant_header = config.tenant_header
+        self._auth = auth or Authenticator(config.auth)
 
     def routes(self) -> list[web.RouteDef]:
         routed = [
@@ -62,6 +87,7 @@ class HttpIngress:
             web.get("/health", self.health),
             web.get("/ready", self.ready),
             web.get("/metrics", self.metrics),
+            web.get("/debug/routing", self.debug_routing),
         ]
         other = self._handler(Kind.OTHER)
         routed += [web.route("*", path, other) for path in _PROXIED]
@@ -80,20 +106,16 @@ class HttpIngress:
         headers[REQUEST_ID] = request_id
         reply = {REQUEST_ID: request_id}
         try:
+            tenant = self._tenant(request)  # before the body: no work for strangers
             body = await self._read_body(request)
-            call = Call(
-                kind,
-                parse(kind, body),
-                request.method,
-                request.raw_path,
-                body,
-                headers,
-                started,
-                request.headers.get(self._tenant_header) if self._tenant_header else None,
-            )
+            req = parse(kind, body)
+            call = Call(kind, req, request.method, request.raw_path, body, headers, started, tenant)
         except KvrouteError as err:
             self._dispatch.rejected(err)
-            return err.to_http(reply)
+            return _refusal(err, reply)
+        if self._auth.enabled:
+            headers.popall("Authorization", None)  # the router's token stays here
+        headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
         response: web.StreamResponse | None = None
         try:
             async with self._dispatch.exchange(call) as upstream:
@@ -122,13 +144,36 @@ class HttpIngress:
                 f"{self._max_body} bytes."
             )
         try:
-            return await request.read()
+            async with asyncio.timeout(self._body_timeout):
+                return await request.read()  # stops at client_max_size (= max_body)
         except web.HTTPRequestEntityTooLarge:
             raise PayloadTooLarge(
                 f"Request body exceeds the limit of {self._max_body} bytes."
             ) from None
+        except TimeoutError:
+            raise RequestTimeout(
+                f"The request body did not arrive within {self._body_timeout:g} s."
+            ) from None
+        except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
+            raise BadRequest(f"The request body could not be read: {exc}") from None
+
+    def _tenant(self, request: web.Request) -> str | None:
+        """The request's tenant: its token's when auth is on and the token has one, else
+        the tenant header's. Raises Unauthorized for a missing or invalid token."""
+        header = request.headers.get(self._tenant_header) if self._tenant_header else None
+        if not self._auth.enabled:
+            return header
+        tenant = self._auth.authenticate(request.headers.get("Authorization"))
+        if tenant is None:
+            return header
+        self._metrics.tenant_requests.labels(tenant).inc()
+        return tenant
 
     async def models(self, request: web.Request) -> web.Response:
+        try:
+            self._tenant(request)
+        except KvrouteError as err:
+            return _refusal(err, {})
         cards: dict[str, dict] = {}
         for backend in self._fleet.members:
             for card in backend.model_cards:
@@ -141,12 +186,33 @@ class HttpIngress:
         return web.Response(status=200)
 
     async def ready(self, request: web.Request) -> web.Response:
+        if self._dispatch.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
         if self._fleet.any_usable():
             return web.json_response({"status": "ready"})
         return web.json_response({"status": "no usable backend"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def debug_routing(self, request: web.Request) -> web.Response:
+        """The policy's last decisions with their scores, and each backend's index state."""
+        policy = self._fleet.policy
+        index = getattr(policy, "index", None)
+        events = getattr(policy, "event_backends", set())
+        backends = {
+            b.name: {
+                "usable": b.usable,
+                "inflight": b.inflight,
+                "queued_tokens": b.queued_tokens,
+                "waiting": b.waiting,
+                "index_mode": "events" if b.name in events else "approximate",
+                "index_keys": index.size(b.name) if index is not None else None,
+            }
+            for b in self._fleet.members
+        }
+        decisions = list(getattr(policy, "recent", ()))
+        return web.json_response({"backends": backends, "decisions": decisions})
 
 
 async def _relay(upstream: Upstream, response: web.StreamResponse) -> None:
@@ -164,6 +230,16 @@ async def _end_stream_with(response: web.StreamResponse, err: KvrouteError) -> N
         pass  # the client is gone too; nothing left to tell
 
 
+def _refusal(err: KvrouteError, headers: dict[str, str]) -> web.Response:
+    """The error response for a request refused before any backend saw it."""
+    if isinstance(err, Unauthorized):
+        headers = {**headers, "WWW-Authenticate": "Bearer"}
+    response = err.to_http(headers)
+    if isinstance(err, (PayloadTooLarge, RequestTimeout)):
+        response.force_close()  # the rest of the body is not worth the connection
+    return response
+
+
 def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
     headers = forward_headers(upstream.headers)
     headers.update(extra)
@@ -172,6 +248,40 @@ def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
 
 def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
+
+
+class _NoClientFaults(logging.Filter):
+    """Drop aiohttp's traceback for a malformed request: the client got its 400, and a
+    flood of them must not flood the log (no logging per request). Our own failures,
+    which aiohttp reports the same way, still get through."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, HttpProcessingError)
+
+
+log.http.addFilter(_NoClientFaults())
+
+
+def server_limits(limits: LimitsConfig) -> dict[str, object]:
+    """aiohttp server settings for the client-side limits.
+
+    aiohttp closes a connection that sits `keepalive_timeout` seconds without a complete
+    request, counted from the connection or the previous response, and a trickle of
+    bytes does not extend it: so it is both the idle keep-alive timeout and the header
+    read timeout that ends slowloris connections. An over-long request or header line,
+    or too many headers, is a 400 before any handler runs. After a refusal that left the
+    body unread (413, 408) aiohttp reads and drops what still comes for
+    `lingering_time`, so the client sees the answer instead of a reset, then closes.
+    """
+    return {
+        "logger": log.http,
+        "keepalive_timeout": limits.header_timeout,
+        "lingering_time": min(_LINGER_SECONDS, limits.body_timeout),
+        "max_line_size": limits.max_header_bytes,
+        "max_field_size": limits.max_header_bytes,
+        "max_headers": limits.max_headers,
+    }
 
 
 @web.middleware

@@ -12,20 +12,23 @@ from collections.abc import Callable, Iterable
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     PlatformCollector,
     ProcessCollector,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.backends import Backend
+from router.breaker import BreakerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+_ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -42,10 +45,30 @@ class _BackendCollector:
         up = GaugeMetricFamily(
             "kvroute_backend_up", "1 if the backend is usable for routing", labels=["backend"]
         )
+        checks = GaugeMetricFamily(
+            "kvroute_backend_health_check_up",
+            "1 if the backend passes its active health checks",
+            labels=["backend"],
+        )
+        circuit = GaugeMetricFamily(
+            "kvroute_backend_circuit_state",
+            "1 for the state the backend's circuit breaker is in",
+            labels=["backend", "state"],
+        )
+        changes = CounterMetricFamily(
+            "kvroute_backend_state_changes",
+            "Health, breaker and drain state changes, by the state entered",
+            labels=["backend", "to"],
+        )
         for b in self._members():
             inflight.add_metric([b.name], b.inflight)
-            up.add_metric([b.name], 1.0 if b.healthy else 0.0)
-        return [inflight, up]
+            up.add_metric([b.name], 1.0 if b.usable else 0.0)
+            checks.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            for state in BreakerState:
+                circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
+            for to, count in b.transitions.items():
+                changes.add_metric([b.name, to], count)
+        return [inflight, up, checks, circuit, changes]
 
 
 class Metrics:
@@ -111,6 +134,49 @@ class Metrics:
             ["backend"],
             registry=r,
         )
+        self.retries = Counter(
+            "kvroute_retries",
+            "Attempts retried on another backend, by the failed backend and why",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self.tenant_requests = Counter(
+            "kvroute_tenant_requests",
+            "Requests authenticated by a token that carries a tenant, by tenant",
+            ["tenant"],
+            registry=r,
+        )
+
+        self.prediction_error = Histogram(
+            "kvroute_kv_prediction_error_tokens",
+            "Predicted minus backend-reported cached prompt tokens, per request",
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvroute_cached_tokens",
+            "Cached prompt tokens, as predicted by the router and as reported by backends",
+            ["source"],
+            registry=r,
+        )
+
+        self.telemetry_fallbacks = Counter(
+            "kvroute_telemetry_fallbacks",
+            "Telemetry downgrades by backend and reason (scrape_failed, stale_metrics, "
+            "event_reset)",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self._index_mode = Gauge(
+            "kvroute_backend_index_mode",
+            "1 for the prefix-index source each backend is in: events or approximate",
+            ["backend", "mode"],
+            registry=r,
+        )
+
+    def index_mode(self, backend: str, events: bool) -> None:
+        self._index_mode.labels(backend, "events").set(1 if events else 0)
+        self._index_mode.labels(backend, "approximate").set(0 if events else 1)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

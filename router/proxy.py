@@ -11,6 +11,7 @@ only here, so a failure writing to the *client* can never pass for a backend err
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
@@ -18,6 +19,8 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from yarl import URL
 
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
+
+_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 
 HOP_BY_HOP = frozenset(
     {
@@ -62,6 +65,7 @@ class Upstream:
         "_idle",
         "_on_gap",
         "_resp",
+        "_tail",
         "backend_name",
         "first_chunk_at",
         "headers",
@@ -72,27 +76,41 @@ class Upstream:
     def __init__(
         self,
         resp: aiohttp.ClientResponse,
-        deadline: asyncio.Timeout,
         idle: float,
         end: float,
         on_gap: Callable[[float], None],
     ) -> None:
         self._resp = resp
-        self._deadline = deadline
+        self._deadline: asyncio.Timeout | None = None
         self._idle = idle
         self._end = end
         self._on_gap = on_gap
         self.first_chunk_at: float | None = None
+        self._tail = b""
         self.backend_name = ""
         self.status = resp.status
         self.headers: CIMultiDictProxy[str] = resp.headers
         self.streaming = resp.content_type == "text/event-stream"
 
+    def watch(self, deadline: asyncio.Timeout) -> None:
+        """The timeout guarding the body; each chunk pushes it `idle` seconds on."""
+        self._deadline = deadline
+
     async def read(self) -> bytes:
         try:
-            return await self._resp.read()
+            self._tail = await self._resp.read()
         except aiohttp.ClientError as exc:
             raise UpstreamDisconnected(f"backend failed while sending the body: {exc}") from exc
+        return self._tail
+
+    def cached_tokens(self) -> int | None:
+        """`usage.prompt_tokens_details.cached_tokens` of the answer, if it reported one.
+
+        Streams report usage in their last event, so only the last chunk is kept (by
+        reference) and searched once, at the end.
+        """
+        found = _CACHED_TOKENS.search(self._tail)
+        return int(found.group(1)) if found else None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield data as the backend flushes it; each chunk extends the idle deadline.
@@ -101,6 +119,7 @@ class Upstream:
         """
         loop = asyncio.get_running_loop()
         deadline, idle, end, on_gap = self._deadline, self._idle, self._end, self._on_gap
+        assert deadline is not None, "watch() the body's timeout before reading it"
         content = self._resp.content
         last = None
         while True:
@@ -116,6 +135,7 @@ class Upstream:
             else:
                 on_gap(now - last)
             last = now
+            self._tail = chunk
             deadline.reschedule(min(now + idle, end))
             yield chunk
 
@@ -133,7 +153,6 @@ async def open_upstream(
     method: str,
     body: bytes,
     headers: CIMultiDict[str],
-    deadline: asyncio.Timeout,
     idle: float,
     end: float,
     on_gap: Callable[[float], None],
@@ -144,4 +163,4 @@ async def open_upstream(
         raise UpstreamConnectError(f"cannot connect to backend: {exc.os_error}") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"backend failed before responding: {exc}") from exc
-    return Upstream(resp, deadline, idle, end, on_gap)
+    return Upstream(resp, idle, end, on_gap)

@@ -72,6 +72,8 @@ def parse(kind: Kind, body: bytes) -> _Common:
         raise BadRequest(f"Invalid request body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
+    except RecursionError:  # skipped fields are still walked: deep nesting ends here
+        raise BadRequest("Request body is nested too deeply.") from None
     field = _REQUIRED.get(kind)
     if field is not None and not getattr(req, field):
         raise BadRequest(f"Field required: `{field}`", param=field)

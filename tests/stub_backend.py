@@ -25,6 +25,8 @@ class Behaviour:
     hang_after_chunks: int | None = None
     cut_after_chunks: int | None = None
     delay: float = 0.0
+    health_status: int = 200
+    health_delay: float = 0.0
 
 
 @dataclass
@@ -39,6 +41,7 @@ class StubBackend:
     aborted: int = 0
     completed: int = 0
     chunk_sent_at: list[float] = field(default_factory=list)
+    health_checks: int = 0
     port: int = 0
     _runner: web.AppRunner | None = None
 
@@ -47,7 +50,7 @@ class StubBackend:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> StubBackend:
-        app = web.Application()
+        app = web.Application(middlewares=[_bad_json_is_400])
         app.add_routes(
             [
                 web.get("/v1/models", self._models),
@@ -60,7 +63,7 @@ class StubBackend:
         )
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self
@@ -69,12 +72,24 @@ class StubBackend:
         if self._runner is not None:
             await self._runner.cleanup()
 
+    async def kill(self) -> None:
+        """Die abruptly: cut every connection mid-whatever, then close the port.
+
+        `start()` again comes back on the same port, as a restarted server would.
+        """
+        if self._runner is not None and self._runner.server is not None:
+            for conn in self._runner.server.connections:
+                conn.force_close()
+        await self.stop()
+
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
         return web.json_response({"object": "list", "data": [card]})
 
     async def _health(self, request: web.Request) -> web.Response:
-        return web.Response()
+        self.health_checks += 1
+        await asyncio.sleep(self.behaviour.health_delay)
+        return web.Response(status=self.behaviour.health_status)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
@@ -133,6 +148,15 @@ class StubBackend:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+
+@web.middleware
+async def _bad_json_is_400(request: web.Request, handler) -> web.StreamResponse:
+    """As vLLM does: a body that is not JSON is the client's error, not a crash."""
+    try:
+        return await handler(request)
+    except (orjson.JSONDecodeError, AttributeError, TypeError):
+        return _error(400, "bad request body")
 
 
 def _error(status: int, message: str) -> web.Response:

@@ -39,3 +39,11 @@ async def settle(router: Router, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while router.dispatcher.active or any(b.inflight for b in router.fleet.members):
             await asyncio.sleep(0.01)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The chaos and abuse suite's own counts (tests/router/chaos.py)."""
+    from tests.router.chaos import TALLY
+
+    if TALLY.sent:
+        terminalreporter.write_line(f"kvroute chaos and abuse suite: {TALLY}")

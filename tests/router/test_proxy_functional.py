@@ -204,7 +204,10 @@ async def test_backend_errors() -> None:
 
 
 async def test_concurrency_limit_answers_429() -> None:
-    async with running(1, limits={"max_concurrent_requests": 2}) as (router, stubs):
+    async with running(1, limits={"max_concurrent_requests": 2, "queue_size": 0}) as (
+        router,
+        stubs,
+    ):
         stubs[0].behaviour.delay = 1.0
         payload = {"json": {"model": MODEL, "messages": CHAT}}
         url = router.url + "/v1/chat/completions"

@@ -1,0 +1,71 @@
+"""`kvroute demo`: what prefix-aware routing buys, in under a minute, from `pip install -e .`.
+
+It is `kvroute bench` with fixed arguments: 4 simulated vLLM servers (Llama-70B-class cost
+model, 4x faster than real time), the long-prefix workload (16 documents of 8,000 tokens,
+6 questions of ~100 tokens on each, Poisson arrivals at 3.5 requests per simulated
+second, which keeps RANDOM's fleet busy but not saturated), and RANDOM,
+LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE, each on a fresh, cold fleet with a router in
+front. It prints the table, a plain-language reading, and stops everything it started.
+
+Why the numbers differ: with 6 requests per document spread at random over 4 backends,
+each document is prefilled on about 4 * (1 - (3/4)**6) = 3.3 backends, so about 45% of
+prompt tokens hit the cache; pinned to one backend, 5 of 6 requests hit (82% of the
+tokens: questions are never cached). An uncached 8,000-token prompt costs about 0.8 s of
+prefill before its first token, a cached one a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+
+from bench import harness
+
+__all__ = ["main"]
+
+_REQUESTS_PER_GROUP = 6
+
+
+def demo_argv(backends: int, groups: int, time_scale: float) -> list[str]:
+    """The `kvroute bench` arguments of the demo."""
+    rate = 3.5 * backends / 4  # the same load per backend for any fleet size
+    return [
+        "--strategies=RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE",
+        "--workload=long-prefix",
+        f"--backends={backends}",
+        f"--groups={groups}",
+        f"--requests={groups * _REQUESTS_PER_GROUP}",
+        f"--rate={rate:g}",
+        "--max-tokens=50",
+        f"--time-scale={time_scale:g}",
+        "--max-wall=120",
+    ]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="kvroute demo",
+        description=__doc__.split("\n\n")[1].replace("\n", " "),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--backends", type=int, default=4, help="simulated vLLM servers")
+    parser.add_argument("--groups", type=int, default=16, help="8k-token documents")
+    parser.add_argument("--time-scale", type=float, default=0.25, help="simulated time x this")
+    args = parser.parse_args(argv)
+    bench_argv = demo_argv(args.backends, args.groups, args.time_scale)
+    print(f"kvroute demo: kvroute bench {' '.join(bench_argv)}", flush=True)
+    started = time.monotonic()
+    code = harness.main(bench_argv)
+    if code == 0:
+        print(
+            "Why: a cached 8,000-token prefix saves ~0.8 s of prefill; PREFIX_AWARE sends each "
+            f"document to one backend, the others spread it over several. "
+            f"({time.monotonic() - started:.0f} s)"
+        )
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

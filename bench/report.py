@@ -1,0 +1,290 @@
+"""Turn raw benchmark runs into numbers: one summary per strategy, a table, a reading, a chart.
+
+A `Run` is what the harness measured for one strategy: the per-request `Outcome`s, each
+backend's counter deltas over the replay (requests, busy seconds, prefix-cache hits and
+queries), the router's decision-time histogram delta and the calibrated hop cost.
+`summarize` reduces it to a `Summary`:
+
+- TTFT, ITL and end-to-end percentiles over successful requests (linear interpolation
+  between order statistics), and throughput (successful requests per second between the
+  first send and the last completion). These are divided by `time_scale`, so they read in
+  simulated time, comparable across time scales and with real hardware; the router's own
+  costs (decision time, hop) are real time and are never scaled.
+- Fleet KV hit rate: sum of prefix-cache hit deltas / sum of query deltas over backends
+  (vLLM's `vllm:prefix_cache_{hits,queries}_total`: tokens), else the clients'
+  `cached_tokens / prompt_tokens` when the target reported them, else n/a.
+- Load spread: max / mean over backends of requests and of busy time (1.0 = even).
+
+Cost: O(requests log requests) for the sorts; the chart needs matplotlib (optional).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from bench.loadgen import Outcome
+
+__all__ = [
+    "BackendDelta",
+    "Run",
+    "Summary",
+    "bucket_quantile",
+    "chart",
+    "percentile",
+    "reading",
+    "summarize",
+    "table",
+]
+
+
+class BackendDelta(msgspec.Struct, kw_only=True):
+    """One backend's counters over the replay; None where the backend does not expose them."""
+
+    name: str
+    requests: float | None = None
+    busy_seconds: float | None = None
+    prefix_hits: float | None = None
+    prefix_queries: float | None = None
+
+
+class Run(msgspec.Struct, kw_only=True):
+    strategy: str
+    time_scale: float
+    wall_seconds: float
+    outcomes: list[Outcome]
+    backends: list[BackendDelta] = []
+    decision_seconds_sum: float | None = None  # router histogram deltas
+    decision_buckets: list[tuple[str, float]] = []  # ("le" label, cumulative count)
+    hop_seconds: float | None = None  # calibration: median of routed - direct pairs
+    loop_lag_p99: float | None = None  # the harness's event loop, seconds
+    cpu: dict[str, float] = {}  # process -> share of one core over the replay
+
+
+class Summary(msgspec.Struct, kw_only=True):
+    """One table row; latencies and throughput in simulated time, router costs real."""
+
+    strategy: str
+    ok: int
+    failed: int
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    itl_p50: float | None
+    itl_p99: float | None
+    e2e_p50: float | None
+    throughput: float | None
+    hit_rate: float | None
+    hit_rate_source: str
+    spread_requests: float | None
+    spread_busy: float | None
+    decision_us: float | None  # P50 from the histogram's buckets
+    decision_mean_us: float | None
+    hop_ms: float | None
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-quantile (0..1) with linear interpolation; None for no values."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def bucket_quantile(buckets: Sequence[tuple[str, float]], q: float) -> float | None:
+    """Prometheus' histogram_quantile over ("le", cumulative count) pairs: linear within
+    the bucket that holds rank q x total; the last finite bound if that is "+Inf"."""
+    total = _count(buckets)
+    if not total:
+        return None
+    rank, low, below = q * total, 0.0, 0.0
+    for label, cumulative in buckets:
+        le = float(label)
+        if cumulative >= rank:
+            if math.isinf(le):
+                return low
+            inside = cumulative - below
+            return low + (le - low) * ((rank - below) / inside if inside else 0.0)
+        low, below = le, cumulative
+    return low
+
+
+def _count(buckets: Sequence[tuple[str, float]]) -> float | None:
+    return buckets[-1][1] if buckets else None
+
+
+def _micros(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e6
+
+
+def summarize(run: Run) -> Summary:
+    ok = [o for o in run.outcomes if o.ok]
+    ttft = [o.ttft for o in ok if o.ttft is not None]
+    itl = [gap for o in ok for gap in o.itl]
+    e2e = [o.e2e for o in ok if o.e2e is not None]
+    hit_rate, source = _hit_rate(run)
+    return Summary(
+        strategy=run.strategy,
+        ok=len(ok),
+        failed=len(run.outcomes) - len(ok),
+        ttft_p50=_scaled(percentile(ttft, 0.5), run),
+        ttft_p90=_scaled(percentile(ttft, 0.9), run),
+        ttft_p99=_scaled(percentile(ttft, 0.99), run),
+        itl_p50=_scaled(percentile(itl, 0.5), run),
+        itl_p99=_scaled(percentile(itl, 0.99), run),
+        e2e_p50=_scaled(percentile(e2e, 0.5), run),
+        throughput=_throughput(ok, run.time_scale),
+        hit_rate=hit_rate,
+        hit_rate_source=source,
+        spread_requests=_spread(b.requests for b in run.backends),
+        spread_busy=_spread(b.busy_seconds for b in run.backends),
+        decision_us=_micros(bucket_quantile(run.decision_buckets, 0.5)),
+        decision_mean_us=_micros(_ratio(run.decision_seconds_sum, _count(run.decision_buckets))),
+        hop_ms=None if run.hop_seconds is None else run.hop_seconds * 1e3,
+    )
+
+
+def _scaled(seconds: float | None, run: Run) -> float | None:
+    return None if seconds is None else seconds / run.time_scale
+
+
+def _throughput(ok: list[Outcome], time_scale: float) -> float | None:
+    spans = [(o.sent, o.sent + o.e2e) for o in ok if o.sent is not None and o.e2e is not None]
+    if len(spans) < 2:
+        return None
+    elapsed = max(end for _, end in spans) - min(start for start, _ in spans)
+    return len(spans) / (elapsed / time_scale) if elapsed > 0 else None
+
+
+def _hit_rate(run: Run) -> tuple[float | None, str]:
+    hits = [b.prefix_hits for b in run.backends]
+    queries = [b.prefix_queries for b in run.backends]
+    if hits and None not in hits and None not in queries:
+        return _ratio(sum(hits), sum(queries)), "backends' vllm:prefix_cache_* counters"
+    usage = [o for o in run.outcomes if o.ok and o.cached_tokens is not None and o.prompt_tokens]
+    if usage:
+        cached = sum(o.cached_tokens or 0 for o in usage)
+        return _ratio(cached, sum(o.prompt_tokens or 0 for o in usage)), "usage.cached_tokens"
+    return None, "n/a"
+
+
+def _spread(values: Iterable[float | None]) -> float | None:
+    """max / mean; None if any backend's value is unknown or all are zero."""
+    values = list(values)
+    if not values or None in values:
+        return None
+    return _ratio(max(values), sum(values) / len(values))
+
+
+def _ratio(num: float | None, den: float | None, unit: float = 1.0) -> float | None:
+    return None if num is None or not den else num / den * unit
+
+
+# (header, Summary field, format); a missing value prints as n/a
+_COLUMNS = (
+    ("strategy", "strategy", "{}"),
+    ("ok", "ok", "{}"),
+    ("fail", "failed", "{}"),
+    ("TTFT p50", "ttft_p50", "ms"),
+    ("p90", "ttft_p90", "ms"),
+    ("p99", "ttft_p99", "ms"),
+    ("ITL p50", "itl_p50", "ms1"),
+    ("p99", "itl_p99", "ms1"),
+    ("E2E p50", "e2e_p50", "ms"),
+    ("req/s", "throughput", "{:.2f}"),
+    ("KV hit", "hit_rate", "pct"),
+    ("spread req", "spread_requests", "{:.2f}"),
+    ("spread busy", "spread_busy", "{:.2f}"),
+    ("decide µs", "decision_us", "{:.1f}"),
+    ("hop ms", "hop_ms", "{:.2f}"),
+)
+
+
+def _cell(value: object, fmt: str) -> str:
+    if value is None:
+        return "n/a"
+    if fmt == "ms":
+        return f"{value * 1e3:.0f}"
+    if fmt == "ms1":
+        return f"{value * 1e3:.1f}"
+    if fmt == "pct":
+        return f"{value:.1%}"
+    return fmt.format(value)
+
+
+def table(summaries: Sequence[Summary]) -> str:
+    """A fixed-width text table, one row per strategy."""
+    rows = [[h for h, _, _ in _COLUMNS]]
+    rows += [[_cell(getattr(s, f), fmt) for _, f, fmt in _COLUMNS] for s in summaries]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = [
+        "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in rows
+    ]
+    return "\n".join(lines)
+
+
+def reading(summaries: Sequence[Summary]) -> list[str]:
+    """Plain-language lines: each strategy against the first one (the baseline)."""
+    if len(summaries) < 2:
+        return []
+    base = summaries[0]
+    return [_versus(s, base) for s in summaries[1:]]
+
+
+def _versus(s: Summary, base: Summary) -> str:
+    parts = [
+        f"P50 TTFT {_change(s.ttft_p50, base.ttft_p50)}",
+        f"P90 TTFT {_change(s.ttft_p90, base.ttft_p90)}",
+        f"KV hit rate {_cell(base.hit_rate, 'pct')} → {_cell(s.hit_rate, 'pct')}",
+        f"busy spread {_cell(base.spread_busy, '{:.2f}')} → {_cell(s.spread_busy, '{:.2f}')}",
+    ]
+    return f"{s.strategy} vs {base.strategy}: " + ", ".join(parts)
+
+
+def _change(new: float | None, old: float | None) -> str:
+    if new is None or not old:
+        return "n/a"
+    percent = round(100 * (new - old) / old)  # rounded first: no "-0%"
+    return f"{percent:+d}%".replace("-", "\N{MINUS SIGN}")
+
+
+def chart(runs: Sequence[Run], summaries: Sequence[Summary], path: Path) -> bool:
+    """TTFT CDFs and hit rate per strategy as a PNG; False if matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return False
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
+    for run in runs:
+        ttft = sorted(o.ttft / run.time_scale for o in run.outcomes if o.ok and o.ttft)
+        if ttft:
+            left.step(ttft, [(i + 1) / len(ttft) for i in range(len(ttft))], label=run.strategy)
+    left.set(xscale="log", xlabel="TTFT, simulated seconds", ylabel="fraction of requests")
+    left.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+    left.set_title("TTFT distribution")
+    left.grid(alpha=0.3)
+    left.legend()
+    names = [s.strategy for s in summaries]
+    rates = [100 * (s.hit_rate or 0.0) for s in summaries]
+    bars = right.bar(range(len(names)), rates, color=[f"C{i}" for i in range(len(names))])
+    right.bar_label(bars, fmt="%.1f%%", fontsize=8)  # same colours as the TTFT lines
+    right.set_xticks(range(len(names)), [n.replace("_", "_\n") for n in names], fontsize=7)
+    right.set(ylim=(0, 100), ylabel="%", title="fleet KV cache hit rate")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True

@@ -1,0 +1,188 @@
+"""The admin API: its own aiohttp listener (loopback by default) and its own token.
+
+Every route needs `Authorization: Bearer <admin token>` (read from `admin.token_file`
+or `admin.token_env`, compared in constant time). Data-plane tokens never open it: they
+are checked against the admin token only, and a config in which the admin token is
+also a data-plane token is refused at start and on reload.
+
+  GET    /admin/backends               every backend: url, weight, models, state
+                                       (active | draining | retiring), health check
+                                       verdict and age of the last pass, breaker
+                                       state, usable, in-flight requests
+  POST   /admin/backends               add one: {"url", "name"?, "weight"?, "models"?}
+  DELETE /admin/backends/{name}        remove one: no new requests, in-flight ones end
+  POST   /admin/backends/{name}/drain  no new requests, but it keeps its place on the
+                                       hash ring, so `undrain` brings its prefixes back
+  POST   /admin/backends/{name}/undrain
+  GET    /admin/config                 the effective config (it names where secrets
+                                       are read from, never the secrets)
+  POST   /admin/reload                 re-read the config file, as SIGHUP does
+
+Add and remove edit the effective config and go through the same build, validate and
+swap as a reload (reload.py); a later reload from the file brings back the file's
+list. Drain is runtime state: it survives reloads while the backend stays configured.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import typing
+
+import msgspec
+import orjson
+from aiohttp import web
+
+from router.auth import bearer, read_secret
+from router.backends import Backend
+from router.config import AdminConfig, Config, ConfigError, build
+from router.errors import KvrouteError, Unauthorized
+from router.http_ingress import errors_middleware, server_limits
+
+if typing.TYPE_CHECKING:
+    from router.app import Router
+
+_CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
+
+
+class AdminServer:
+    def __init__(self, router: Router, cfg: AdminConfig) -> None:
+        self._router = router
+        self._cfg = cfg
+        self.token = read_secret(cfg.token_file, cfg.token_env, "admin token")
+        self._digest = hashlib.sha256(self.token.encode()).digest()
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://{self._cfg.host}:{self.port}"
+
+    async def start(self) -> None:
+        app = web.Application(middlewares=[self._authorize, errors_middleware])
+        app.add_routes(
+            [
+                web.get("/admin/backends", self.backends),
+                web.post("/admin/backends", self.add),
+                web.delete("/admin/backends/{name}", self.remove),
+                web.post("/admin/backends/{name}/drain", self.drain),
+                web.post("/admin/backends/{name}/undrain", self.undrain),
+                web.get("/admin/config", self.config),
+                web.post("/admin/reload", self.reload),
+            ]
+        )
+        limits = server_limits(self._router.config.limits)
+        self._runner = web.AppRunner(app, access_log=None, **limits)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self._cfg.host, self._cfg.port, reuse_address=True)
+        await site.start()
+        self.port = self._runner.addresses[0][1]
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    @web.middleware
+    async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        try:
+            token = bearer(request.headers.get("Authorization"))
+            digest = hashlib.sha256(token.encode()).digest()
+            if not hmac.compare_digest(digest, self._digest):
+                raise Unauthorized("Invalid admin token.")
+        except Unauthorized as err:
+            return err.to_http(_CHALLENGE)
+        try:
+            return await handler(request)
+        except KvrouteError as err:
+            return err.to_http()
+
+    async def backends(self, request: web.Request) -> web.Response:
+        fleet = self._router.fleet
+        rows = [self._describe(b, "draining" if b.draining else "active") for b in fleet.members]
+        rows += [self._describe(b, "retiring") for b in fleet.retired if b.inflight]
+        return _json({"backends": rows})
+
+    async def add(self, request: web.Request) -> web.Response:
+        entry = await _body(request)
+        config = self._router.config
+        return await self._apply([*_entries(config), entry], status=201)
+
+    async def remove(self, request: web.Request) -> web.Response:
+        name = self._known(request).name
+        config = self._router.config
+        kept = [e for c, e in zip(config.backends, _entries(config), strict=True) if c.key != name]
+        return await self._apply(kept)
+
+    async def drain(self, request: web.Request) -> web.Response:
+        backend = self._known(request)
+        self._router.fleet.set_draining(backend, True)
+        return _json(self._describe(backend, "draining"))
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        backend = self._known(request)
+        self._router.fleet.set_draining(backend, False)
+        return _json(self._describe(backend, "active"))
+
+    async def config(self, request: web.Request) -> web.Response:
+        return _json(msgspec.to_builtins(self._router.config))
+
+    async def reload(self, request: web.Request) -> web.Response:
+        try:
+            report = await self._router.reloader.reload()
+        except ConfigError as exc:
+            raise KvrouteError(f"Reload rejected: {exc}", status=400) from None
+        return _json(report)
+
+    async def _apply(self, entries: list[dict], status: int = 200) -> web.Response:
+        data = msgspec.to_builtins(self._router.config)
+        data["backends"] = entries
+        try:
+            report = await self._router.reloader.apply(build(data, "admin"))
+        except ConfigError as exc:
+            raise KvrouteError(str(exc), status=400) from None
+        return _json(report, status)
+
+    def _known(self, request: web.Request) -> Backend:
+        name = request.match_info["name"]
+        backend = self._router.fleet.find(name)
+        if backend is None:
+            raise KvrouteError(f"No backend named `{name}`.", status=404)
+        return backend
+
+    def _describe(self, b: Backend, state: str) -> dict:
+        last = self._router.health.last_pass.get(b.name)
+        now = asyncio.get_running_loop().time()
+        return {
+            "name": b.name,
+            "url": str(b.url),
+            "weight": b.weight,
+            "models": sorted(b.models) if b.models is not None else None,
+            "state": state,
+            "usable": b.usable,
+            "health": {
+                "up": b.healthy,
+                "streak": b.check_streak,
+                "last_pass_seconds_ago": None if last is None else round(now - last, 3),
+            },
+            "breaker": b.breaker.state.value,
+            "inflight": b.inflight,
+        }
+
+
+def _entries(config: Config) -> list[dict]:
+    return [msgspec.to_builtins(c) for c in config.backends]
+
+
+async def _body(request: web.Request) -> dict:
+    try:
+        data = orjson.loads(await request.read())
+    except orjson.JSONDecodeError:
+        raise KvrouteError("The body must be a JSON object.", status=400) from None
+    if not isinstance(data, dict):
+        raise KvrouteError("The body must be a JSON object.", status=400)
+    return data
+
+
+def _json(data: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")

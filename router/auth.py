@@ -1,0 +1,233 @@
+"""Bearer tokens: data-plane authentication, the admin token, and `kvroute token issue`.
+
+Two kinds of data-plane token, both sent as `Authorization: Bearer <token>`:
+
+- static: listed in a file or an environment variable, each optionally with a tenant;
+- signed: `kvr1.<claims>.<mac>`, where claims is base64url(JSON {"tnt", "iat", "exp"})
+  and mac is base64url(HMAC-SHA256(key, "kvr1." + claims)). It is valid while
+  iat - 60 s <= now < exp, and only if exp - iat <= 12 hours: a longer-lived token is
+  refused even when the key signed it, so a leaked token is useful for half a day at
+  most. The tenant it carries becomes the request's tenant (routing isolation, per-
+  tenant caps and metrics); a client cannot choose it.
+
+Checks are constant-time (`hmac.compare_digest`): the presented token's SHA-256 digest
+is compared with every static token's digest, never stopping early, and a signature
+with the expected one. Tokens are never logged, and error messages never repeat them.
+Secrets are read once per (re)load; `Authenticator.adopt` swaps them in one step.
+Cost per request: one SHA-256 and one comparison per static token, or one HMAC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import hmac
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+import msgspec
+
+from router.config import AuthConfig, ConfigError, load
+from router.errors import Unauthorized
+
+MAX_LIFETIME = 12 * 3600
+MIN_KEY_BYTES = 32
+_PREFIX = "kvr1"
+_CLOCK_SKEW = 60
+_TENANT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
+
+class _Claims(msgspec.Struct, forbid_unknown_fields=True):
+    tnt: str
+    iat: int
+    exp: int
+
+
+_DECODE_CLAIMS = msgspec.json.Decoder(_Claims)
+_ENCODE = msgspec.json.Encoder()
+
+
+def read_secret(file: str | None, env: str | None, what: str) -> str:
+    """A secret from a file (stripped) or an environment variable; ConfigError if absent."""
+    if file is not None:
+        try:
+            value = Path(file).read_text().strip()
+        except OSError as exc:
+            raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from None
+    else:
+        value = os.environ.get(env or "", "").strip()
+        if not value:
+            raise ConfigError(f"{what}: environment variable {env} is not set")
+    if not value:
+        raise ConfigError(f"{what}: {file} is empty")
+    return value
+
+
+def _b64(raw: bytes) -> str:
+    return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _mac(key: bytes, claims: str) -> bytes:
+    return hmac.new(key, f"{_PREFIX}.{claims}".encode(), hashlib.sha256).digest()
+
+
+def issue(key: bytes, tenant: str, ttl: int, now: float | None = None) -> str:
+    """A signed token for `tenant`, valid `ttl` seconds (at most 12 hours)."""
+    if not 0 < ttl <= MAX_LIFETIME:
+        raise ValueError(f"ttl must be 1..{MAX_LIFETIME} seconds, got {ttl}")
+    if not _TENANT.fullmatch(tenant):
+        raise ValueError("tenant must be 1-64 characters of A-Z a-z 0-9 . _ : -")
+    _check_key(key)
+    iat = int(time.time() if now is None else now)
+    claims = _b64(_ENCODE.encode(_Claims(tenant, iat, iat + ttl)))
+    return f"{_PREFIX}.{claims}.{_b64(_mac(key, claims))}"
+
+
+def verify(key: bytes, token: str, now: float | None = None) -> str:
+    """The tenant of a valid signed token; raises Unauthorized otherwise."""
+    parts = token.split(".")
+    if len(parts) != 3 or parts[0] != _PREFIX:
+        raise Unauthorized("Invalid bearer token.")
+    try:
+        mac, raw = _unb64(parts[2]), _unb64(parts[1])
+    except ValueError:
+        raise Unauthorized("Invalid bearer token.") from None
+    if not hmac.compare_digest(mac, _mac(key, parts[1])):
+        raise Unauthorized("Invalid bearer token.")
+    try:
+        claims = _DECODE_CLAIMS.decode(raw)
+    except msgspec.DecodeError:  # signed by our key, so ours, but malformed
+        raise Unauthorized("Invalid bearer token.") from None
+    now = time.time() if now is None else now
+    if claims.exp - claims.iat > MAX_LIFETIME or claims.iat > now + _CLOCK_SKEW:
+        raise Unauthorized("Invalid bearer token: lifetime over 12 hours.")
+    if now >= claims.exp:
+        raise Unauthorized("The bearer token has expired.")
+    if not _TENANT.fullmatch(claims.tnt):
+        raise Unauthorized("Invalid bearer token.")
+    return claims.tnt
+
+
+def _check_key(key: bytes) -> None:
+    if len(key) < MIN_KEY_BYTES:
+        raise ValueError(f"the signing key must have at least {MIN_KEY_BYTES} bytes")
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode()).digest()
+
+
+def _static_tokens(cfg: AuthConfig) -> list[tuple[bytes, str | None]]:
+    lines: list[str] = []
+    if cfg.tokens_file is not None:
+        lines += read_secret(cfg.tokens_file, None, "auth.tokens_file").splitlines()
+    if cfg.tokens_env is not None:
+        lines += read_secret(None, cfg.tokens_env, "auth.tokens_env").split(",")
+    tokens = []
+    for line in lines:
+        fields = line.split("#", 1)[0].split()
+        if not fields:
+            continue
+        if len(fields) > 2 or (len(fields) == 2 and not _TENANT.fullmatch(fields[1])):
+            raise ConfigError("auth: a static token line is `TOKEN [TENANT]`")
+        tokens.append((_digest(fields[0]), fields[1] if len(fields) == 2 else None))
+    return tokens
+
+
+def _signing_key(cfg: AuthConfig) -> bytes | None:
+    if cfg.signing_key_file is None and cfg.signing_key_env is None:
+        return None
+    key = read_secret(cfg.signing_key_file, cfg.signing_key_env, "auth signing key").encode()
+    try:
+        _check_key(key)
+    except ValueError as exc:
+        raise ConfigError(f"auth: {exc}") from None
+    return key
+
+
+class Authenticator:
+    """The data plane's token check; `adopt` swaps in a reloaded one's secrets."""
+
+    __slots__ = ("_key", "_static", "enabled")
+
+    def __init__(self, cfg: AuthConfig) -> None:
+        """Read the secrets `cfg` names; ConfigError if one is missing or malformed."""
+        self.enabled = cfg.enabled
+        self._static = _static_tokens(cfg) if cfg.enabled else []
+        self._key = _signing_key(cfg) if cfg.enabled else None
+
+    def adopt(self, other: Authenticator) -> None:
+        self.enabled, self._static, self._key = other.enabled, other._static, other._key
+
+    def knows(self, token: str) -> bool:
+        """Is `token` one of the static data-plane tokens? (The admin token must not be.)"""
+        return self._match(token)[0]
+
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The tenant of the request's bearer token (None if it carries none).
+
+        Raises Unauthorized when the header is missing, malformed or the token invalid.
+        """
+        token = bearer(authorization)
+        if token.startswith(_PREFIX + ".") and self._key is not None:
+            return verify(self._key, token)
+        matched, tenant = self._match(token)
+        if not matched:
+            raise Unauthorized("Invalid bearer token.")
+        return tenant
+
+    def _match(self, token: str) -> tuple[bool, str | None]:
+        """Whether `token` is a static token, and its tenant."""
+        digest, matched, found = _digest(token), False, None
+        for known, tenant in self._static:
+            if hmac.compare_digest(digest, known):  # no early exit: same time for all
+                matched, found = True, tenant
+        return matched, found
+
+
+def bearer(authorization: str | None) -> str:
+    """The token of an `Authorization: Bearer <token>` header; Unauthorized if none."""
+    if not authorization:
+        raise Unauthorized("Missing bearer token: send `Authorization: Bearer <token>`.")
+    scheme, _, token = authorization.partition(" ")
+    token = token.strip()
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("Malformed Authorization header: expected `Bearer <token>`.")
+    return token
+
+
+def main(argv: list[str]) -> int:
+    """`kvroute token issue`: print a signed data-plane token."""
+    parser = argparse.ArgumentParser(prog="kvroute token", description=main.__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("issue", help="print a signed token for a tenant")
+    p.add_argument("--tenant", required=True, help="tenant id carried by the token")
+    p.add_argument(
+        "--ttl", type=int, default=3600, help=f"lifetime in seconds, at most {MAX_LIFETIME}"
+    )
+    key = p.add_mutually_exclusive_group(required=True)
+    key.add_argument("-c", "--config", metavar="FILE", help="take the key the config names")
+    key.add_argument("--key-file", help="file holding the signing key")
+    key.add_argument("--key-env", help="environment variable holding the signing key")
+    args = parser.parse_args(argv)
+    try:
+        if args.config:
+            auth = load(args.config).auth
+            if auth.signing_key_file is None and auth.signing_key_env is None:
+                raise ConfigError(f"{args.config}: auth has no signing_key_file or _env")
+            secret = read_secret(auth.signing_key_file, auth.signing_key_env, "signing key")
+        else:
+            secret = read_secret(args.key_file, args.key_env, "signing key")
+        print(issue(secret.encode(), args.tenant, args.ttl))
+    except (ConfigError, ValueError) as exc:
+        print(f"kvroute token: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,172 @@
+"""Hot reload: build, validate, swap (STYLE.md §6).
+
+`Reloader.reload()` (SIGHUP, `POST /admin/reload`) re-reads the YAML file with the
+command line's overrides applied again; `apply(config)` (also behind the admin API's
+add and remove) does the rest:
+
+1. build: the policy (the running one when `routing:` is unchanged, so whatever it
+   learned survives; its `on_fleet_change` rebuilds the ring, and consistent hashing
+   keeps the prefixes of unchanged backends where they were), the auth secrets, and
+   a Backend for each added one, checked once and asked for its models (bounded by
+   `health.timeout`), so it joins with known health and models;
+2. validate: any error (unreadable file, bad field, missing secret) raises
+   ConfigError before anything changed; the old config keeps serving;
+3. swap, with no await: fleet membership and policy (`Fleet.update`: unchanged
+   backends keep their object, in-flight count and health; removed ones get no new
+   requests and finish the ones they have), dispatcher, health and auth settings, and
+   finally `Router.config`, the effective config the admin API shows.
+
+Only the sections in `_LIVE` (and the admission limits) change on reload; the rest
+is bound to sockets or loops started once (listen, admin, grpc, shutdown, telemetry,
+header and body limits, ...), so it is kept from the running config and logged as
+"at restart". A lock serializes reloads, so an admin call and a SIGHUP never
+interleave between build and swap.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+import policies
+from router import log
+from router.auth import Authenticator
+from router.config import Config, ConfigError, load
+
+if typing.TYPE_CHECKING:
+    from router.admin import AdminServer
+    from router.app import Router
+
+#: top-level sections a reload applies; every other one waits for a restart
+_LIVE = frozenset(
+    {"backends", "routing", "timeouts", "limits", "health", "breaker", "retries", "auth"}
+)
+#: limits read by the HTTP server at start (aiohttp handler settings, app body limit)
+_LIMITS_AT_RESTART = (
+    "max_body_bytes",
+    "max_header_bytes",
+    "max_headers",
+    "header_timeout",
+    "body_timeout",
+)
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the config came from: a YAML file (or none) and command-line overrides."""
+
+    path: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Config:
+        return load(self.path, self.overrides)
+
+
+class Reloader:
+    def __init__(self, router: Router, source: ConfigSource | None) -> None:
+        self._router = router
+        self._source = source
+        self._lock = asyncio.Lock()
+        self._pending: set[asyncio.Task] = set()
+
+    def reload_soon(self) -> None:
+        """SIGHUP: reload in the background; a rejected config is logged, not raised."""
+        task = asyncio.get_running_loop().create_task(self._reload_quietly())
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _reload_quietly(self) -> None:
+        with contextlib.suppress(ConfigError):  # reload() logged why
+            await self.reload()
+
+    async def reload(self) -> dict[str, list[str]]:
+        """Re-read the config file and apply it; ConfigError (logged) leaves all as is."""
+        if self._source is None:
+            raise ConfigError("the router was started without a config to reload")
+        try:
+            config = self._source.load()
+        except ConfigError as exc:
+            log.config.error("reload rejected, the old config keeps serving: %s", exc)
+            raise
+        return await self.apply(config)
+
+    async def apply(self, config: Config) -> dict[str, list[str]]:
+        """Build, validate and swap in `config`; returns what changed, by kind."""
+        async with self._lock:
+            try:
+                return await self._apply(config)
+            except ConfigError as exc:
+                log.config.error("reload rejected, the old config keeps serving: %s", exc)
+                raise
+
+    async def _apply(self, new: Config) -> dict[str, list[str]]:
+        router = self._router
+        old = router.config
+        new, at_restart = _pin_restart_only(old, new)
+        fleet = router.fleet
+        policy = fleet.policy if new.routing == old.routing else _policy(new)
+        auth = Authenticator(new.auth)
+        check_admin_token(router.admin, auth)
+        backends = fleet.prepare(new.backends, new.breaker)
+        current = {id(b) for b in fleet.members}
+        added = [b for b in backends if id(b) not in current]
+        if added:
+            await asyncio.gather(router.health.admit(added), router.poller.poll(added))
+        # swap: no await from here on
+        kept = {id(b) for b in backends}
+        removed = [b.name for b in fleet.members if id(b) not in kept]
+        fleet.update(new.backends, backends, policy, new.breaker)
+        router.dispatcher.configure(new)
+        router.health.cfg = new.health
+        router.auth.adopt(auth)
+        router.config = new
+        report = {
+            "added": [b.name for b in added],
+            "removed": removed,
+            "at_restart": at_restart,
+        }
+        log.config.info(
+            "config reloaded: %d backends (added %s, removed %s)%s",
+            len(backends),
+            report["added"] or "none",
+            removed or "none",
+            f"; changes to {', '.join(at_restart)} apply at restart" if at_restart else "",
+        )
+        return report
+
+
+def _policy(config: Config) -> policies.Policy:
+    try:
+        return policies.create(config.routing)
+    except (OSError, ValueError) as exc:  # e.g. a tokenizer file that cannot be loaded
+        raise ConfigError(f"routing: {exc}") from exc
+
+
+def check_admin_token(admin: AdminServer | None, auth: Authenticator) -> None:
+    """Refuse an admin token that is also a data-plane token (it would open both)."""
+    if admin is not None and auth.knows(admin.token):
+        raise ConfigError("the admin token must not also be a data-plane token")
+
+
+def _pin_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
+    """`new` with the sections a reload cannot apply taken from `old`, and their names."""
+    replace = msgspec.structs.replace
+    pinned = {
+        name: getattr(old, name)
+        for name in new.__struct_fields__
+        if name not in _LIVE and getattr(new, name) != getattr(old, name)
+    }
+    limits = {
+        name: getattr(old.limits, name)
+        for name in _LIMITS_AT_RESTART
+        if getattr(new.limits, name) != getattr(old.limits, name)
+    }
+    changed = [*pinned, *(f"limits.{name}" for name in limits)]
+    if limits:
+        pinned["limits"] = replace(new.limits, **limits)
+    return (replace(new, **pinned) if pinned else new), changed

@@ -1,0 +1,204 @@
+"""Smoke tests of `kvroute bench` and `kvroute demo` on tiny workloads, real processes on
+127.0.0.1; plus the report's pure arithmetic."""
+
+import importlib.util
+import math
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+
+from bench import demo, harness
+from bench.loadgen import Outcome
+from bench.report import BackendDelta, Run, bucket_quantile, percentile, reading, summarize
+from bench.sim import SimParams, start_fleet
+from bench.workloads import WorkloadSpec, generate
+from router.app import Router
+
+pytestmark = pytest.mark.timeout(60)
+ROOT = Path(__file__).parents[2]
+MINUS = "\N{MINUS SIGN}"
+
+TINY = [
+    "--backends=2",
+    "--strategies=RANDOM,PREFIX_AWARE",
+    "--requests=20",
+    "--groups=4",
+    "--prefix-tokens=2000",
+    "--max-tokens=8",
+    "--rate=4",
+    "--time-scale=0.05",
+    "--calibration=5",
+    "--max-wall=20",
+]
+
+
+def _rows(out: str) -> dict[str, list[str]]:
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("strategy "))
+    rows = {}
+    for line in lines[header + 1 :]:
+        cells = line.split()
+        if len(cells) < 2 or not cells[1].isdigit():
+            break
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
+    assert harness.main([*TINY, f"--out={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert set(rows) == {"RANDOM", "PREFIX_AWARE"}
+    for cells in rows.values():
+        assert cells[1:3] == ["20", "0"]  # ok, failed
+        assert cells[10].endswith("%")  # fleet KV hit rate
+    assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
+    doc = orjson.loads((tmp_path / "results.json").read_bytes())
+    assert [s["strategy"] for s in doc["summaries"]] == ["RANDOM", "PREFIX_AWARE"]
+    prefix_aware = doc["summaries"][1]
+    assert prefix_aware["hit_rate"] > 0.5  # 4 of every 5 requests find their document
+    assert len(doc["runs"][0]["outcomes"]) == 20
+    assert all(o["cached_tokens"] is not None for o in doc["runs"][1]["outcomes"])
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "ttft_hit_rate.png").exists() == has_matplotlib
+
+
+def test_demo_runs_three_strategies_and_explains(capsys):
+    assert demo.main(["--backends=2", "--groups=2", "--time-scale=0.05"]) == 0
+    out = capsys.readouterr().out
+    assert set(_rows(out)) == {"RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"}
+    assert "PREFIX_AWARE vs RANDOM" in out and "Why:" in out
+
+
+def test_bad_arguments_exit_2(capsys):
+    with pytest.raises(SystemExit) as exc:
+        harness.main(["--strategies=NOPE"])
+    assert exc.value.code == 2
+    assert "unknown strategies" in capsys.readouterr().err
+
+
+async def test_target_mode_reads_what_a_kvroute_target_exposes():
+    """--target: nothing started; strategy and spread come from the router itself."""
+    params = SimParams(time_scale=0.05, num_gpu_blocks=2048, max_model_len=8192)
+    async with await start_fleet(2, params) as fleet:
+        router = Router(harness.router_config("PREFIX_AWARE", [{"url": u} for u in fleet.urls], {}))
+        try:
+            await router.start()
+            options = harness.Options(
+                strategies=["target"],
+                backends=0,
+                time_scale=0.05,
+                sim_args=[],
+                routing={},
+                target=router.url,
+                model=None,
+                concurrency=2,
+                max_wall=20,
+                calibration=0,
+            )
+            spec = WorkloadSpec(requests=8, groups=2, prefix_tokens=300, max_tokens=4)
+            (run,) = await harness.run_bench(generate(spec), options)
+        finally:
+            await router.stop()
+    summary = summarize(run)
+    assert (run.strategy, summary.ok, summary.failed) == ("PREFIX_AWARE", 8, 0)
+    assert summary.hit_rate_source == "usage.cached_tokens" and summary.hit_rate > 0.3
+    assert summary.spread_busy is None and summary.spread_requests is not None
+    assert summary.hop_ms is None and summary.decision_us is not None
+
+
+@pytest.mark.parametrize(
+    ("values", "q", "expected"),
+    [
+        ([], 0.5, None),
+        ([3.0], 0.99, 3.0),
+        ([1.0, 2.0, 3.0, 4.0], 0.5, 2.5),
+        ([4.0, 1.0, 3.0, 2.0], 1.0, 4.0),
+    ],
+)
+def test_percentile(values, q, expected):
+    assert percentile(values, q) == expected
+
+
+@pytest.mark.parametrize(
+    ("buckets", "q", "expected"),
+    [
+        ([], 0.5, None),
+        ([("1e-05", 0.0), ("+Inf", 0.0)], 0.5, None),
+        ([("1e-05", 10.0), ("2e-05", 30.0), ("+Inf", 30.0)], 0.5, 1.25e-5),
+        ([("1e-05", 0.0), ("+Inf", 4.0)], 0.5, 1e-5),
+    ],
+)
+def test_bucket_quantile(buckets, q, expected):
+    got = bucket_quantile(buckets, q)
+    assert got == expected or math.isclose(got, expected)
+
+
+def _run(strategy: str, ttfts: list[float], hits: float, busy: list[float]) -> Run:
+    outcomes = [
+        Outcome(index=i, group=0, ok=True, sent=float(i), ttft=t, e2e=1.0)
+        for i, t in enumerate(ttfts)
+    ]
+    backends = [
+        BackendDelta(name=f"b{i}", requests=1, busy_seconds=b, prefix_hits=hits, prefix_queries=1)
+        for i, b in enumerate(busy)
+    ]
+    return Run(
+        strategy=strategy, time_scale=0.5, wall_seconds=1, outcomes=outcomes, backends=backends
+    )
+
+
+def test_summary_scales_to_simulated_time_and_reading_compares_to_baseline():
+    base = summarize(_run("RANDOM", [0.4, 0.5, 0.6], 0.25, [1.0, 1.0]))
+    better = summarize(_run("PREFIX_AWARE", [0.1, 0.1, 0.3], 0.8, [1.0, 3.0]))
+    assert base.ttft_p50 == 1.0  # 0.5 s of wall time at time_scale 0.5
+    assert (base.hit_rate, better.spread_busy) == (0.25, 1.5)
+    assert reading([base, better]) == [
+        f"PREFIX_AWARE vs RANDOM: P50 TTFT {MINUS}80%, P90 TTFT {MINUS}55%, "
+        "KV hit rate 25.0% → 80.0%, "
+        "busy spread 1.00 → 1.50"
+    ]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_interrupt_stops_the_simulator_and_exits_130(sig):
+    cmd = [sys.executable, "-m", "bench.harness", "--backends=2", "--requests=500"]
+    proc = subprocess.Popen(
+        [*cmd, "--time-scale=1", "--calibration=0"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    try:
+        sim = _wait_for_child(proc.pid)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=20) == 130
+    finally:
+        proc.kill()
+        proc.wait()
+    assert b"interrupted" in proc.stderr.read()
+    assert not _alive(sim)
+
+
+def _wait_for_child(pid: int) -> int:
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if children:
+            time.sleep(1.0)  # let the replay start
+            return int(children[0])
+        time.sleep(0.1)
+    raise AssertionError("the simulator never started")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return b"(zombie)" not in Path(f"/proc/{pid}/status").read_bytes()
+    except OSError:
+        return False

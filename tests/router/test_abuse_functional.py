@@ -1,0 +1,186 @@
+"""Hostile clients over raw sockets: slowloris headers and bodies, oversize bodies, header
+floods, bursts beyond the admission queue. The router answers 4xx or closes the
+connection, in bounded time, and keeps serving."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import time
+
+import aiohttp
+import orjson
+
+from tests.router.chaos import TALLY, Tally, chat
+from tests.router.conftest import running, settle
+
+LIMITS = {
+    "max_body_bytes": 64 * 1024,
+    "header_timeout": 0.5,
+    "body_timeout": 0.5,
+    "max_header_bytes": 2048,
+    "max_headers": 20,
+}
+CHAT_PATH = "/v1/chat/completions"
+
+
+async def _connect(router) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", router.port)
+
+
+def _head(extra: str = "", path: str = CHAT_PATH) -> bytes:
+    return f"POST {path} HTTP/1.1\r\nHost: kvroute\r\n{extra}".encode()
+
+
+async def _status(reader: asyncio.StreamReader) -> int:
+    line = await asyncio.wait_for(reader.readline(), 5)
+    return int(line.split()[1])
+
+
+async def _closed_within(reader: asyncio.StreamReader, bound: float) -> float:
+    """Seconds until the server closed the connection (read EOF), at most `bound`."""
+    t0 = time.monotonic()
+    async with asyncio.timeout(bound):
+        while await reader.read(65536):
+            pass
+    return time.monotonic() - t0
+
+
+async def _still_serving(router, tally: Tally) -> None:
+    async with aiohttp.ClientSession() as http:
+        await tally.send(http, router.url + CHAT_PATH, **chat())
+
+
+async def test_slowloris_headers_are_cut_off() -> None:
+    async with running(1, limits=LIMITS) as (router, _):
+        tally = Tally.new()
+        tally.add("sent")
+        reader, writer = await _connect(router)
+        writer.write(_head())
+
+        async def trickle() -> None:
+            for i in range(100):  # one header byte every 50 ms: never completes
+                writer.write(b"X-Slow-%d: y\r\n"[:1] if i else b"X")
+                await asyncio.sleep(0.05)
+
+        dripping = asyncio.create_task(trickle())
+        try:
+            took = await _closed_within(reader, 3)
+        finally:
+            dripping.cancel()
+            writer.close()
+        assert 0.3 < took < 2.0  # closed by header_timeout, not by our giving up
+        await _still_serving(router, tally)
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_slow_body_gets_408_and_the_connection_closes() -> None:
+    async with running(1, limits=LIMITS) as (router, stubs):
+        tally = Tally.new()
+        tally.add("sent")
+        reader, writer = await _connect(router)
+        writer.write(_head("Content-Type: application/json\r\nContent-Length: 200\r\n\r\n{"))
+        t0 = time.monotonic()
+        assert await _status(reader) == 408
+        assert time.monotonic() - t0 < 2.0
+        await _closed_within(reader, 3)
+        writer.close()
+        assert stubs[0].received == []
+        await _still_serving(router, tally)
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_oversize_bodies_get_413_without_being_read_whole() -> None:
+    async with running(1, limits=LIMITS) as (router, stubs):
+        tally = Tally.new()
+        # declared too large: refused on the headers alone
+        tally.add("sent")
+        reader, writer = await _connect(router)
+        writer.write(_head("Content-Length: 1000000000\r\n\r\n") + b"{" * 1024)
+        assert await _status(reader) == 413
+        writer.close()
+        # chunked, no length: refused once the limit is passed, while still sending
+        tally.add("sent")
+        reader, writer = await _connect(router)
+        writer.write(_head("Transfer-Encoding: chunked\r\n\r\n"))
+        sent = 0
+        chunk = b"x" * 8192
+        status = asyncio.create_task(_status(reader))
+        try:
+            while not status.done() and sent < 64 * 1024 * 1024:
+                writer.write(b"%x\r\n%s\r\n" % (len(chunk), chunk))
+                sent += len(chunk)
+                await writer.drain()
+        except ConnectionError:
+            pass  # the router stopped reading and closed: fine
+        assert await status == 413
+        assert sent < 8 * 1024 * 1024  # answered long before the body could end
+        writer.close()
+        assert stubs[0].received == []
+        await _still_serving(router, tally)
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_header_floods_are_4xx() -> None:
+    async with running(1, limits=LIMITS) as (router, stubs):
+        tally = Tally.new()
+        cases = [
+            "X-Big: " + "a" * 4096 + "\r\n",  # one header over max_header_bytes
+            "".join(f"X-H{i}: v\r\n" for i in range(40)),  # over max_headers
+        ]
+        for extra in cases:
+            tally.add("sent")
+            reader, writer = await _connect(router)
+            writer.write(_head(extra + "Content-Length: 2\r\n\r\n{}"))
+            status = await _status(reader)
+            writer.close()
+            assert 400 <= status < 500, status
+        long_path = CHAT_PATH + "?" + "q" * 4096  # request line over the limit
+        tally.add("sent")
+        reader, writer = await _connect(router)
+        writer.write(_head("Content-Length: 2\r\n\r\n{}", path=long_path))
+        assert 400 <= await _status(reader) < 500
+        writer.close()
+        assert stubs[0].received == []
+        await _still_serving(router, tally)
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_a_burst_beyond_the_queue_gets_429_with_retry_after() -> None:
+    limits = {"max_concurrent_requests": 2, "queue_size": 2, "queue_timeout": 5}
+    async with running(1, limits=limits) as (router, stubs), aiohttp.ClientSession() as http:
+        stubs[0].behaviour.delay = 0.3
+        tally = Tally.new()
+        url = router.url + CHAT_PATH
+        replies = await asyncio.gather(
+            *(tally.send(http, url, expect={200, 429}, **chat()) for _ in range(6))
+        )
+        assert sorted(r.status for r in replies) == [200] * 4 + [429] * 2  # 2 ran, 2 waited
+        assert all(r.headers["Retry-After"] == "1" for r in replies if r.status == 429)
+        stubs[0].behaviour.delay = 0.4
+        short = {"max_concurrent_requests": 1, "queue_size": 5, "queue_timeout": 0.1}
+        router.dispatcher.admission.configure(router.config.limits.__class__(**short))
+        replies = await asyncio.gather(
+            *(tally.send(http, url, expect={200, 429}, **chat()) for _ in range(3))
+        )
+        assert sorted(r.status for r in replies) == [200, 429, 429]  # waited, then gave up
+        assert "timed out" in next(r for r in replies if r.status == 429).json()["error"]["message"]
+        await settle(router)
+        assert router.dispatcher.admission.queued == 0
+        assert (tally.failed, tally.hung) == (0, 0)
+        assert TALLY.hung == 0
+
+
+async def test_a_compressed_body_is_routed_and_forwarded_decoded() -> None:
+    async with running(1) as (router, stubs), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        body = gzip.compress(orjson.dumps(chat()["json"]))
+        headers = {"Content-Encoding": "gzip", "Content-Type": "application/json"}
+        await tally.send(http, router.url + CHAT_PATH, data=body, headers=headers)
+        assert stubs[0].received[-1]["model"] == chat()["json"]["model"]
+        assert "Content-Encoding" not in stubs[0].headers[-1]  # the bytes went decoded
+        reply = await tally.send(
+            http, router.url + CHAT_PATH, expect=400, data=b"not gzip", headers=headers
+        )
+        assert "could not be read" in reply.json()["error"]["message"]
+        assert (tally.failed, tally.hung) == (0, 0)

@@ -1,0 +1,95 @@
+"""Admission: the concurrency limit, its FIFO wait queue and per-tenant caps, no sockets."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission
+from router.config import LimitsConfig
+from router.errors import Overloaded
+
+
+def _limits(**kw) -> LimitsConfig:
+    return LimitsConfig(**{"max_concurrent_requests": 2, "queue_size": 1, **kw})
+
+
+async def test_waits_in_the_queue_then_takes_the_freed_slot() -> None:
+    adm = Admission(_limits())
+    await adm.enter(None)
+    await adm.enter(None)
+    waiting = asyncio.create_task(adm.enter(None))
+    await asyncio.sleep(0)
+    assert (adm.active, adm.queued) == (2, 1)
+    with pytest.raises(Overloaded) as info:  # the queue is full
+        await adm.enter(None)
+    assert info.value.status == 429 and info.value.retry_after == 1
+    adm.leave(None)
+    await waiting
+    assert (adm.active, adm.queued) == (2, 0)  # the slot changed hands
+    adm.leave(None)
+    adm.leave(None)
+    assert adm.active == 0
+
+
+async def test_a_wait_that_times_out_is_a_429() -> None:
+    adm = Admission(_limits(max_concurrent_requests=1, queue_timeout=0.05))
+    await adm.enter(None)
+    with pytest.raises(Overloaded, match="timed out"):
+        await adm.enter(None)
+    assert (adm.active, adm.queued) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    "handed_first", [False, True], ids=["cancel-then-free", "free-then-cancel"]
+)
+async def test_a_waiter_that_gives_up_leaks_nothing(handed_first: bool) -> None:
+    """Cancelled before or after a slot was handed to it: the slot goes to the next."""
+    adm = Admission(_limits(max_concurrent_requests=1, queue_size=4))
+    await adm.enter(None)
+    gives_up, next_one = (asyncio.create_task(adm.enter(None)) for _ in range(2))
+    await asyncio.sleep(0)
+    if handed_first:
+        adm.leave(None)
+        gives_up.cancel()
+    else:
+        gives_up.cancel()
+        adm.leave(None)
+    await asyncio.gather(gives_up, return_exceptions=True)
+    await next_one
+    assert gives_up.cancelled()
+    assert (adm.active, adm.queued) == (1, 0)
+    adm.leave(None)
+    assert adm.active == 0
+
+
+async def test_tenant_cap_refuses_at_once_and_is_given_back() -> None:
+    adm = Admission(_limits(max_concurrent_requests=10, max_concurrent_per_tenant=1))
+    held = await adm.enter("acme")
+    with pytest.raises(Overloaded, match="acme"):
+        await adm.enter("acme")
+    other = await adm.enter("globex")
+    assert (held, other) == ("acme", "globex")
+    adm.leave(held)
+    adm.leave(await adm.enter("acme"))
+    adm.leave(other)
+    assert adm.active == 0 and adm._tenants == {}
+
+
+async def test_a_cap_set_by_reload_in_between_does_not_unbalance() -> None:
+    adm = Admission(_limits(max_concurrent_requests=10))
+    held = await adm.enter("acme")  # no cap: nothing held
+    adm.configure(_limits(max_concurrent_requests=10, max_concurrent_per_tenant=1))
+    adm.leave(held)
+    assert adm._tenants == {} and adm.active == 0
+
+
+async def test_raising_the_limit_admits_waiters() -> None:
+    adm = Admission(_limits(max_concurrent_requests=1, queue_size=2))
+    await adm.enter(None)
+    waiters = [asyncio.create_task(adm.enter(None)) for _ in range(2)]
+    await asyncio.sleep(0)
+    adm.configure(_limits(max_concurrent_requests=3, queue_size=2))
+    await asyncio.gather(*waiters)
+    assert (adm.active, adm.queued) == (3, 0)

@@ -1,0 +1,109 @@
+"""Auth on the data plane over real sockets: refused and accepted tokens, tenants."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI, AuthenticationError
+
+from router.auth import issue
+from tests.router.chaos import MODEL, Tally, chat
+from tests.router.conftest import running, settle
+
+KEY = "s" * 40
+STATIC = "static-token-for-tests"
+
+
+@pytest.fixture
+def secrets(monkeypatch) -> dict:
+    monkeypatch.setenv("KV_TEST_KEY", KEY)
+    monkeypatch.setenv("KV_TEST_TOKENS", f"{STATIC} team-a")
+    return {"enabled": True, "tokens_env": "KV_TEST_TOKENS", "signing_key_env": "KV_TEST_KEY"}
+
+
+def _auth(token: str) -> dict:
+    return {"headers": {"Authorization": f"Bearer {token}"}}
+
+
+def _expired() -> str:
+    return issue(KEY.encode(), "acme", 60, now=1_000_000)
+
+
+def _tampered() -> str:
+    token = issue(KEY.encode(), "acme", 600)
+    return token[:-3] + ("abc" if not token.endswith("abc") else "xyz")
+
+
+@pytest.mark.parametrize(
+    ("headers", "message"),
+    [
+        pytest.param({}, "Missing bearer token", id="missing"),
+        pytest.param({"Authorization": "Basic dXNlcjpwYXNz"}, "Malformed", id="not-bearer"),
+        pytest.param({"Authorization": "Bearer nope"}, "Invalid bearer token", id="wrong"),
+        pytest.param({"Authorization": f"Bearer {_expired()}"}, "expired", id="expired"),
+        pytest.param({"Authorization": f"Bearer {_tampered()}"}, "Invalid", id="tampered"),
+    ],
+)
+async def test_bad_tokens_get_an_openai_style_401(secrets, headers, message) -> None:
+    async with running(1, auth=secrets) as (router, stubs), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/v1/chat/completions"
+        reply = await tally.send(http, url, expect=401, headers=headers, **chat())
+        error = reply.json()["error"]
+        assert error["type"] == "AuthenticationError" and message in error["message"]
+        assert reply.headers["WWW-Authenticate"] == "Bearer"
+        await tally.send(http, router.url + "/v1/models", expect=401, method="GET", headers=headers)
+        assert stubs[0].received == []
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_valid_tokens_pass_and_set_the_tenant(secrets) -> None:
+    async with running(1, auth=secrets) as (router, stubs), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/v1/chat/completions"
+        signed = issue(KEY.encode(), "acme", 600)
+        await tally.send(http, url, **_auth(signed), **chat())
+        await tally.send(http, url, **_auth(STATIC), **chat())
+        assert all("Authorization" not in h for h in stubs[0].headers)  # never forwarded
+        for path in ("/health", "/ready", "/metrics"):  # probes and scrapes stay open
+            await tally.send(http, router.url + path, method="GET")
+        reply = await tally.send(http, router.url + "/metrics", method="GET")
+        text = reply.body.decode()
+        assert 'kvroute_tenant_requests_total{tenant="acme"} 1.0' in text
+        assert 'kvroute_tenant_requests_total{tenant="team-a"} 1.0' in text
+        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key=signed, max_retries=0)
+        answer = await oai.chat.completions.create(model=MODEL, messages=chat()["json"]["messages"])
+        assert answer.choices[0].message.content
+        stranger = AsyncOpenAI(base_url=router.url + "/v1", api_key="bad", max_retries=0)
+        with pytest.raises(AuthenticationError):
+            await stranger.models.list()
+        tally.add("sent", 2)
+        assert (tally.failed, tally.hung) == (0, 0)
+        await settle(router)
+
+
+async def test_per_tenant_cap_uses_the_token_tenant(secrets) -> None:
+    limits = {"max_concurrent_per_tenant": 1}
+    async with (
+        running(1, auth=secrets, limits=limits, tenant_header="X-Tenant") as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        stubs[0].behaviour.delay = 0.5
+        tally = Tally.new()
+        url = router.url + "/v1/chat/completions"
+        acme = _auth(issue(KEY.encode(), "acme", 600))
+        globex = _auth(issue(KEY.encode(), "globex", 600))
+        first = asyncio.create_task(tally.send(http, url, **acme, **chat()))
+        while not stubs[0].active:
+            await asyncio.sleep(0.01)
+        spoofed = {**acme["headers"], "X-Tenant": "globex"}  # the token's tenant wins
+        refused = await tally.send(http, url, expect=429, headers=spoofed, **chat())
+        assert (
+            refused.headers["Retry-After"] == "1" and "acme" in refused.json()["error"]["message"]
+        )
+        await tally.send(http, url, **globex, **chat())  # another tenant is not capped
+        await first
+        assert (tally.failed, tally.hung) == (0, 0)
+        await settle(router)

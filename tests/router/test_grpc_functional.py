@@ -1,0 +1,515 @@
+"""The gRPC ingress end to end: a real grpcio aio client → the router → stub vLLM backends.
+
+Everything runs on 127.0.0.1 with bounded timeouts; `running()` stops every server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import aiohttp
+import grpc
+import orjson
+import pytest
+from aiohttp import web
+from google.rpc import error_details_pb2, status_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+
+from proto.kvroute.v1 import kvroute_pb2 as pb
+from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from router.app import Router
+from tests.router.conftest import running, settle
+from tests.stub_backend import StubBackend
+
+MODEL = "stub-model"
+SERVICE = "kvroute.v1.Inference"
+TIMEOUT = 10.0
+
+
+def chat_request(*texts: str, **fields) -> pb.ChatCompletionRequest:
+    messages = [pb.ChatMessage(role="system", content="be brief")]
+    messages += [pb.ChatMessage(role="user", content=t) for t in texts or ("hello",)]
+    return pb.ChatCompletionRequest(model=MODEL, messages=messages, **fields)
+
+
+@dataclass
+class Rig:
+    router: Router
+    stubs: list[StubBackend]
+    channel: grpc.aio.Channel
+    api: pb_grpc.InferenceStub
+
+
+@asynccontextmanager
+async def grpc_router(n: int = 1, routing: dict | None = None, **config) -> AsyncIterator[Rig]:
+    """`running()` with the gRPC ingress on an ephemeral port, and a channel to it."""
+    async with running(n, routing, grpc={"enabled": True, "port": 0}, **config) as (
+        router,
+        stubs,
+    ):
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+            yield Rig(router, stubs, channel, pb_grpc.InferenceStub(channel))
+
+
+async def wait_for(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+# ------------------------------------------------------------------ unary and streaming
+
+
+async def test_unary_chat_maps_fields_metadata_and_trailers() -> None:
+    async with grpc_router(tenant_header="X-Tenant-Id") as rig:
+        request = chat_request(
+            sampling=pb.SamplingParams(temperature=0.7, max_tokens=5, stop=["\n"], seed=3),
+            stream_options=pb.StreamOptions(include_usage=True),  # unary: not sent
+            cache_salt="salt",
+            routing=pb.RoutingHints(session_id="s-1"),
+            extra_json='{"tool_choice": "none"}',
+        )
+        metadata = (
+            ("x-request-id", "req-7"),
+            ("authorization", "Bearer t0k"),
+            ("x-tenant-id", "acme"),
+        )
+        call = rig.api.CreateChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+        reply = await call
+        assert reply.choices[0].message.content == "tok0 tok1 tok2 "
+        assert reply.choices[0].finish_reason == "stop"
+        assert reply.usage.total_tokens == 8 and not reply.usage.HasField("cached_tokens")
+        trailers = dict(await call.trailing_metadata())
+        assert trailers == {"x-request-id": "req-7", "x-kvroute-backend": "b0"}
+        assert rig.stubs[0].received == [
+            {
+                "model": MODEL,
+                "messages": [
+                    {"role": "system", "content": "be brief"},
+                    {"role": "user", "content": "hello"},
+                ],
+                "temperature": 0.7,
+                "max_tokens": 5,
+                "stop": ["\n"],
+                "seed": 3,
+                "cache_salt": "salt",
+                "stream": False,
+                "tool_choice": "none",
+            }
+        ]
+        headers = rig.stubs[0].headers[0]
+        assert headers["X-Request-Id"] == "req-7"
+        assert headers["Authorization"] == "Bearer t0k"
+        assert headers["X-Tenant-Id"] == "acme"
+        assert headers["X-Session-Id"] == "s-1"
+        assert headers["Content-Type"] == "application/json"
+        await settle(rig.router)
+
+
+async def test_unary_completion_text_and_token_ids() -> None:
+    async with grpc_router() as rig:
+        reply = await rig.api.CreateCompletion(
+            pb.CompletionRequest(model=MODEL, text="once upon"), timeout=TIMEOUT
+        )
+        assert reply.choices[0].text == "tok0 tok1 tok2 "
+        call = rig.api.CreateCompletion(
+            pb.CompletionRequest(model=MODEL, token_ids=pb.TokenIds(ids=[1, 2, 3])),
+            timeout=TIMEOUT,
+        )
+        assert (await call).choices[0].finish_reason == "stop"
+        assert dict(await call.trailing_metadata())["x-request-id"]  # made up when absent
+        assert [r["prompt"] for r in rig.stubs[0].received] == ["once upon", [1, 2, 3]]
+        await settle(rig.router)
+
+
+async def test_streams_chat_and_completion() -> None:
+    async with grpc_router() as rig:
+        call = rig.api.StreamChatCompletion(
+            chat_request(stream_options=pb.StreamOptions(include_usage=True)), timeout=TIMEOUT
+        )
+        deltas = [m.choices[0].delta.content async for m in call]
+        assert deltas == ["tok0 ", "tok1 ", "tok2 "]
+        assert dict(await call.trailing_metadata())["x-kvroute-backend"] == "b0"
+        assert rig.stubs[0].received[-1]["stream"] is True
+        assert rig.stubs[0].received[-1]["stream_options"] == {"include_usage": True}
+
+        call = rig.api.StreamCompletion(
+            pb.CompletionRequest(model=MODEL, token_ids=pb.TokenIds(ids=[5, 6])),
+            timeout=TIMEOUT,
+        )
+        assert [m.choices[0].text async for m in call] == ["tok0 ", "tok1 ", "tok2 "]
+        assert await call.code() == grpc.StatusCode.OK
+        await settle(rig.router)
+
+
+async def _vllm_stream(request: web.Request, b, chat: bool) -> web.StreamResponse:
+    """vLLM's shapes the stub lacks: role chunk, finish, usage with cached tokens; events
+    cut at odd places across writes (the client must still get whole messages)."""
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    events = [
+        {"id": "c", "model": MODEL, "created": 1, "choices": [{"index": 0, "delta": d}]}
+        for d in ({"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"})
+    ]
+    events[-1]["choices"][0]["finish_reason"] = "stop"
+    usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
+    usage["prompt_tokens_details"] = {"cached_tokens": 32}
+    events.append({"id": "c", "model": MODEL, "created": 1, "choices": [], "usage": usage})
+    raw = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
+    for i in range(0, len(raw), 37):
+        await response.write(raw[i : i + 37])
+    await response.write_eof()
+    return response
+
+
+async def test_stream_decodes_vllm_events_across_chunk_boundaries() -> None:
+    async with grpc_router() as rig:
+        rig.stubs[0]._stream = _vllm_stream
+        messages = [m async for m in rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)]
+        assert [m.choices[0].delta.content for m in messages[:3]] == ["", "Hel", "lo"]
+        assert messages[0].choices[0].delta.role == "assistant"
+        assert messages[2].choices[0].finish_reason == "stop"
+        assert not messages[1].choices[0].HasField("finish_reason")
+        assert len(messages) == 4 and not messages[3].choices
+        assert messages[3].usage.cached_tokens == 32 and messages[3].usage.prompt_tokens == 40
+        await settle(rig.router)
+
+
+async def test_stream_arrives_message_by_message() -> None:
+    """Each message reaches the client as the backend sends its event, not at the end."""
+    pace, n = 0.2, 5
+    async with grpc_router() as rig:
+        rig.stubs[0].behaviour.chunks, rig.stubs[0].behaviour.pace = n, pace
+        arrivals = []
+        async for _ in rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT):
+            arrivals.append(time.monotonic())
+        assert len(arrivals) == n
+        lags = [a - s for a, s in zip(arrivals, rig.stubs[0].chunk_sent_at, strict=True)]
+        assert max(lags) < pace / 2, lags
+        gaps = [b - a for a, b in itertools.pairwise(arrivals)]
+        assert min(gaps) > pace / 2, gaps
+        await settle(rig.router)
+
+
+# ------------------------------------------------------------------ cancellation, deadlines
+
+
+async def test_cancel_mid_stream_aborts_upstream() -> None:
+    async with grpc_router() as rig:
+        rig.stubs[0].behaviour.chunks, rig.stubs[0].behaviour.pace = 50, 0.2
+        call = rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)
+        first = await call.read()
+        assert first.choices[0].delta.content == "tok0 "
+        call.cancel()
+        await wait_for(lambda: rig.stubs[0].aborted == 1)
+        assert rig.stubs[0].completed == 0
+        await settle(rig.router)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "unary"])
+async def test_client_deadline_aborts_upstream(stream: bool) -> None:
+    async with grpc_router() as rig:
+        if stream:
+            rig.stubs[0].behaviour.chunks, rig.stubs[0].behaviour.pace = 50, 0.2
+        else:
+            rig.stubs[0].behaviour.delay = 30
+        rpc = rig.api.StreamChatCompletion if stream else rig.api.CreateChatCompletion
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            call = rpc(chat_request(), timeout=0.5)
+            if stream:
+                async for _ in call:
+                    pass
+            else:
+                await call
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        await wait_for(lambda: rig.stubs[0].aborted == 1)
+        assert rig.stubs[0].completed == 0
+        await settle(rig.router)
+
+
+# ------------------------------------------------------------------ errors
+
+
+def status_details(err: grpc.aio.AioRpcError) -> dict[str, object]:
+    """The google.rpc details in the trailers, as {"ErrorInfo": ..., "RetryInfo": ...}."""
+    raw = dict(err.trailing_metadata())["grpc-status-details-bin"]
+    status = status_pb2.Status.FromString(raw)
+    assert status.code == err.code().value[0] and status.message == err.details()
+    out = {}
+    for any_ in status.details:
+        for kind in (error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo):
+            if any_.Is(kind.DESCRIPTOR):
+                message = kind()
+                any_.Unpack(message)
+                out[kind.__name__] = message
+    return out
+
+
+async def collect(call) -> list:
+    """Every message a stream call still has (read() works before and after other reads)."""
+    out = []
+    while (message := await call.read()) is not grpc.aio.EOF:
+        out.append(message)
+    return out
+
+
+async def expect_error(call, code: grpc.StatusCode, text: str = "") -> grpc.aio.AioRpcError:
+    """Await a unary call, or drain a stream call; it must fail with `code`."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        result = await (collect(call) if hasattr(call, "read") else call)
+        raise AssertionError(f"expected {code}, got {result}")
+    err = info.value
+    assert err.code() == code, (err.code(), err.details())
+    assert text in err.details()
+    return err
+
+
+@pytest.mark.parametrize(
+    ("request_", "text"),
+    [
+        pytest.param(pb.ChatCompletionRequest(model=MODEL), "`messages`", id="no-messages"),
+        pytest.param(chat_request(extra_json="{nope"), "not valid JSON", id="bad-extra-json"),
+        pytest.param(chat_request(extra_json='{"model": "x"}'), "model", id="extra-json-clash"),
+        pytest.param(
+            pb.ChatCompletionRequest(
+                model=MODEL,
+                messages=[
+                    pb.ChatMessage(role="user", content="a", parts=[pb.ContentPart(type="text")])
+                ],
+            ),
+            "both content and parts",
+            id="content-and-parts",
+        ),
+    ],
+)
+async def test_invalid_argument(request_: pb.ChatCompletionRequest, text: str) -> None:
+    async with grpc_router() as rig:
+        call = rig.api.CreateChatCompletion(request_, timeout=TIMEOUT)
+        err = await expect_error(call, grpc.StatusCode.INVALID_ARGUMENT, text)
+        assert status_details(err)["ErrorInfo"].metadata["http_status"] == "400"
+        assert rig.stubs[0].received == []
+        await settle(rig.router)
+
+
+async def test_unknown_model_is_not_found() -> None:
+    async with grpc_router() as rig:
+        call = rig.api.CreateCompletion(pb.CompletionRequest(model="gpt-nope", text="x"))
+        err = await expect_error(call, grpc.StatusCode.NOT_FOUND, "gpt-nope")
+        assert status_details(err)["ErrorInfo"].metadata["param"] == "model"
+        assert rig.stubs[0].received == []
+
+
+async def test_no_backend_is_unavailable_with_retry_info() -> None:
+    async with grpc_router() as rig:
+        rig.router.fleet.set_healthy(rig.router.fleet.members[0], False)
+        err = await expect_error(
+            rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT),
+            grpc.StatusCode.UNAVAILABLE,
+        )
+        assert dict(err.trailing_metadata())["retry-after"] == "1"
+        assert status_details(err)["RetryInfo"].retry_delay.seconds == 1
+
+
+async def test_admission_limit_is_resource_exhausted() -> None:
+    async with grpc_router(limits={"max_concurrent_requests": 1, "queue_size": 0}) as rig:
+        rig.stubs[0].behaviour.delay = 0.5
+        first = rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT)
+        await wait_for(lambda: rig.stubs[0].active == 1)
+        err = await expect_error(
+            rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+        )
+        assert dict(err.trailing_metadata())["retry-after"] == "1"
+        assert status_details(err)["RetryInfo"].retry_delay.seconds == 1
+        assert (await first).choices
+        await settle(rig.router)
+
+
+async def test_backend_timeout_is_deadline_exceeded() -> None:
+    async with grpc_router(timeouts={"first_byte": 0.3}) as rig:
+        rig.stubs[0].behaviour.hang_before_headers = True
+        await expect_error(
+            rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT),
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            "did not answer in time",
+        )
+        await settle(rig.router)
+
+
+@pytest.mark.parametrize(
+    ("status", "code"),
+    [
+        pytest.param(400, grpc.StatusCode.INVALID_ARGUMENT, id="400"),
+        pytest.param(404, grpc.StatusCode.NOT_FOUND, id="404"),
+        pytest.param(500, grpc.StatusCode.INTERNAL, id="500"),
+        pytest.param(502, grpc.StatusCode.UNAVAILABLE, id="502"),
+    ],
+)
+@pytest.mark.parametrize("stream", [False, True], ids=["unary", "stream"])
+async def test_backend_error_status(status: int, code: grpc.StatusCode, stream: bool) -> None:
+    async with grpc_router() as rig:
+        rig.stubs[0].behaviour.status = status
+        rpc = rig.api.StreamChatCompletion if stream else rig.api.CreateChatCompletion
+        err = await expect_error(rpc(chat_request(), timeout=TIMEOUT), code, "stub failure")
+        assert dict(err.trailing_metadata())["x-kvroute-backend"] == "b0"
+        await settle(rig.router)
+
+
+async def test_backend_unreachable_is_unavailable() -> None:
+    async with grpc_router() as rig:
+        await rig.stubs[0].stop()  # connection refused before the poller notices
+        await expect_error(
+            rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT),
+            grpc.StatusCode.UNAVAILABLE,
+            "connect",
+        )
+        await settle(rig.router)
+
+
+async def _stream_then_error(request: web.Request, b, chat: bool) -> web.StreamResponse:
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "partial"}}]}
+    error = {"error": {"message": "prompt too long", "type": "BadRequestError", "code": 400}}
+    for event in (chunk, error):
+        await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
+    await response.write(b"data: [DONE]\n\n")
+    await response.write_eof()
+    return response
+
+
+async def test_in_band_error_event_ends_stream_with_its_status() -> None:
+    async with grpc_router() as rig:
+        rig.stubs[0]._stream = _stream_then_error
+        call = rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)
+        assert (await call.read()).choices[0].delta.content == "partial"
+        err = await expect_error(call, grpc.StatusCode.INVALID_ARGUMENT, "prompt too long")
+        assert dict(err.trailing_metadata())["x-kvroute-backend"] == "b0"
+        await settle(rig.router)
+
+
+async def test_stream_cut_by_backend_is_unavailable_after_messages() -> None:
+    async with grpc_router() as rig:
+        rig.stubs[0].behaviour.chunks, rig.stubs[0].behaviour.cut_after_chunks = 5, 2
+        call = rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)
+        got = [(await call.read()).choices[0].delta.content for _ in range(2)]
+        assert got == ["tok0 ", "tok1 "]
+        await expect_error(call, grpc.StatusCode.UNAVAILABLE, "stream")
+        await settle(rig.router)
+
+
+async def test_auth_applies_to_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With auth on, gRPC checks the same bearer tokens; the token's tenant wins."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a acme,tok-b")
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
+    async with grpc_router(auth=auth, tenant_header="X-Tenant-Id") as rig:
+        for metadata in ((), (("authorization", "Bearer wrong"),)):
+            call = rig.api.CreateChatCompletion(chat_request(), metadata=metadata, timeout=TIMEOUT)
+            err = await expect_error(call, grpc.StatusCode.UNAUTHENTICATED)
+            assert status_details(err)["ErrorInfo"].metadata["http_status"] == "401"
+        assert rig.stubs[0].received == []
+        metadata = (("authorization", "Bearer tok-a"), ("x-tenant-id", "someone-else"))
+        await rig.api.CreateChatCompletion(chat_request(), metadata=metadata, timeout=TIMEOUT)
+        headers = rig.stubs[0].headers[-1]
+        assert "Authorization" not in headers  # the router's token is not the backend's
+        assert headers["X-Tenant-Id"] == "acme"
+        await settle(rig.router)
+
+
+# ------------------------------------------------------------------ health, reflection
+
+
+async def test_health_follows_backend_usability() -> None:
+    async with grpc_router() as rig:
+        health = health_pb2_grpc.HealthStub(rig.channel)
+        r = health_pb2.HealthCheckResponse
+        for service in ("", SERVICE):
+            reply = await health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+            assert reply.status == r.SERVING
+        watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE), timeout=TIMEOUT)
+        assert (await watch.read()).status == r.SERVING
+        rig.router.fleet.set_healthy(rig.router.fleet.members[0], False)
+        reply = await health.Check(health_pb2.HealthCheckRequest(service=SERVICE), timeout=5)
+        assert reply.status == r.NOT_SERVING
+        assert (await watch.read()).status == r.NOT_SERVING
+        watch.cancel()
+        await expect_error(
+            health.Check(health_pb2.HealthCheckRequest(service="nope"), timeout=5),
+            grpc.StatusCode.NOT_FOUND,
+        )
+
+
+async def test_reflection_lists_the_service() -> None:
+    async with grpc_router() as rig:
+        reflection = reflection_pb2_grpc.ServerReflectionStub(rig.channel)
+        requests = [
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+        ]
+        replies = [r async for r in reflection.ServerReflectionInfo(iter(requests), timeout=5)]
+        names = {s.name for s in replies[0].list_services_response.service}
+        assert {SERVICE, "grpc.health.v1.Health"} <= names
+        files = replies[1].file_descriptor_response.file_descriptor_proto
+        assert any(b"kvroute/v1/kvroute.proto" in f for f in files)
+
+
+# ------------------------------------------------------------------ same routing as HTTP
+
+
+async def test_same_prompt_same_backend_over_http_and_grpc() -> None:
+    """PREFIX_AWARE: HTTP and gRPC requests with one prompt fingerprint alike."""
+    async with grpc_router(4, {"strategy": "PREFIX_AWARE"}, tenant_header="X-Tenant-Id") as rig:
+        picks = []
+        async with aiohttp.ClientSession() as http:
+            for i in range(12):
+                question, tenant = f"question {i} " * 8, f"t{i % 3}"
+                payload = {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": "be brief"},
+                        {"role": "user", "content": question},
+                    ],
+                }
+                headers = {"X-Tenant-Id": tenant}
+                url = rig.router.url + "/v1/chat/completions"
+                async with http.post(url, json=payload, headers=headers) as resp:
+                    over_http = resp.headers["x-kvroute-backend"]
+                call = rig.api.CreateChatCompletion(
+                    chat_request(question), metadata=(("x-tenant-id", tenant),), timeout=TIMEOUT
+                )
+                await call
+                over_grpc = dict(await call.trailing_metadata())["x-kvroute-backend"]
+                ids = list(range(i, i + 40))
+                url = rig.router.url + "/v1/completions"
+                async with http.post(url, json={"model": MODEL, "prompt": ids}) as resp:
+                    ids_http = resp.headers["x-kvroute-backend"]
+                call = rig.api.CreateCompletion(
+                    pb.CompletionRequest(model=MODEL, token_ids=pb.TokenIds(ids=ids)),
+                    timeout=TIMEOUT,
+                )
+                await call
+                ids_grpc = dict(await call.trailing_metadata())["x-kvroute-backend"]
+                picks.append((over_http, over_grpc, ids_http, ids_grpc))
+        assert all(a == b and c == d for a, b, c, d in picks), picks
+        assert len({p[0] for p in picks}) > 1, picks  # the prompts did spread over backends
+        await settle(rig.router)
+
+
+async def test_grpc_requests_are_accounted_like_http() -> None:
+    async with grpc_router() as rig:
+        await rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT)
+        async with aiohttp.ClientSession() as http, http.get(rig.router.url + "/metrics") as resp:
+            text = await resp.text()
+        samples = {
+            (s.name, s.labels.get("backend"), s.labels.get("status")): s.value
+            for family in text_string_to_metric_families(text)
+            for s in family.samples
+        }
+        assert samples[("kvroute_requests_total", "b0", "200")] == 1

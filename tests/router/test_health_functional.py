@@ -1,0 +1,100 @@
+"""Active health checks and passive ejection against real stub backends on 127.0.0.1."""
+
+from __future__ import annotations
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.breaker import BreakerState
+from tests.router.chaos import Tally, chat, until
+from tests.router.conftest import running, settle
+
+FAST_CHECKS = {"interval": 0.05, "timeout": 0.3, "unhealthy_threshold": 3, "healthy_threshold": 2}
+NO_CHECKS = {"enabled": False}
+
+
+async def test_failing_checks_mark_down_and_passing_ones_mark_up() -> None:
+    async with running(2, health=FAST_CHECKS) as (router, stubs), aiohttp.ClientSession() as http:
+        b0 = router.fleet.members[0]
+        stubs[0].behaviour.health_status = 503
+        await until(lambda: not b0.healthy)
+        tally = Tally.new()
+        for _ in range(10):
+            reply = await tally.send(http, router.url + "/v1/chat/completions", **chat())
+            assert reply.headers["x-kvroute-backend"] == "b1"
+        stubs[0].behaviour.health_status = 200
+        await until(lambda: b0.healthy)
+        assert b0.transitions == {"down": 1, "up": 1}
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_slow_but_answering_backend_is_never_marked_down() -> None:
+    """peers.md §4 item 11: a busy backend answers its checks late, but in time."""
+    async with running(1, health=FAST_CHECKS) as (router, stubs):
+        stubs[0].behaviour.health_delay = 0.2  # slower than the check interval, inside timeout
+        await until(lambda: stubs[0].health_checks >= 5, timeout=5)
+        assert router.fleet.members[0].healthy
+        assert router.fleet.members[0].transitions == {}
+
+
+async def test_checks_that_time_out_repeatedly_mark_down() -> None:
+    async with running(1, health=FAST_CHECKS) as (router, stubs):
+        stubs[0].behaviour.health_delay = 1.0  # beyond the 0.3 s timeout
+        await until(lambda: not router.fleet.members[0].healthy)
+        async with aiohttp.ClientSession() as http, http.get(router.url + "/ready") as resp:
+            assert resp.status == 503
+
+
+async def test_consecutive_5xx_open_the_breaker_and_trials_close_it() -> None:
+    breaker = {"failure_threshold": 3, "open_seconds": 0.3, "half_open_successes": 2}
+    config = {"health": NO_CHECKS, "breaker": breaker, "retries": {"max_retries": 0}}
+    async with (
+        running(2, {"strategy": "ROUND_ROBIN"}, **config) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        b0 = router.fleet.members[0]
+        stubs[0].behaviour.status = 500  # passed through: 500 is not retried by default
+        tally = Tally.new()
+        url = router.url + "/v1/chat/completions"
+        for _ in range(6):
+            await tally.send(http, url, expect={200, 500}, **chat())
+        assert b0.breaker.state is BreakerState.OPEN
+        assert len(stubs[0].received) == 3  # nothing more after it opened
+        for _ in range(4):
+            assert (await tally.send(http, url, **chat())).headers["x-kvroute-backend"] == "b1"
+        stubs[0].behaviour.status = 200
+        await until(lambda: b0.breaker.state is BreakerState.HALF_OPEN)
+        for _ in range(6):
+            await tally.send(http, url, **chat())
+        assert b0.breaker.state is BreakerState.CLOSED
+        assert b0.transitions == {"open": 1, "half_open": 1, "closed": 1}
+        await settle(router)
+        async with http.get(router.url + "/metrics") as resp:
+            text = await resp.text()
+        changes = {
+            (s.labels["backend"], s.labels["to"]): s.value
+            for f in text_string_to_metric_families(text)
+            if f.name == "kvroute_backend_state_changes"
+            for s in f.samples
+        }
+        assert changes[("b0", "open")] == 1 and changes[("b0", "closed")] == 1
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_a_failed_trial_reopens_the_breaker() -> None:
+    breaker = {"failure_threshold": 1, "open_seconds": 0.2, "half_open_successes": 1}
+    config = {"health": NO_CHECKS, "breaker": breaker, "retries": {"max_retries": 0}}
+    async with running(1, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        b0 = router.fleet.members[0]
+        stubs[0].behaviour.status = 502
+        tally = Tally.new()
+        url = router.url + "/v1/chat/completions"
+        await tally.send(http, url, expect=502, **chat())
+        assert b0.breaker.state is BreakerState.OPEN
+        reply = await tally.send(http, url, expect=503, **chat())  # no backend: 503
+        assert reply.headers["Retry-After"] == "1"
+        await until(lambda: b0.breaker.state is BreakerState.HALF_OPEN)
+        await tally.send(http, url, expect=502, **chat())
+        assert b0.breaker.state is BreakerState.OPEN
+        assert (tally.failed, tally.hung) == (0, 0)
+        await settle(router)

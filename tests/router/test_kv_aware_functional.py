@@ -1,0 +1,106 @@
+"""KV_AWARE end to end: simulated vLLM backends publishing real KV events, the router in
+front, the OpenAI SDK as client. The index follows the backends, routing follows the index."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import pytest
+from openai import AsyncOpenAI
+
+from bench.sim.fleet import SimFleet, start_fleet
+from bench.sim.params import SimParams
+from router.app import Router
+from router.config import build
+
+MODEL = "sim-llama-70b"
+
+
+def document(i: int) -> str:
+    return "".join(f"doc {i} clause {k}: keep the premises in good order. " for k in range(50))
+
+
+@asynccontextmanager
+async def kv_fleet(
+    n: int, encoding: str = "map", events: bool = True
+) -> AsyncIterator[tuple[Router, SimFleet]]:
+    params = SimParams(kv_events=True, kv_events_encoding=encoding, time_scale=0.01)
+    fleet = await start_fleet(n, params)
+    backends = []
+    for i, b in enumerate(fleet.backends):
+        entry = {"url": b.url, "name": f"sim{i}"}
+        if events:
+            pub = b.publisher
+            entry["kv_events"] = {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint}
+        backends.append(entry)
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": backends,
+        "routing": {"strategy": "KV_AWARE", "seed": 3},
+        "telemetry": {"scrape_interval": 0.2},
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        await asyncio.sleep(1.2)  # subscriptions connect (the index loop runs each second)
+        yield router, fleet
+    finally:
+        await router.stop()
+        await fleet.stop()
+
+
+async def ask(router: Router, doc: str, question: str) -> tuple[str, int]:
+    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    raw = await oai.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "system", "content": doc}, {"role": "user", "content": question}],
+        max_tokens=2,
+    )
+    usage = raw.parse().usage
+    return raw.headers["x-kvroute-backend"], usage.prompt_tokens_details.cached_tokens
+
+
+@pytest.mark.parametrize("encoding", ["array", "map"])
+async def test_requests_follow_the_cache(encoding: str) -> None:
+    async with kv_fleet(3, encoding) as (router, _):
+        homes = {}
+        for i in range(6):
+            homes[i], cached = await ask(router, document(i), "first question")
+            assert cached == 0
+        await asyncio.sleep(0.3)  # the BlockStored events arrive
+        for i in range(6):
+            backend, cached = await ask(router, document(i), "a follow-up question")
+            assert backend == homes[i]
+            assert cached > 600  # the document's blocks were reused
+        async with aiohttp.ClientSession() as http:
+            async with http.get(router.url + "/debug/routing") as resp:
+                debug = await resp.json()
+        assert {b["index_mode"] for b in debug["backends"].values()} == {"events"}
+        assert debug["decisions"][-1]["chosen"] == homes[5]
+        text = router.metrics.render().decode()
+        assert 'kvroute_cached_tokens_total{source="reported"}' in text
+        assert "kvroute_kv_prediction_error_tokens_count 12.0" in text
+
+
+async def test_approximate_mode_without_events_keeps_prefixes_together() -> None:
+    async with kv_fleet(3, events=False) as (router, _):
+        homes = [await ask(router, document(i), "q") for i in range(4)]
+        again = [await ask(router, document(i), "another q") for i in range(4)]
+        assert [h for h, _ in homes] == [a for a, _ in again]
+        assert all(cached > 600 for _, cached in again)
+        text = router.metrics.render().decode()
+        assert 'kvroute_backend_index_mode{backend="sim0",mode="approximate"} 1.0' in text
+
+
+async def test_a_dead_backend_stops_being_preferred() -> None:
+    async with kv_fleet(2) as (router, fleet):
+        home, _ = await ask(router, document(0), "q")
+        await asyncio.sleep(0.3)
+        dead = next(b for i, b in enumerate(fleet.backends) if f"sim{i}" == home)
+        await dead.stop()
+        router.fleet.set_healthy(router.fleet.find(home), False)  # what health checks do
+        backend, _ = await ask(router, document(0), "q again")
+        assert backend != home

@@ -1,0 +1,163 @@
+"""Signals to a real `kvroute serve` process: SIGTERM drains under load, SIGHUP reloads."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+import yaml
+
+from router.app import Router
+from router.config import build
+from tests.router.chaos import Tally, chat, until
+from tests.stub_backend import StubBackend
+
+CHAT_PATH = "/v1/chat/completions"
+_LISTENING = re.compile(rb"listening on (http://\S+),")
+
+
+class Served:
+    def __init__(self, proc: asyncio.subprocess.Process, url: str, log: bytearray) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+
+@asynccontextmanager
+async def kvroute(config: Path) -> AsyncIterator[Served]:
+    """`python -m router serve -c config`, once it listens; killed if a test fails."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "router", "serve", "-c", str(config),
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    log = bytearray()
+
+    async def read_log() -> None:
+        async for line in proc.stderr:
+            log.extend(line)
+
+    reader = asyncio.create_task(read_log())
+    try:
+        async with asyncio.timeout(20):
+            while not (found := _LISTENING.search(log)):
+                if proc.returncode is not None:
+                    raise AssertionError(log.decode())
+                await asyncio.sleep(0.02)
+        yield Served(proc, found.group(1).decode(), log)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+        await reader
+
+
+def _write(path: Path, stubs: list[StubBackend], members: list[int], **extra) -> None:
+    backends = [{"url": stubs[i].url, "name": f"s{i}"} for i in members]
+    data = {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends, **extra}
+    path.write_text(yaml.safe_dump(data))
+
+
+async def test_sigterm_lets_streams_finish_and_refuses_new_connections(tmp_path: Path) -> None:
+    stubs = [await StubBackend().start() for _ in range(2)]
+    for stub in stubs:
+        stub.behaviour.chunks, stub.behaviour.pace = 10, 0.1  # ~1 s streams
+    path = tmp_path / "router.yaml"
+    _write(path, stubs, [0, 1], shutdown={"unready_seconds": 1.0, "drain_seconds": 10})
+    tally = Tally.new()
+    try:
+        async with kvroute(path) as served, aiohttp.ClientSession() as http:
+            url = served.url + CHAT_PATH
+            streams = [
+                asyncio.create_task(tally.send(http, url, **chat(stream=True))) for _ in range(6)
+            ]
+            await until(lambda: sum(s.active for s in stubs) == 6)
+            served.proc.send_signal(signal.SIGTERM)
+            ready = served.url + "/ready"
+            async with asyncio.timeout(1):  # the signal is handled on the router's loop
+                while (await tally.send(http, ready, method="GET", expect=None)).status == 200:
+                    await asyncio.sleep(0.01)
+            reply = await tally.send(http, ready, method="GET", expect=503)
+            assert reply.json() == {"status": "shutting down"}
+
+            async def refused() -> bool:
+                fresh = aiohttp.TCPConnector(force_close=True)
+                async with aiohttp.ClientSession(connector=fresh) as other:
+                    try:
+                        await tally.send(other, url, expect=None, bound=2, **chat())
+                    except aiohttp.ClientConnectionError:
+                        tally.add("failed", -1)  # refused is the expected outcome
+                        return True
+                return False
+
+            async with asyncio.timeout(3):
+                while not await refused():
+                    await asyncio.sleep(0.05)
+            replies = await asyncio.gather(*streams)
+            assert all(r.status == 200 for r in replies)
+            assert all(r.events()[-1] == b"[DONE]" and b'"error"' not in r.body for r in replies)
+            assert all(len(r.events()) == 11 for r in replies)  # every chunk, then [DONE]
+            assert await asyncio.wait_for(served.proc.wait(), 10) == 0
+        assert sum(s.aborted for s in stubs) == 0
+        assert (tally.failed, tally.hung) == (0, 0)
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_sighup_reloads_and_a_bad_file_keeps_the_old_config(tmp_path: Path) -> None:
+    stubs = [await StubBackend().start() for _ in range(2)]
+    path = tmp_path / "router.yaml"
+    _write(path, stubs, [0])
+    tally = Tally.new()
+    try:
+        async with kvroute(path) as served, aiohttp.ClientSession() as http:
+            url = served.url + CHAT_PATH
+            assert (await tally.send(http, url, **chat())).headers["x-kvroute-backend"] == "s0"
+            _write(path, stubs, [1])  # s1 only: s0 is removed
+            served.proc.send_signal(signal.SIGHUP)
+            async with asyncio.timeout(5):
+                while (await tally.send(http, url, **chat())).headers["x-kvroute-backend"] != "s1":
+                    await asyncio.sleep(0.02)
+            path.write_text("backends: [{url: 'not a url'}]\n")
+            served.proc.send_signal(signal.SIGHUP)
+            await until(lambda: b"reload rejected" in served.log)
+            assert (await tally.send(http, url, **chat())).headers["x-kvroute-backend"] == "s1"
+            served.proc.send_signal(signal.SIGTERM)
+            assert await asyncio.wait_for(served.proc.wait(), 10) == 0
+        assert (tally.failed, tally.hung) == (0, 0)
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_streams_that_outlive_the_drain_deadline_are_cut() -> None:
+    stub = await StubBackend().start()
+    stub.behaviour.chunks, stub.behaviour.pace = 100, 0.05  # a 5 s stream
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url}],
+        "shutdown": {"drain_seconds": 0.3},
+    }
+    router = Router(build(data))
+    await router.start()
+    tally = Tally.new()
+    try:
+        async with aiohttp.ClientSession() as http:
+            tally.add("sent")
+            resp = await http.post(router.url + CHAT_PATH, **chat(stream=True))
+            await resp.content.readline()  # streaming
+            t0 = time.monotonic()
+            await router.shutdown()
+            assert time.monotonic() - t0 < 2.0  # the deadline, not the stream, ended it
+            with pytest.raises(aiohttp.ClientPayloadError):
+                await resp.read()  # cut: the client sees an incomplete body, not a hang
+        await until(lambda: stub.aborted == 1)  # and the backend stopped generating
+    finally:
+        await stub.stop()
+    assert tally.hung == 0
