@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import signal
 
+import aiohttp
 from aiohttp import web
 
 import policies
@@ -43,12 +44,22 @@ class Router:
         self.grpc: GrpcIngress | None = None  # gRPC ingress (issue 6), when config.grpc.enabled
         self.grpc_port = 0
         self._tasks: list[asyncio.Task] = []
+        self._session: aiohttp.ClientSession | None = None
+        self.telemetry: Telemetry | None = None
 
     @property
     def url(self) -> str:
         return f"http://{self.config.listen.host}:{self.port}"
 
     async def start(self) -> None:
+        """Start in order; on any failure, stop what started and re-raise."""
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> None:
         cfg = self.config
         self._session = make_session(cfg.timeouts.connect)
         self.poller = poller = ModelPoller(
@@ -87,11 +98,7 @@ class Router:
         # gRPC ingress (issue 6): same loop, same dispatcher, its own port
         if cfg.grpc.enabled:
             self.grpc = GrpcIngress(cfg, self.fleet, self.dispatcher, self.metrics, self.auth)
-            try:
-                self.grpc_port = await self.grpc.start()
-            except BaseException:
-                await self.stop()  # e.g. the port is taken: release what started
-                raise
+            self.grpc_port = await self.grpc.start()
         log.server.info(
             "kvroute listening on %s, strategy %s, %d backends",
             self.url,
@@ -102,7 +109,8 @@ class Router:
     async def stop(self) -> None:
         if self.grpc is not None:  # gRPC ingress (issue 6): started last, stopped first
             await self.grpc.stop()
-        await self.telemetry.stop()
+        if self.telemetry is not None:
+            await self.telemetry.stop()
         if self.admin is not None:
             await self.admin.stop()
         for task in self._tasks:
@@ -110,7 +118,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
-        await self._session.close()
+        if self._session is not None:
+            await self._session.close()
 
     async def shutdown(self) -> None:
         """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the

@@ -14,6 +14,8 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.app import Router
+from router.config import build
 from tests.router.conftest import running, settle
 
 MODEL = "stub-model"
@@ -268,3 +270,12 @@ async def test_prefix_aware_reads_tools_and_rejects_mixed_prompts() -> None:
         )
         assert code == 400 and body["error"]["param"] == "prompt"
         assert sum(len(s.received) for s in stubs) == 1
+
+
+async def test_a_failed_start_raises_its_own_error_and_releases_everything() -> None:
+    async with running(1) as (router, stubs):
+        config = {"listen": {"host": "127.0.0.1", "port": router.port}}
+        other = Router(build({**config, "backends": [{"url": stubs[0].url}]}))
+        with pytest.raises(OSError):  # the port is taken; not an error of the cleanup
+            await other.start()
+        assert all(task.done() for task in other._tasks)
