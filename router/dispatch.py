@@ -263,6 +263,7 @@ class _Attempt:
                     t.idle,
                     end,
                     self._metrics.itl.labels(backend.name).observe,
+                    self.prefilled,
                 )
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
             self._note(exc)
@@ -285,10 +286,15 @@ class _Attempt:
             self._note(exc)
             raise
 
+    def prefilled(self) -> None:
+        """The first token arrived: the prompt's tokens no longer queue on the backend."""
+        self.backend.queued_tokens -= self._queued
+        self._queued = 0
+
     def release(self, clean: bool) -> None:
         backend = self.backend
         backend.inflight -= 1
-        backend.queued_tokens -= self._queued
+        self.prefilled()
         if self._trial:  # the trial ended without a verdict: free the slot
             self._verdict(None)
         if self.upstream is not None:

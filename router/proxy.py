@@ -63,6 +63,7 @@ class Upstream:
         "_deadline",
         "_end",
         "_idle",
+        "_on_first",
         "_on_gap",
         "_resp",
         "_tail",
@@ -79,8 +80,10 @@ class Upstream:
         idle: float,
         end: float,
         on_gap: Callable[[float], None],
+        on_first: Callable[[], None],
     ) -> None:
         self._resp = resp
+        self._on_first = on_first
         self._deadline: asyncio.Timeout | None = None
         self._idle = idle
         self._end = end
@@ -115,7 +118,8 @@ class Upstream:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield data as the backend flushes it; each chunk extends the idle deadline.
 
-        The gap between chunks goes to `on_gap` (the inter-token latency histogram).
+        The gap between chunks goes to `on_gap` (the inter-token latency histogram);
+        `on_first` hears the first chunk (the backend finished the prompt's prefill).
         """
         loop = asyncio.get_running_loop()
         deadline, idle, end, on_gap = self._deadline, self._idle, self._end, self._on_gap
@@ -132,6 +136,7 @@ class Upstream:
             now = loop.time()
             if last is None:
                 self.first_chunk_at = now
+                self._on_first()
             else:
                 on_gap(now - last)
             last = now
@@ -156,6 +161,7 @@ async def open_upstream(
     idle: float,
     end: float,
     on_gap: Callable[[float], None],
+    on_first: Callable[[], None],
 ) -> Upstream:
     try:
         resp = await session.request(method, url, data=body or None, headers=headers)
@@ -163,4 +169,4 @@ async def open_upstream(
         raise UpstreamConnectError(f"cannot connect to backend: {exc.os_error}") from exc
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"backend failed before responding: {exc}") from exc
-    return Upstream(resp, idle, end, on_gap)
+    return Upstream(resp, idle, end, on_gap, on_first)
