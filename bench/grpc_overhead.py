@@ -27,7 +27,7 @@ import grpc
 import orjson
 
 from bench import overhead
-from bench.overhead import free_port, percentile, process
+from bench.overhead import free_port, percentile, process, write_json
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['grpc_minus_http_p99_ms']:+10.3f}"
         )
     if args.json:
-        with open(args.json, "wb") as f:
-            f.write(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+        write_json(args.json, results)
     return 0
 
 

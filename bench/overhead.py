@@ -160,9 +160,13 @@ def main(argv: list[str] | None = None) -> int:
             f"{s['router_p99_ms']:9.3f}ms {s['added_p99_ms']:8.3f}ms"
         )
     if args.json:
-        with open(args.json, "wb") as f:
-            f.write(orjson.dumps(results, option=orjson.OPT_INDENT_2))
+        write_json(args.json, results)
     return 0
+
+
+def write_json(path: str, results: dict) -> None:
+    with open(path, "wb") as f:
+        f.write(orjson.dumps(results, option=orjson.OPT_INDENT_2))
 
 
 if __name__ == "__main__":

@@ -47,6 +47,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         type=int,
         help="in-flight requests at which a pinned backend spills over (PREFIX_AWARE)",
     )
+    p.add_argument(
+        "--grpc-port", type=int, help="also serve the gRPC ingress on this port (grpc.enabled)"
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--check", action="store_true", help="validate the config and exit")
 
@@ -60,6 +63,8 @@ def _overrides(args: argparse.Namespace) -> dict:
         "routing.strategy": args.strategy,
         "routing.prefix_length": args.prefix_length,
         "routing.concurrency_threshold": args.concurrency_threshold,
+        "grpc.enabled": True if args.grpc_port is not None else None,
+        "grpc.port": args.grpc_port,
         "log_level": args.log_level,
     }
 
