@@ -153,8 +153,15 @@ class PromptBlocks:
     """
 
     def __init__(
-        self, block_size: int, max_blocks: int, tokenizer: ChatML4 | HFChat | None = None
+        self,
+        block_size: int,
+        max_blocks: int,
+        tokenizer: ChatML4 | HFChat | None = None,
+        remote: bool = False,
     ) -> None:
+        #: the router asks a backend's /tokenize for the ids; the local tokenizer is the
+        #: fallback when that fails
+        self.remote = remote
         self._tokenizer = tokenizer or ChatML4()
         self._cache = BlockKeyCache(ChatML4(), block_size)
         self._block_size = block_size
@@ -168,6 +175,10 @@ class PromptBlocks:
         if isinstance(tok, ChatML4):
             return self._cache.keys(root, tok.chat_text(messages), self._max_blocks)
         return self._of_ids(root, tok.chat_ids(messages, tools or None))
+
+    def of_ids(self, model: str, salt: str | None, ids: Sequence[int]) -> tuple[list[int], int]:
+        """Keys of a prompt whose exact token ids are known (e.g. from a backend)."""
+        return self._of_ids(root_key(model, salt), ids)
 
     def prompt(
         self, model: str, salt: str | None, prompt: str | Sequence[str | int | Sequence[int]]
@@ -189,6 +200,7 @@ class PromptBlocks:
 def make_prompt_blocks(
     block_size: int, max_blocks: int, kind: str, path: str | None
 ) -> PromptBlocks:
-    """From config: kind "chatml4" (`kvroute sim`'s tokenizer) or "hf" (a tokenizer dir)."""
+    """From config: kind "chatml4" (`kvroute sim`'s tokenizer), "hf" (a tokenizer dir) or
+    "backend" (each backend's /tokenize, ChatML4 when it fails)."""
     tokenizer = HFChat(path) if kind == "hf" and path else ChatML4()
-    return PromptBlocks(block_size, max_blocks, tokenizer)
+    return PromptBlocks(block_size, max_blocks, tokenizer, remote=kind == "backend")

@@ -58,9 +58,10 @@ NonNegative = Annotated[float, Meta(ge=0)]
 
 class KvTokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The backends' exact tokenizer: "hf" (a local HuggingFace tokenizer directory with
-    its chat template) for vLLM, or "chatml4" (`kvroute sim`'s)."""
+    its chat template) for vLLM, "backend" (ask a backend's POST /tokenize, cached; costs
+    a round trip per new prompt), or "chatml4" (`kvroute sim`'s)."""
 
-    kind: Literal["chatml4", "hf"] = "chatml4"
+    kind: Literal["chatml4", "hf", "backend"] = "chatml4"
     path: str | None = None
 
     def __post_init__(self) -> None:

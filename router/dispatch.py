@@ -46,6 +46,7 @@ from router.metrics import Metrics
 from router.proxy import Upstream, open_upstream
 from router.request import Kind
 from router.retry import RetryPolicy, excluding
+from router.tokenize import RemoteTokenizer
 
 
 @dataclass(slots=True)
@@ -60,6 +61,8 @@ class Call:
     headers: CIMultiDict[str]
     started: float
     tenant: str | None = None
+    #: the prompt's exact token ids, when a backend's /tokenize supplied them
+    token_ids: list[int] | None = None
 
 
 def new_request_id() -> str:
@@ -72,6 +75,7 @@ class Dispatcher:
         self.metrics = metrics
         self._session = session
         self.admission = Admission(config.limits)
+        self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         #: shutting down: readiness is false (requests in flight still finish)
         self.draining = False
         self.configure(config)
@@ -143,6 +147,12 @@ class Dispatcher:
         Returns the attempt holding its slots; its answer may be a backend's own error
         status, passed through. Raises the last failure if no answer came at all.
         """
+        block_keys = self.fleet.policy.block_keys
+        if block_keys is not None and block_keys.remote:
+            req = call.req
+            prompt = getattr(req, "prompt", None) or getattr(req, "input", None)
+            model = req.model or ""
+            call.token_ids = await self._tokenizer.ids(call.kind, model, call.body, prompt)
         try:
             routed = self.route(call)
         except KvrouteError as err:
@@ -331,7 +341,9 @@ def _describe(policy: Policy, call: Call, model: str) -> RouteRequest:
         fp = _apply(fingerprinter, call, model, _tenant(call.tenant, req.cache_salt))
         fp = random.getrandbits(64) if fp is None else fp  # e.g. /v1/responses: spread
     blocks, tokens = (), 0
-    if block_keys is not None:
+    if block_keys is not None and call.token_ids is not None:
+        blocks, tokens = block_keys.of_ids(model, req.cache_salt, call.token_ids)
+    elif block_keys is not None:
         # block keys isolate exactly as vLLM does: by cache_salt alone
         blocks, tokens = _apply(block_keys, call, model, req.cache_salt) or ((), 0)
     return RouteRequest(model, fp, blocks, tokens)

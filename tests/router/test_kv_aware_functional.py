@@ -104,3 +104,35 @@ async def test_a_dead_backend_stops_being_preferred() -> None:
         router.fleet.set_healthy(router.fleet.find(home), False)  # what health checks do
         backend, _ = await ask(router, document(0), "q again")
         assert backend != home
+
+
+async def test_exact_ids_from_the_backends_tokenize_endpoint() -> None:
+    """tokenizer kind "backend": ids come from /tokenize (cached), not a local tokenizer."""
+    params = SimParams(kv_events=True, time_scale=0.01)
+    fleet = await start_fleet(2, params)
+    backends = [
+        {
+            "url": b.url,
+            "name": f"sim{i}",
+            "kv_events": {"endpoint": b.publisher.endpoint},
+        }
+        for i, b in enumerate(fleet.backends)
+    ]
+    routing = {"strategy": "KV_AWARE", "seed": 1, "tokenizer": {"kind": "backend"}}
+    config = {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends, "routing": routing}
+    router = Router(build(config))
+    await router.start()
+    try:
+        await asyncio.sleep(1.2)
+        home, _ = await ask(router, document(7), "q")
+        await asyncio.sleep(0.3)
+        for question in ("q", "another"):  # a repeat (cached ids) and a new prompt
+            backend, cached = await ask(router, document(7), question)
+            assert (backend, cached > 600) == (home, True)
+        decisions = router.fleet.policy.recent
+        assert decisions[-1]["scores"][home]["cached"] > 600
+        assert "tokenize_failed" not in router.metrics.render().decode()
+        assert len(router.dispatcher._tokenizer._cache) == 2  # the two distinct prompts
+    finally:
+        await router.stop()
+        await fleet.stop()
