@@ -162,6 +162,8 @@ class PromptBlocks:
         #: the router asks a backend's /tokenize for the ids; the local tokenizer is the
         #: fallback when that fails
         self.remote = remote
+        #: tokenizing can take milliseconds (HF): the router runs `local_ids` off its loop
+        self.offload = isinstance(tokenizer, HFChat)
         self._tokenizer = tokenizer or ChatML4()
         self._cache = BlockKeyCache(ChatML4(), block_size)
         self._block_size = block_size
@@ -175,6 +177,17 @@ class PromptBlocks:
         if isinstance(tok, ChatML4):
             return self._cache.keys(root, tok.chat_text(messages), self._max_blocks)
         return self._of_ids(root, tok.chat_ids(messages, tools or None))
+
+    def local_ids(
+        self, messages: Sequence[Message] | None, tools: object, prompt: object
+    ) -> list[int] | None:
+        """The HF tokenizer's ids for a chat (`messages`) or a text prompt; None otherwise."""
+        tok = self._tokenizer
+        if not isinstance(tok, HFChat):
+            return None
+        if messages is not None:
+            return tok.chat_ids(messages, tools or None)
+        return tok.prompt_ids(prompt) if isinstance(prompt, str) else None
 
     def of_ids(self, model: str, salt: str | None, ids: Sequence[int]) -> tuple[list[int], int]:
         """Keys of a prompt whose exact token ids are known (e.g. from a backend)."""

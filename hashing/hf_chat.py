@@ -8,17 +8,19 @@ does the same with `jinja2` (sandboxed, `trim_blocks`/`lstrip_blocks`, the `tojs
 filter and `raise_exception` helper templates expect) and `tokenizers`, both optional
 dependencies imported when a tokenizer is built.
 
-Cost: the render is Python, the encode Rust. A conversation's history is usually the
-long, shared part, so the token ids of the rendered history (every message but the
-last) are cached by the hash of that text: a follow-up request only encodes its last
-message. That needs the history's ids to be a prefix of the whole prompt's ids, which
-holds when messages end with a special token (as chat templates do); the rendered text
-is checked to start with the history before the cache is used.
+Cost: the render is Python, the encode Rust (about a millisecond per 8k tokens), so the
+router calls `chat_ids` in a worker thread; the cache is locked for that. A
+conversation's history is usually the long, shared part, so the token ids of the
+rendered history (every message but the last) are cached by the hash of that text: a
+follow-up request only encodes its last message. That needs the history's ids to be a
+prefix of the whole prompt's ids, which holds when messages end with a special token (as
+chat templates do); the rendered text is checked to start with the history first.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,13 +49,20 @@ class HFChat:
         self._specials = {k: _token_text(config.get(k)) for k in _SPECIAL_TOKENS}
         self._cache: OrderedDict[int, list[int]] = OrderedDict()
         self._max = max_entries
+        self._lock = threading.Lock()
 
     def render(self, messages: Sequence[Message], tools: msgspec.Raw | None, gen: bool) -> str:
+        """Raises ValueError when the template refuses the conversation."""
+        import jinja2  # loaded already: _compile imported it
+
         dicts = [_as_dict(m) for m in messages]
         tool_list = msgspec.json.decode(tools) if tools else None
-        return self._template.render(
-            messages=dicts, tools=tool_list, add_generation_prompt=gen, **self._specials
-        )
+        try:
+            return self._template.render(
+                messages=dicts, tools=tool_list, add_generation_prompt=gen, **self._specials
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template: {exc}") from None
 
     def tokenize(self, text: str) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=False).ids
@@ -73,13 +82,16 @@ class HFChat:
 
     def _head_ids(self, head: str) -> list[int]:
         key = xxhash.xxh3_64_intdigest(head.encode())
-        ids = self._cache.get(key)
-        if ids is None:
-            ids = self._cache[key] = self.tokenize(head)
+        with self._lock:  # the router tokenizes in worker threads
+            ids = self._cache.get(key)
+            if ids is not None:
+                self._cache.move_to_end(key)
+                return ids
+        ids = self.tokenize(head)
+        with self._lock:
+            self._cache[key] = ids
             while len(self._cache) > self._max:
                 self._cache.popitem(last=False)
-        else:
-            self._cache.move_to_end(key)
         return ids
 
 

@@ -148,12 +148,9 @@ class Dispatcher:
         status, passed through. Raises the last failure if no answer came at all.
         """
         block_keys = self.fleet.policy.block_keys
-        if block_keys is not None and block_keys.remote:
-            req = call.req
-            prompt = getattr(req, "prompt", None) or getattr(req, "input", None)
-            model = req.model or ""
-            call.token_ids = await self._tokenizer.ids(call.kind, model, call.body, prompt)
         try:
+            if block_keys is not None and (block_keys.remote or block_keys.offload):
+                call.token_ids = await self._token_ids(call, block_keys)
             routed = self.route(call)
         except KvrouteError as err:
             self.rejected(err)
@@ -179,6 +176,20 @@ class Dispatcher:
                 raise attempt.error
             room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
             await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
+
+    async def _token_ids(self, call: Call, block_keys: PromptBlocks) -> list[int] | None:
+        """Exact ids from a backend's /tokenize, or from the HF tokenizer in a worker
+        thread (it can take milliseconds: never on the event loop)."""
+        req = call.req
+        prompt = getattr(req, "prompt", None) or getattr(req, "input", None)
+        if block_keys.remote:
+            return await self._tokenizer.ids(call.kind, req.model or "", call.body, prompt)
+        messages = req.messages if call.kind is Kind.CHAT else None
+        tools = req.tools if call.kind is Kind.CHAT else None
+        try:
+            return await asyncio.to_thread(block_keys.local_ids, messages, tools, prompt)
+        except ValueError as exc:  # e.g. the chat template refuses the conversation
+            raise BadRequest(f"Cannot tokenize the prompt: {exc}") from None
 
     def _retry_target(self, call: Call, tried: list[str]) -> Routed | None:
         if not self._retry.allows(len(tried)):

@@ -21,19 +21,24 @@ TEMPLATE = (
 CORPUS = ["the tenant keeps the premises in good order", "who repairs the roof and windows"]
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory):
+def build_tokenizer_dir(path, template: str = TEMPLATE):
+    """A tiny BPE tokenizer trained here (no download) with a chat template, in `path`."""
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.train_from_iterator(CORPUS * 5, trainers.BpeTrainer(special_tokens=SPECIALS))
     tokenizer.post_processor = processors.TemplateProcessing(
         single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
     )
-    path = tmp_path_factory.mktemp("tok")
+    path.mkdir(parents=True, exist_ok=True)
     tokenizer.save(str(path / "tokenizer.json"))
-    config = {"chat_template": TEMPLATE, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
+    config = {"chat_template": template, "bos_token": {"content": "<s>"}, "eos_token": "</s>"}
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory):
+    return build_tokenizer_dir(tmp_path_factory.mktemp("tok"))
 
 
 def convo(turns: int) -> list[Message]:

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
+import openai
 import pytest
 from openai import AsyncOpenAI
 
@@ -136,3 +137,34 @@ async def test_exact_ids_from_the_backends_tokenize_endpoint() -> None:
     finally:
         await router.stop()
         await fleet.stop()
+
+
+async def test_hf_tokenizer_runs_off_the_loop_and_template_errors_are_400(tmp_path) -> None:
+    from tests.hashing.test_hf_chat import build_tokenizer_dir
+    from tests.router.conftest import running
+
+    tok_dir = build_tokenizer_dir(tmp_path, template="{{ raise_exception('no system') }}")
+    routing = {"strategy": "KV_AWARE", "tokenizer": {"kind": "hf", "path": str(tok_dir)}}
+    async with running(2, routing) as (router, stubs):
+        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        with pytest.raises(openai.BadRequestError, match="no system"):
+            await oai.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}]
+            )
+        assert not any(s.received for s in stubs)
+    tok_dir = build_tokenizer_dir(tmp_path / "ok")
+    routing["tokenizer"]["path"] = str(tok_dir)
+    async with running(3, routing) as (router, stubs):
+        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        homes = set()
+        for q in ("roof", "windows", "doors"):
+            raw = await oai.chat.completions.with_raw_response.create(
+                model="stub-model",
+                messages=[
+                    {"role": "system", "content": "the tenant keeps " * 40},
+                    {"role": "user", "content": q},
+                ],
+            )
+            homes.add(raw.headers["x-kvroute-backend"])
+        assert len(homes) == 1  # approximate mode: the shared system prompt stays together
+        assert router.fleet.policy.recent[-1]["prompt_tokens"] > 40

@@ -1,0 +1,82 @@
+"""EventApplier on hand-made payloads: both encodings, unknown fields and tags, hash forms."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from hashing.blocks import chain, root_key
+from hashing.prefix_index import PrefixIndex
+from router.kv_events import EventApplier, as_uint64
+
+MODEL = "m"
+IDS = list(range(32))
+KEYS = chain(root_key(MODEL, None), IDS, 16)
+
+
+def apply(*events) -> tuple[PrefixIndex, EventApplier]:
+    index = PrefixIndex()
+    applier = EventApplier("pod", index, 16, lambda: MODEL)
+    applier.apply_payload(msgspec.msgpack.encode([1.0, list(events), 0]))
+    return index, applier
+
+
+def stored_map(**extra) -> dict:
+    event = {
+        "type": "BlockStored",
+        "block_hashes": [1, 2],
+        "parent_block_hash": None,
+        "token_ids": IDS,
+        "block_size": 16,
+        "lora_id": None,
+        "medium": "GPU",
+        "lora_name": None,
+    }
+    return {**event, **extra}
+
+
+@pytest.mark.parametrize(
+    ("events", "held"),
+    [
+        pytest.param([stored_map()], 2, id="map"),
+        pytest.param(
+            [["BlockStored", [1, 2], None, IDS, 16, None, "GPU", None, None, None, "x", None]],
+            2,
+            id="array-with-trailing-fields",
+        ),
+        pytest.param([stored_map(locality="LOCAL", future_field=[1])], 2, id="unknown-fields"),
+        pytest.param([{"type": "BlockTeleported", "x": 1}, stored_map()], 2, id="unknown-tag"),
+        pytest.param([stored_map(medium="cpu")], 0, id="cpu-tier-not-indexed"),
+        pytest.param([stored_map(block_size=32)], 0, id="other-block-size"),
+        pytest.param([stored_map(token_ids=[], block_size=0)], 0, id="token-less-placeholder"),
+        pytest.param(
+            [stored_map(), {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}],
+            1,
+            id="removed",
+        ),
+        pytest.param([stored_map(), ["AllBlocksCleared"]], 0, id="cleared"),
+        pytest.param(["garbage", 7, None, stored_map()], 2, id="malformed-events-skipped"),
+    ],
+)
+def test_events(events: list, held: int) -> None:
+    index, _ = apply(*events)
+    assert index.longest_prefix(KEYS, "pod") == held
+
+
+def test_undecodable_payload_is_counted_not_raised() -> None:
+    index = PrefixIndex()
+    applier = EventApplier("pod", index, 16, lambda: MODEL)
+    applier.apply_payload(b"\xc1 not msgpack")
+    assert applier.stats.skipped == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        pytest.param(5, 5, id="int"),
+        pytest.param(2**64 - 1, 2**64 - 1, id="uint64-max"),
+        pytest.param(bytes(24) + (7).to_bytes(8, "big"), 7, id="sha256-bin-last-8-bytes"),
+    ],
+)
+def test_hash_forms(value, expected: int) -> None:
+    assert as_uint64(value) == expected
