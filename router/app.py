@@ -14,7 +14,7 @@ from router import log
 from router.admin import AdminServer
 from router.auth import Authenticator
 from router.backends import Fleet
-from router.config import Config
+from router.config import Config, KvEventsConfig
 from router.dispatch import Dispatcher
 from router.grpc_ingress import GrpcIngress
 from router.health import HealthChecker, ModelPoller
@@ -47,6 +47,10 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.telemetry: Telemetry | None = None
 
+    def _kv_events(self) -> dict[str, KvEventsConfig]:
+        """Each backend's KV event endpoints in the current (possibly reloaded) config."""
+        return {b.key: b.kv_events for b in self.config.backends if b.kv_events is not None}
+
     @property
     def url(self) -> str:
         return f"http://{self.config.listen.host}:{self.port}"
@@ -71,9 +75,8 @@ class Router:
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
         self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
         # backend telemetry (issue 4): /metrics scraping and KV event subscriptions
-        kv_events = {b.key: b.kv_events for b in cfg.backends if b.kv_events is not None}
         self.telemetry = Telemetry(
-            self.fleet, self._session, self.metrics, cfg.telemetry, kv_events
+            self.fleet, self._session, self.metrics, cfg.telemetry, self._kv_events
         )
         self.telemetry.start()
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -190,7 +191,7 @@ class Telemetry:
         session: aiohttp.ClientSession,
         metrics: Metrics,
         config: TelemetryConfig,
-        kv_events: dict[str, KvEventsConfig],
+        kv_events: Callable[[], dict[str, KvEventsConfig]],
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
@@ -200,8 +201,10 @@ class Telemetry:
             fleet, session, config.scrape_interval, config.stale_after, self._fallback
         )
         self._zmq: zmq.asyncio.Context | None = None
-        self._subscribers: dict[str, tuple[asyncio.Task, EventApplier]] = {}
+        #: per backend: its subscription task and the endpoints it was started with
+        self._subscribers: dict[str, tuple[asyncio.Task, KvEventsConfig]] = {}
         self._tasks: list[asyncio.Task] = []
+        self._index: PrefixIndex | None = None
 
     def start(self) -> None:
         if self._config.enabled:
@@ -209,7 +212,7 @@ class Telemetry:
         self._tasks.append(asyncio.create_task(self._maintain(), name="kvroute-index"))
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *(t for t, _ in self._subscribers.values())]
+        tasks = [*self._tasks, *(task for task, _ in self._subscribers.values())]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -232,21 +235,27 @@ class Telemetry:
             await asyncio.sleep(1.0)
 
     def _sync_subscribers(self, index: PrefixIndex) -> None:
+        """Subscriptions follow the current config: reloads add, drop or re-point them."""
         policy = self._fleet.policy
-        wanted = {b.name: b for b in self._fleet.members if b.name in self._kv_events}
-        for name in set(self._subscribers) - set(wanted):
-            self._subscribers.pop(name)[0].cancel()
+        endpoints = self._kv_events()
+        wanted = {b.name: b for b in self._fleet.members if b.name in endpoints}
+        fresh_index = index is not self._index  # a reload built a new policy
+        self._index = index
+        for name, (task, cfg) in list(self._subscribers.items()):
+            if fresh_index or name not in wanted or endpoints[name] != cfg:
+                task.cancel()
+                del self._subscribers[name]
         for name, backend in wanted.items():
             if name not in self._subscribers:
-                self._subscribers[name] = self._subscribe(backend, index)
+                task = self._subscribe(backend, endpoints[name], index)
+                self._subscribers[name] = (task, endpoints[name])
         policy.event_backends = set(self._subscribers)
         for backend in self._fleet.members:
             self._metrics.index_mode(backend.name, backend.name in self._subscribers)
 
-    def _subscribe(self, backend: Backend, index: PrefixIndex) -> tuple[asyncio.Task, EventApplier]:
+    def _subscribe(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> asyncio.Task:
         if self._zmq is None:
             self._zmq = zmq.asyncio.Context()
-        cfg = self._kv_events[backend.name]
         block_size = self._fleet.policy.params.block_size
         applier = EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
 
@@ -258,7 +267,6 @@ class Telemetry:
         sub = EventSubscriber(
             self._zmq, applier, cfg.endpoint, cfg.replay_endpoint, cfg.topic, reset
         )
-        task = asyncio.create_task(
+        return asyncio.create_task(
             run_forever(sub, backend.name), name=f"kvroute-kv-{backend.name}"
         )
-        return task, applier

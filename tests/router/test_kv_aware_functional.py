@@ -168,3 +168,34 @@ async def test_hf_tokenizer_runs_off_the_loop_and_template_errors_are_400(tmp_pa
             homes.add(raw.headers["x-kvroute-backend"])
         assert len(homes) == 1  # approximate mode: the shared system prompt stays together
         assert router.fleet.policy.recent[-1]["prompt_tokens"] > 40
+
+
+async def test_a_reload_that_adds_kv_events_starts_the_subscription(tmp_path) -> None:
+    import yaml
+
+    from router.reload import ConfigSource
+
+    fleet = await start_fleet(1, SimParams(kv_events=True, time_scale=0.01))
+    backend = {"url": fleet.urls[0], "name": "sim0"}
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [backend],
+        "routing": {"strategy": "KV_AWARE"},
+    }
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump(data))
+    router = Router(build(data), ConfigSource(str(path)))
+    await router.start()
+    mode = 'kvroute_backend_index_mode{backend="sim0",mode="events"} 1.0'
+    try:
+        await asyncio.sleep(1.2)
+        assert mode not in router.metrics.render().decode()
+        backend["kv_events"] = {"endpoint": fleet.backends[0].publisher.endpoint}
+        path.write_text(yaml.safe_dump(data))
+        await router.reloader.reload()
+        async with asyncio.timeout(5):
+            while mode not in router.metrics.render().decode():
+                await asyncio.sleep(0.1)
+    finally:
+        await router.stop()
+        await fleet.stop()
