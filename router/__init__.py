@@ -7,7 +7,9 @@ One request's way, module by module:
                     (request.py, 400 on bad JSON), build a `Call`
   grpc_ingress.py   grpc.aio: protobuf → the same JSON body and `Call`; SSE → messages
   dispatch.py       the one place that chains the steps: admission (admission.py: wait
-                    queue, 429) → model check (404) → fingerprint (hashing/) → policy
+                    queue, 429) → model check (404) → [KV_AWARE: exact token ids from
+                    tokenize.py (a backend's /tokenize) or an HF tokenizer in a worker
+                    thread] → fingerprint / block keys (hashing/) → policy
                     pick (policies/) on a cached per-model FleetView → take the in-flight
                     slot → proxy → [before the first byte: retry on the policy's next
                     pick (retry.py)] → give it back, feed the breaker, record metrics
@@ -18,6 +20,8 @@ One request's way, module by module:
 Beside the path, never on it:
 
   health.py         active /health checks with thresholds; /v1/models discovery
+  telemetry.py      /metrics scraping (waiting, KV usage, block counts) and, per backend,
+  kv_events.py      the vLLM KV event subscription (ZMQ, replay) feeding the prefix index
   breaker.py        per-backend circuit breaker fed by request outcomes (passive)
   backends.py       backend state (health, breaker, drain, in-flight) and cached
                     FleetView snapshots (rebuilt on change)
