@@ -69,10 +69,14 @@ class Router:
         self.poller = poller = ModelPoller(
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(poller.poll_once(), _STARTUP_POLL_SECONDS)
-        self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
+        # one model poll and one health check before serving, so /ready and the first
+        # requests see which backends answer (bounded: a slow backend stays "up")
+        startup = asyncio.gather(poller.poll_once(), self.health.admit(list(self.fleet.members)))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(startup, _STARTUP_POLL_SECONDS)
+        self.fleet.changed()
+        self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
         self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
         # backend telemetry (issue 4): /metrics scraping and KV event subscriptions
         self.telemetry = Telemetry(

@@ -279,3 +279,18 @@ async def test_a_failed_start_raises_its_own_error_and_releases_everything() -> 
         with pytest.raises(OSError):  # the port is taken; not an error of the cleanup
             await other.start()
         assert all(task.done() for task in other._tasks)
+
+
+async def test_not_ready_at_start_when_no_backend_answers() -> None:
+    async with running(1) as (_, stubs):
+        dead_url = stubs[0].url
+    router = Router(
+        build({"listen": {"host": "127.0.0.1", "port": 0}, "backends": [{"url": dead_url}]})
+    )
+    await router.start()
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with http.get(router.url + "/ready") as resp:
+                assert resp.status == 503
+    finally:
+        await router.stop()

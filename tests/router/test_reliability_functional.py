@@ -17,7 +17,7 @@ from tests.router.chaos import Tally, chat, until
 from tests.router.conftest import running, settle
 
 FAST = {
-    "health": {"interval": 0.05, "timeout": 0.3, "unhealthy_threshold": 2, "healthy_threshold": 1},
+    "health": {"interval": 0.05, "timeout": 2.0, "unhealthy_threshold": 2, "healthy_threshold": 1},
     "breaker": {"failure_threshold": 2, "open_seconds": 0.2, "half_open_successes": 1},
     "retries": {"backoff": 0.001, "backoff_max": 0.01},
 }
