@@ -15,6 +15,7 @@ from router.admin import AdminServer
 from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config, KvEventsConfig
+from router.discovery import Discovery
 from router.dispatch import Dispatcher
 from router.grpc_ingress import GrpcIngress
 from router.health import HealthChecker, ModelPoller
@@ -38,6 +39,7 @@ class Router:
         self.admin = AdminServer(self, config.admin) if config.admin is not None else None
         check_admin_token(self.admin, self.auth)
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
+        self.discovery = Discovery(self)  # backends from DNS names (issue 8)
         self.metrics = Metrics(lambda: self.fleet.members)
         self.port = 0
         self._runner: web.AppRunner | None = None
@@ -77,6 +79,7 @@ class Router:
             await asyncio.wait_for(startup, _STARTUP_POLL_SECONDS)
         self.fleet.changed()
         self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
+        self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
         self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
         # backend telemetry (issue 4): /metrics scraping and KV event subscriptions
         self.telemetry = Telemetry(

@@ -63,6 +63,21 @@ class TelemetryConfig(_Strict):
     stale_after: Seconds = 5.0
 
 
+class DnsDiscoveryConfig(_Strict):
+    """Backends from DNS: every A/AAAA record of `name` is a vLLM server on `port`
+    (e.g. a Kubernetes headless Service), re-resolved every `interval` seconds."""
+
+    name: str
+    port: Port = 8000
+    interval: Seconds = 10.0
+    weight: Annotated[int, Meta(ge=1, le=1000)] = 1
+    models: list[str] | None = None
+    #: each address's KV event PUB / replay ports (vLLM --kv-events-config), if any
+    kv_events_port: Port | None = None
+    kv_replay_port: Port | None = None
+    kv_topic: str = ""
+
+
 class BackendConfig(_Strict):
     url: str
     name: str | None = None
@@ -206,7 +221,9 @@ class AuthConfig(_Strict):
 
 
 class Config(_Strict):
-    backends: list[BackendConfig]
+    backends: list[BackendConfig] = msgspec.field(default_factory=list)
+    #: DNS names whose addresses are backends too, beside the static list
+    discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
     listen: ListenConfig = ListenConfig()
     grpc: GrpcConfig = GrpcConfig()
     routing: policies.params_union() = RandomParams()  # type: ignore[valid-type]
@@ -227,8 +244,8 @@ class Config(_Strict):
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        if not self.backends:
-            raise ValueError("at least one backend is required")
+        if not self.backends and not self.discovery:
+            raise ValueError("at least one backend (or a discovery source) is required")
         seen: set[str] = set()
         for backend in self.backends:
             for key in {backend.key, str(URL(backend.url))}:

@@ -174,6 +174,19 @@ class Metrics:
             registry=r,
         )
 
+        self.discovery_errors = Counter(
+            "kvroute_discovery_errors",
+            "Failed DNS resolutions of a discovery source (the last good list is kept)",
+            ["source"],
+            registry=r,
+        )
+        self.discovered_backends = Gauge(
+            "kvroute_discovered_backends",
+            "Backends a discovery source resolved to, last good resolution",
+            ["source"],
+            registry=r,
+        )
+
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)
         self._index_mode.labels(backend, "approximate").set(0 if events else 1)

@@ -106,6 +106,7 @@ class Reloader:
 
     async def _apply(self, new: Config) -> dict[str, list[str]]:
         router = self._router
+        new = router.discovery.merge(new)  # DNS-discovered backends join every config
         old = router.config
         new, at_restart = _pin_restart_only(old, new)
         fleet = router.fleet

@@ -43,11 +43,12 @@ class StubBackend:
     chunk_sent_at: list[float] = field(default_factory=list)
     health_checks: int = 0
     port: int = 0
+    host: str = "127.0.0.1"
     _runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://{self.host}:{self.port}"
 
     async def start(self) -> StubBackend:
         app = web.Application(middlewares=[_bad_json_is_400])
@@ -63,7 +64,7 @@ class StubBackend:
         )
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self

@@ -56,7 +56,7 @@ def test_defaults_need_only_backends() -> None:
             id="param-of-another-strategy",
         ),
         pytest.param({"backends": []}, "at least one backend", id="no-backends"),
-        pytest.param({}, "missing required field `backends`", id="missing-backends"),
+        pytest.param({}, "at least one backend (or a discovery source)", id="missing-backends"),
         pytest.param(
             {"backends": [{"url": "ftp://x:1"}]}, "must look like http://host:port", id="bad-url"
         ),

@@ -1,0 +1,135 @@
+"""Backends from DNS: stub vLLM servers on several loopback addresses (127.0.0.2, .3, ...)
+sharing one port, a resolver whose answer the test changes, real requests throughout."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import pytest
+
+from router.app import Router
+from router.config import build
+from router.discovery import Discovery, system_resolver
+from tests.stub_backend import StubBackend
+
+CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+class FakeDns:
+    """Answers like a DNS server whose records the test edits; can be made to fail."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        self.addresses = addresses
+        self.failing = False
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        if self.failing:
+            raise OSError("SERVFAIL")
+        return sorted(self.addresses)
+
+
+async def stubs_on(hosts: list[str]) -> list[StubBackend]:
+    first = await StubBackend(host=hosts[0]).start()
+    rest = [await StubBackend(host=h, port=first.port).start() for h in hosts[1:]]
+    return [first, *rest]
+
+
+async def until(predicate, timeout: float = 5.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.02)
+
+
+def members(router: Router) -> set[str]:
+    return {b.name for b in router.fleet.members}
+
+
+async def test_membership_follows_dns_without_dropping_requests() -> None:
+    stubs = await stubs_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+    port = stubs[0].port
+    dns = FakeDns(["127.0.0.2", "127.0.0.3"])
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "discovery": [{"name": "vllm.test", "port": port, "interval": 0.05}],
+        "health": {"interval": 0.05},
+    }
+    router = Router(build(config))
+    router.discovery = Discovery(router, dns)
+    await router.start()
+    failures: list[int] = []
+    stop = asyncio.Event()
+
+    async def steady(http: aiohttp.ClientSession) -> None:
+        while not stop.is_set():
+            async with http.post(router.url + "/v1/chat/completions", json=CHAT) as resp:
+                await resp.read()
+                if resp.status != 200:
+                    failures.append(resp.status)
+
+    try:
+        await until(lambda: members(router) == {f"127.0.0.{i}:{port}" for i in (2, 3)})
+        async with aiohttp.ClientSession() as http:
+            load = [asyncio.create_task(steady(http)) for _ in range(4)]
+            await asyncio.sleep(0.2)
+            dns.addresses = ["127.0.0.2", "127.0.0.4"]  # .3 vanishes, .4 appears
+            await until(lambda: members(router) == {f"127.0.0.{i}:{port}" for i in (2, 4)})
+            served_by_3 = len(stubs[1].received)
+            await asyncio.sleep(0.3)
+            dns.failing = True  # a resolver outage keeps the last good list
+            await asyncio.sleep(0.3)
+            stop.set()
+            await asyncio.gather(*load)
+        assert failures == []
+        assert len(stubs[1].received) <= served_by_3 + 4  # at most what was already sent
+        assert len(stubs[2].received) > 0
+        assert members(router) == {f"127.0.0.{i}:{port}" for i in (2, 4)}
+        text = router.metrics.render().decode()
+        assert 'kvroute_discovery_errors_total{source="vllm.test"}' in text
+        assert 'kvroute_discovered_backends{source="vllm.test"} 2.0' in text
+    finally:
+        stop.set()
+        await router.stop()
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_system_resolver_on_localhost_with_static_backends() -> None:
+    (stub,) = await stubs_on(["127.0.0.1"])
+    static = await StubBackend(host="127.0.0.5").start()
+    assert "127.0.0.1" in await system_resolver("localhost", stub.port)
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": static.url, "name": "static"}],
+        "discovery": [{"name": "localhost", "port": stub.port, "interval": 0.05}],
+        "routing": {"strategy": "ROUND_ROBIN"},
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        await until(lambda: f"127.0.0.1:{stub.port}" in members(router))
+        assert "static" in members(router)  # discovery adds to the static list
+        async with aiohttp.ClientSession() as http:
+            for _ in range(6):
+                async with http.post(router.url + "/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200
+        assert stub.received and static.received
+    finally:
+        await router.stop()
+        await stub.stop()
+        await static.stop()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        pytest.param({}, "or a discovery source", id="nothing-to-route-to"),
+        pytest.param({"discovery": [{"name": "x", "port": -1}]}, "$.discovery[0].port", id="port"),
+    ],
+)
+def test_discovery_config_errors(data: dict, message: str) -> None:
+    from router.config import ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        build(data)
+    assert message in str(info.value)
