@@ -63,19 +63,47 @@ class TelemetryConfig(_Strict):
     stale_after: Seconds = 5.0
 
 
-class DnsDiscoveryConfig(_Strict):
-    """Backends from DNS: every A/AAAA record of `name` is a vLLM server on `port`
-    (e.g. a Kubernetes headless Service), re-resolved every `interval` seconds."""
+class _Discovered(
+    msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True, tag_field="kind"
+):
+    """What every discovered backend shares: its port and per-backend options."""
 
-    name: str
     port: Port = 8000
-    interval: Seconds = 10.0
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
     models: list[str] | None = None
     #: each address's KV event PUB / replay ports (vLLM --kv-events-config), if any
     kv_events_port: Port | None = None
     kv_replay_port: Port | None = None
     kv_topic: str = ""
+
+
+class DnsDiscoveryConfig(_Discovered, tag="dns"):
+    """Backends from DNS: every A/AAAA record of `name` is a vLLM server on `port`
+    (e.g. a Kubernetes headless Service), re-resolved every `interval` seconds."""
+
+    name: str
+    interval: Seconds = 10.0
+
+    @property
+    def label(self) -> str:
+        return self.name
+
+
+class KubernetesDiscoveryConfig(_Discovered, tag="kubernetes"):
+    """Backends from the Kubernetes API: the ready addresses of the EndpointSlices of
+    Service `service`, listed then watched, with the pod's service-account token."""
+
+    service: str
+    #: default: the namespace this pod runs in (its service-account namespace file)
+    namespace: str | None = None
+    #: default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT
+    api_server: str | None = None
+    token_file: str = "/var/run/secrets/kubernetes.io/serviceaccount/token"
+    ca_file: str | None = "/var/run/secrets/kubernetes.io/serviceaccount/ca.crt"
+
+    @property
+    def label(self) -> str:
+        return f"k8s:{self.namespace or ''}/{self.service}"
 
 
 class BackendConfig(_Strict):
@@ -223,7 +251,9 @@ class AuthConfig(_Strict):
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: DNS names whose addresses are backends too, beside the static list
-    discovery: list[DnsDiscoveryConfig] = msgspec.field(default_factory=list)
+    discovery: list[DnsDiscoveryConfig | KubernetesDiscoveryConfig] = msgspec.field(
+        default_factory=list
+    )
     listen: ListenConfig = ListenConfig()
     grpc: GrpcConfig = GrpcConfig()
     routing: policies.params_union() = RandomParams()  # type: ignore[valid-type]

@@ -1,13 +1,17 @@
-"""Backends from DNS, beside the request path: the addresses of a name are the fleet.
+"""Backends discovered beside the request path: from DNS names and the Kubernetes API.
 
-Each `discovery:` source names a DNS name (a Kubernetes headless Service, a round-robin
-record) whose A/AAAA records are vLLM servers on one port. Every `interval` seconds the
-name is resolved again; when the set of addresses changes, the current config with the
-discovered backends swapped in goes through the reload path (router/reload.py: build,
-validate, swap), so new backends get a health check first and vanished ones drain like
-removed ones. The discovered backends are merged into every applied config, a SIGHUP
-reload of the file included. A failed resolution keeps the last good list, logs, and
-counts `kvroute_discovery_errors_total{source}`.
+Sources (`discovery:` in the YAML, each with `kind`):
+- `dns`: every A/AAAA record of a name (a Kubernetes headless Service, a round-robin
+  record) is a vLLM server on one port; the name is resolved again every `interval`.
+- `kubernetes`: the ready addresses of the EndpointSlices of one Service, listed and then
+  watched through the API server with the pod's service-account token; a broken watch
+  (or a 410 Gone) lists again.
+Whenever a source's address set changes, the current config with the discovered backends
+swapped in goes through the reload path (router/reload.py: build, validate, swap), so new
+backends get a health check first and vanished ones drain like removed ones. The
+discovered backends are merged into every applied config, a SIGHUP reload of the file
+included. A failing source keeps its last good list, logs, and counts
+`kvroute_discovery_errors_total{source}`.
 """
 
 from __future__ import annotations
@@ -15,19 +19,34 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import socket
-from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+import ssl
+from collections.abc import Awaitable, Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import aiohttp
 import msgspec
+import orjson
+from yarl import URL
 
 from router import log
-from router.config import BackendConfig, Config, ConfigError, DnsDiscoveryConfig, KvEventsConfig
+from router.config import (
+    BackendConfig,
+    Config,
+    ConfigError,
+    DnsDiscoveryConfig,
+    KubernetesDiscoveryConfig,
+    KvEventsConfig,
+)
 
 if TYPE_CHECKING:
     from router.app import Router
 
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+_NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
+_RETRY_S = 1.0
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -36,11 +55,13 @@ async def system_resolver(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
-def backend_configs(source: DnsDiscoveryConfig, addresses: list[str]) -> list[BackendConfig]:
-    return [_backend(source, address) for address in addresses]
+def backend_configs(
+    source: DnsDiscoveryConfig | KubernetesDiscoveryConfig, addresses: Iterable[str]
+) -> list[BackendConfig]:
+    return [_backend(source, address) for address in sorted(set(addresses))]
 
 
-def _backend(source: DnsDiscoveryConfig, address: str) -> BackendConfig:
+def _backend(source: DnsDiscoveryConfig | KubernetesDiscoveryConfig, address: str) -> BackendConfig:
     host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
     kv = None
     if source.kv_events_port is not None:
@@ -51,13 +72,24 @@ def _backend(source: DnsDiscoveryConfig, address: str) -> BackendConfig:
     )
 
 
+def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
+    """Addresses of the ready endpoints of EndpointSlice objects (ready unset = ready)."""
+    out: set[str] = set()
+    for item in slices:
+        for endpoint in item.get("endpoints") or ():
+            if (endpoint.get("conditions") or {}).get("ready", True) is not False:
+                out.update(endpoint.get("addresses") or ())
+    return out
+
+
 class Discovery:
     def __init__(self, router: Router, resolver: Resolver = system_resolver) -> None:
         self._router = router
         self._resolver = resolver
-        #: the last good addresses' backends of each source
+        #: the last good backends of each source, by source label
         self.found: dict[str, list[BackendConfig]] = {}
         self._merged: set[str] = set()
+        self._changed = asyncio.Event()
 
     def merge(self, config: Config) -> Config:
         """`config` with the discovered backends in place of the previously merged ones."""
@@ -75,30 +107,115 @@ class Discovery:
         sources = self._router.config.discovery
         if not sources:
             return
-        while True:
-            changed = await self.refresh(sources)
-            if changed:  # a rejected config is logged by the reloader; the old one serves
+        watchers = [asyncio.create_task(self._watch(s), name=f"kvroute-{s.label}") for s in sources]
+        try:
+            while True:
+                await self._changed.wait()
+                self._changed.clear()
+                # a rejected config is logged by the reloader; the old fleet keeps serving
                 with contextlib.suppress(ConfigError):
                     await self._router.reloader.apply(self._router.config)
-            await asyncio.sleep(min(s.interval for s in sources))
+        finally:
+            for task in watchers:
+                task.cancel()
+            await asyncio.gather(*watchers, return_exceptions=True)
 
-    async def refresh(self, sources: list[DnsDiscoveryConfig]) -> bool:
-        """Resolve every source once; True when any address set changed."""
-        results = await asyncio.gather(
-            *(self._resolver(s.name, s.port) for s in sources), return_exceptions=True
+    async def _watch(self, source: DnsDiscoveryConfig | KubernetesDiscoveryConfig) -> None:
+        follow = self._dns if isinstance(source, DnsDiscoveryConfig) else self._kubernetes
+        while True:
+            try:
+                await follow(source)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # any failure: keep the last list, count, retry
+                self._failed(source.label, exc)
+                await asyncio.sleep(_RETRY_S)
+
+    async def _dns(self, source: DnsDiscoveryConfig) -> None:
+        while True:
+            try:
+                addresses = await self._resolver(source.name, source.port)
+            except OSError as exc:
+                self._failed(source.label, exc)
+            else:
+                self._update(source, addresses)
+            await asyncio.sleep(source.interval)
+
+    async def _kubernetes(self, source: KubernetesDiscoveryConfig) -> None:
+        api = _KubeApi(source)
+        async with aiohttp.ClientSession(headers=api.headers()) as http:
+            slices, version = await api.list(http)
+            self._update(source, ready_addresses(slices.values()))
+            async for kind, obj in api.watch(http, version):
+                name = (obj.get("metadata") or {}).get("name", "")
+                if kind == "DELETED":
+                    slices.pop(name, None)
+                elif kind in ("ADDED", "MODIFIED"):
+                    slices[name] = obj
+                else:
+                    continue  # BOOKMARK
+                self._update(source, ready_addresses(slices.values()))
+
+    def _update(self, source, addresses: Iterable[str]) -> None:
+        backends = backend_configs(source, addresses)
+        self._router.metrics.discovered_backends.labels(source.label).set(len(backends))
+        if backends != self.found.get(source.label):
+            self.found[source.label] = backends
+            self._changed.set()
+
+    def _failed(self, label: str, exc: BaseException) -> None:
+        self._router.metrics.discovery_errors.labels(label).inc()
+        log.backends.warning("discovery from %s failed, keeping the last list: %s", label, exc)
+
+
+class _KubeApi:
+    """The two EndpointSlice calls discovery makes: list, then watch from its version."""
+
+    def __init__(self, source: KubernetesDiscoveryConfig) -> None:
+        self._source = source
+        api = source.api_server or _in_cluster_api()
+        namespace = source.namespace or Path(_NAMESPACE_FILE).read_text().strip()
+        path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
+        self._url = (
+            URL(api)
+            .with_path(path)
+            .with_query(labelSelector=f"kubernetes.io/service-name={source.service}")
         )
-        changed = False
-        metrics = self._router.metrics
-        for source, result in zip(sources, results, strict=True):
-            if isinstance(result, BaseException):
-                metrics.discovery_errors.labels(source.name).inc()
-                log.backends.warning(
-                    "resolving %s failed, keeping the last list: %s", source.name, result
-                )
-                continue
-            backends = backend_configs(source, result)
-            if backends != self.found.get(source.name):
-                self.found[source.name] = backends
-                changed = True
-            metrics.discovered_backends.labels(source.name).set(len(backends))
-        return changed
+        self._ssl: ssl.SSLContext | bool = True
+        if self._url.scheme == "https" and source.ca_file and Path(source.ca_file).exists():
+            self._ssl = ssl.create_default_context(cafile=source.ca_file)
+
+    def headers(self) -> dict[str, str]:
+        token = Path(self._source.token_file).read_text().strip()  # re-read: tokens rotate
+        return {"Authorization": f"Bearer {token}"}
+
+    async def list(self, http: aiohttp.ClientSession) -> tuple[dict[str, dict], str]:
+        async with http.get(self._url, ssl=self._ssl) as resp:
+            resp.raise_for_status()
+            body = orjson.loads(await resp.read())
+        items = {(i.get("metadata") or {}).get("name", ""): i for i in body.get("items") or ()}
+        return items, (body.get("metadata") or {}).get("resourceVersion", "")
+
+    async def watch(self, http: aiohttp.ClientSession, version: str):
+        """Yield (type, object) watch events until the stream ends or says 410 Gone."""
+        url = self._url.update_query(watch="1", resourceVersion=version, allowWatchBookmarks="true")
+        async with http.get(url, ssl=self._ssl, timeout=aiohttp.ClientTimeout(total=None)) as resp:
+            resp.raise_for_status()
+            async for line in resp.content:
+                if not line.strip():
+                    continue
+                event = orjson.loads(line)
+                if event.get("type") == "ERROR":  # e.g. 410 Gone: the caller lists again
+                    raise ConnectionError(f"watch error: {event.get('object')}")
+                yield event.get("type"), event.get("object") or {}
+        raise ConnectionError("watch stream ended")
+
+
+def _in_cluster_api() -> str:
+    host, port = (
+        os.environ.get("KUBERNETES_SERVICE_HOST"),
+        os.environ.get("KUBERNETES_SERVICE_PORT"),
+    )
+    if not host or not port:
+        raise ConfigError("kubernetes discovery: set api_server, or run inside a cluster")
+    return f"https://{host}:{port}"

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
+from aiohttp import web
 
 from router.app import Router
 from router.config import build
@@ -51,7 +53,7 @@ async def test_membership_follows_dns_without_dropping_requests() -> None:
     dns = FakeDns(["127.0.0.2", "127.0.0.3"])
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "discovery": [{"name": "vllm.test", "port": port, "interval": 0.05}],
+        "discovery": [{"kind": "dns", "name": "vllm.test", "port": port, "interval": 0.05}],
         "health": {"interval": 0.05},
     }
     router = Router(build(config))
@@ -101,7 +103,7 @@ async def test_system_resolver_on_localhost_with_static_backends() -> None:
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "backends": [{"url": static.url, "name": "static"}],
-        "discovery": [{"name": "localhost", "port": stub.port, "interval": 0.05}],
+        "discovery": [{"kind": "dns", "name": "localhost", "port": stub.port, "interval": 0.05}],
         "routing": {"strategy": "ROUND_ROBIN"},
     }
     router = Router(build(config))
@@ -124,7 +126,12 @@ async def test_system_resolver_on_localhost_with_static_backends() -> None:
     ("data", "message"),
     [
         pytest.param({}, "or a discovery source", id="nothing-to-route-to"),
-        pytest.param({"discovery": [{"name": "x", "port": -1}]}, "$.discovery[0].port", id="port"),
+        pytest.param(
+            {"discovery": [{"kind": "dns", "name": "x", "port": -1}]},
+            "$.discovery[0].port",
+            id="port",
+        ),
+        pytest.param({"discovery": [{"name": "x"}]}, "missing required field `kind`", id="kind"),
     ],
 )
 def test_discovery_config_errors(data: dict, message: str) -> None:
@@ -133,3 +140,135 @@ def test_discovery_config_errors(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         build(data)
     assert message in str(info.value)
+
+
+class FakeKubeApi:
+    """A loopback API server serving real EndpointSlice JSON: a list, then a watch stream
+    fed by the test. It insists on the service-account token and the label selector."""
+
+    def __init__(self, token: str) -> None:
+        self.token = token
+        self.slices: dict[str, dict] = {}
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.lists = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    @staticmethod
+    def slice(name: str, ready: dict[str, bool]) -> dict:
+        return {
+            "apiVersion": "discovery.k8s.io/v1",
+            "kind": "EndpointSlice",
+            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "vllm"}},
+            "addressType": "IPv4",
+            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
+            "endpoints": [
+                {"addresses": [ip], "conditions": {"ready": ok}} for ip, ok in ready.items()
+            ],
+        }
+
+    async def start(self) -> FakeKubeApi:
+        app = web.Application()
+        app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/ai/endpointslices", self._serve)
+        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+
+    async def _serve(self, request: web.Request) -> web.StreamResponse:
+        if request.headers.get("Authorization") != f"Bearer {self.token}":
+            return web.json_response({"kind": "Status", "code": 401}, status=401)
+        assert request.query["labelSelector"] == "kubernetes.io/service-name=vllm"
+        if request.query.get("watch") != "1":
+            self.lists += 1
+            body = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": "7"}}
+            return web.json_response({**body, "items": list(self.slices.values())})
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        while True:
+            event = await self.events.get()
+            if event is None:  # end this watch (as an API server does on timeout)
+                return response
+            await response.write(orjson.dumps(event) + b"\n")
+
+
+async def test_kubernetes_endpointslices_list_and_watch(tmp_path) -> None:
+    stubs = await stubs_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
+    port = stubs[0].port
+    api = await FakeKubeApi("sa-token").start()
+    (tmp_path / "token").write_text("sa-token\n")
+    api.slices["vllm-a"] = api.slice("vllm-a", {"127.0.0.2": True, "127.0.0.3": False})
+    source = {
+        "kind": "kubernetes",
+        "service": "vllm",
+        "namespace": "ai",
+        "api_server": api.url,
+        "token_file": str(tmp_path / "token"),
+        "port": port,
+    }
+    config = {"listen": {"host": "127.0.0.1", "port": 0}, "discovery": [source]}
+    router = Router(build(config))
+    await router.start()
+    expect = lambda *i: {f"127.0.0.{n}:{port}" for n in i}  # noqa: E731
+    try:
+        await until(lambda: members(router) == expect(2))  # the not-ready one stays out
+        api.events.put_nowait(
+            {
+                "type": "MODIFIED",
+                "object": api.slice("vllm-a", {"127.0.0.2": True, "127.0.0.3": True}),
+            }
+        )
+        await until(lambda: members(router) == expect(2, 3))
+        api.events.put_nowait({"type": "ADDED", "object": api.slice("vllm-b", {"127.0.0.4": True})})
+        api.events.put_nowait(
+            {"type": "BOOKMARK", "object": {"metadata": {"resourceVersion": "9"}}}
+        )
+        await until(lambda: members(router) == expect(2, 3, 4))
+        api.events.put_nowait({"type": "DELETED", "object": api.slice("vllm-a", {})})
+        await until(lambda: members(router) == expect(4))
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=CHAT) as resp:
+                assert resp.status == 200
+        assert stubs[2].received
+        # the watch ends: the router lists again and keeps following
+        api.slices = {"vllm-b": api.slice("vllm-b", {"127.0.0.4": True, "127.0.0.2": True})}
+        api.events.put_nowait(None)
+        await until(lambda: members(router) == expect(2, 4))
+        assert api.lists >= 2
+    finally:
+        await router.stop()
+        await api.stop()
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_kubernetes_wrong_token_keeps_the_fleet_and_counts(tmp_path) -> None:
+    api = await FakeKubeApi("right").start()
+    (tmp_path / "token").write_text("wrong")
+    static = await StubBackend().start()
+    source = {
+        "kind": "kubernetes",
+        "service": "vllm",
+        "namespace": "ai",
+        "api_server": api.url,
+        "token_file": str(tmp_path / "token"),
+    }
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": static.url, "name": "static"}],
+        "discovery": [source],
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        label = 'kvroute_discovery_errors_total{source="k8s:ai/vllm"}'
+        await until(lambda: label in router.metrics.render().decode())
+        assert members(router) == {"static"}
+    finally:
+        await router.stop()
+        await api.stop()
+        await static.stop()
