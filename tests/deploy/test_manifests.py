@@ -53,6 +53,8 @@ KINDS: dict[str, tuple[str, tuple[str, ...]]] = {
     "Service": ("v1", ("spec.selector", "spec.ports")),
     "ConfigMap": ("v1", ("data",)),
     "ServiceAccount": ("v1", ()),
+    "Role": ("rbac.authorization.k8s.io/v1", ("rules",)),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", ("roleRef", "subjects")),
     "PodDisruptionBudget": ("policy/v1", ("spec.selector.matchLabels",)),
     "ServiceMonitor": ("monitoring.coreos.com/v1", ("spec.selector.matchLabels", "spec.endpoints")),
 }
@@ -597,3 +599,21 @@ def test_systemd_unit() -> None:
     }.items():
         assert service[key] == value
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+
+
+def test_rbac_grants_only_what_kubernetes_discovery_reads() -> None:
+    """The Role allows get/list/watch on EndpointSlices and nothing else, and is bound to
+    the router's ServiceAccount."""
+    kinds = {d["kind"]: d for _, d in MANIFESTS}
+    assert kinds["Role"]["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    binding = kinds["RoleBinding"]
+    assert binding["roleRef"]["name"] == kinds["Role"]["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": kinds["ServiceAccount"]["metadata"]["name"]}
+    ]
