@@ -104,7 +104,6 @@ class BlockKeyCache:
         self._tokenizer = tokenizer
         self._block_size = block_size
         self._step = checkpoint_blocks * block_size * tokenizer.chars_per_token
-        self._checkpoint_blocks = checkpoint_blocks
         self._max = max_entries
         self._cache: OrderedDict[int, list[int]] = OrderedDict()
 

@@ -201,9 +201,6 @@ class Fleet:
     def any_usable(self) -> bool:
         return any(b.usable for b in self.members)
 
-    def total_inflight(self) -> int:
-        return sum(b.inflight for b in (*self.members, *self.retired))
-
     def find(self, name: str) -> Backend | None:
         return next((b for b in self.members if b.name == name), None)
 

@@ -6,7 +6,6 @@ root = logging.getLogger("kvroute")
 config = logging.getLogger("kvroute.config")
 server = logging.getLogger("kvroute.server")
 backends = logging.getLogger("kvroute.backends")
-proxy = logging.getLogger("kvroute.proxy")
 #: aiohttp's own server messages for the data plane (http_ingress filters client faults)
 http = logging.getLogger("kvroute.http")
 
