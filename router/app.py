@@ -90,7 +90,9 @@ class Router:
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
-        ingress = HttpIngress(cfg, self.fleet, self.dispatcher, self.metrics, self.auth)
+        ingress = HttpIngress(
+            cfg, self.fleet, self.dispatcher, self.metrics, self.auth, self.telemetry
+        )
         app.add_routes(ingress.routes())
         self._runner = web.AppRunner(
             app,

@@ -37,6 +37,7 @@ from router.errors import (
 from router.metrics import CONTENT_TYPE, Metrics
 from router.proxy import Upstream, forward_headers
 from router.request import Kind, parse
+from router.telemetry import Telemetry
 
 BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
@@ -69,8 +70,10 @@ class HttpIngress:
         dispatcher: Dispatcher,
         metrics: Metrics,
         auth: Authenticator | None = None,
+        telemetry: Telemetry | None = None,
     ):
         self._fleet = fleet
+        self._telemetry = telemetry
         self._dispatch = dispatcher
         self._metrics = metrics
         self._max_body = config.limits.max_body_bytes
@@ -196,7 +199,8 @@ class HttpIngress:
         return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     async def debug_routing(self, request: web.Request) -> web.Response:
-        """The policy's last decisions with their scores, and each backend's index state."""
+        """The policy's last decisions with their scores, and each backend's state: load,
+        index (source and size) and its last scraped vLLM metrics."""
         policy = self._fleet.policy
         index = getattr(policy, "index", None)
         events = getattr(policy, "event_backends", set())
@@ -208,6 +212,7 @@ class HttpIngress:
                 "waiting": b.waiting,
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.size(b.name) if index is not None else None,
+                "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
             }
             for b in self._fleet.members
         }

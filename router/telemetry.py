@@ -219,6 +219,22 @@ class Telemetry:
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
 
+    def describe(self, backend: str) -> dict | None:
+        """The backend's last scrape, for /debug/routing; None before the first one."""
+        snap = self._scraper.snapshots.get(backend)
+        if snap is None:
+            return None
+        queries = snap.prefix_queries
+        return {
+            "running": snap.running,
+            "waiting": snap.waiting,
+            "kv_cache_usage": snap.kv_usage,
+            "prefix_cache_hit_rate": snap.prefix_hits / queries if queries else None,
+            "block_size": snap.block_size,
+            "num_gpu_blocks": snap.num_gpu_blocks,
+            "age_s": round(time.monotonic() - snap.at, 3),
+        }
+
     def _fallback(self, backend: str, reason: str) -> None:
         self._metrics.telemetry_fallbacks.labels(backend, reason).inc()
 

@@ -80,6 +80,16 @@ async def test_requests_follow_the_cache(encoding: str) -> None:
             async with http.get(router.url + "/debug/routing") as resp:
                 debug = await resp.json()
         assert {b["index_mode"] for b in debug["backends"].values()} == {"events"}
+
+        async def scraped() -> dict:
+            async with aiohttp.ClientSession() as http:
+                async with http.get(router.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"][homes[5]]["scraped"] or {}
+
+        async with asyncio.timeout(5):  # the next scrape sees the follow-ups' hits
+            while not (await scraped()).get("prefix_cache_hit_rate"):
+                await asyncio.sleep(0.1)
+        assert (await scraped())["block_size"] == 16
         assert debug["decisions"][-1]["chosen"] == homes[5]
         text = router.metrics.render().decode()
         assert 'kvroute_cached_tokens_total{source="reported"}' in text
