@@ -54,7 +54,7 @@ def backend_and_router(strategy: str) -> Iterator[tuple[str, str, str]]:
             cmd += ["--backend", backend_url, "--strategy", strategy, "--log-level", "warning"]
             with process(cmd):
                 router_url = f"http://127.0.0.1:{port}"
-                asyncio.run(overhead._wait_ready(router_url))
+                asyncio.run(overhead.wait_ready(router_url))
                 yield backend_url, router_url, f"127.0.0.1:{grpc_port}"
 
 

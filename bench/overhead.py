@@ -60,11 +60,11 @@ def backend_and_router(strategy: str) -> Iterator[tuple[str, str]]:
         cmd = [py, "-m", "router", "serve", "--port", str(port), "--backend", backend_url]
         with process([*cmd, "--strategy", strategy, "--log-level", "warning"]):
             router_url = f"http://127.0.0.1:{port}"
-            asyncio.run(_wait_ready(router_url))
+            asyncio.run(wait_ready(router_url))
             yield backend_url, router_url
 
 
-async def _wait_ready(url: str, timeout: float = 20.0) -> None:
+async def wait_ready(url: str, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     async with aiohttp.ClientSession() as http:
         while True:

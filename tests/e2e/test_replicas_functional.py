@@ -5,45 +5,25 @@ whichever replica a client reaches."""
 from __future__ import annotations
 
 import asyncio
-import socket
-import subprocess
 import sys
-from contextlib import asynccontextmanager, suppress
+from contextlib import asynccontextmanager
 
 import aiohttp
 import yaml
 
+from bench.overhead import free_port, process, wait_ready
 from tests.stub_backend import StubBackend
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @asynccontextmanager
 async def replica(config_path: str):
+    """A `kvroute serve` process on a free port, yielded once it is ready."""
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "-c", config_path, "--port", str(port)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        async with aiohttp.ClientSession() as http, asyncio.timeout(30):
-            while True:
-                with suppress(aiohttp.ClientError):
-                    async with http.get(url + "/ready") as resp:
-                        if resp.status == 200:
-                            break
-                await asyncio.sleep(0.1)
+    with process(cmd):
+        url = f"http://127.0.0.1:{port}"
+        await wait_ready(url, timeout=30)
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 async def placement(url: str, prompts: list[str]) -> list[str]:
