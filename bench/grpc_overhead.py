@@ -13,7 +13,6 @@ HTTP/2 channel, aiohttp's on a pool of HTTP/1.1 connections).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import os
@@ -27,7 +26,7 @@ import grpc
 import orjson
 
 from bench import overhead
-from bench.overhead import free_port, percentile, process, write_json
+from bench.overhead import free_port, parser_for, percentile, process, write_json
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 
@@ -129,12 +128,7 @@ def summarize(lat: dict[str, list[float]]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=2000, help="per path and mode")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--strategy", default="PREFIX_AWARE")
-    parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = parser.parse_args(argv)
+    args = parser_for(__doc__, 32).parse_args(argv)
     modes = [
         ("unary, sequential", 1, False),
         (f"unary, conc {args.concurrency}", args.concurrency, False),

@@ -132,13 +132,18 @@ def summarize(lat: dict[str, list[float]]) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser_for(doc: str, concurrency: int) -> argparse.ArgumentParser:
+    """The flags every overhead benchmark takes."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="per path and mode")
-    parser.add_argument("--concurrency", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, default=concurrency)
     parser.add_argument("--strategy", default="PREFIX_AWARE")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser_for(__doc__, 64).parse_args(argv)
     results = {}
     with backend_and_router(args.strategy) as (direct, routed):
         for label, conc in (

@@ -419,27 +419,25 @@ def _decode(convert: Convert, body: bytes):
 
 
 def _chat_completion(d: dict) -> pb.ChatCompletion:
-    choices = [
-        pb.ChatChoice(
-            index=c.get("index"),
-            message=_message_out(c.get("message")),
-            finish_reason=c.get("finish_reason"),
-        )
-        for c in d.get("choices") or ()
-    ]
+    choices = _chat_choices(d, pb.ChatChoice, "message")
     return pb.ChatCompletion(**_head(d), choices=choices, usage=_usage(d.get("usage")))
 
 
 def _chat_chunk(d: dict) -> pb.ChatCompletionChunk:
-    choices = [
-        pb.ChatChunkChoice(
+    choices = _chat_choices(d, pb.ChatChunkChoice, "delta")
+    return pb.ChatCompletionChunk(**_head(d), choices=choices, usage=_usage(d.get("usage")))
+
+
+def _chat_choices(d: dict, choice: type, field: str) -> list:
+    """Choices of an answer (`message`) or of a stream chunk (`delta`)."""
+    return [
+        choice(
             index=c.get("index"),
-            delta=_message_out(c.get("delta")),
+            **{field: _message_out(c.get(field))},
             finish_reason=c.get("finish_reason"),
         )
         for c in d.get("choices") or ()
     ]
-    return pb.ChatCompletionChunk(**_head(d), choices=choices, usage=_usage(d.get("usage")))
 
 
 def _completion(d: dict) -> pb.Completion:
