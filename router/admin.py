@@ -100,7 +100,7 @@ class AdminServer:
     async def backends(self, request: web.Request) -> web.Response:
         fleet = self._router.fleet
         rows = [self._describe(b, "draining" if b.draining else "active") for b in fleet.members]
-        rows += [self._describe(b, "retiring") for b in fleet.retired if b.inflight]
+        rows += [self._describe(b, "retiring") for b in fleet.retired if b.local_inflight]
         return _json({"backends": rows})
 
     async def add(self, request: web.Request) -> web.Response:

@@ -29,6 +29,7 @@ from policies import FleetView, Policy
 from router import log
 from router.breaker import Breaker, BreakerState
 from router.config import BackendConfig, BreakerConfig
+from router.shared_load import LoadTable
 
 _MAX_CACHED_VIEWS = 1024
 _DEFAULT_BREAKER = BreakerConfig()
@@ -43,17 +44,24 @@ class Backend:
         "discovered_models",
         "draining",
         "healthy",
-        "inflight",
+        "local_inflight",
+        "local_queued",
         "model_cards",
         "name",
-        "queued_tokens",
+        "slot",
+        "table",
         "transitions",
         "url",
         "waiting",
         "weight",
     )
 
-    def __init__(self, cfg: BackendConfig, breaker: BreakerConfig = _DEFAULT_BREAKER) -> None:
+    def __init__(
+        self,
+        cfg: BackendConfig,
+        breaker: BreakerConfig = _DEFAULT_BREAKER,
+        table: LoadTable | None = None,
+    ) -> None:
         self.name = cfg.key
         self.url = URL(cfg.url)
         self.weight = cfg.weight
@@ -67,9 +75,12 @@ class Backend:
         self.transitions: dict[str, int] = {}
         self.model_cards: list[dict] = []
         self.healthy = True
-        self.inflight = 0
-        #: prompt tokens sent here and expected uncached, not yet answered (KV_AWARE)
-        self.queued_tokens = 0
+        #: this process's requests in flight here, and their queued prompt tokens
+        self.local_inflight = 0
+        self.local_queued = 0
+        #: with several workers: the shared table and this backend's slot in it
+        self.slot = None if table is None else table.slot(cfg.key, cfg.url)
+        self.table = None if self.slot is None else table
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0
 
@@ -81,6 +92,25 @@ class Backend:
     def serves(self, model: str) -> bool:
         models = self.models
         return not model or models is None or model in models
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight here, router-wide (every worker's, when there are several)."""
+        table = self.table
+        return self.local_inflight if table is None else table.inflight(self.slot)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens sent here and expected uncached, not yet answered (KV_AWARE)."""
+        table = self.table
+        return self.local_queued if table is None else table.queued_tokens(self.slot)
+
+    def count(self, requests: int, tokens: int) -> None:
+        """The request path's accounting: attempts begin (+1) and end (-1) here."""
+        self.local_inflight += requests
+        self.local_queued += tokens
+        if self.table is not None:
+            self.table.add(self.slot, requests, tokens)
 
     @property
     def usable(self) -> bool:
@@ -104,8 +134,10 @@ class Fleet:
         configs: Iterable[BackendConfig],
         policy: Policy,
         breaker: BreakerConfig = _DEFAULT_BREAKER,
+        table: LoadTable | None = None,
     ) -> None:
-        self.members: tuple[Backend, ...] = tuple(Backend(c, breaker) for c in configs)
+        self.table = table
+        self.members: tuple[Backend, ...] = tuple(Backend(c, breaker, table) for c in configs)
         self.retired: tuple[Backend, ...] = ()
         self.policy = policy
         self._views: dict[str, FleetView] = {}
@@ -165,7 +197,7 @@ class Fleet:
         for cfg in configs:
             backend = current.get(cfg.key)
             if backend is None or backend.url != URL(cfg.url):
-                backend = Backend(cfg, breaker)
+                backend = Backend(cfg, breaker, self.table)
             out.append(backend)
         return out
 
@@ -187,7 +219,7 @@ class Fleet:
         policy.on_fleet_change(members)
         stayed = {id(b) for b in members}
         removed = (b for b in self.members if id(b) not in stayed)
-        self.retired = tuple(b for b in (*self.retired, *removed) if b.inflight)
+        self.retired = tuple(b for b in (*self.retired, *removed) if b.local_inflight)
         self.members, self.policy = members, policy
         self.changed()
 

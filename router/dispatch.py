@@ -259,8 +259,7 @@ class _Attempt:
         self.backend = backend = routed.backend
         self.started = started
         self._queued = routed.prompt_tokens - routed.predicted_cached
-        backend.inflight += 1
-        backend.queued_tokens += self._queued
+        backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)
         self.status = "error"
         self.deadline = 0.0
@@ -309,13 +308,12 @@ class _Attempt:
 
     def prefilled(self) -> None:
         """The first token arrived: the prompt's tokens no longer queue on the backend."""
-        self.backend.queued_tokens -= self._queued
+        self.backend.count(0, -self._queued)
         self._queued = 0
 
     def release(self, clean: bool) -> None:
-        backend = self.backend
-        backend.inflight -= 1
-        self.prefilled()
+        self.backend.count(-1, -self._queued)
+        self._queued = 0
         if self._trial:  # the trial ended without a verdict: free the slot
             self._verdict(None)
         if self.upstream is not None:
