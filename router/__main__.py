@@ -50,6 +50,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--grpc-port", type=int, help="also serve the gRPC ingress on this port (grpc.enabled)"
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        metavar="N",
+        help="processes sharing the listen port (config `workers`; 0 or unset: one per "
+        "usable core; 1: a single process, no supervisor)",
+    )
     p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
     p.add_argument("--check", action="store_true", help="validate the config and exit")
 
@@ -66,6 +73,7 @@ def _overrides(args: argparse.Namespace) -> dict:
         "grpc.enabled": True if args.grpc_port is not None else None,
         "grpc.port": args.grpc_port,
         "log_level": args.log_level,
+        "workers": args.workers,
     }
 
 
@@ -85,8 +93,11 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
         return 0
     from router.reload import ConfigSource
+    from router.workers import Supervisor, worker_count
 
-    log.setup(config.log_level)
+    log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
+    if worker_count(config) > 1:
+        return Supervisor(config, args.config, overrides).run()
     try:
         uvloop.run(serve(config, ConfigSource(args.config, overrides)))
     except ConfigError as exc:  # a secret the config names cannot be read

@@ -21,6 +21,12 @@ also a data-plane token is refused at start and on reload.
 Add and remove edit the effective config and go through the same build, validate and
 swap as a reload (reload.py); a later reload from the file brings back the file's
 list. Drain is runtime state: it survives reloads while the backend stays configured.
+
+With several workers (router/workers.py) the admin API listens in worker 0 only. Its
+reads describe worker 0's view (in-flight counts are router-wide); `reload` reloads
+worker 0 and, when the file was valid, asks the supervisor to reload every process;
+add, remove, drain and undrain answer 409, since one worker's runtime edit would
+leave the others disagreeing: edit the file and reload instead.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import hmac
+import os
+import signal
 import typing
 
 import msgspec
@@ -44,6 +52,10 @@ if typing.TYPE_CHECKING:
     from router.app import Router
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
+_ONE_WORKER_ONLY = (
+    "This router runs several workers: change backends in the config file and reload "
+    "(POST /admin/reload or SIGHUP) so that every worker applies the change."
+)
 
 
 class AdminServer:
@@ -54,6 +66,8 @@ class AdminServer:
         self._digest = hashlib.sha256(self.token.encode()).digest()
         self._runner: web.AppRunner | None = None
         self.port = 0
+        #: with several workers: runtime edits are refused, reloads fan out
+        self._workers = router.context is not None
 
     @property
     def url(self) -> str:
@@ -64,10 +78,10 @@ class AdminServer:
         app.add_routes(
             [
                 web.get("/admin/backends", self.backends),
-                web.post("/admin/backends", self.add),
-                web.delete("/admin/backends/{name}", self.remove),
-                web.post("/admin/backends/{name}/drain", self.drain),
-                web.post("/admin/backends/{name}/undrain", self.undrain),
+                web.post("/admin/backends", self._single(self.add)),
+                web.delete("/admin/backends/{name}", self._single(self.remove)),
+                web.post("/admin/backends/{name}/drain", self._single(self.drain)),
+                web.post("/admin/backends/{name}/undrain", self._single(self.undrain)),
                 web.get("/admin/config", self.config),
                 web.post("/admin/reload", self.reload),
             ]
@@ -132,7 +146,19 @@ class AdminServer:
             report = await self._router.reloader.reload()
         except ConfigError as exc:
             raise KvrouteError(f"Reload rejected: {exc}", status=400) from None
+        if self._workers:
+            os.kill(os.getppid(), signal.SIGHUP)  # the supervisor reloads every process
         return _json(report)
+
+    def _single(self, handler):
+        """`handler` as is in a single-process router; a 409 with several workers."""
+        if not self._workers:
+            return handler
+
+        async def refused(request: web.Request) -> web.Response:
+            raise KvrouteError(_ONE_WORKER_ONLY, status=409)
+
+        return refused
 
     async def _apply(self, entries: list[dict], status: int = 200) -> web.Response:
         data = msgspec.to_builtins(self._router.config)

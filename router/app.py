@@ -23,24 +23,45 @@ from router.http_ingress import HttpIngress, errors_middleware, server_limits
 from router.metrics import Metrics
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
+from router.shared_load import LoadTable
 from router.telemetry import Telemetry
+from router.workers import WorkerContext
 
 _STARTUP_POLL_SECONDS = 3.0
 
 
 class Router:
-    """One router instance: HTTP listener, backend fleet, policy, metrics, loops."""
+    """One router instance: HTTP listener, backend fleet, policy, metrics, loops.
 
-    def __init__(self, config: Config, source: ConfigSource | None = None) -> None:
+    With `context` it is one process of a multi-process router (router/workers.py): a
+    worker (shared load table, telemetry from the collector, SO_REUSEPORT listener, the
+    admin API in worker 0 only) or the collector (telemetry and discovery, no listener).
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        source: ConfigSource | None = None,
+        context: WorkerContext | None = None,
+    ) -> None:
         """Build the pieces; ConfigError if a secret the config names cannot be read."""
         self.config = config
-        self.fleet = Fleet(config.backends, policies.create(config.routing), config.breaker)
+        self.context = context
+        self.table = None
+        if context is not None and not context.collector:
+            ctx = context
+            self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
+        routing = policies.create(config.routing)
+        self.fleet = Fleet(config.backends, routing, config.breaker, self.table)
         self.auth = Authenticator(config.auth)
-        self.admin = AdminServer(self, config.admin) if config.admin is not None else None
+        serves_admin = context is None or context.index == 0
+        self.admin = None
+        if config.admin is not None and serves_admin:
+            self.admin = AdminServer(self, config.admin)
         check_admin_token(self.admin, self.auth)
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.discovery = Discovery(self)  # backends from DNS names (issue 8)
-        self.metrics = Metrics(lambda: self.fleet.members)
+        self.metrics = Metrics(lambda: self.fleet.members, multiprocess=context is not None)
         self.port = 0
         self._runner: web.AppRunner | None = None
         self.grpc: GrpcIngress | None = None  # gRPC ingress (issue 6), when config.grpc.enabled
@@ -48,6 +69,7 @@ class Router:
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
         self.telemetry: Telemetry | None = None
+        self.dispatcher: Dispatcher | None = None  # none in the collector
 
     def _kv_events(self) -> dict[str, KvEventsConfig]:
         """Each backend's KV event endpoints in the current (possibly reloaded) config."""
@@ -72,6 +94,21 @@ class Router:
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
+        self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
+        # backend telemetry (issue 4): /metrics scraping and KV event subscriptions; with
+        # several workers, gathered once by the collector and fed to the workers
+        ctx = self.context
+        self.telemetry = Telemetry(
+            self.fleet,
+            self._session,
+            self.metrics,
+            cfg.telemetry,
+            self._kv_events,
+            None if ctx is None else (ctx.feed, ctx.collector),
+        )
+        self.telemetry.start()
+        if ctx is not None and ctx.collector:
+            return
         # one model poll and one health check before serving, so /ready and the first
         # requests see which backends answer (bounded: a slow backend stays "up")
         startup = asyncio.gather(poller.poll_once(), self.health.admit(list(self.fleet.members)))
@@ -79,13 +116,7 @@ class Router:
             await asyncio.wait_for(startup, _STARTUP_POLL_SECONDS)
         self.fleet.changed()
         self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
-        self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
         self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
-        # backend telemetry (issue 4): /metrics scraping and KV event subscriptions
-        self.telemetry = Telemetry(
-            self.fleet, self._session, self.metrics, cfg.telemetry, self._kv_events
-        )
-        self.telemetry.start()
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
@@ -102,7 +133,13 @@ class Router:
             **server_limits(cfg.limits),
         )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, cfg.listen.host, cfg.listen.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner,
+            cfg.listen.host,
+            cfg.listen.port,
+            reuse_address=True,
+            reuse_port=ctx is not None,  # the workers share the port
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         if self.admin is not None:
@@ -132,18 +169,23 @@ class Router:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+        if self.table is not None:
+            self.table.close()
 
     async def shutdown(self) -> None:
         """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the
         listeners close, and requests in flight get `shutdown.drain_seconds` to end."""
-        self.dispatcher.draining = True
-        await asyncio.sleep(self.config.shutdown.unready_seconds)
+        if self.dispatcher is not None:  # the collector serves nothing: it just stops
+            self.dispatcher.draining = True
+            await asyncio.sleep(self.config.shutdown.unready_seconds)
         await self.stop()
 
 
-async def serve(config: Config, source: ConfigSource | None = None) -> None:
+async def serve(
+    config: Config, source: ConfigSource | None = None, context: WorkerContext | None = None
+) -> None:
     """Run until SIGINT or SIGTERM, then drain (Router.shutdown); SIGHUP reloads."""
-    router = Router(config, source)
+    router = Router(config, source, context)
     await router.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

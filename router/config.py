@@ -271,6 +271,8 @@ class Config(_Strict):
     tenant_header: str | None = None
     #: how often backends' /v1/models is polled, seconds
     models_refresh_interval: Seconds = 30.0
+    #: processes serving requests on the listen port; 0: one per usable core
+    workers: Annotated[int, Meta(ge=0, le=256)] = 0
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -10,8 +10,10 @@ backends = logging.getLogger("kvroute.backends")
 http = logging.getLogger("kvroute.http")
 
 
-def setup(level: str) -> None:
+def setup(level: str, process: str | None = None) -> None:
+    """`process` names the process in every line when a router runs several."""
+    where = f" [{process}]" if process else ""
     logging.basicConfig(
         level=level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        format=f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s",
     )

@@ -3,6 +3,13 @@
 Each router gets its own CollectorRegistry so several can live in one process (tests,
 the benchmark harness). Per-backend gauges are read from backend state at scrape time
 by a collector, so the request path pays nothing for them.
+
+With several workers (router/workers.py) every process writes its counters and
+histograms to prometheus-client's multiprocess files and `render` sums them over all
+processes, dead ones included (counters never go back); gauges are "livemax" (a dead
+process's gauge disappears). The per-backend gauges come from the answering worker;
+their in-flight counts are router-wide (the shared load table). Process metrics
+(CPU, memory, fds) are per process and are left out there.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from prometheus_client import (
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from router.backends import Backend
 from router.breaker import BreakerState
@@ -72,11 +80,16 @@ class _BackendCollector:
 
 
 class Metrics:
-    def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
+    def __init__(
+        self, members: Callable[[], Iterable[Backend]], multiprocess: bool = False
+    ) -> None:
         r = self.registry = CollectorRegistry()
-        ProcessCollector(registry=r)
-        PlatformCollector(registry=r)
-        r.register(_BackendCollector(members))
+        self._backends = _BackendCollector(members)
+        self._multiprocess = multiprocess
+        if not multiprocess:
+            ProcessCollector(registry=r)
+            PlatformCollector(registry=r)
+            r.register(self._backends)
         self.requests = Counter(
             "kvroute_requests",
             "Requests finished, by backend, strategy and HTTP status",
@@ -172,6 +185,7 @@ class Metrics:
             "1 for the prefix-index source each backend is in: events or approximate",
             ["backend", "mode"],
             registry=r,
+            multiprocess_mode="livemax",
         )
 
         self.discovery_errors = Counter(
@@ -185,6 +199,7 @@ class Metrics:
             "Backends a discovery source resolved to, last good resolution",
             ["source"],
             registry=r,
+            multiprocess_mode="livemax",
         )
 
     def index_mode(self, backend: str, events: bool) -> None:
@@ -192,4 +207,9 @@ class Metrics:
         self._index_mode.labels(backend, "approximate").set(0 if events else 1)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        if not self._multiprocess:
+            return generate_latest(self.registry)
+        every_process = CollectorRegistry()
+        MultiProcessCollector(every_process)
+        every_process.register(self._backends)
+        return generate_latest(every_process)

@@ -122,7 +122,8 @@ class Reloader:
         kept = {id(b) for b in backends}
         removed = [b.name for b in fleet.members if id(b) not in kept]
         fleet.update(new.backends, backends, policy, new.breaker)
-        router.dispatcher.configure(new)
+        if router.dispatcher is not None:  # the collector of several workers has none
+            router.dispatcher.configure(new)
         router.health.cfg = new.health
         router.auth.adopt(auth)
         router.config = new

@@ -53,7 +53,7 @@ class LoadTable:
 
     def slot(self, name: str, url: str) -> int | None:
         """The backend's slot, claimed on first use; None when the table is full."""
-        key = xxhash.xxh3_64_intdigest(f"{name}\0{url}") or 1
+        key = xxhash.xxh3_64_intdigest(f"{name}\0{url}".encode()) or 1
         found = self._probe(key)
         if found is not None and self._keys[found] == key:
             return found

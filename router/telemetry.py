@@ -12,6 +12,15 @@ For backends with `kv_events` configured it starts a subscriber feeding the KV-a
 policy's prefix index (router/kv_events.py); the others stay in approximate mode, where
 the index learns from the router's own decisions. Which mode each backend is in is the
 `kvroute_backend_index_mode` gauge.
+
+With several workers (router/workers.py) the work is done once: the collector process
+scrapes and subscribes, and publishes on a ZMQ PUB socket (IPC) each snapshot
+(`s`, backend, msgpack snapshot), each KV batch in sequence order after its gap checks
+and replays (`k`, backend, payload as the backend sent it) and each index reset
+(`c`, backend); every worker's `Telemetry` follows that feed instead of the backends
+and applies batches to its own index. A worker that starts after a batch was published
+misses it (PUB/SUB keeps no history): its index fills from the next events and, until
+then, from its own decisions (approximate mode).
 """
 
 from __future__ import annotations
@@ -23,13 +32,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+import msgspec
+import zmq
 import zmq.asyncio
 
 from hashing.prefix_index import PrefixIndex
 from router import log
 from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
-from router.kv_events import EventApplier, EventSubscriber, run_forever
+from router.kv_events import EventApplier, EventStats, EventSubscriber, run_forever
 from router.metrics import Metrics
 
 _SUMMED = {
@@ -113,20 +124,24 @@ class Scraper:
         session: aiohttp.ClientSession,
         interval: float,
         stale_after: float,
-        on_fallback,
+        on_fallback: Callable[[str, str], None],
+        on_snapshot: Callable[[str, VllmSnapshot], None] | None = None,
     ) -> None:
         self._fleet = fleet
         self._session = session
         self._interval = interval
         self._stale_after = stale_after
         self._on_fallback = on_fallback
+        self._on_snapshot = on_snapshot
         self.snapshots: dict[str, VllmSnapshot] = {}
 
-    async def run(self) -> None:
+    async def run(self, scrape: bool = True) -> None:
+        """Scrape every member (unless snapshots come from elsewhere) and expire."""
         tasks: dict[str, asyncio.Task] = {}
         try:
             while True:
-                self._sync_tasks(tasks)
+                if scrape:
+                    self._sync_tasks(tasks)
                 await asyncio.sleep(self._interval)
                 self._expire()
         finally:
@@ -160,9 +175,16 @@ class Scraper:
         if text is None:
             self._on_fallback(backend.name, "scrape_failed")
             return None
-        snap = self.snapshots[backend.name] = parse_vllm_metrics(text)
-        backend.waiting = snap.waiting
+        snap = parse_vllm_metrics(text)
+        self.keep(backend, snap)
+        if self._on_snapshot is not None:
+            self._on_snapshot(backend.name, snap)
         return snap
+
+    def keep(self, backend: Backend, snap: VllmSnapshot) -> None:
+        """A fresh snapshot of `backend`, scraped here or received from the collector."""
+        self.snapshots[backend.name] = snap
+        backend.waiting = snap.waiting
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -182,8 +204,25 @@ def _base_model(backend: Backend) -> str:
     return next(iter(sorted(backend.configured_models or ())), "")
 
 
+class _Forwarder:
+    """The collector's stand-in for an EventApplier: in-order batches go to the workers."""
+
+    def __init__(self, backend: str, publish: Callable[[list[bytes]], None]) -> None:
+        self._name = backend.encode()
+        self._publish = publish
+        self.stats = EventStats()
+
+    def apply_payload(self, payload: bytes) -> None:
+        self.stats.batches += 1
+        self._publish([b"k", self._name, payload])
+
+
 class Telemetry:
-    """Starts and stops every telemetry loop of one router; never on the request path."""
+    """Starts and stops every telemetry loop of one router; never on the request path.
+
+    `link` is None for a single-process router, else (the collector's IPC endpoint,
+    whether this process is the collector).
+    """
 
     def __init__(
         self,
@@ -192,23 +231,46 @@ class Telemetry:
         metrics: Metrics,
         config: TelemetryConfig,
         kv_events: Callable[[], dict[str, KvEventsConfig]],
+        link: tuple[str, bool] | None = None,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._config = config
         self._kv_events = kv_events
-        self._scraper = Scraper(
-            fleet, session, config.scrape_interval, config.stale_after, self._fallback
-        )
+        self._feed, self._collector = link if link is not None else (None, False)
         self._zmq: zmq.asyncio.Context | None = None
+        self._pub: zmq.Socket | None = None
+        if self._collector:
+            self._pub = self._context().socket(zmq.PUB)
+            self._pub.setsockopt(zmq.LINGER, 0)
+            self._pub.setsockopt(zmq.SNDHWM, 100_000)
+            self._pub.bind(self._feed)
+        self._scraper = Scraper(
+            fleet,
+            session,
+            config.scrape_interval,
+            config.stale_after,
+            self._fallback,
+            self._publish_snapshot if self._collector else None,
+        )
         #: per backend: its subscription task and the endpoints it was started with
         self._subscribers: dict[str, tuple[asyncio.Task, KvEventsConfig]] = {}
+        #: a worker's appliers of the batches the collector forwards, per backend
+        self._appliers: dict[str, tuple[EventApplier, KvEventsConfig]] = {}
         self._tasks: list[asyncio.Task] = []
         self._index: PrefixIndex | None = None
 
+    @property
+    def _follower(self) -> bool:
+        """A worker: telemetry arrives from the collector, not from the backends."""
+        return self._feed is not None and not self._collector
+
     def start(self) -> None:
         if self._config.enabled:
-            self._tasks.append(asyncio.create_task(self._scraper.run(), name="kvroute-scrape"))
+            scrape = self._scraper.run(scrape=not self._follower)
+            self._tasks.append(asyncio.create_task(scrape, name="kvroute-scrape"))
+        if self._follower:
+            self._tasks.append(asyncio.create_task(self._follow(), name="kvroute-feed"))
         self._tasks.append(asyncio.create_task(self._maintain(), name="kvroute-index"))
 
     async def stop(self) -> None:
@@ -235,8 +297,46 @@ class Telemetry:
             "age_s": round(time.monotonic() - snap.at, 3),
         }
 
+    def _context(self) -> zmq.asyncio.Context:
+        if self._zmq is None:
+            self._zmq = zmq.asyncio.Context()
+        return self._zmq
+
     def _fallback(self, backend: str, reason: str) -> None:
-        self._metrics.telemetry_fallbacks.labels(backend, reason).inc()
+        if not self._follower:  # the collector counts the router's downgrades once
+            self._metrics.telemetry_fallbacks.labels(backend, reason).inc()
+
+    def _publish(self, frames: list[bytes]) -> None:
+        """Never blocks: a worker too slow to keep up loses messages, not the collector."""
+        self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
+        self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
+
+    async def _follow(self) -> None:
+        """A worker: apply what the collector publishes."""
+        sub = self._context().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self._feed)
+        try:
+            while True:
+                kind, name, *rest = await sub.recv_multipart()
+                self._received(kind, name.decode(), rest)
+        finally:
+            sub.close()
+
+    def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
+        if kind == b"s":
+            backend = self._fleet.find(name)
+            if backend is not None:
+                self._scraper.keep(backend, msgspec.msgpack.decode(rest[0], type=VllmSnapshot))
+        elif kind == b"k" and name in self._appliers:
+            self._appliers[name][0].apply_payload(rest[0])
+        elif kind == b"c" and self._index is not None:
+            self._index.cleared(name)
+            log.backends.warning("KV index of %s cleared (collector's reset)", name)
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""
@@ -257,31 +357,38 @@ class Telemetry:
         wanted = {b.name: b for b in self._fleet.members if b.name in endpoints}
         fresh_index = index is not self._index  # a reload built a new policy
         self._index = index
-        for name, (task, cfg) in list(self._subscribers.items()):
+        current = self._appliers if self._follower else self._subscribers
+        for name, (held, cfg) in list(current.items()):
             if fresh_index or name not in wanted or endpoints[name] != cfg:
-                task.cancel()
-                del self._subscribers[name]
+                if isinstance(held, asyncio.Task):
+                    held.cancel()
+                del current[name]
         for name, backend in wanted.items():
-            if name not in self._subscribers:
-                task = self._subscribe(backend, endpoints[name], index)
-                self._subscribers[name] = (task, endpoints[name])
-        policy.event_backends = set(self._subscribers)
+            if name not in current:
+                current[name] = (self._subscribe(backend, endpoints[name], index), endpoints[name])
+        policy.event_backends = set(current)
         for backend in self._fleet.members:
-            self._metrics.index_mode(backend.name, backend.name in self._subscribers)
+            self._metrics.index_mode(backend.name, backend.name in current)
 
-    def _subscribe(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> asyncio.Task:
-        if self._zmq is None:
-            self._zmq = zmq.asyncio.Context()
+    def _subscribe(
+        self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex
+    ) -> asyncio.Task | EventApplier:
+        """A subscription to the backend's events; a worker only needs their applier."""
         block_size = self._fleet.policy.params.block_size
         applier = EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
+        if self._follower:
+            return applier
+        sink = _Forwarder(backend.name, self._publish) if self._collector else applier
 
         def reset(why: str) -> None:
             index.cleared(backend.name)
+            if self._collector:
+                self._publish([b"c", backend.name.encode()])
             self._fallback(backend.name, "event_reset")
             log.backends.warning("KV index of %s cleared: %s", backend.name, why)
 
         sub = EventSubscriber(
-            self._zmq, applier, cfg.endpoint, cfg.replay_endpoint, cfg.topic, reset
+            self._context(), sink, cfg.endpoint, cfg.replay_endpoint, cfg.topic, reset
         )
         return asyncio.create_task(
             run_forever(sub, backend.name), name=f"kvroute-kv-{backend.name}"

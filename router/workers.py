@@ -1,0 +1,262 @@
+"""`kvroute serve --workers N`: one supervisor, N workers on one port, one collector.
+
+Process model (all children are spawned, not forked, so none inherits a running loop):
+
+- **workers** 0..N-1 each run the whole request path (HTTP and gRPC ingress, dispatch,
+  health checks) on their own uvloop, listening on the same port with SO_REUSEPORT:
+  the kernel spreads connections over them. In-flight counts go through the shared
+  `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
+  `concurrency_threshold` see the router's whole load, not one worker's.
+- **the collector** scrapes every backend's /metrics and holds the KV event
+  subscriptions once for the router, and publishes snapshots and in-order event
+  batches to the workers over a ZMQ IPC socket (router/telemetry.py), so 100 backends
+  are scraped 100 times per interval, not 100 times N.
+- **the supervisor** (this module, no event loop) reserves the ports, creates the run
+  directory (shared load table, Prometheus multiprocess files, the IPC socket),
+  restarts a child that dies (zeroing a dead worker's counters first, with a backoff
+  when a child keeps dying young), forwards SIGHUP to every child (each re-reads the
+  file) and turns SIGTERM/SIGINT into a graceful stop of every child.
+
+/metrics on any worker aggregates every process's counters and histograms
+(prometheus-client's multiprocess mode); the per-backend gauges are read from the
+answering worker, with in-flight counts from the shared table. The admin API listens
+in worker 0 only (see router/admin.py for what it can do with several workers).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import math
+import multiprocessing
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from router import log
+from router.config import Config
+
+#: backends the shared load table can tell apart over the router's life, at least
+_MIN_SLOTS = 4096
+#: a child that dies younger than this is restarted after a growing delay
+_YOUNG_SECONDS = 10.0
+_MAX_RESTART_DELAY = 30.0
+_POLL_SECONDS = 0.2
+COLLECTOR = -1
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What a child needs to know about its place in the router (pickled to it)."""
+
+    index: int  # the worker's column in the load table; COLLECTOR for the collector
+    workers: int
+    rundir: str
+    slots: int
+    config_path: str | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def collector(self) -> bool:
+        return self.index == COLLECTOR
+
+    @property
+    def feed(self) -> str:
+        """The collector's telemetry PUB socket."""
+        return f"ipc://{self.rundir}/telemetry.sock"
+
+    @property
+    def table_path(self) -> str:
+        return f"{self.rundir}/load"
+
+    @property
+    def name(self) -> str:
+        return "collector" if self.collector else f"worker {self.index}"
+
+
+def usable_cores() -> int:
+    """CPUs this process may run on, capped by a cgroup v2 CPU quota (containers)."""
+    cores = len(os.sched_getaffinity(0))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        if quota != "max":
+            cores = min(cores, max(1, math.ceil(int(quota) / int(period))))
+    except (OSError, ValueError):
+        pass
+    return cores
+
+
+def worker_count(config: Config) -> int:
+    return config.workers or usable_cores()
+
+
+def _reserve(host: str, port: int) -> socket.socket:
+    """Bind (without listening) to learn port 0's number and hold it for the workers."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(addr)
+    return sock
+
+
+def _die_with_parent(parent: int) -> None:
+    """SIGTERM this child if the supervisor dies (even by SIGKILL): no orphan keeps
+    the port. Linux only (prctl); elsewhere children notice nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != parent:  # it died before prctl took effect
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _child_main(ctx: WorkerContext, parent: int) -> None:
+    """Entry point of every child: build the config and run the router's loop."""
+    _die_with_parent(parent)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before serve() is a no-op
+    import uvloop
+
+    from router.app import serve
+    from router.config import load
+    from router.reload import ConfigSource
+
+    config = load(ctx.config_path, ctx.overrides)
+    log.setup(config.log_level, ctx.name)
+    uvloop.run(serve(config, ConfigSource(ctx.config_path, ctx.overrides), ctx))
+
+
+@dataclass
+class _Child:
+    ctx: WorkerContext
+    process: multiprocessing.process.BaseProcess | None = None
+    started: float = 0.0
+    deaths: int = 0  # in a row, each younger than _YOUNG_SECONDS
+    restart_at: float = 0.0
+
+
+class Supervisor:
+    def __init__(self, config: Config, config_path: str | None, overrides: dict) -> None:
+        self.workers = worker_count(config)
+        self.rundir = Path(tempfile.mkdtemp(prefix="kvroute-", dir=_tmpfs()))
+        metrics_dir = self.rundir / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        self._sockets = [_reserve(config.listen.host, config.listen.port)]
+        overrides = {**overrides, "listen.port": self._sockets[0].getsockname()[1]}
+        if config.grpc.enabled:
+            self._sockets.append(_reserve(config.listen.host, config.grpc.port))
+            overrides["grpc.port"] = self._sockets[1].getsockname()[1]
+        self.port = overrides["listen.port"]
+        slots = max(_MIN_SLOTS, 8 * len(config.backends))
+        from router.shared_load import LoadTable
+
+        self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
+        self._mp = multiprocessing.get_context("spawn")
+        self._children = [
+            _Child(WorkerContext(i, self.workers, str(self.rundir), slots, config_path, overrides))
+            for i in (COLLECTOR, *range(self.workers))
+        ]
+        self._stopping = False
+        self._hup = False
+        self._grace = config.shutdown.unready_seconds + config.shutdown.drain_seconds + 10.0
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+        log.server.info(
+            "kvroute supervisor %d: %d workers on port %d", os.getpid(), self.workers, self.port
+        )
+        try:
+            for child in self._children:
+                self._start(child)
+            while not self._stopping:
+                self._watch()
+            self._stop_all()
+        finally:
+            self.table.close()
+            for sock in self._sockets:
+                sock.close()
+            shutil.rmtree(self.rundir, ignore_errors=True)
+        log.server.info("kvroute supervisor %d stopped", os.getpid())
+        return 0
+
+    def _on_stop(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
+    def _on_hup(self, signum: int, frame: object) -> None:
+        self._hup = True
+
+    def _start(self, child: _Child) -> None:
+        process = self._mp.Process(
+            target=_child_main, args=(child.ctx, os.getpid()), name=f"kvroute {child.ctx.name}"
+        )
+        process.start()
+        child.process, child.started = process, time.monotonic()
+
+    def _watch(self) -> None:
+        """One turn: restart the dead (after their backoff), forward a SIGHUP."""
+        live = [c.process.sentinel for c in self._children if c.process is not None]
+        multiprocessing.connection.wait(live, timeout=_POLL_SECONDS)
+        now = time.monotonic()
+        for child in self._children:
+            if child.process is not None and not child.process.is_alive():
+                self._buried(child, now)
+            elif child.process is None and now >= child.restart_at and not self._stopping:
+                self._start(child)
+        if self._hup:
+            self._hup = False
+            self._signal_all(signal.SIGHUP)
+
+    def _buried(self, child: _Child, now: float) -> None:
+        """A child died: its in-flight counts and live gauges go; plan its restart."""
+        process, child.process = child.process, None
+        from prometheus_client import multiprocess
+
+        multiprocess.mark_process_dead(process.pid)
+        if not child.ctx.collector:
+            self.table.clear_worker(child.ctx.index)
+        young = now - child.started < _YOUNG_SECONDS
+        child.deaths = child.deaths + 1 if young else 0
+        delay = min(_MAX_RESTART_DELAY, 0.5 * 2**child.deaths) if young else 0.0
+        child.restart_at = now + delay
+        log.server.warning(
+            "%s (pid %d) exited with code %s; restarting in %.1fs",
+            child.ctx.name,
+            process.pid,
+            process.exitcode,
+            delay,
+        )
+
+    def _signal_all(self, signum: int) -> None:
+        for child in self._children:
+            if child.process is not None and child.process.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(child.process.pid, signum)
+
+    def _stop_all(self) -> None:
+        """Every child drains as a single router would; stragglers are killed."""
+        log.server.info("stopping %d workers and the collector", self.workers)
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self._grace
+        for child in self._children:
+            if child.process is not None:
+                child.process.join(max(0.0, deadline - time.monotonic()))
+                if child.process.is_alive():
+                    log.server.warning("%s did not stop in time: killed", child.ctx.name)
+                    child.process.kill()
+                    child.process.join()
+
+
+def _tmpfs() -> str | None:
+    """/dev/shm when there is one: the load table and metric files stay in memory."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None

@@ -1,0 +1,381 @@
+"""`kvroute serve --workers N`: a real supervisor process, its workers sharing one port
+(SO_REUSEPORT) and its collector; clients are aiohttp sessions each holding one
+keep-alive connection whose accepting worker the test identifies (psutil shows which
+worker process owns the server end of the connection).
+
+What is checked: LEAST_OUTSTANDING_REQUESTS balances by the router-wide in-flight count;
+PREFIX_AWARE places a prefix on the same backend whichever worker takes it; killing a
+worker loses only its own requests, its counters are zeroed and it is restarted;
+/metrics sums every worker; backends are scraped once (not once per worker) and KV
+events reach every worker's index through the collector; SIGHUP reaches every worker;
+SIGTERM stops them all. The router runs in its own processes (on uvloop), so these
+tests run once, on the default test loop, not on both loops as *_functional files do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import psutil
+import pytest
+import yaml
+from aiohttp import web
+
+from bench.overhead import free_port, process, wait_ready
+from bench.sim.fleet import start_fleet
+from bench.sim.params import SimParams
+from tests.stub_backend import Behaviour, StubBackend
+
+WORKERS = 2
+CHAT = "/v1/chat/completions"
+
+
+def chat(prompt: str, stream: bool = False, model: str = "stub-model") -> dict:
+    return {"model": model, "stream": stream, "messages": [{"role": "user", "content": prompt}]}
+
+
+async def until(check, timeout: float = 15.0, what: str = "condition"):
+    """Poll `check` (sync or async) until it returns something truthy; bounded."""
+    deadline = time.monotonic() + timeout
+    while True:
+        result = check()
+        if asyncio.iscoroutine(result):
+            result = await result
+        if result:
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@dataclass
+class MultiRouter:
+    proc: object
+    port: int
+    path: Path
+    sessions: list[aiohttp.ClientSession] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def workers(self) -> list[int]:
+        """Pids of the children listening on the port (the collector does not)."""
+        out = []
+        for child in psutil.Process(self.proc.pid).children():
+            try:
+                conns = child.net_connections(kind="tcp")
+            except psutil.NoSuchProcess:
+                continue
+            if any(c.status == "LISTEN" and c.laddr.port == self.port for c in conns):
+                out.append(child.pid)
+        return sorted(out)
+
+    def _mine(self) -> set[int]:
+        """Local ports of this test process's open connections to the router."""
+        return {
+            c.laddr.port
+            for c in psutil.Process().net_connections(kind="tcp")
+            if c.raddr and c.raddr.port == self.port and c.status == psutil.CONN_ESTABLISHED
+        }
+
+    def _owner(self, client_port: int) -> int | None:
+        for pid in self.workers():
+            with _gone_ok():
+                for c in psutil.Process(pid).net_connections(kind="tcp"):
+                    if c.raddr and c.raddr.port == client_port and c.laddr.port == self.port:
+                        return pid
+        return None
+
+    async def pinned(self, pid: int) -> aiohttp.ClientSession:
+        """A session whose one keep-alive connection was accepted by worker `pid`."""
+        for _ in range(200):
+            before = self._mine()
+            session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            async with session.get(self.url + "/health") as resp:
+                await resp.read()
+            (client_port,) = self._mine() - before
+            owner = await until(lambda p=client_port: self._owner(p), 5, "the connection's owner")
+            if owner == pid:
+                self.sessions.append(session)
+                return session
+            await session.close()
+        raise AssertionError(f"no connection reached worker {pid}")
+
+    async def close(self) -> None:
+        for session in self.sessions:
+            await session.close()
+
+
+class _gone_ok:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind, exc, tb) -> bool:
+        return kind is not None and issubclass(kind, psutil.NoSuchProcess)
+
+
+@asynccontextmanager
+async def multi_router(tmp_path: Path, config: dict) -> AsyncIterator[MultiRouter]:
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, **config}))
+    port = free_port()
+    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--port", str(port)]
+    with process([*cmd, "--workers", str(WORKERS), "--log-level", "warning"]) as proc:
+        router = MultiRouter(proc, port, path)
+        try:
+            await wait_ready(router.url, timeout=30)
+            await until(lambda: len(router.workers()) == WORKERS, 30, "every worker listening")
+            yield router
+        finally:
+            await router.close()
+
+
+async def stubs(n: int, behaviour: Behaviour | None = None) -> list[StubBackend]:
+    return [await StubBackend(behaviour=behaviour or Behaviour()).start() for _ in range(n)]
+
+
+def backends(servers: list[StubBackend]) -> list[dict]:
+    return [{"url": s.url, "name": f"b{i}"} for i, s in enumerate(servers)]
+
+
+async def metric(session: aiohttp.ClientSession, url: str, name: str) -> float:
+    """Sum of every sample of `name` on the router's /metrics page."""
+    async with session.get(url + "/metrics") as resp:
+        text = await resp.text()
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith(name + "{") or line.startswith(name + " ")
+    )
+
+
+def arrived(servers: list[StubBackend], n: int) -> list[int] | None:
+    """Each backend's requests in progress, once `n` have arrived in all."""
+    loads = [s.active for s in servers]
+    return loads if sum(loads) == n else None
+
+
+async def test_least_outstanding_balances_by_the_router_wide_count(tmp_path) -> None:
+    """Requests arrive alternately at the two workers and stay in flight; after each one
+    the backends' loads differ by at most one. With per-worker counts, a worker that has
+    sent nothing yet sees every backend idle and picks at random among all four."""
+    servers = await stubs(4, Behaviour(chunks=2, pace=60.0))
+    config = {"backends": backends(servers), "routing": {"strategy": "LEAST_OUTSTANDING_REQUESTS"}}
+    try:
+        async with multi_router(tmp_path, config) as router:
+            pids = router.workers()
+            held = []
+            for i in range(8):
+                session = await router.pinned(pids[i % WORKERS])
+                resp = await session.post(router.url + CHAT, json=chat(f"q{i}", stream=True))
+                assert resp.status == 200
+                held.append(resp)
+                loads = await until(lambda n=i + 1: arrived(servers, n), 10, "the request")
+                assert max(loads) - min(loads) <= 1, loads
+            for resp in held:
+                resp.close()
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_prefix_aware_places_a_prefix_alike_in_every_worker(tmp_path) -> None:
+    servers = await stubs(4)
+    routing = {"strategy": "PREFIX_AWARE", "prefix_length": 32}
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers), "routing": routing}) as r:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            placed = []
+            for i in range(24):
+                prompt = f"contract {i}: the tenant shall keep the premises in good order " * 4
+                homes = set()
+                for session in sessions:
+                    async with session.post(r.url + CHAT, json=chat(prompt)) as resp:
+                        assert resp.status == 200
+                        homes.add(resp.headers["x-kvroute-backend"])
+                assert len(homes) == 1, (i, homes)
+                placed += homes
+            assert len(set(placed)) == 4  # and the prefixes are spread over the fleet
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_metrics_sum_every_worker(tmp_path) -> None:
+    servers = await stubs(2)
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers)}) as r:
+            w0, w1 = [await r.pinned(pid) for pid in r.workers()]
+            for session, n in ((w0, 3), (w1, 5)):
+                for i in range(n):
+                    async with session.post(r.url + CHAT, json=chat(f"x{i}")) as resp:
+                        assert resp.status == 200
+            for session in (w0, w1):  # whichever worker answers, the sum is the router's
+                assert await metric(session, r.url, "kvroute_requests_total") == 8
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_killed_worker_loses_only_its_requests_and_counters_recover(tmp_path) -> None:
+    servers = await stubs(2, Behaviour(chunks=4, pace=0.75))
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers)}) as r:
+            survivor, victim = r.workers()
+            kept = [await r.pinned(survivor) for _ in range(2)]
+            lost = [await r.pinned(victim) for _ in range(2)]
+            streams = [await s.post(r.url + CHAT, json=chat("long", stream=True)) for s in kept]
+            doomed = [await s.post(r.url + CHAT, json=chat("long", stream=True)) for s in lost]
+            probe = await r.pinned(survivor)
+            inflight = "kvroute_backend_inflight_requests"
+            assert await metric(probe, r.url, inflight) == 4  # both workers' requests
+            os.kill(victim, signal.SIGKILL)
+            for resp in doomed:  # the victim's clients see their connection end
+                with pytest.raises((aiohttp.ClientError, ConnectionError)):
+                    await resp.read()
+            # the supervisor zeroes the dead worker's counts: only the survivor's remain
+            await until(lambda: _equals(metric(probe, r.url, inflight), 2), 10, "counts to recover")
+            for resp in streams:  # the survivor's streams end normally
+                body = await resp.read()
+                assert body.count(b"data: ") == 5 and body.endswith(b"data: [DONE]\n\n")
+            await until(lambda: _equals(metric(probe, r.url, inflight), 0), 10, "zero")
+            # a new worker takes the victim's place and serves
+            await until(lambda: len(r.workers()) == WORKERS, 30, "the restarted worker")
+            (replacement,) = set(r.workers()) - {survivor}
+            fresh = await r.pinned(replacement)
+            async with fresh.post(r.url + CHAT, json=chat("after")) as resp:
+                assert resp.status == 200
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def _equals(value, expected: float) -> bool:
+    return await value == expected
+
+
+class CountingBackend:
+    """A backend that answers health checks and counts /metrics scrapes."""
+
+    def __init__(self) -> None:
+        self.scrapes = 0
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> CountingBackend:
+        app = web.Application()
+        app.add_routes([web.get("/metrics", self._metrics), web.get("/health", self._ok)])
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
+        return self
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        self.scrapes += 1
+        return web.Response(text='vllm:num_requests_waiting{engine="0"} 7.0\n')
+
+    async def _ok(self, request: web.Request) -> web.Response:
+        return web.Response()
+
+
+async def test_backends_are_scraped_once_and_every_worker_sees_the_result(tmp_path) -> None:
+    backend = await CountingBackend().start()
+    config = {
+        "backends": [{"url": backend.url, "name": "b0", "models": ["m"]}],
+        "telemetry": {"scrape_interval": 0.2},
+    }
+    try:
+        async with multi_router(tmp_path, config) as r:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+
+            async def waiting_seen(session: aiohttp.ClientSession) -> bool:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"]["b0"]["waiting"] == 7.0
+
+            for session in sessions:
+                await until(lambda s=session: waiting_seen(s), 10, "the collector's snapshot")
+            start, t0 = backend.scrapes, time.monotonic()
+            await asyncio.sleep(3.0)
+            rate = (backend.scrapes - start) / (time.monotonic() - t0)
+            # one scraper at ~5/s (jittered ±20%); one per worker too would be >= 10/s
+            assert 2.5 <= rate <= 7.5, rate
+    finally:
+        await backend.runner.cleanup()
+
+
+async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> None:
+    params = SimParams(kv_events=True, time_scale=0.01)
+    fleet = await start_fleet(2, params)
+    entries = [
+        {
+            "url": b.url,
+            "name": f"sim{i}",
+            "kv_events": {
+                "endpoint": b.publisher.endpoint,
+                "replay_endpoint": b.publisher.replay_endpoint,
+            },
+        }
+        for i, b in enumerate(fleet.backends)
+    ]
+    config = {"backends": entries, "routing": {"strategy": "KV_AWARE", "seed": 1}}
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = [await r.pinned(pid) for pid in r.workers()]
+            await asyncio.sleep(1.5)  # each worker's index loop sets up its appliers
+            doc = "".join(f"clause {k}: keep the premises in good order. " for k in range(60))
+            body = chat(doc, model="sim-llama-70b") | {"max_tokens": 2}
+            async with w0.post(r.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                home = resp.headers["x-kvroute-backend"]
+
+            async def keys(session: aiohttp.ClientSession) -> int:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"][home]["index_keys"]
+
+            # worker 1 never routed this prompt: only the forwarded events can fill it
+            await until(lambda: keys(w1), 10, "worker 1's index to learn the blocks")
+            async with w1.post(r.url + CHAT, json=body) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvroute-backend"] == home
+                usage = (await resp.json())["usage"]
+                assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+    finally:
+        await fleet.stop()
+
+
+async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> None:
+    servers = await stubs(3)
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers[:2])}) as r:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            children = psutil.Process(r.proc.pid).children()
+            r.path.write_text(
+                yaml.safe_dump({"listen": {"host": "127.0.0.1"}, "backends": backends(servers)})
+            )
+            os.kill(r.proc.pid, signal.SIGHUP)
+
+            async def members(session: aiohttp.ClientSession) -> int:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return len((await resp.json())["backends"])
+
+            for session in sessions:
+                await until(lambda s=session: _equals(members(s), 3), 15, "the reload")
+            r.proc.terminate()
+            assert await asyncio.to_thread(r.proc.wait, 20) == 0
+            _, alive = psutil.wait_procs(children, timeout=5)
+            assert alive == []
+    finally:
+        for s in servers:
+            await s.stop()
