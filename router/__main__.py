@@ -97,7 +97,12 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
     if worker_count(config) > 1:
-        return Supervisor(config, args.config, overrides).run()
+        try:
+            supervisor = Supervisor(config, args.config, overrides)
+        except OSError as exc:  # the port is taken, or the address is not ours
+            print(f"kvroute: cannot listen on {config.listen.host}: {exc}", file=sys.stderr)
+            return 1
+        return supervisor.run()
     try:
         uvloop.run(serve(config, ConfigSource(args.config, overrides)))
     except ConfigError as exc:  # a secret the config names cannot be read

@@ -146,7 +146,9 @@ class Router:
             await self.admin.start()
         # gRPC ingress (issue 6): same loop, same dispatcher, its own port
         if cfg.grpc.enabled:
-            self.grpc = GrpcIngress(cfg, self.fleet, self.dispatcher, self.metrics, self.auth)
+            self.grpc = GrpcIngress(
+                cfg, self.fleet, self.dispatcher, self.metrics, self.auth, ctx is not None
+            )
             self.grpc_port = await self.grpc.start()
         log.server.info(
             "kvroute listening on %s, strategy %s, %d backends",

@@ -72,8 +72,11 @@ class GrpcIngress:
         dispatcher: Dispatcher,
         metrics: Metrics,
         auth: Authenticator | None = None,
+        shared_port: bool = False,
     ) -> None:
+        """`shared_port`: one of several workers listening on the same port."""
         self._config = config
+        self._shared_port = shared_port
         self._fleet = fleet
         self._dispatcher = dispatcher
         self._metrics = metrics
@@ -87,8 +90,12 @@ class GrpcIngress:
         """Bind and serve (on the running loop); return the bound port."""
         config = self._config
         max_message = config.limits.max_body_bytes
-        # so_reuseport off: a second router on the same port must fail, not share it
-        options = [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message)]
+        # so_reuseport only between the workers of one router (router/workers.py checks
+        # the port is free first): a second router on the same port must fail
+        options = [
+            ("grpc.so_reuseport", 1 if self._shared_port else 0),
+            ("grpc.max_receive_message_length", max_message),
+        ]
         server = self._server = grpc.aio.server(options=options)
         inference = _Inference(config, self._dispatcher, self._auth, self._metrics)
         pb_grpc.add_InferenceServicer_to_server(inference, server)

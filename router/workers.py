@@ -99,10 +99,18 @@ def worker_count(config: Config) -> int:
 
 
 def _reserve(host: str, port: int) -> socket.socket:
-    """Bind (without listening) to learn port 0's number and hold it for the workers."""
+    """Bind (without listening) to learn port 0's number and hold it for the workers.
+
+    A first bind without SO_REUSEPORT fails if anything holds the port, so a second
+    router started on a busy port stops with "address in use" instead of silently
+    joining the first one's SO_REUSEPORT group."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(addr)
+        addr = probe.getsockname()
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
@@ -153,7 +161,8 @@ class Supervisor:
         self._sockets = [_reserve(config.listen.host, config.listen.port)]
         overrides = {**overrides, "listen.port": self._sockets[0].getsockname()[1]}
         if config.grpc.enabled:
-            self._sockets.append(_reserve(config.listen.host, config.grpc.port))
+            grpc_host = config.grpc.host or config.listen.host
+            self._sockets.append(_reserve(grpc_host, config.grpc.port))
             overrides["grpc.port"] = self._sockets[1].getsockname()[1]
         self.port = overrides["listen.port"]
         slots = max(_MIN_SLOTS, 8 * len(config.backends))

@@ -25,10 +25,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import aiohttp
+import grpc
 import psutil
 import pytest
 import yaml
 from aiohttp import web
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.overhead import free_port, process, wait_ready
 from bench.sim.fleet import start_fleet
@@ -376,6 +378,77 @@ async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> N
             assert await asyncio.to_thread(r.proc.wait, 20) == 0
             _, alive = psutil.wait_procs(children, timeout=5)
             assert alive == []
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_admin_api_with_workers_reloads_all_and_refuses_one_worker_edits(tmp_path) -> None:
+    servers = await stubs(3)
+    token = tmp_path / "admin.token"
+    token.write_text("admin-secret-token-0123456789")
+    admin_port = free_port()
+    admin = {"port": admin_port, "token_file": str(token)}
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers[:2]), "admin": admin}) as r:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            base = f"http://127.0.0.1:{admin_port}/admin"
+            auth = {"Authorization": "Bearer admin-secret-token-0123456789"}
+            async with aiohttp.ClientSession(headers=auth) as http:
+                async with http.post(base + "/backends/b0/drain") as resp:
+                    assert resp.status == 409
+                    assert "config file and reload" in (await resp.json())["error"]["message"]
+                r.path.write_text(
+                    yaml.safe_dump(
+                        {
+                            "listen": {"host": "127.0.0.1"},
+                            "backends": backends(servers),
+                            "admin": admin,
+                        }
+                    )
+                )
+                async with http.post(base + "/reload") as resp:
+                    assert resp.status == 200
+                    assert (await resp.json())["added"] == ["b2"]
+
+            async def members(session: aiohttp.ClientSession) -> int:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return len((await resp.json())["backends"])
+
+            for session in sessions:  # every worker, not only the one serving the API
+                await until(lambda s=session: _equals(members(s), 3), 15, "the reload")
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_grpc_is_served_by_every_worker_and_a_busy_port_is_refused(tmp_path) -> None:
+    servers = await stubs(1)
+    grpc_port = free_port()
+    config = {"backends": backends(servers), "grpc": {"enabled": True, "port": grpc_port}}
+    try:
+        async with multi_router(tmp_path, config) as r:
+            listening = [
+                pid
+                for pid in r.workers()
+                if any(
+                    c.status == "LISTEN" and c.laddr.port == grpc_port
+                    for c in psutil.Process(pid).net_connections(kind="tcp")
+                )
+            ]
+            assert len(listening) == WORKERS
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                reply = await health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+                assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            # a second router on the same port fails instead of joining the first
+            cmd = [sys.executable, "-m", "router", "serve", "-c", str(r.path)]
+            second = await asyncio.create_subprocess_exec(
+                *cmd, "--port", str(r.port), "--workers", "2", stderr=asyncio.subprocess.PIPE
+            )
+            _, err = await asyncio.wait_for(second.communicate(), 30)
+            assert second.returncode == 1
+            assert b"Address already in use" in err
     finally:
         for s in servers:
             await s.stop()
