@@ -139,6 +139,7 @@ class Router:
             cfg.listen.port,
             reuse_address=True,
             reuse_port=ctx is not None,  # the workers share the port
+            backlog=cfg.listen.backlog,
         )
         await site.start()
         self.port = self._runner.addresses[0][1]

@@ -30,6 +30,10 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Port = 8000
+    #: connections the kernel queues before a worker accepts them (each worker has its
+    #: own queue with SO_REUSEPORT; Linux caps it at net.core.somaxconn). aiohttp's
+    #: default of 128 overflows when a thousand clients connect at once.
+    backlog: Annotated[int, Meta(ge=1, le=65535)] = 4096
 
 
 class GrpcConfig(_Strict):

@@ -1,0 +1,641 @@
+"""kvroute beside the Rust routers on PyPI, one trivial backend, one run, one table.
+
+Rows: the backend called directly (the baseline), kvroute with 1 worker and with one
+worker per usable core, sglang-router and vllm-router (both round robin over the one
+backend). The backend is `bench.instant_backend --raw` (~30,000 requests/s on one core),
+so the routers, not the backend, saturate first. Every router is started up front (an
+idle one costs nothing) and each phase takes the rows in turn, `--rounds` times for the
+rates, reporting the median round, so a burst of machine noise hits every row alike:
+
+- **req/s**: the most non-streaming chat requests per second, from `wrk` (Debian:
+  `apt-get install -y wrk`) POSTing bench.overhead's body over `--connections`
+  keep-alive connections for `--seconds`, with the router's CPU (cores) over the run;
+- **added latency** P50/P99 over calling the backend directly, sequential and at
+  `--concurrency` (bench.overhead.compare: the two paths interleaved in batches);
+- **memory**: RSS summed over every router process (from /proc) with `--mem-streams`
+  slow streams open, minus the same sum just before, per 1,000 streams (measured before
+  the SSE phase has grown any heap);
+- **SSE events/s**: `--sse-streams` endless streams paced at one event every
+  `--sse-interval` s each (a vLLM decode step's shape: one event per stream per step),
+  read by bench.streams; the backend starts the events once all are open (`--hold`).
+  Events delivered per second, the router's CPU, and events per router CPU-second
+  (what one busy worker would forward).
+
+The peers are pip-installed into their own virtualenv (`--peers-venv`, created on first
+use), so the project's dependencies are untouched; a peer that cannot be installed or
+started is "n/a" with the reason. On a 2-core machine the client, `wrk`, the backend
+and the router share the cores: compare rows with each other, and per router core.
+
+    python -m bench.throughput                    # every row, 2-3 minutes on 2 cores
+    python -m bench.throughput --quick --no-peers --json out.json
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+
+import aiohttp
+import orjson
+import yaml
+
+from bench import overhead
+from bench.instant_backend import MODEL, SLOW_MODEL
+from bench.overhead import free_port, parser_for, process, wait_ready, write_json
+from bench.streams import Board, Stream, open_streams
+
+WRK_HINT = "wrk is not installed: `apt-get install -y wrk` (Debian/Ubuntu) adds it"
+PEERS_VENV = Path.home() / ".cache" / "kvroute-bench" / "peers-venv"
+#: PyPI package: its module with `launch_router`, and its flag for quiet logs
+PEERS = {
+    "sglang-router": ("sglang_router", "--log-level", "warn"),
+    "vllm-router": ("vllm_router", "--log-level", "warning"),
+}
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Row:
+    """One target's figures; None where not measured, `note` says why."""
+
+    name: str
+    rps: float | None = None
+    rps_cores: float | None = None
+    wrk_errors: int = 0
+    latency: dict[str, dict[str, float]] = field(default_factory=dict)
+    sse_eps: float | None = None
+    sse_cores: float | None = None
+    sse_errors: int = 0
+    stream_error: str = ""  # the first stream failure, as an example
+    mem_mb_per_1k: float | None = None
+    mem_idle_mb: float | None = None
+    version: str = ""
+    note: str = ""
+
+
+# --- processes ---------------------------------------------------------------------------
+
+
+def _tree(root: int) -> list[int]:
+    """`root` and every descendant (a supervisor's workers and collector)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError):
+                stat = Path(f"/proc/{entry.name}/stat").read_text()
+                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(
+                    int(entry.name)
+                )
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def cpu_seconds(root: int) -> float:
+    total = 0
+    for pid in _tree(root):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / _TICK
+
+
+def rss_mb(root: int) -> float:
+    total_kb = 0
+    for pid in _tree(root):
+        with contextlib.suppress(OSError):
+            status = Path(f"/proc/{pid}/status").read_text()
+            found = re.search(r"VmRSS:\s+(\d+) kB", status)
+            total_kb += int(found.group(1)) if found else 0
+    return total_kb / 1024
+
+
+@contextlib.contextmanager
+def _logged(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
+    """A router process with its output in `log`; stopped (its group, if need be) after."""
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _tail(log: Path, lines: int = 3) -> str:
+    with contextlib.suppress(OSError):
+        text = log.read_text(errors="replace").strip().splitlines()
+        return " | ".join(line.strip()[:160] for line in text[-lines:])
+    return ""
+
+
+async def wait_routable(url: str, proc: subprocess.Popen, timeout: float = 40.0) -> None:
+    """Until a chat request through `url` answers 200 (or the process died)."""
+    deadline = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as http:
+        while proc.poll() is None:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with http.post(
+                    url + "/v1/chat/completions", data=overhead._BODY, headers=overhead._HEADERS
+                ) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"not routing after {timeout:.0f}s")
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"exited with code {proc.returncode}")
+
+
+# --- the routers -----------------------------------------------------------------------------
+
+
+def kvroute_has_workers() -> bool:
+    out = subprocess.run(
+        [sys.executable, "-m", "router", "serve", "--help"], capture_output=True, text=True
+    )
+    return "--workers" in out.stdout
+
+
+def kvroute_cmd(backend: str, port: int, workers: int | None, strategy: str, tmp: Path) -> list:
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "backends": [{"url": backend}],
+        "routing": {"strategy": strategy},
+        "limits": {"max_concurrent_requests": 100_000},
+        "shutdown": {"drain_seconds": 1},
+    }
+    path = tmp / f"kvroute-{port}.yaml"
+    path.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--log-level", "warning"]
+    return [*cmd, "--workers", str(workers)] if workers else cmd
+
+
+def peer_cmd(python: Path, package: str, backend: str, port: int) -> list[str]:
+    module, level_flag, level = PEERS[package]
+    return [
+        str(python),
+        "-m",
+        f"{module}.launch_router",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        backend,
+        "--policy",
+        "round_robin",
+        "--prometheus-port",
+        str(free_port()),
+        level_flag,
+        level,
+    ]
+
+
+def ensure_peers(venv: Path, install: bool) -> dict[str, tuple[Path | None, str]]:
+    """Per peer: (its venv's python, version) or (None, why it cannot run)."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        if not install:
+            return {p: (None, f"not installed in {venv} (--no-install)") for p in PEERS}
+        venv.parent.mkdir(parents=True, exist_ok=True)
+        made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
+        if made.returncode:
+            why = f"cannot create {venv}: {made.stderr.decode()[-200:]}"
+            return {p: (None, why) for p in PEERS}
+    return {p: _ensure_peer(python, p, install) for p in PEERS}
+
+
+def _peer_version(python: Path, package: str) -> str | None:
+    code = f"import importlib.metadata as m; print(m.version({package!r}))"
+    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def _ensure_peer(python: Path, package: str, install: bool) -> tuple[Path | None, str]:
+    version = _peer_version(python, package)
+    if version is None and install:
+        print(f"installing {package} into {python.parent.parent} ...", flush=True)
+        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+        done = subprocess.run([*pip, package], capture_output=True, text=True, timeout=600)
+        if done.returncode:
+            last = (done.stderr.strip().splitlines() or ["?"])[-1]
+            return None, f"pip install {package} failed: {last[:200]}"
+        version = _peer_version(python, package)
+    if version is None:
+        return None, f"{package} is not installed"
+    return python, version
+
+
+# --- measurements --------------------------------------------------------------------------
+
+
+def wrk_script(tmp: Path) -> Path:
+    path = tmp / "post.lua"
+    path.write_text(
+        'wrk.method = "POST"\n'
+        'wrk.headers["Content-Type"] = "application/json"\n'
+        f"wrk.body = [[{overhead._BODY.decode()}]]\n"
+    )
+    return path
+
+
+def run_wrk(url: str, args, script: Path, seconds: float, row: Row | None = None) -> float:
+    """Requests/s; failed requests (non-2xx, socket errors) are added to `row`."""
+    duration = f"-d{max(1, round(seconds))}s"  # wrk takes whole seconds
+    cmd = ["wrk", f"-t{args.wrk_threads}", f"-c{args.connections}", duration]
+    out = subprocess.run(
+        [*cmd, "-s", str(script), url + "/v1/chat/completions"],
+        capture_output=True,
+        text=True,
+        timeout=seconds + 30,
+    ).stdout
+    found = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    if not found:
+        raise RuntimeError(f"wrk printed no rate: {out[-300:]!r}")
+    if row is not None:
+        errors = re.findall(r"(?:connect|read|write|timeout|responses:) (\d+)", out)
+        row.wrk_errors += sum(int(n) for n in errors)
+    return float(found.group(1))
+
+
+def _timed(root: int | None, work: Callable[[], float]) -> tuple[float, float | None]:
+    """(what `work` returns, the router's CPU cores over it: None without a router)."""
+    cpu0, t0 = cpu_seconds(root) if root else 0.0, time.monotonic()
+    rate = work()
+    return rate, (cpu_seconds(root) - cpu0) / (time.monotonic() - t0) if root else None
+
+
+def measure_latency(row: Row, direct: str, url: str, args) -> None:
+    for label, conc in (("seq", 1), (f"c{args.concurrency}", args.concurrency)):
+        lat = asyncio.run(overhead.compare(direct, url, args.requests, conc))
+        row.latency[label] = overhead.summarize(lat)
+
+
+def _stream_body(model: str) -> bytes:
+    messages = [{"role": "user", "content": "stream please"}]
+    return orjson.dumps({"model": model, "messages": messages, "stream": True, "max_tokens": 10**7})
+
+
+async def _close_all(streams: list[Stream], board: Board, backend: str) -> None:
+    """Close every stream, then wait until the router has let go of the backend's side
+    too (else the backend's `--hold` would count them in the next run)."""
+    for stream in streams:
+        stream.close()
+    with contextlib.suppress(TimeoutError):
+        await board.wait_closed(30)
+    deadline = time.monotonic() + 30
+    async with aiohttp.ClientSession() as http:
+        while True:
+            async with http.get(backend + "/debug/streams") as resp:
+                left = sum((await resp.json()).values())
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{left} upstream streams open 30 s after the clients left")
+            await asyncio.sleep(0.05)
+
+
+async def sse_rate(
+    url: str, root: int | None, args, backend: str
+) -> tuple[float, float | None, list[str]]:
+    """(events/s, router cores, stream failures) with `--sse-streams` endless fast streams."""
+    board = Board()
+    streams = await open_streams(url, args.sse_streams, _stream_body(MODEL), board, timeout=30)
+    try:
+        await asyncio.sleep(args.warmup)
+        e0 = board.events
+        cpu0, t0 = cpu_seconds(root) if root else 0.0, time.monotonic()
+        await asyncio.sleep(args.sse_seconds)
+        elapsed = time.monotonic() - t0
+        cores = (cpu_seconds(root) - cpu0) / elapsed if root else None
+        return (board.events - e0) / elapsed, cores, board.errors
+    finally:
+        await _close_all(streams, board, backend)
+
+
+async def measure_memory(row: Row, url: str, root: int, args, backend: str) -> None:
+    """RSS of the router's processes with `--mem-streams` slow streams open, minus idle."""
+    idle = rss_mb(root)
+    board = Board()
+    body = _stream_body(SLOW_MODEL)
+    streams = await open_streams(url, args.mem_streams, body, board, timeout=30)
+    try:
+        await asyncio.sleep(1.0)  # every stream has had a slow event or two
+        held = rss_mb(root)
+        if board.errors:
+            row.note += f"; {len(board.errors)} of {args.mem_streams} streams failed"
+            row.stream_error = row.stream_error or board.errors[0]
+        opened = args.mem_streams - len(board.errors)
+        row.mem_idle_mb = idle
+        row.mem_mb_per_1k = (held - idle) * 1000 / max(1, opened)
+    finally:
+        await _close_all(streams, board, backend)
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Target:
+    """One row's subject: a URL to load and, for a router, its top process."""
+
+    row: Row
+    url: str = ""  # empty: not running (the row's note says why)
+    root: int | None = None  # None for the backend itself
+    rps: list[tuple[float, float | None]] = field(default_factory=list)  # per round
+    sse: list[tuple[float, float | None]] = field(default_factory=list)
+
+    def attempt(self, phase: str, work: Callable[[], None]) -> None:
+        """Run one phase on this target; a failure is a note, and the run goes on."""
+        print(f"  {self.row.name}: {phase}", flush=True)
+        try:
+            work()
+        except Exception as exc:
+            self.row.note += f"; {phase} failed: {exc!r}"[:300]
+
+
+def _median_pair(samples: list[tuple[float, float | None]]) -> tuple[float, float | None]:
+    """The round with the median rate (its CPU goes with it)."""
+    ordered = sorted(samples, key=lambda s: s[0])
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def _wrk_round(t: Target, args, script: Path) -> None:
+    work = partial(run_wrk, t.url, args, script, args.seconds, t.row)
+    t.rps.append(_timed(t.root, work))
+
+
+def _sse_round(t: Target, args, backend: str) -> None:
+    eps, cores, errors = asyncio.run(sse_rate(t.url, t.root, args, backend))
+    t.sse.append((eps, cores))
+    t.row.sse_errors += len(errors)
+    t.row.stream_error = t.row.stream_error or next(iter(errors), "")
+
+
+def phase_rps(live: list[Target], args, script: Path) -> None:
+    """`--rounds` wrk runs per target, the targets taken in turn each round, so a burst of
+    machine noise hits every row alike; the median round counts."""
+    for t in live:  # warm every path first (connection pools, lazy imports)
+        t.attempt("wrk warm-up", partial(run_wrk, t.url, args, script, 1))
+    for _ in range(args.rounds):
+        for t in live:
+            t.attempt("wrk", partial(_wrk_round, t, args, script))
+    for t in live:
+        if t.rps:
+            t.row.rps, t.row.rps_cores = _median_pair(t.rps)
+
+
+def phase_sse(live: list[Target], args, backend: str) -> None:
+    """The same rounds for the SSE rate."""
+    for _ in range(args.rounds):
+        for t in live:
+            t.attempt("sse", partial(_sse_round, t, args, backend))
+    for t in live:
+        if t.sse:
+            t.row.sse_eps, t.row.sse_cores = _median_pair(t.sse)
+
+
+@dataclass
+class _Start:
+    row: Row
+    cmd: list[str]
+    port: int
+    kvroute: bool
+
+
+def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
+    """What to start, in table order; a bare Row is one that cannot run (note says why)."""
+    cores = len(os.sched_getaffinity(0))
+    workers = kvroute_has_workers()
+    out: list[_Start | Row] = []
+    for n in (1, cores) if cores > 1 else (1,):
+        if not workers and n > 1:
+            out.append(Row(f"kvroute, {n} workers", note="; `kvroute serve` has no --workers"))
+            continue
+        port = free_port()
+        name = f"kvroute --workers {n}" if workers else "kvroute (1 process)"
+        cmd = kvroute_cmd(direct, port, n if workers else None, args.strategy, tmp)
+        out.append(_Start(Row(name), cmd, port, True))
+    if args.no_peers:
+        return out
+    for package, (python, version) in ensure_peers(Path(args.peers_venv), args.install).items():
+        if python is None:
+            out.append(Row(package, note="; " + version))
+            continue
+        port = free_port()
+        cmd = peer_cmd(python, package, direct, port)
+        out.append(_Start(Row(package, version=version), cmd, port, False))
+    return out
+
+
+def start_routers(stack: contextlib.ExitStack, starts: list, tmp: Path) -> list[Target]:
+    """Start every router at once (idle ones cost nothing), then wait for each."""
+    targets, waits = [], []
+    for start in starts:
+        if isinstance(start, Row):
+            targets.append(Target(start))
+            continue
+        log = tmp / f"{start.port}.log"
+        proc = stack.enter_context(_logged(start.cmd, log))
+        targets.append(Target(start.row, f"http://127.0.0.1:{start.port}", proc.pid))
+        waits.append((targets[-1], proc, log, start.kvroute))
+    for target, proc, log, kvroute in waits:
+        try:
+            if kvroute:
+                asyncio.run(wait_ready(target.url, timeout=40))
+            asyncio.run(wait_routable(target.url, proc))
+        except Exception as exc:
+            target.row.note += f"; did not start: {exc} ({_tail(log)})"
+            target.url = ""
+    return targets
+
+
+def run(args) -> tuple[list[Row], dict]:
+    wrk = shutil.which("wrk") is not None
+    if not wrk:
+        print(WRK_HINT + "; the req/s column is skipped", file=sys.stderr)
+    backend_cmd = [sys.executable, "-m", "bench.instant_backend", "--raw", "--port", "0"]
+    backend_cmd += ["--interval", str(args.sse_interval), "--hold", str(args.sse_streams)]
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-")))
+        direct = stack.enter_context(process(backend_cmd)).stdout.readline().strip()
+        base = Target(Row("backend direct (baseline)"), direct)
+        print("starting the routers ...", flush=True)
+        routers = start_routers(stack, router_starts(direct, args, tmp), tmp)
+        live = [base, *(t for t in routers if t.url)]
+        if wrk:
+            phase_rps(live, args, wrk_script(tmp))
+        for t in live[1:]:
+            t.attempt("latency", partial(measure_latency, t.row, direct, t.url, args))
+        for t in live[1:]:  # before the SSE phase, whose streams would grow the idle heap
+            memory = partial(measure_memory, t.row, t.url, t.root, args, direct)
+            t.attempt("memory", lambda memory=memory: asyncio.run(memory()))
+        phase_sse(live, args, direct)
+    return [base.row, *(t.row for t in routers)], _meta(args, wrk)
+
+
+def _meta(args, wrk: bool) -> dict:
+    return {
+        "cores": len(os.sched_getaffinity(0)),
+        "loadavg": os.getloadavg(),
+        "rounds": args.rounds,
+        "wrk": f"-t{args.wrk_threads} -c{args.connections} -d{args.seconds}s" if wrk else None,
+        "strategy": args.strategy,
+        "sse": f"{args.sse_streams} streams, 1 event / {args.sse_interval:g} s each",
+        "mem_streams": args.mem_streams,
+    }
+
+
+# --- the table -------------------------------------------------------------------------------
+
+
+def _f(value: float | None, fmt: str = "{:,.0f}") -> str:
+    return "n/a" if value is None else fmt.format(value)
+
+
+def _lat(row: Row, key: str, direct: bool) -> str:
+    s = row.latency.get(key)
+    if s is None:
+        return "n/a"
+    if direct:
+        return f"{s['direct_p50_ms']:.2f} / {s['direct_p99_ms']:.2f}"
+    return f"{s['added_p50_ms']:.2f} / {s['added_p99_ms']:.2f}"
+
+
+def _find(rows: list[Row], prefix: str) -> Row | None:
+    return next((r for r in rows if r.name.startswith(prefix)), None)
+
+
+def _per_core(rate: float | None, cores: float | None) -> float | None:
+    return rate / cores if rate and cores else None
+
+
+def _cells(r: Row, conc: int, direct: bool) -> list[str]:
+    note = r.note.strip("; ")
+    if direct:
+        note = ("latency cells: the direct call itself; " + note).strip("; ")
+    notes = [f"v{r.version}"] if r.version else []
+    notes += [f"{r.wrk_errors} wrk errors"] if r.wrk_errors else []
+    notes += [f"{r.sse_errors} stream errors"] if r.sse_errors else []
+    notes += [f"first stream error: {r.stream_error[:120]}"] if r.stream_error else []
+    return [
+        r.name,
+        _f(r.rps),
+        _f(r.rps_cores, "{:.2f}"),
+        _f(_per_core(r.rps, r.rps_cores)),
+        _lat(r, "seq", direct),
+        _lat(r, f"c{conc}", direct),
+        _f(r.sse_eps),
+        _f(r.sse_cores, "{:.2f}"),
+        _f(_per_core(r.sse_eps, r.sse_cores)),
+        _f(r.mem_mb_per_1k, "{:.1f}"),
+        "; ".join([*notes, note] if note else notes),
+    ]
+
+
+def table(rows: list[Row], meta: dict, conc: int) -> str:
+    """The markdown table and the goal lines under it."""
+    # the direct row shows the absolute latency the other rows add to
+    ref = next((r for r in rows[1:] if r.latency), None)
+    rows[0].latency = ref.latency if ref else {}
+    head = (
+        "| target | req/s | router cores | req/s per router core "
+        f"| added P50 / P99 ms, sequential | added P50 / P99 ms, {conc} concurrent "
+        "| SSE events/s | router cores | events/s per router core | MB per 1k streams "
+        "| notes |"
+    )
+    lines = [head, "|" + "---|" * 11]
+    lines += ["| " + " | ".join(_cells(r, conc, i == 0)) + " |" for i, r in enumerate(rows)]
+    return "\n".join(lines) + "\n\n" + "\n".join(goals(rows, meta))
+
+
+def goals(rows: list[Row], meta: dict) -> list[str]:
+    many = _find(rows, f"kvroute --workers {meta['cores']}") or _find(rows, "kvroute")
+    one = _find(rows, "kvroute --workers 1") or _find(rows, "kvroute")
+    sglang = _find(rows, "sglang-router")
+    out = [
+        f"cores {meta['cores']}, load average {meta['loadavg'][0]:.1f}; "
+        f"medians of {meta['rounds']} rounds; wrk {meta['wrk']}; SSE {meta['sse']}; "
+        f"memory with {meta['mem_streams']} slow streams; kvroute {meta['strategy']}",
+        "",
+    ]
+    if many and sglang and many.rps and sglang.rps:
+        ratio = many.rps / sglang.rps
+        out.append(f"- req/s, {many.name} / sglang-router: {ratio:.2f} (goal >= 0.5)")
+        mine, theirs = _per_core(many.rps, many.rps_cores), _per_core(sglang.rps, sglang.rps_cores)
+        if mine and theirs:
+            out.append(f"- req/s per router core, the same ratio: {mine / theirs:.2f}")
+    if one and one.latency.get("seq"):
+        added = one.latency["seq"]["added_p50_ms"]
+        out.append(f"- added P50, sequential, {one.name}: {added:.2f} ms (goal <= 0.35)")
+    if one and one.sse_eps:
+        out.append(
+            f"- SSE events/s, {one.name}: {one.sse_eps:,.0f} delivered, "
+            f"{_f(_per_core(one.sse_eps, one.sse_cores))} per router core "
+            "(goal >= 50,000 per worker)"
+        )
+    if many and many.mem_mb_per_1k is not None:
+        out.append(
+            f"- memory, {many.name}: {many.mem_mb_per_1k:.1f} MB per 1,000 open streams "
+            f"over {many.mem_idle_mb:.0f} MB idle (goal < 50)"
+        )
+    return out
+
+
+def to_json(rows: list[Row], meta: dict) -> dict:
+    return {"meta": meta, "rows": [r.__dict__ for r in rows]}
+
+
+def parser():
+    p = parser_for(__doc__, 64)
+    p.set_defaults(requests=1000, strategy="ROUND_ROBIN")
+    p.add_argument("--out", dest="json", metavar="FILE", help="the same as --json")
+    p.add_argument("--rounds", type=int, default=3, help="wrk and SSE runs per target")
+    p.add_argument("--seconds", type=int, default=3, help="one wrk run")
+    p.add_argument("--warmup", type=float, default=0.5, help="streams open before counting")
+    p.add_argument("--connections", type=int, default=64, help="wrk's keep-alive connections")
+    p.add_argument("--wrk-threads", type=int, default=1)
+    p.add_argument("--sse-streams", type=int, default=1000)
+    p.add_argument("--sse-interval", type=float, default=0.01, help="seconds between events")
+    p.add_argument("--sse-seconds", type=float, default=2.0, help="one SSE run")
+    p.add_argument("--mem-streams", type=int, default=2000)
+    p.add_argument("--no-peers", action="store_true", help="kvroute rows only")
+    p.add_argument("--no-install", dest="install", action="store_false", help="never pip")
+    p.add_argument("--peers-venv", default=str(PEERS_VENV))
+    p.add_argument("--quick", action="store_true", help="a smoke run of every phase (~15 s)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        args.rounds, args.seconds, args.warmup, args.requests = 1, 1, 0.0, 50
+        args.sse_streams, args.sse_seconds, args.mem_streams = 20, 1.0, 50
+    rows, meta = run(args)
+    print(table(rows, meta, args.concurrency))
+    if args.json:
+        write_json(args.json, to_json(rows, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
