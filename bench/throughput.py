@@ -54,6 +54,7 @@ from bench import overhead
 from bench.instant_backend import MODEL, SLOW_MODEL
 from bench.overhead import free_port, parser_for, process, wait_ready, write_json
 from bench.streams import Board, Stream, open_streams
+from router.workers import usable_cores
 
 WRK_HINT = "wrk is not installed: `apt-get install -y wrk` (Debian/Ubuntu) adds it"
 PEERS_VENV = Path.home() / ".cache" / "kvroute-bench" / "peers-venv"
@@ -168,14 +169,7 @@ async def wait_routable(url: str, proc: subprocess.Popen, timeout: float = 40.0)
 # --- the routers -----------------------------------------------------------------------------
 
 
-def kvroute_has_workers() -> bool:
-    out = subprocess.run(
-        [sys.executable, "-m", "router", "serve", "--help"], capture_output=True, text=True
-    )
-    return "--workers" in out.stdout
-
-
-def kvroute_cmd(backend: str, port: int, workers: int | None, strategy: str, tmp: Path) -> list:
+def kvroute_cmd(backend: str, port: int, workers: int, strategy: str, tmp: Path) -> list:
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": [{"url": backend}],
@@ -186,7 +180,7 @@ def kvroute_cmd(backend: str, port: int, workers: int | None, strategy: str, tmp
     path = tmp / f"kvroute-{port}.yaml"
     path.write_text(yaml.safe_dump(config))
     cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--log-level", "warning"]
-    return [*cmd, "--workers", str(workers)] if workers else cmd
+    return [*cmd, "--workers", str(workers)]
 
 
 def peer_cmd(python: Path, package: str, backend: str, port: int) -> list[str]:
@@ -424,17 +418,12 @@ class _Start:
 
 def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
     """What to start, in table order; a bare Row is one that cannot run (note says why)."""
-    cores = len(os.sched_getaffinity(0))
-    workers = kvroute_has_workers()
+    cores = usable_cores()
     out: list[_Start | Row] = []
     for n in (1, cores) if cores > 1 else (1,):
-        if not workers and n > 1:
-            out.append(Row(f"kvroute, {n} workers", note="; `kvroute serve` has no --workers"))
-            continue
         port = free_port()
-        name = f"kvroute --workers {n}" if workers else "kvroute (1 process)"
-        cmd = kvroute_cmd(direct, port, n if workers else None, args.strategy, tmp)
-        out.append(_Start(Row(name), cmd, port, True))
+        cmd = kvroute_cmd(direct, port, n, args.strategy, tmp)
+        out.append(_Start(Row(f"kvroute --workers {n}"), cmd, port, True))
     if args.no_peers:
         return out
     for package, (python, version) in ensure_peers(Path(args.peers_venv), args.install).items():
