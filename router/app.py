@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import signal
 
 import aiohttp
@@ -170,6 +171,8 @@ class Router:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
+        if self.dispatcher is not None:
+            self.dispatcher.close()  # idle upstream connections
         if self._session is not None:
             await self._session.close()
         if self.table is not None:
@@ -190,6 +193,11 @@ async def serve(
     """Run until SIGINT or SIGTERM, then drain (Router.shutdown); SIGHUP reloads."""
     router = Router(config, source, context)
     await router.start()
+    # what start-up built lives until exit: keep it out of the collector's scans, and
+    # collect the young generation less often (GC was ~10% of CPU at concurrency 64)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

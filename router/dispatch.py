@@ -18,15 +18,15 @@ backend aborts the generation). Each attempt's outcome feeds the backend's break
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
-from collections.abc import AsyncIterator, Collection, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Collection
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
 
 from multidict import CIMultiDict
+from prometheus_client.metrics import MetricWrapperBase
 
 from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
@@ -43,7 +43,7 @@ from router.errors import (
     UpstreamTimeout,
 )
 from router.metrics import Metrics
-from router.proxy import Upstream, open_upstream
+from router.proxy import Upstream, Upstreams, open_upstream
 from router.request import Kind
 from router.retry import RetryPolicy, excluding
 from router.tokenize import RemoteTokenizer
@@ -66,16 +66,26 @@ class Call:
 
 
 def new_request_id() -> str:
-    return os.urandom(16).hex()
+    """128 random bits in hex: unique enough for tracing, and no system call per request
+    (`random` is seeded from the OS, and reseeded in a forked child)."""
+    return random.getrandbits(128).to_bytes(16, "big").hex()
 
 
 class Dispatcher:
     def __init__(self, config: Config, fleet: Fleet, metrics: Metrics, session) -> None:
         self.fleet = fleet
         self.metrics = metrics
-        self._session = session
+        #: the request path's connections to the backends
+        self._upstreams = Upstreams()
         self.admission = Admission(config.limits)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
+        # the labelled metrics every request records
+        self._requests = _Labelled(metrics.requests)
+        self._decisions = _Labelled(metrics.decisions)
+        self._spillovers = _Labelled(metrics.spillovers)
+        self._e2e = _Labelled(metrics.e2e)
+        self._ttft = _Labelled(metrics.ttft)
+        self._itl = _Labelled(metrics.itl)
         #: shutting down: readiness is false (requests in flight still finish)
         self.draining = False
         self.configure(config)
@@ -86,6 +96,10 @@ class Dispatcher:
         self._timeouts = config.timeouts
         self._retry = RetryPolicy(config.retries)
         self.admission.configure(config.limits)
+
+    def close(self) -> None:
+        """Close the idle connections to the backends (at shutdown, after the listeners)."""
+        self._upstreams.close()
 
     @property
     def active(self) -> int:
@@ -98,20 +112,19 @@ class Dispatcher:
         t0 = time.perf_counter()
         fleet = self.fleet
         model = call.req.model or ""
-        if not fleet.known_model(model):
+        view = fleet.view(model)  # cached per model; a candidate serves the model
+        if not view.candidates and not fleet.known_model(model):  # O(fleet): only then
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         policy = fleet.policy
         try:
             route_req = _describe(policy, call, model)
         except ValueError as exc:  # e.g. a prompt mixing texts and token ids
             raise BadRequest(f"Invalid prompt: {exc}", param="prompt") from None
-        view = fleet.view(model)
         pick = policy.pick(route_req, excluding(view, tried) if tried else view)
-        m = self.metrics
-        m.decision_seconds.observe(time.perf_counter() - t0)
-        m.decisions.labels(self.strategy, pick.reason).inc()
+        self.metrics.decision_seconds.observe(time.perf_counter() - t0)
+        self._decisions(self.strategy, pick.reason).inc()
         if pick.reason in SPILL_REASONS:
-            m.spillovers.labels(pick.reason).inc()
+            self._spillovers(pick.reason).inc()
         if pick.backend is None:
             raise NoBackendAvailable(
                 f"No backend is available for model `{model}`; retry shortly.", retry_after=1
@@ -121,27 +134,36 @@ class Dispatcher:
     @asynccontextmanager
     async def exchange(self, call: Call) -> AsyncIterator[Upstream]:
         """Admit and route `call` and open the upstream response (retrying elsewhere
-        while the client has seen nothing); the body is read inside the block."""
+        while the client has seen nothing); the body is read inside the block.
+
+        One timeout guards the exchange: each attempt sets it to its first-byte
+        deadline, which bounds the body too (a stream's chunks push it on), and it
+        expires as an UpstreamTimeout (a 504).
+        """
         try:
             held = await self.admission.enter(call.tenant)
         except KvrouteError as err:
             self.rejected(err)
             raise
         try:
-            attempt = await self._connect(call)
-            ok = False
-            try:  # no await since _connect returned: the attempt is released below
-                with attempt.noting():
-                    async with asyncio.timeout_at(attempt.deadline) as deadline:
+            async with asyncio.timeout(None) as deadline:
+                attempt = await self._connect(call, deadline)
+                ok = False
+                try:  # no await since _connect returned: the attempt is released below
+                    with attempt:
                         attempt.upstream.watch(deadline)
                         yield attempt.upstream
-                ok = True
-            finally:
-                self._finish(attempt, ok)
+                    ok = True
+                finally:
+                    self._finish(attempt, ok)
+        except TimeoutError as exc:
+            if not deadline.expired():
+                raise
+            raise UpstreamTimeout("The backend did not answer in time.") from exc
         finally:
             self.admission.leave(held)
 
-    async def _connect(self, call: Call) -> _Attempt:
+    async def _connect(self, call: Call, deadline: asyncio.Timeout) -> _Attempt:
         """Send `call` until a backend gives an answer to relay, or no retry is left.
 
         Returns the attempt holding its slots; its answer may be a backend's own error
@@ -157,11 +179,11 @@ class Dispatcher:
             raise
         tried: list[str] = []
         while True:
-            attempt = _Attempt(self, routed, call.started)  # no await before the `try`
+            attempt = _Attempt(self, routed, call.started, deadline)  # no await before `try`
             tried.append(attempt.backend.name)
             try:
-                with attempt.noting():
-                    await attempt.open(call, self._session, self._timeouts)
+                with attempt:
+                    await attempt.open(call, self._upstreams, self._timeouts)
             except BaseException:
                 self._finish(attempt, False)
                 raise
@@ -175,6 +197,7 @@ class Dispatcher:
             if routed is None:
                 raise attempt.error
             room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
+            deadline.reschedule(None)  # the backoff is bounded by `room`
             await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
 
     async def _token_ids(self, call: Call, block_keys: PromptBlocks) -> list[int] | None:
@@ -209,10 +232,10 @@ class Dispatcher:
             m.retries.labels(name, error.kind if error else f"http_{attempt.status}").inc()
             return
         started, upstream = attempt.started, attempt.upstream
-        m.requests.labels(name, self.strategy, attempt.status).inc()
-        m.e2e.labels(name).observe(asyncio.get_running_loop().time() - started)
+        self._requests(name, self.strategy, attempt.status).inc()
+        self._e2e(name).observe(asyncio.get_running_loop().time() - started)
         if upstream is not None and upstream.first_chunk_at is not None:
-            m.ttft.labels(name).observe(upstream.first_chunk_at - started)
+            self._ttft(name).observe(upstream.first_chunk_at - started)
         if ok and attempt.routed.prompt_tokens:
             self._check_prediction(attempt.routed, upstream)
 
@@ -226,7 +249,25 @@ class Dispatcher:
 
     def rejected(self, error: KvrouteError) -> None:
         """Count a request refused before it reached any backend."""
-        self.metrics.requests.labels("none", self.strategy, str(error.status)).inc()
+        self._requests("none", self.strategy, str(error.status)).inc()
+
+
+class _Labelled:
+    """A labelled metric's children by label values, each looked up once: prometheus'
+    `labels()` validates its arguments and takes a lock on every call. The values come
+    from small sets (backend names, strategies, statuses, reasons), as in the registry."""
+
+    __slots__ = ("_children", "_metric")
+
+    def __init__(self, metric: MetricWrapperBase) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], MetricWrapperBase] = {}
+
+    def __call__(self, *values: str) -> MetricWrapperBase:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
 
 
 class _Attempt:
@@ -236,15 +277,17 @@ class _Attempt:
     slot, when this is the trial); `release` gives them back, once. The breaker hears
     at most one verdict per attempt: at the response headers (a 5xx fails), or when the
     attempt fails (connection, timeout, cut stream); a client that leaves gives none.
+    `with attempt:` notes how the attempt ends if an exception ends it.
     """
 
     __slots__ = (
         "_fleet",
+        "_itl",
         "_metrics",
         "_queued",
+        "_timeout",
         "_trial",
         "backend",
-        "deadline",
         "error",
         "routed",
         "started",
@@ -252,39 +295,44 @@ class _Attempt:
         "upstream",
     )
 
-    def __init__(self, dispatcher: Dispatcher, routed: Routed, started: float) -> None:
+    def __init__(
+        self, dispatcher: Dispatcher, routed: Routed, started: float, timeout: asyncio.Timeout
+    ) -> None:
         self._fleet = fleet = dispatcher.fleet
         self._metrics = dispatcher.metrics
         self.routed = routed
         self.backend = backend = routed.backend
+        self._itl = dispatcher._itl(backend.name)
         self.started = started
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)
         self.status = "error"
-        self.deadline = 0.0
+        #: the exchange's timeout: this attempt sets it and hears when it expires
+        self._timeout = timeout
         self.upstream: Upstream | None = None
         self.error: UpstreamError | None = None
 
-    async def open(self, call: Call, session, t: TimeoutsConfig) -> None:
+    async def open(self, call: Call, upstreams: Upstreams, t: TimeoutsConfig) -> None:
         """Send the request and wait for the answer's headers (`upstream`), or note
         why there is none (`error`) if it failed before the backend answered."""
         end = call.started + t.total
-        self.deadline = min(asyncio.get_running_loop().time() + t.first_byte, end)
+        self._timeout.reschedule(min(asyncio.get_running_loop().time() + t.first_byte, end))
         backend = self.backend
         try:
-            async with asyncio.timeout_at(self.deadline):
-                upstream = await open_upstream(
-                    session,
-                    backend.url.with_path(call.path, encoded=True),
-                    call.method,
-                    call.body,
-                    call.headers,
-                    t.idle,
-                    end,
-                    self._metrics.itl.labels(backend.name).observe,
-                    self.prefilled,
-                )
+            upstream = await open_upstream(
+                upstreams,
+                backend.url,
+                call.path,
+                call.method,
+                call.body,
+                call.headers,
+                t.connect,
+                t.idle,
+                end,
+                self._itl.observe,
+                self.prefilled,
+            )
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
             self._note(exc)
             return
@@ -293,18 +341,16 @@ class _Attempt:
         self.status = str(upstream.status)
         self._verdict(upstream.status < 500)
 
-    @contextmanager
-    def noting(self) -> Iterator[None]:
-        """Note how the attempt ends if an exception ends it (timeouts become 504s)."""
-        try:
-            yield
-        except TimeoutError as exc:
-            timeout = UpstreamTimeout("The backend did not answer in time.")
-            self._note(timeout)
-            raise timeout from exc
-        except BaseException as exc:
+    def __enter__(self) -> _Attempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb) -> None:
+        """Note how the attempt ends if an exception ends it. The exchange's timeout
+        cancels the task: a cancellation once it expired is a timeout (a 504)."""
+        if isinstance(exc, asyncio.CancelledError) and self._timeout.expired():
+            exc = UpstreamTimeout("The backend did not answer in time.")
+        if exc is not None:
             self._note(exc)
-            raise
 
     def prefilled(self) -> None:
         """The first token arrived: the prompt's tokens no longer queue on the backend."""

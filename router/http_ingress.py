@@ -15,8 +15,10 @@ header timeout (`server_limits`). A refusal never reaches dispatch or a backend.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -96,11 +98,8 @@ class HttpIngress:
         routed += [web.route("*", path, other) for path in _PROXIED]
         return routed
 
-    def _handler(self, kind: Kind):
-        async def handle(request: web.Request) -> web.StreamResponse:
-            return await self._proxy(kind, request)
-
-        return handle
+    def _handler(self, kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        return functools.partial(self._proxy, kind)
 
     async def _proxy(self, kind: Kind, request: web.Request) -> web.StreamResponse:
         started = asyncio.get_running_loop().time()
@@ -139,6 +138,10 @@ class HttpIngress:
                 return err.to_http(reply)
             await _end_stream_with(response, err)
             return response
+        except ConnectionResetError:
+            if response is None:
+                raise
+            return response  # the client left mid-stream: a 499, and no traceback to log
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:
@@ -147,18 +150,25 @@ class HttpIngress:
                 f"{self._max_body} bytes."
             )
         try:
-            async with asyncio.timeout(self._body_timeout):
-                return await request.read()  # stops at client_max_size (= max_body)
+            if request.content.is_eof():  # it all came with the headers: no timer, no copy
+                body = request.content.read_nowait()
+            else:
+                async with asyncio.timeout(self._body_timeout):
+                    body = await request.read()  # stops at client_max_size (= max_body)
         except web.HTTPRequestEntityTooLarge:
-            raise PayloadTooLarge(
-                f"Request body exceeds the limit of {self._max_body} bytes."
-            ) from None
+            raise self._too_large() from None
         except TimeoutError:
             raise RequestTimeout(
                 f"The request body did not arrive within {self._body_timeout:g} s."
             ) from None
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
             raise BadRequest(f"The request body could not be read: {exc}") from None
+        if len(body) > self._max_body:  # e.g. chunked, or inflated from gzip, and read at once
+            raise self._too_large()
+        return body
+
+    def _too_large(self) -> PayloadTooLarge:
+        return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")
 
     def _tenant(self, request: web.Request) -> str | None:
         """The request's tenant: its token's when auth is on and the token has one, else

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
+import socket
+import struct
 import time
 
 import aiohttp
@@ -116,6 +119,28 @@ async def test_client_disconnect_aborts_upstream(stream: bool) -> None:
                 await asyncio.sleep(0.01)
         assert stubs[0].completed == 0
         await settle(router)
+
+
+async def test_a_client_reset_mid_stream_is_counted_not_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client that resets its connection while chunks flow: the relay's write fails, the
+    request counts as a 499 and the backend is let go, with no traceback logged."""
+    caplog.set_level(logging.ERROR, logger="kvroute.http")
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.pace = 100_000, 0.0005
+        body = orjson.dumps({"model": MODEL, "messages": CHAT, "stream": True})
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s"
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+            writer.write(request % (len(body), body))
+            await reader.readuntil(b"data: ")
+            await asyncio.sleep(0.02)  # chunks keep coming
+            linger = struct.pack("ii", 1, 0)  # close with a reset
+            writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
+            writer.close()
+        await settle(router)
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
 
 
 async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:

@@ -1,0 +1,296 @@
+"""The request path's HTTP/1.1 client (router.proxy.Upstreams) against scripted backends:
+keep-alive reuse, every way an answer can be framed, cut bodies, stale connections,
+flow control and idle expiry."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from multidict import CIMultiDict
+from yarl import URL
+
+from router import proxy
+from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
+from router.proxy import Upstream, Upstreams, open_upstream
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and body (bodies here always have a Content-Length)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        name, _, value = line.partition(b":")
+        if name.lower() == b"content-length":
+            length = int(value)
+    return head, await reader.readexactly(length)
+
+
+def answering(*answers: bytes, then_close: bool = False) -> Script:
+    """A backend that answers each request on a connection with the next of `answers`."""
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+        if then_close:
+            writer.close()
+        else:
+            await reader.read()  # until the router closes
+
+    return script
+
+
+@asynccontextmanager
+async def backend(script: Script) -> AsyncIterator[tuple[URL, list[asyncio.StreamWriter]]]:
+    """A scripted backend on 127.0.0.1; yields its URL and its connections so far."""
+    connections: list[asyncio.StreamWriter] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(writer)
+        try:
+            await script(reader, writer)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        yield URL(f"http://127.0.0.1:{port}"), connections
+    finally:
+        server.close()
+        for writer in connections:
+            writer.close()
+
+
+async def send(
+    upstreams: Upstreams, url: URL, method: str = "POST", body: bytes = b"{}"
+) -> Upstream:
+    end = asyncio.get_running_loop().time() + 10
+    headers = CIMultiDict({"X-Test": "1"})
+    return await open_upstream(
+        upstreams, url, "/v1/x?a=1", method, body, headers, 1.0, 5.0, end, lambda _: None, _nop
+    )
+
+
+def _nop() -> None:
+    pass
+
+
+async def body_of(upstream: Upstream) -> bytes:
+    data = await upstream.read()
+    upstream.finish(True)
+    return data
+
+
+def ok(body: bytes, extra: bytes = b"") -> bytes:
+    return b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n%s\r\n%s" % (len(body), extra, body)
+
+
+async def test_keep_alive_reuses_one_connection_and_sends_the_request_as_given() -> None:
+    seen: list[bytes] = []
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(3):
+            head, body = await read_request(reader)
+            seen.append(head + body)
+            writer.write(ok(b"answer"))
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, connections):
+        for _ in range(3):
+            assert await body_of(await send(upstreams, url)) == b"answer"
+        assert len(connections) == 1
+        assert seen[0] == (
+            b"POST /v1/x?a=1 HTTP/1.1\r\nHost: %s\r\nX-Test: 1\r\nContent-Length: 2\r\n\r\n{}"
+            % url.host_port_subcomponent.encode()
+        )
+    upstreams.close()
+
+
+@pytest.mark.parametrize(
+    ("answer", "method", "body"),
+    [
+        pytest.param(ok(b"fixed"), "POST", b"fixed", id="content-length"),
+        pytest.param(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\nTrailer: x\r\n\r\n",
+            "POST",
+            b"abcde",
+            id="chunked",
+        ),
+        pytest.param(b"HTTP/1.1 200 OK\r\n\r\nuntil close", "POST", b"until close", id="eof"),
+        pytest.param(b"HTTP/1.1 204 No Content\r\n\r\n", "DELETE", b"", id="no-content"),
+        pytest.param(b"HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n", "HEAD", b"", id="head"),
+        pytest.param(
+            b"HTTP/1.1 100 Continue\r\n\r\n" + ok(b"final"), "POST", b"final", id="interim"
+        ),
+    ],
+)
+async def test_every_framing_of_an_answer(answer: bytes, method: str, body: bytes) -> None:
+    upstreams = Upstreams()
+    then_close = body == b"until close"
+    async with backend(answering(answer, then_close=then_close)) as (url, _):
+        upstream = await send(upstreams, url, method, b"" if method != "POST" else b"{}")
+        assert upstream.status != 100
+        assert await body_of(upstream) == body
+    upstreams.close()
+
+
+async def test_stream_chunks_arrive_as_the_backend_flushes_them() -> None:
+    go = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream; charset=utf-8\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata 1\r\n"
+        )
+        await go.wait()
+        writer.write(b"6\r\ndata 2\r\n0\r\n\r\n")
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        assert upstream.streaming
+        async with asyncio.timeout(5) as deadline:
+            upstream.watch(deadline)
+            chunks = upstream.chunks()
+            assert await anext(chunks) == b"data 1"
+            go.set()
+            assert [chunk async for chunk in chunks] == [b"data 2"]
+        upstream.finish(True)
+    upstreams.close()
+
+
+async def test_a_cut_body_is_a_disconnect_and_the_connection_is_dropped() -> None:
+    upstreams = Upstreams()
+    cut = b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc"
+    async with backend(answering(cut, then_close=True)) as (url, _):
+        upstream = await send(upstreams, url)
+        with pytest.raises(UpstreamDisconnected, match="not completed"):
+            await upstream.read()
+        upstream.finish(True)
+    assert not upstreams._idle
+    upstreams.close()
+
+
+async def test_a_connection_the_backend_closed_while_idle_is_not_reused() -> None:
+    upstreams = Upstreams()
+    async with backend(answering(ok(b"once"), then_close=True)) as (url, connections):
+        assert await body_of(await send(upstreams, url)) == b"once"
+        await asyncio.sleep(0.1)  # the backend's FIN arrives
+        assert await body_of(await send(upstreams, url)) == b"once"
+        assert len(connections) == 2
+    upstreams.close()
+
+
+async def test_an_idempotent_request_is_sent_again_on_a_connection_closed_in_flight() -> None:
+    served = 0
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal served
+        served += 1
+        await read_request(reader)
+        if served == 1:
+            writer.write(ok(b"first"))
+            await read_request(reader)  # the next request on this connection: drop it
+            return
+        writer.write(ok(b"again"))
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, connections):
+        assert await body_of(await send(upstreams, url, "GET", b"")) == b"first"
+        assert await body_of(await send(upstreams, url, "GET", b"")) == b"again"
+        assert len(connections) == 2
+    upstreams.close()
+
+
+async def test_failures_before_an_answer() -> None:
+    upstreams = Upstreams()
+    async with backend(answering(b"not http at all\r\n\r\n")) as (url, _):
+        with pytest.raises(UpstreamError, match="invalid answer"):
+            await send(upstreams, url)
+    with pytest.raises(UpstreamConnectError, match="cannot connect"):
+        await send(upstreams, url)  # the backend is gone: refused
+    upstreams.close()
+
+
+async def test_a_slow_reader_pauses_the_backend_and_loses_nothing() -> None:
+    size = 8 << 20
+    paused = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % size)
+        for _ in range(size >> 16):
+            writer.write(b"x" * (1 << 16))
+        while writer.transport.get_write_buffer_size() < size // 2:
+            await asyncio.sleep(0.01)  # the router stopped reading: our buffer fills
+        paused.set()
+        await writer.drain()
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        await asyncio.wait_for(paused.wait(), 5)
+        assert len(await body_of(upstream)) == size
+    upstreams.close()
+
+
+async def test_an_unfinished_exchange_closes_its_connection() -> None:
+    gone = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n")
+        await reader.read()
+        gone.set()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        upstream.finish(False)  # e.g. the client left mid-stream
+        await asyncio.wait_for(gone.wait(), 5)
+    upstreams.close()
+
+
+async def test_idle_connections_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy, "KEEPALIVE_SECONDS", 0.05)
+    gone = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answering(ok(b"x"))(reader, writer)
+        gone.set()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        await body_of(await send(upstreams, url))
+        await asyncio.wait_for(gone.wait(), 5)
+        assert not upstreams._idle
+    upstreams.close()
+
+
+async def test_close_closes_the_idle_connections() -> None:
+    gone = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await answering(ok(b"x"))(reader, writer)
+        gone.set()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        await body_of(await send(upstreams, url))
+        upstreams.close()
+        await asyncio.wait_for(gone.wait(), 5)
