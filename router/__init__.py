@@ -13,7 +13,7 @@ One request's way, module by module:
                     pick (policies/) on a cached per-model FleetView → take the in-flight
                     slot → proxy → [before the first byte: retry on the policy's next
                     pick (retry.py)] → give it back, feed the breaker, record metrics
-  proxy.py          original bytes to the backend over a pooled keep-alive session; JSON
+  proxy.py          original bytes to the backend over its own pooled keep-alive client; JSON
                     answers relayed whole, SSE relayed chunk by chunk, untouched; upstream
                     failures translated to errors.py classes (502/504)
 
@@ -25,6 +25,9 @@ Beside the path, never on it:
   breaker.py        per-backend circuit breaker fed by request outcomes (passive)
   backends.py       backend state (health, breaker, drain, in-flight) and cached
                     FleetView snapshots (rebuilt on change)
+  shared_load.py    with several workers: in-flight counts in shared memory, summed
+  workers.py        `serve --workers N`: supervisor, SO_REUSEPORT workers, the collector
+                    (telemetry.py gathers once there and feeds the workers)
   reload.py         SIGHUP / admin reload: build, validate, swap
   admin.py          admin API on its own listener and token
   auth.py           data-plane bearer tokens (static, signed), `kvroute token issue`
