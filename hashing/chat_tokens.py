@@ -17,6 +17,8 @@ xxh3 over the prefix per probe; memory bounded by `max_entries` (LRU).
 
 from __future__ import annotations
 
+import array
+import sys
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
@@ -41,16 +43,41 @@ VOCAB_SIZE = 32000
 CHARS_PER_TOKEN = 4
 
 
+class _ChunkIds(dict):
+    """Ids of 4-byte chunks, read as native uint32s, computed on first sight.
+
+    Prompts reuse a small set of chunks (words, spaces, template markers), so after
+    warm-up a token costs one C-level dict lookup instead of a slice and a hash. Bounded:
+    cleared when it reaches `_MAX_CHUNKS` entries (32 MiB at most).
+    """
+
+    def __missing__(self, word: int) -> int:
+        if len(self) >= _MAX_CHUNKS:
+            self.clear()
+        token = self[word] = xxhash.xxh32_intdigest(word.to_bytes(4, sys.byteorder)) % VOCAB_SIZE
+        return token
+
+
+_MAX_CHUNKS = 1 << 18
+assert array.array("I").itemsize == 4, "a 4-character run is read as one uint32"
+_CHUNK_IDS = _ChunkIds()
+
+
 def tokenize(text: str) -> list[int]:
     """One id per 4-character run of `text` (the last run may be shorter).
 
-    ASCII text is encoded once and sliced (a character is a byte there): same ids, ~2x
-    faster than encoding each run.
+    ASCII text (a character is a byte) is read as uint32 words at C speed and mapped
+    through `_CHUNK_IDS`: the same ids as hashing each run, ~3x faster on long prompts
+    (~80 ns a token), which matters because KV_AWARE tokenizes on the event loop.
     """
     h = xxhash.xxh32_intdigest
     if text.isascii():
         raw = text.encode()
-        return [h(raw[i : i + CHARS_PER_TOKEN]) % VOCAB_SIZE for i in range(0, len(raw), 4)]
+        full = len(raw) - len(raw) % CHARS_PER_TOKEN
+        out = list(map(_CHUNK_IDS.__getitem__, array.array("I", raw[:full])))
+        if full < len(raw):
+            out.append(h(raw[full:]) % VOCAB_SIZE)
+        return out
     return [
         h(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
         for i in range(0, len(text), CHARS_PER_TOKEN)

@@ -6,6 +6,8 @@ from typing import Any
 import msgspec
 import pytest
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bench.sim import cli
 from bench.sim.kv_cache import KVCache
@@ -14,6 +16,7 @@ from bench.sim.params import Fault, SimConfig, SimParams, load_config
 from bench.sim.request import SimRequest, Status, output_text
 from bench.sim.scheduler import Scheduler
 from bench.sim.tokenizer import render_chat, token_strs, tokenize
+from hashing import chat_tokens
 
 BS = 16
 
@@ -55,6 +58,20 @@ def test_tokenize_is_xxh32_of_4_char_runs() -> None:
     assert tokenize(text) == [xxhash.xxh32_intdigest(s.encode()) % 32000 for s in token_strs(text)]
     assert tokenize("abcde")[1] == xxhash.xxh32_intdigest(b"e") % 32000
     assert tokenize("") == []
+
+
+@given(st.text(max_size=200) | st.text(alphabet="abc <|>\n", max_size=200))
+@settings(max_examples=300, deadline=None)
+def test_fast_ascii_path_gives_the_defined_ids(text: str) -> None:
+    assert tokenize(text) == [xxhash.xxh32_intdigest(s.encode()) % 32000 for s in token_strs(text)]
+
+
+def test_chunk_memo_is_bounded(monkeypatch) -> None:
+    monkeypatch.setattr(chat_tokens, "_MAX_CHUNKS", 8)
+    monkeypatch.setattr(chat_tokens, "_CHUNK_IDS", chat_tokens._ChunkIds())
+    text = "".join(f"{i:04d}" for i in range(100))
+    assert tokenize(text) == [xxhash.xxh32_intdigest(s.encode()) % 32000 for s in token_strs(text)]
+    assert len(chat_tokens._CHUNK_IDS) <= 8
 
 
 @pytest.mark.parametrize(
