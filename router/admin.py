@@ -24,9 +24,11 @@ list. Drain is runtime state: it survives reloads while the backend stays config
 
 With several workers (router/workers.py) the admin API listens in worker 0 only. Its
 reads describe worker 0's view (in-flight counts are router-wide); `reload` reloads
-worker 0 and, when the file was valid, asks the supervisor to reload every process;
-add, remove, drain and undrain answer 409, since one worker's runtime edit would
-leave the others disagreeing: edit the file and reload instead.
+worker 0 and, when the file was valid, asks the supervisor to reload every process.
+Add, remove, drain and undrain are applied in worker 0 first (so a bad edit answers
+400 and changes nothing), then broadcast through the collector to every worker, which
+applies the same edit with `apply_edit` (worker 0 gets it back: applying it twice
+changes nothing).
 """
 
 from __future__ import annotations
@@ -52,10 +54,6 @@ if typing.TYPE_CHECKING:
     from router.app import Router
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
-_ONE_WORKER_ONLY = (
-    "This router runs several workers: change backends in the config file and reload "
-    "(POST /admin/reload or SIGHUP) so that every worker applies the change."
-)
 
 
 class AdminServer:
@@ -66,7 +64,7 @@ class AdminServer:
         self._digest = hashlib.sha256(self.token.encode()).digest()
         self._runner: web.AppRunner | None = None
         self.port = 0
-        #: with several workers: runtime edits are refused, reloads fan out
+        #: with several workers: edits and reloads fan out to every worker
         self._workers = router.context is not None
 
     @property
@@ -78,10 +76,10 @@ class AdminServer:
         app.add_routes(
             [
                 web.get("/admin/backends", self.backends),
-                web.post("/admin/backends", self._single(self.add)),
-                web.delete("/admin/backends/{name}", self._single(self.remove)),
-                web.post("/admin/backends/{name}/drain", self._single(self.drain)),
-                web.post("/admin/backends/{name}/undrain", self._single(self.undrain)),
+                web.post("/admin/backends", self.add),
+                web.delete("/admin/backends/{name}", self.remove),
+                web.post("/admin/backends/{name}/drain", self.drain),
+                web.post("/admin/backends/{name}/undrain", self.undrain),
                 web.get("/admin/config", self.config),
                 web.post("/admin/reload", self.reload),
             ]
@@ -120,22 +118,22 @@ class AdminServer:
     async def add(self, request: web.Request) -> web.Response:
         entry = await _body(request)
         config = self._router.config
-        return await self._apply([*_entries(config), entry], status=201)
+        return await self._backends([*_entries(config), entry], status=201)
 
     async def remove(self, request: web.Request) -> web.Response:
         name = self._known(request).name
         config = self._router.config
         kept = [e for c, e in zip(config.backends, _entries(config), strict=True) if c.key != name]
-        return await self._apply(kept)
+        return await self._backends(kept)
 
     async def drain(self, request: web.Request) -> web.Response:
         backend = self._known(request)
-        self._router.fleet.set_draining(backend, True)
+        await self._edit({"op": "drain", "name": backend.name, "draining": True})
         return _json(self._describe(backend, "draining"))
 
     async def undrain(self, request: web.Request) -> web.Response:
         backend = self._known(request)
-        self._router.fleet.set_draining(backend, False)
+        await self._edit({"op": "drain", "name": backend.name, "draining": False})
         return _json(self._describe(backend, "active"))
 
     async def config(self, request: web.Request) -> web.Response:
@@ -150,24 +148,26 @@ class AdminServer:
             os.kill(os.getppid(), signal.SIGHUP)  # the supervisor reloads every process
         return _json(report)
 
-    def _single(self, handler):
-        """`handler` as is in a single-process router; a 409 with several workers."""
-        if not self._workers:
-            return handler
-
-        async def refused(request: web.Request) -> web.Response:
-            raise KvrouteError(_ONE_WORKER_ONLY, status=409)
-
-        return refused
-
-    async def _apply(self, entries: list[dict], status: int = 200) -> web.Response:
-        data = msgspec.to_builtins(self._router.config)
-        data["backends"] = entries
+    async def _backends(self, entries: list[dict], status: int = 200) -> web.Response:
         try:
-            report = await self._router.reloader.apply(build(data, "admin"))
+            report = await self._edit({"op": "backends", "backends": entries})
         except ConfigError as exc:
             raise KvrouteError(str(exc), status=400) from None
         return _json(report, status)
+
+    async def _edit(self, edit: dict) -> dict[str, list[str]]:
+        """Apply here (errors reach the caller, nothing changed), then in every worker."""
+        report = await apply_edit(self._router, edit)
+        if self._workers:
+            try:
+                await self._router.telemetry.broadcast(orjson.dumps(edit))
+            except TimeoutError:
+                raise KvrouteError(
+                    "Applied in worker 0, but the other workers could not be reached; "
+                    "reload (POST /admin/reload) to bring them in line.",
+                    status=503,
+                ) from None
+        return report
 
     def _known(self, request: web.Request) -> Backend:
         name = request.match_info["name"]
@@ -194,6 +194,21 @@ class AdminServer:
             "breaker": b.breaker.state.value,
             "inflight": b.inflight,
         }
+
+
+async def apply_edit(router: Router, edit: dict) -> dict[str, list[str]]:
+    """Apply a runtime edit (`{"op": "drain", "name", "draining"}` or `{"op":
+    "backends", "backends": [entries]}`) to `router`: the admin API's own, or one
+    broadcast from worker 0. ConfigError if the edited config is invalid."""
+    fleet = router.fleet
+    if edit["op"] == "drain":
+        backend = fleet.find(edit["name"])
+        if backend is not None:
+            fleet.set_draining(backend, edit["draining"])
+        return {}
+    data = msgspec.to_builtins(router.config)
+    data["backends"] = edit["backends"]
+    return await router.reloader.apply(build(data, "admin"))
 
 
 def _entries(config: Config) -> list[dict]:

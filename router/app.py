@@ -8,14 +8,15 @@ import gc
 import signal
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 import policies
 from router import log
-from router.admin import AdminServer
+from router.admin import AdminServer, apply_edit
 from router.auth import Authenticator
 from router.backends import Fleet
-from router.config import Config, KvEventsConfig
+from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
 from router.dispatch import Dispatcher
 from router.grpc_ingress import GrpcIngress
@@ -71,6 +72,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.telemetry: Telemetry | None = None
         self.dispatcher: Dispatcher | None = None  # none in the collector
+        self._edits: set[asyncio.Task] = set()  # admin edits broadcast by worker 0
 
     def _kv_events(self) -> dict[str, KvEventsConfig]:
         """Each backend's KV event endpoints in the current (possibly reloaded) config."""
@@ -105,7 +107,8 @@ class Router:
             self.metrics,
             cfg.telemetry,
             self._kv_events,
-            None if ctx is None else (ctx.feed, ctx.collector),
+            ctx,
+            self._edited,
         )
         self.telemetry.start()
         if ctx is not None and ctx.collector:
@@ -177,6 +180,18 @@ class Router:
             await self._session.close()
         if self.table is not None:
             self.table.close()
+
+    def _edited(self, payload: bytes) -> None:
+        """An admin edit broadcast by worker 0 (router/admin.py), applied here too."""
+        task = asyncio.create_task(self._apply_edit(orjson.loads(payload)))
+        self._edits.add(task)
+        task.add_done_callback(self._edits.discard)
+
+    async def _apply_edit(self, edit: dict) -> None:
+        try:
+            await apply_edit(self, edit)
+        except ConfigError as exc:  # worker 0 validated it: only a local secret can fail
+            log.config.error("admin edit from worker 0 refused: %s", exc)
 
     async def shutdown(self) -> None:
         """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the

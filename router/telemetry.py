@@ -21,6 +21,10 @@ and replays (`k`, backend, payload as the backend sent it) and each index reset
 and applies batches to its own index. A worker that starts after a batch was published
 misses it (PUB/SUB keeps no history): its index fills from the next events and, until
 then, from its own decisions (approximate mode).
+
+The same feed carries the admin API's runtime edits to every worker: worker 0 pushes an
+edit to the collector's PULL socket (`broadcast`) and the collector publishes it (`a`);
+each worker hands it to `on_broadcast`.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
 from router.kv_events import EventApplier, EventStats, EventSubscriber, run_forever
 from router.metrics import Metrics
+from router.workers import WorkerContext
 
 _SUMMED = {
     "vllm:num_requests_running": "running",
@@ -53,6 +58,7 @@ _SUMMED = {
 }
 _MAXED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage"}
 _CACHE_INFO = "vllm:cache_config_info"
+_BROADCAST_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -220,8 +226,8 @@ class _Forwarder:
 class Telemetry:
     """Starts and stops every telemetry loop of one router; never on the request path.
 
-    `link` is None for a single-process router, else (the collector's IPC endpoint,
-    whether this process is the collector).
+    `link` is None for a single-process router, else this process's place among the
+    workers (router/workers.py).
     """
 
     def __init__(
@@ -231,15 +237,20 @@ class Telemetry:
         metrics: Metrics,
         config: TelemetryConfig,
         kv_events: Callable[[], dict[str, KvEventsConfig]],
-        link: tuple[str, bool] | None = None,
+        link: WorkerContext | None = None,
+        on_broadcast: Callable[[bytes], None] | None = None,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
         self._config = config
         self._kv_events = kv_events
-        self._feed, self._collector = link if link is not None else (None, False)
+        self._link = link
+        self._feed = None if link is None else link.feed
+        self._collector = link is not None and link.collector
+        self._on_broadcast = on_broadcast
         self._zmq: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket | None = None
+        self._push: zmq.asyncio.Socket | None = None
         if self._collector:
             self._pub = self._context().socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
@@ -271,6 +282,8 @@ class Telemetry:
             self._tasks.append(asyncio.create_task(scrape, name="kvroute-scrape"))
         if self._follower:
             self._tasks.append(asyncio.create_task(self._follow(), name="kvroute-feed"))
+        if self._collector:
+            self._tasks.append(asyncio.create_task(self._relay(), name="kvroute-control"))
         self._tasks.append(asyncio.create_task(self._maintain(), name="kvroute-index"))
 
     async def stop(self) -> None:
@@ -313,6 +326,26 @@ class Telemetry:
     def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
+    async def broadcast(self, payload: bytes) -> None:
+        """Send `payload` to every worker (this one included) through the collector."""
+        if self._push is None:
+            self._push = self._context().socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self._link.control)
+        async with asyncio.timeout(_BROADCAST_TIMEOUT_S):
+            await self._push.send(payload)
+
+    async def _relay(self) -> None:
+        """The collector: what workers push to the control socket goes to every worker."""
+        pull = self._context().socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(self._link.control)
+        try:
+            while True:
+                self._publish([b"a", b"", await pull.recv()])
+        finally:
+            pull.close()
+
     async def _follow(self) -> None:
         """A worker: apply what the collector publishes."""
         sub = self._context().socket(zmq.SUB)
@@ -337,6 +370,8 @@ class Telemetry:
         elif kind == b"c" and self._index is not None:
             self._index.cleared(name)
             log.backends.warning("KV index of %s cleared (collector's reset)", name)
+        elif kind == b"a" and self._on_broadcast is not None:
+            self._on_broadcast(rest[0])
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""

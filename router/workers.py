@@ -74,6 +74,11 @@ class WorkerContext:
         return f"ipc://{self.rundir}/telemetry.sock"
 
     @property
+    def control(self) -> str:
+        """The collector's PULL socket: what a worker sends there reaches every worker."""
+        return f"ipc://{self.rundir}/control.sock"
+
+    @property
     def table_path(self) -> str:
         return f"{self.rundir}/load"
 

@@ -383,7 +383,8 @@ async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> N
             await s.stop()
 
 
-async def test_admin_api_with_workers_reloads_all_and_refuses_one_worker_edits(tmp_path) -> None:
+async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
+    """The admin API listens in worker 0; its edits and reloads apply in both workers."""
     servers = await stubs(3)
     token = tmp_path / "admin.token"
     token.write_text("admin-secret-token-0123456789")
@@ -392,12 +393,34 @@ async def test_admin_api_with_workers_reloads_all_and_refuses_one_worker_edits(t
     try:
         async with multi_router(tmp_path, {"backends": backends(servers[:2]), "admin": admin}) as r:
             sessions = [await r.pinned(pid) for pid in r.workers()]
+
+            async def view(session: aiohttp.ClientSession) -> dict:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"]
+
+            async def everywhere(check, what: str) -> None:
+                for session in sessions:
+                    await until(lambda s=session: _holds(view(s), check), 15, what)
+
             base = f"http://127.0.0.1:{admin_port}/admin"
             auth = {"Authorization": "Bearer admin-secret-token-0123456789"}
             async with aiohttp.ClientSession(headers=auth) as http:
                 async with http.post(base + "/backends/b0/drain") as resp:
-                    assert resp.status == 409
-                    assert "config file and reload" in (await resp.json())["error"]["message"]
+                    assert resp.status == 200
+                await everywhere(lambda v: not v["b0"]["usable"], "b0 drained")
+                async with http.post(base + "/backends/b0/undrain") as resp:
+                    assert resp.status == 200
+                await everywhere(lambda v: v["b0"]["usable"], "b0 back")
+                new = {"url": servers[2].url, "name": "b2"}
+                async with http.post(base + "/backends", json=new) as resp:
+                    assert resp.status == 201
+                    assert (await resp.json())["added"] == ["b2"]
+                await everywhere(lambda v: set(v) == {"b0", "b1", "b2"}, "b2 added")
+                async with http.delete(base + "/backends/b1") as resp:
+                    assert resp.status == 200
+                await everywhere(lambda v: set(v) == {"b0", "b2"}, "b1 removed")
+                async with http.post(base + "/backends", json={"url": "nope"}) as resp:
+                    assert resp.status == 400  # refused in worker 0: nothing broadcast
                 r.path.write_text(
                     yaml.safe_dump(
                         {
@@ -409,17 +432,14 @@ async def test_admin_api_with_workers_reloads_all_and_refuses_one_worker_edits(t
                 )
                 async with http.post(base + "/reload") as resp:
                     assert resp.status == 200
-                    assert (await resp.json())["added"] == ["b2"]
-
-            async def members(session: aiohttp.ClientSession) -> int:
-                async with session.get(r.url + "/debug/routing") as resp:
-                    return len((await resp.json())["backends"])
-
-            for session in sessions:  # every worker, not only the one serving the API
-                await until(lambda s=session: _equals(members(s), 3), 15, "the reload")
+                await everywhere(lambda v: set(v) == {"b0", "b1", "b2"}, "the reload")
     finally:
         for s in servers:
             await s.stop()
+
+
+async def _holds(value, check) -> bool:
+    return check(await value)
 
 
 async def test_grpc_is_served_by_every_worker_and_a_busy_port_is_refused(tmp_path) -> None:
