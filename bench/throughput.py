@@ -385,27 +385,26 @@ def _sse_round(t: Target, args, backend: str) -> None:
     t.row.stream_error = t.row.stream_error or next(iter(errors), "")
 
 
+def _rounds(live: list[Target], rounds: int, what: str, one: Callable[[Target], None]) -> None:
+    """`rounds` runs per target, the targets taken in turn each round, so a burst of
+    machine noise hits every row alike (the median round counts)."""
+    for _ in range(rounds):
+        for t in live:
+            t.attempt(what, partial(one, t))
+
+
 def phase_rps(live: list[Target], args, script: Path) -> None:
-    """`--rounds` wrk runs per target, the targets taken in turn each round, so a burst of
-    machine noise hits every row alike; the median round counts."""
     for t in live:  # warm every path first (connection pools, lazy imports)
         t.attempt("wrk warm-up", partial(run_wrk, t.url, args, script, 1))
-    for _ in range(args.rounds):
-        for t in live:
-            t.attempt("wrk", partial(_wrk_round, t, args, script))
-    for t in live:
-        if t.rps:
-            t.row.rps, t.row.rps_cores = _median_pair(t.rps)
+    _rounds(live, args.rounds, "wrk", lambda t: _wrk_round(t, args, script))
+    for t in (t for t in live if t.rps):
+        t.row.rps, t.row.rps_cores = _median_pair(t.rps)
 
 
 def phase_sse(live: list[Target], args, backend: str) -> None:
-    """The same rounds for the SSE rate."""
-    for _ in range(args.rounds):
-        for t in live:
-            t.attempt("sse", partial(_sse_round, t, args, backend))
-    for t in live:
-        if t.sse:
-            t.row.sse_eps, t.row.sse_cores = _median_pair(t.sse)
+    _rounds(live, args.rounds, "sse", lambda t: _sse_round(t, args, backend))
+    for t in (t for t in live if t.sse):
+        t.row.sse_eps, t.row.sse_cores = _median_pair(t.sse)
 
 
 @dataclass

@@ -266,14 +266,20 @@ async def test_an_unfinished_exchange_closes_its_connection() -> None:
     upstreams.close()
 
 
-async def test_idle_connections_expire(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(proxy, "KEEPALIVE_SECONDS", 0.05)
-    gone = asyncio.Event()
+def answers_once(gone: asyncio.Event):
+    """A backend script: one answer, then `gone` is set once the router's side closes."""
 
     async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await answering(ok(b"x"))(reader, writer)
         gone.set()
 
+    return script
+
+
+async def test_idle_connections_expire(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(proxy, "KEEPALIVE_SECONDS", 0.05)
+    gone = asyncio.Event()
+    script = answers_once(gone)
     upstreams = Upstreams()
     async with backend(script) as (url, _):
         await body_of(await send(upstreams, url))
@@ -284,11 +290,7 @@ async def test_idle_connections_expire(monkeypatch: pytest.MonkeyPatch) -> None:
 
 async def test_close_closes_the_idle_connections() -> None:
     gone = asyncio.Event()
-
-    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await answering(ok(b"x"))(reader, writer)
-        gone.set()
-
+    script = answers_once(gone)
     upstreams = Upstreams()
     async with backend(script) as (url, _):
         await body_of(await send(upstreams, url))
