@@ -1,11 +1,10 @@
 """The one small interface every routing strategy implements.
 
 A policy is pure: it reads a `FleetView` snapshot (the candidates for this request and
-their router-local in-flight counts) and returns a `Pick` that says which backend and
-why. It never does I/O, so it can be tested with plain objects and reused by the HTTP
-and gRPC ingresses alike. Optional hooks default to no-ops so a stateless policy stays
-a dozen lines.
-"""
+their in-flight counts, summed over the router's workers) and returns a `Pick` that says
+which backend and why. It never does I/O, so it can be tested with plain objects and
+reused by the HTTP and gRPC ingresses alike. Optional hooks default to no-ops so a
+stateless policy stays a dozen lines."""
 
 from __future__ import annotations
 

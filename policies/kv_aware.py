@@ -9,10 +9,11 @@ For each candidate b, in seconds:
 - uncached(b) = prompt tokens minus the longest prefix b holds, in blocks, from the prefix
   index (fed by b's KV events, or learned from our own routing when b publishes none);
 - queued_tokens(b) = uncached prompt tokens the router has sent to b and not seen
-  finish (router-local, exact, the fast signal);
+  finish (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
   replica; 0 when stale);
-- inflight(b) = router-local in-flight requests (their decode steps slow b down).
+- inflight(b) = this router's in-flight requests, all workers (their decode steps slow
+  b down).
 
 The minimum wins. Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among
 them the one holding the longest prefix wins (a hit saves the fleet a prefill even when

@@ -1,4 +1,4 @@
-"""LEAST_OUTSTANDING_REQUESTS: the candidate with the fewest router-local in-flight requests.
+"""LEAST_OUTSTANDING_REQUESTS: the candidate with the fewest in-flight requests (router-wide).
 
 Reads each candidate's `inflight` count (kept exact by the router's accounting). Ties
 are broken uniformly at random, never by list order, so idle backends share new work

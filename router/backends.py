@@ -1,10 +1,11 @@
 """Backend state and the per-model `FleetView` snapshots policies read.
 
-A `Backend` holds what routing needs: identity, weight, the models it serves, whether
-it is usable, and the router-local in-flight count (the accounting in dispatch keeps it
-exact). `Fleet` caches one `FleetView` per model and rebuilds the cache only when
-membership, health or model lists change, so per-request work is a dict lookup.
-Telemetry loops write here; the request path only reads and counts.
+A `Backend` holds what routing needs: identity, weight, the models it serves, whether it
+is usable, and the router-wide in-flight count (summed over the workers through
+router/shared_load.py when there are several; dispatch's accounting keeps it exact).
+`Fleet` caches one `FleetView` per model and rebuilds the cache only when membership,
+health or model lists change, so per-request work is a dict lookup. Telemetry loops
+write here; the request path only reads and counts.
 
 Usable = passes active health checks (`healthy`), its circuit breaker admits attempts,
 and it is not draining. Three writers, each beside the path: the health checker
