@@ -51,14 +51,15 @@ def process(cmd: list[str]) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def backend_and_router(strategy: str) -> Iterator[tuple[str, str]]:
+def backend_and_router(strategy: str, workers: int = 1) -> Iterator[tuple[str, str]]:
     """Start the instant backend and a router in front of it; yield both URLs."""
     py = sys.executable
     with process([py, "-m", "bench.instant_backend", "--port", "0"]) as backend:
         backend_url = backend.stdout.readline().strip()
         port = free_port()
         cmd = [py, "-m", "router", "serve", "--port", str(port), "--backend", backend_url]
-        with process([*cmd, "--strategy", strategy, "--log-level", "warning"]):
+        cmd += ["--workers", str(workers), "--strategy", strategy, "--log-level", "warning"]
+        with process(cmd):
             router_url = f"http://127.0.0.1:{port}"
             asyncio.run(wait_ready(router_url))
             yield backend_url, router_url
@@ -143,9 +144,11 @@ def parser_for(doc: str, concurrency: int) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser_for(__doc__, 64).parse_args(argv)
+    parser = parser_for(__doc__, 64)
+    parser.add_argument("--workers", type=int, default=1, help="router processes (0: one per core)")
+    args = parser.parse_args(argv)
     results = {}
-    with backend_and_router(args.strategy) as (direct, routed):
+    with backend_and_router(args.strategy, args.workers) as (direct, routed):
         for label, conc in (
             ("sequential", 1),
             (f"concurrency {args.concurrency}", args.concurrency),
@@ -153,7 +156,10 @@ def main(argv: list[str] | None = None) -> int:
             lat = asyncio.run(compare(direct, routed, args.requests, conc))
             results[label] = summarize(lat)
     cpus = os.cpu_count()
-    print(f"router overhead, {args.strategy}, {args.requests} requests per path, cpus={cpus}")
+    print(
+        f"router overhead, {args.strategy}, {args.workers} workers, "
+        f"{args.requests} requests per path, cpus={cpus}"
+    )
     print(
         f"{'mode':18} {'direct p50':>11} {'router p50':>11} {'added p50':>10} "
         f"{'direct p99':>11} {'router p99':>11} {'added p99':>10}"
