@@ -40,8 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prometheus_client import multiprocess
+
 from router import log
 from router.config import Config
+from router.shared_load import LoadTable
 
 #: backends the shared load table can tell apart over the router's life, at least
 _MIN_SLOTS = 4096
@@ -171,8 +174,6 @@ class Supervisor:
             overrides["grpc.port"] = self._sockets[1].getsockname()[1]
         self.port = overrides["listen.port"]
         slots = max(_MIN_SLOTS, 8 * len(config.backends))
-        from router.shared_load import LoadTable
-
         self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
         self._mp = multiprocessing.get_context("spawn")
         self._children = [
@@ -234,8 +235,6 @@ class Supervisor:
     def _buried(self, child: _Child, now: float) -> None:
         """A child died: its in-flight counts and live gauges go; plan its restart."""
         process, child.process = child.process, None
-        from prometheus_client import multiprocess
-
         multiprocess.mark_process_dead(process.pid)
         if not child.ctx.collector:
             self.table.clear_worker(child.ctx.index)

@@ -15,6 +15,7 @@ tests run once, on the default test loop, not on both loops as *_functional file
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -92,7 +93,7 @@ class MultiRouter:
 
     def _owner(self, client_port: int) -> int | None:
         for pid in self.workers():
-            with _gone_ok():
+            with contextlib.suppress(psutil.NoSuchProcess):
                 for c in psutil.Process(pid).net_connections(kind="tcp"):
                     if c.raddr and c.raddr.port == client_port and c.laddr.port == self.port:
                         return pid
@@ -116,14 +117,6 @@ class MultiRouter:
     async def close(self) -> None:
         for session in self.sessions:
             await session.close()
-
-
-class _gone_ok:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind, exc, tb) -> bool:
-        return kind is not None and issubclass(kind, psutil.NoSuchProcess)
 
 
 @asynccontextmanager
@@ -263,7 +256,7 @@ async def test_killed_worker_loses_only_its_requests_and_counters_recover(tmp_pa
 
 
 async def _equals(value, expected: float) -> bool:
-    return await value == expected
+    return await _holds(value, lambda v: v == expected)
 
 
 class CountingBackend:
