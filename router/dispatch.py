@@ -330,7 +330,7 @@ class _Attempt:
                 t.connect,
                 t.idle,
                 end,
-                self._itl.observe,
+                self._itl,
                 self.prefilled,
             )
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere

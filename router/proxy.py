@@ -28,9 +28,11 @@ from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpResponseParser, RawResponseMessage
 from aiohttp.streams import EMPTY_PAYLOAD, StreamReader
 from multidict import CIMultiDict, CIMultiDictProxy
+from prometheus_client import Histogram
 from yarl import URL
 
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
+from router.metrics import Tally
 
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 #: methods that send no Content-Length when they have no body (as aiohttp's client)
@@ -94,11 +96,12 @@ class Upstream:
         "_end",
         "_idle",
         "_idle_timer",
+        "_itl",
         "_last_chunk_at",
         "_on_first",
-        "_on_gap",
         "_payload",
         "_tail",
+        "_tally",
         "backend_name",
         "first_chunk_at",
         "headers",
@@ -113,7 +116,7 @@ class Upstream:
         payload: StreamReader,
         idle: float,
         end: float,
-        on_gap: Callable[[float], None],
+        itl: Histogram,
         on_first: Callable[[], None],
     ) -> None:
         self._conn = conn
@@ -123,7 +126,8 @@ class Upstream:
         self._idle = idle
         self._end = end
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._on_gap = on_gap
+        self._itl = itl
+        self._tally: Tally | None = None
         self.first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
         self._tail = b""
@@ -157,11 +161,11 @@ class Upstream:
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield data as the backend flushes it; each chunk extends the idle deadline.
 
-        The gap between chunks goes to `on_gap` (the inter-token latency histogram);
-        `on_first` hears the first chunk (the backend finished the prompt's prefill).
+        The gaps between chunks go to the inter-token latency histogram `itl` when the
+        exchange finishes; `on_first` hears the first chunk (the prefill is done).
         """
         loop = asyncio.get_running_loop()
-        on_gap = self._on_gap
+        tally = self._tally = Tally(self._itl)
         assert self._deadline is not None, "watch() the body's timeout before reading it"
         payload = self._payload
         while True:
@@ -178,7 +182,7 @@ class Upstream:
                 self._deadline.reschedule(None)  # the idle timer decides from here on
                 self._arm_idle_timer(now + self._idle)
             else:
-                on_gap(now - self._last_chunk_at)
+                tally.observe(now - self._last_chunk_at)
             self._last_chunk_at = now
             self._tail = chunk
             yield chunk
@@ -205,6 +209,8 @@ class Upstream:
         """Keep the connection for the next request, or close it so the backend aborts."""
         if self._idle_timer is not None:
             self._idle_timer.cancel()
+        if self._tally is not None:
+            self._tally.flush()
         self._conn.release(clean)
 
 
@@ -218,7 +224,7 @@ async def open_upstream(
     connect_timeout: float,
     idle: float,
     end: float,
-    on_gap: Callable[[float], None],
+    itl: Histogram,
     on_first: Callable[[], None],
 ) -> Upstream:
     """Send the request for `target` (path and query, as the client sent them) to
@@ -229,7 +235,7 @@ async def open_upstream(
         )
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"backend failed before responding: {exc}") from exc
-    return Upstream(conn, message, payload, idle, end, on_gap, on_first)
+    return Upstream(conn, message, payload, idle, end, itl, on_first)
 
 
 def _head(method: str, target: str, backend: URL, headers: CIMultiDict[str], body: bytes) -> bytes:

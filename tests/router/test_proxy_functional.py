@@ -86,6 +86,18 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
         assert max(lags) < pace / 2, lags
         gaps = [b - a for a, b in itertools.pairwise(arrivals)]
         assert min(gaps) > pace / 2, gaps
+        await settle(router)
+        # the paced gaps reach the inter-token histogram once the stream ended
+        itl = _samples(router.metrics.render(), "kvroute_inter_token_latency_seconds")
+        paced = itl["_bucket", "0.25"] - itl["_bucket", "0.1"]
+        assert paced == n - 1, itl
+        assert itl["_sum", None] >= (n - 1) * pace * 0.9, itl
+
+
+def _samples(text: bytes, family: str) -> dict[tuple[str, str | None], float]:
+    """One histogram's samples, keyed by suffix and `le`."""
+    (found,) = (f for f in text_string_to_metric_families(text.decode()) if f.name == family)
+    return {(s.name[len(family) :], s.labels.get("le")): s.value for s in found.samples}
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])

@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 from multidict import CIMultiDict
+from prometheus_client import CollectorRegistry, Histogram
 from yarl import URL
 
 from router import proxy
@@ -76,8 +77,11 @@ async def send(
     end = asyncio.get_running_loop().time() + 10
     headers = CIMultiDict({"X-Test": "1"})
     return await open_upstream(
-        upstreams, url, "/v1/x?a=1", method, body, headers, 1.0, 5.0, end, lambda _: None, _nop
+        upstreams, url, "/v1/x?a=1", method, body, headers, 1.0, 5.0, end, _ITL, _nop
     )
+
+
+_ITL = Histogram("itl", "test", registry=CollectorRegistry())
 
 
 def _nop() -> None:
