@@ -19,9 +19,10 @@ from router.backends import Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
 from router.dispatch import Dispatcher
+from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
 from router.health import HealthChecker, ModelPoller
-from router.http_ingress import HttpIngress, errors_middleware, server_limits
+from router.http_ingress import HttpIngress, errors_middleware, parser_limits, server_limits
 from router.metrics import Metrics
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
@@ -137,10 +138,18 @@ class Router:
             **server_limits(cfg.limits),
         )
         await self._runner.setup()
-        site = web.TCPSite(
+        fast = FastConnections(
+            ingress,
+            self._runner.server,
+            cfg.limits.max_body_bytes,
+            cfg.limits.header_timeout,
+            parser_limits(cfg.limits),
+        )
+        site = FastSite(
             self._runner,
-            cfg.listen.host,
-            cfg.listen.port,
+            fast,
+            host=cfg.listen.host,
+            port=cfg.listen.port,
             reuse_address=True,
             reuse_port=ctx is not None,  # the workers share the port
             backlog=cfg.listen.backlog,

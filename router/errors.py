@@ -65,16 +65,16 @@ class KvrouteError(Exception):
             }
         }
 
-    def to_http(self, headers: dict[str, str] | None = None) -> web.Response:
-        extra = dict(headers or {})
+    def http_answer(self, headers: dict[str, str] | None = None) -> tuple[dict[str, str], bytes]:
+        """The headers (`headers` plus the JSON type and Retry-After) and body to send."""
+        extra = {**(headers or {}), "Content-Type": "application/json"}
         if self.retry_after is not None:
             extra["Retry-After"] = str(self.retry_after)
-        return web.Response(
-            status=self.status,
-            body=orjson.dumps(self.body()),
-            content_type="application/json",
-            headers=extra,
-        )
+        return extra, orjson.dumps(self.body())
+
+    def to_http(self, headers: dict[str, str] | None = None) -> web.Response:
+        extra, body = self.http_answer(headers)
+        return web.Response(status=self.status, body=body, headers=extra)
 
     def sse_event(self) -> bytes:
         """The event that ends a stream that already started: the error, then [DONE]."""

@@ -18,7 +18,8 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -102,46 +103,62 @@ class HttpIngress:
         return functools.partial(self._proxy, kind)
 
     async def _proxy(self, kind: Kind, request: web.Request) -> web.StreamResponse:
+        reply = AiohttpReply(request)
+        body = functools.partial(self._read_body, request)
+        await self.serve(kind, request.method, request.raw_path, request.headers, body, reply)
+        return reply.response
+
+    async def serve(
+        self,
+        kind: Kind,
+        method: str,
+        path: str,
+        client_headers: Mapping[str, str],
+        read_body: Callable[[], Awaitable[bytes]],
+        reply: Reply,
+    ) -> None:
+        """Answer one proxied request on `reply`, whichever server read it (aiohttp's, or
+        the fast path's: router/fast_ingress.py)."""
         started = asyncio.get_running_loop().time()
-        headers = forward_headers(request.headers)
+        headers = forward_headers(client_headers)
         request_id = headers.get(REQUEST_ID) or new_request_id()
         headers[REQUEST_ID] = request_id
-        reply = {REQUEST_ID: request_id}
+        extra = {REQUEST_ID: request_id}
         try:
-            tenant = self._tenant(request)  # before the body: no work for strangers
-            body = await self._read_body(request)
+            tenant = self._tenant(client_headers)  # before the body: no work for strangers
+            body = await read_body()
             req = parse(kind, body)
-            call = Call(kind, req, request.method, request.raw_path, body, headers, started, tenant)
+            call = Call(kind, req, method, path, body, headers, started, tenant)
         except KvrouteError as err:
             self._dispatch.rejected(err)
-            return _refusal(err, reply)
+            await _refuse(reply, err, extra)
+            return
         if self._auth.enabled:
             headers.popall("Authorization", None)  # the router's token stays here
         headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
-        response: web.StreamResponse | None = None
         try:
             async with self._dispatch.exchange(call) as upstream:
-                reply[BACKEND_HEADER] = upstream.backend_name
+                extra[BACKEND_HEADER] = upstream.backend_name
                 if not upstream.streaming:
                     body = await upstream.read()
-                    return web.Response(
-                        status=upstream.status, body=body, headers=_reply(upstream, reply)
-                    )
-                response = web.StreamResponse(
-                    status=upstream.status, headers=_reply(upstream, reply)
-                )
-                await response.prepare(request)
-                await _relay(upstream, response)
-            return response
+                    await reply.whole(upstream.status, _reply(upstream, extra), body)
+                    return
+                await reply.begin(upstream.status, _reply(upstream, extra))
+                async for chunk in upstream.chunks():
+                    full = reply.send(chunk)
+                    if full is not None:
+                        await full
+                await reply.end()
         except KvrouteError as err:
-            if response is None:
-                return err.to_http(reply)
-            await _end_stream_with(response, err)
-            return response
+            if not reply.started:
+                headers_, body = err.http_answer(extra)
+                await reply.whole(err.status, headers_, body)
+                return
+            await _end_stream_with(reply, err)
         except ConnectionResetError:
-            if response is None:
+            if not reply.started:
                 raise
-            return response  # the client left mid-stream: a 499, and no traceback to log
+            # the client left mid-stream: a 499, and no traceback to log
 
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:
@@ -170,13 +187,13 @@ class HttpIngress:
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")
 
-    def _tenant(self, request: web.Request) -> str | None:
+    def _tenant(self, headers: Mapping[str, str]) -> str | None:
         """The request's tenant: its token's when auth is on and the token has one, else
         the tenant header's. Raises Unauthorized for a missing or invalid token."""
-        header = request.headers.get(self._tenant_header) if self._tenant_header else None
+        header = headers.get(self._tenant_header) if self._tenant_header else None
         if not self._auth.enabled:
             return header
-        tenant = self._auth.authenticate(request.headers.get("Authorization"))
+        tenant = self._auth.authenticate(headers.get("Authorization"))
         if tenant is None:
             return header
         self._metrics.tenant_requests.labels(tenant).inc()
@@ -184,9 +201,11 @@ class HttpIngress:
 
     async def models(self, request: web.Request) -> web.Response:
         try:
-            self._tenant(request)
+            self._tenant(request.headers)
         except KvrouteError as err:
-            return _refusal(err, {})
+            reply = AiohttpReply(request)
+            await _refuse(reply, err, {})
+            return reply.response
         cards: dict[str, dict] = {}
         for backend in self._fleet.members:
             for card in backend.model_cards:
@@ -230,29 +249,70 @@ class HttpIngress:
         return web.json_response({"backends": backends, "decisions": decisions})
 
 
-async def _relay(upstream: Upstream, response: web.StreamResponse) -> None:
-    async for chunk in upstream.chunks():
-        await response.write(chunk)
-    await response.write_eof()
+class Reply(Protocol):
+    """Where one request's answer goes: whole, or as a stream (begin, send..., end)."""
+
+    started: bool  # the status line left: an error can only end the stream now
+
+    async def whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
+    ) -> None: ...
+
+    async def begin(self, status: int, headers: Mapping[str, str]) -> None: ...
+
+    def send(self, chunk: bytes) -> Awaitable[None] | None:
+        """Write `chunk`; returns something to await when the client must catch up."""
+
+    async def end(self) -> None: ...
 
 
-async def _end_stream_with(response: web.StreamResponse, err: KvrouteError) -> None:
+class AiohttpReply:
+    """A Reply through aiohttp's server: the handler returns `response`."""
+
+    __slots__ = ("_request", "response", "started")
+
+    def __init__(self, request: web.Request) -> None:
+        self._request = request
+        self.response = web.StreamResponse()
+        self.started = False
+
+    async def whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
+    ) -> None:
+        self.response = web.Response(status=status, body=body, headers=headers)
+        if close:
+            self.response.force_close()
+
+    async def begin(self, status: int, headers: Mapping[str, str]) -> None:
+        self.response = web.StreamResponse(status=status, headers=headers)
+        self.started = True
+        await self.response.prepare(self._request)
+
+    def send(self, chunk: bytes) -> Awaitable[None]:
+        return self.response.write(chunk)
+
+    async def end(self) -> None:
+        await self.response.write_eof()
+
+
+async def _end_stream_with(reply: Reply, err: KvrouteError) -> None:
     """A stream that already started ends with an error event and [DONE], never a hang."""
     try:
-        await response.write(b"\n\n" + err.sse_event())
-        await response.write_eof()
+        full = reply.send(b"\n\n" + err.sse_event())
+        if full is not None:
+            await full
+        await reply.end()
     except ConnectionError:
         pass  # the client is gone too; nothing left to tell
 
 
-def _refusal(err: KvrouteError, headers: dict[str, str]) -> web.Response:
-    """The error response for a request refused before any backend saw it."""
+async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
+    """Answer a request refused before any backend saw it."""
     if isinstance(err, Unauthorized):
-        headers = {**headers, "WWW-Authenticate": "Bearer"}
-    response = err.to_http(headers)
-    if isinstance(err, (PayloadTooLarge, RequestTimeout)):
-        response.force_close()  # the rest of the body is not worth the connection
-    return response
+        extra = {**extra, "WWW-Authenticate": "Bearer"}
+    headers, body = err.http_answer(extra)
+    # after a 413 or a 408 the rest of the body is not worth the connection
+    await reply.whole(err.status, headers, body, isinstance(err, (PayloadTooLarge, RequestTimeout)))
 
 
 def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
@@ -293,6 +353,13 @@ def server_limits(limits: LimitsConfig) -> dict[str, object]:
         "logger": log.http,
         "keepalive_timeout": limits.header_timeout,
         "lingering_time": min(_LINGER_SECONDS, limits.body_timeout),
+        **parser_limits(limits),
+    }
+
+
+def parser_limits(limits: LimitsConfig) -> dict[str, int]:
+    """The request parser's limits (aiohttp's server and the fast path share its parser)."""
+    return {
         "max_line_size": limits.max_header_bytes,
         "max_field_size": limits.max_header_bytes,
         "max_headers": limits.max_headers,

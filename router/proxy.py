@@ -238,14 +238,18 @@ async def open_upstream(
     return Upstream(conn, message, payload, idle, end, itl, on_first)
 
 
-def _head(method: str, target: str, backend: URL, headers: CIMultiDict[str], body: bytes) -> bytes:
-    """The request line and headers, as aiohttp's client writes them."""
+def header_lines(headers: Mapping[str, str]) -> str:
+    """`Name: value` lines, each ending in CRLF; ValueError if a line break hides in one."""
     fields = "\r\n".join(map(": ".join, headers.items()))
     breaks = max(len(headers) - 1, 0)
     if fields.count("\r") != breaks or fields.count("\n") != breaks:
-        raise ValueError("a line break in a header would split the request")
-    if fields:
-        fields += "\r\n"
+        raise ValueError("a line break in a header would split the message")
+    return fields + "\r\n" if fields else ""
+
+
+def _head(method: str, target: str, backend: URL, headers: CIMultiDict[str], body: bytes) -> bytes:
+    """The request line and headers, as aiohttp's client writes them."""
+    fields = header_lines(headers)
     if body or method not in _BODYLESS:
         fields += f"Content-Length: {len(body)}\r\n"
     head = f"{method} {target} HTTP/1.1\r\nHost: {backend.host_port_subcomponent}\r\n{fields}\r\n"

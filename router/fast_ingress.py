@@ -1,0 +1,315 @@
+"""The fast path for the generation endpoints: an asyncio protocol in front of aiohttp.
+
+Why: aiohttp's web server was ~35% of the router's CPU per request (request object,
+router resolution, middlewares, response object, per-connection task wake-ups), most of
+the added latency. Each connection starts here. A request's bytes go through aiohttp's
+own C parser (llhttp, with the configured header limits); a request that is both
+common and complete - POST to /v1/chat/completions, /v1/completions or /v1/embeddings,
+HTTP/1.1, a Content-Length body that arrived with the headers, no Content-Encoding,
+Expect or Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's
+handlers. Anything else (another path, a partial head, a body still coming, chunked or
+gzip bodies, a malformed request, pipelined requests) hands the connection, with every
+byte of that request, to aiohttp's RequestHandler for the rest of its life: its limits,
+slowloris timeouts, lingering close and errors apply exactly as before.
+
+Answers are written with one `transport.write` per message (head and body together;
+one per SSE chunk, chunked-encoded). A client that goes away cancels its request, as
+aiohttp's `handler_cancellation` does. A connection idle for `keepalive` seconds is
+closed (one timer per idle period, re-armed lazily).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from http import HTTPStatus
+
+from aiohttp import web
+from aiohttp.base_protocol import BaseProtocol
+from aiohttp.http import HttpRequestParser, HttpVersion11, RawRequestMessage
+from aiohttp.http_exceptions import HttpProcessingError
+
+from router import log
+from router.errors import KvrouteError
+from router.http_ingress import HttpIngress
+from router.proxy import header_lines
+from router.request import Kind
+
+ROUTES = {
+    "/v1/chat/completions": Kind.CHAT,
+    "/v1/completions": Kind.COMPLETION,
+    "/v1/embeddings": Kind.EMBEDDING,
+}
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+_LAST_CHUNK = b"0\r\n\r\n"
+_INTERNAL = KvrouteError("The router failed to handle the request.").http_answer()
+
+
+class FastConnections:
+    """The fast path's listener side: makes connections, tracks them, drains them."""
+
+    def __init__(
+        self,
+        ingress: HttpIngress,
+        fallback: Callable[[], asyncio.Protocol],
+        max_body: int,
+        keepalive: float,
+        parser_limits: Mapping[str, int],
+    ) -> None:
+        self.ingress = ingress
+        self.fallback = fallback
+        self.max_body = max_body
+        self.keepalive = keepalive
+        self.parser_limits = dict(parser_limits)
+        self.open: set[FastConnection] = set()
+        self.closing = False
+
+    def __call__(self) -> FastConnection:
+        return FastConnection(self)
+
+    async def drain(self, timeout: float) -> None:
+        """Close idle connections now; let requests in flight finish within `timeout`,
+        then cut what is left. Their answers say `Connection: close`."""
+        self.closing = True
+        busy = []
+        for conn in list(self.open):
+            if conn.task is None:
+                conn.close()
+            else:
+                busy.append(conn.task)
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=timeout)
+            for task in late:
+                task.cancel()
+            await asyncio.gather(*late, return_exceptions=True)
+        for conn in list(self.open):
+            conn.close()
+
+
+class FastConnection(BaseProtocol):
+    __slots__ = ("_closing", "_idle_at", "_idle_timer", "_owner", "_pending", "task")
+
+    def __init__(self, owner: FastConnections) -> None:
+        super().__init__(asyncio.get_running_loop())
+        self._owner = owner
+        self.task: asyncio.Task | None = None
+        self._pending = b""  # bytes that came while a request was being answered
+        self._closing = False  # close once the current answer is out
+        self._idle_at = 0.0
+        self._idle_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        self._owner.open.add(self)
+        self._idle()
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        super().connection_lost(exc)
+        self._owner.open.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self.task is not None:
+            self.task.cancel()  # the client left: stop its request
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    def data_received(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.task is not None:  # the client did not wait for the answer
+            self._pending += data
+            if len(self._pending) > self._owner.max_body:
+                self._pause_reading_for_buffer()  # until this answer is out
+            return
+        self._process(data)
+
+    def _process(self, data: bytes) -> None:
+        """Serve `data` if it is one complete common request, else hand it to aiohttp."""
+        owner = self._owner
+        parser = HttpRequestParser(
+            self, self._loop, owner.max_body + 1, auto_decompress=False, **owner.parser_limits
+        )
+        try:
+            messages, upgraded, tail = parser.feed_data(data)
+        except HttpProcessingError:
+            messages = ()
+        if len(messages) != 1 or upgraded or tail:
+            self._hand_over(data)
+            return
+        message, payload = messages[0]
+        kind = ROUTES.get(message.path) if message.method == "POST" else None
+        if kind is None or not _plain(message) or not payload.is_eof() or owner.closing:
+            self._hand_over(data)
+            return
+        body = payload.read_nowait(-1)
+        if len(body) > owner.max_body:
+            self._hand_over(data)  # aiohttp answers the 413
+            return
+        self._closing = message.should_close
+        self.task = self._loop.create_task(self._serve(kind, message, body))
+
+    async def _serve(self, kind: Kind, message: RawRequestMessage, body: bytes) -> None:
+        reply = FastReply(self)
+        try:
+            await self._owner.ingress.serve(
+                kind, message.method, message.path, message.headers, _Body(body), reply
+            )
+        except (ConnectionError, asyncio.CancelledError):
+            self._closing = True
+        except Exception:  # a bug of ours: aiohttp would answer 500 and log it too
+            self._closing = True
+            log.http.exception("error handling %s %s", message.method, message.path)
+            if not reply.started:
+                with contextlib.suppress(ConnectionError):
+                    await reply.whole(500, _INTERNAL[0], _INTERNAL[1])
+        finally:
+            self.task = None
+            self._after_answer()
+
+    def _after_answer(self) -> None:
+        if self._closing or self._owner.closing or self.transport is None:
+            self.close()
+            return
+        self._idle()
+        if self._buffer_paused:
+            self._resume_reading_for_buffer()
+        if self._pending:
+            data, self._pending = self._pending, b""
+            self._process(data)
+
+    def _hand_over(self, data: bytes) -> None:
+        """aiohttp's server takes the connection, starting from `data`, for good."""
+        transport = self.transport
+        if transport is None:
+            return
+        self._owner.open.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        handler = self._owner.fallback()
+        transport.set_protocol(handler)
+        self.transport = None
+        handler.connection_made(transport)
+        handler.data_received(data)
+        if self._paused:  # the socket's buffer was full: tell the new owner
+            handler.pause_writing()
+
+    def _idle(self) -> None:
+        """Close after `keepalive` seconds without a request (one timer per idle period)."""
+        self._idle_at = time.monotonic()
+        if self._idle_timer is None:
+            self._idle_timer = self._loop.call_later(self._owner.keepalive, self._idle_check)
+
+    def _idle_check(self) -> None:
+        self._idle_timer = None
+        if self.task is not None:
+            return  # busy: the end of its answer starts the next idle period
+        left = self._idle_at + self._owner.keepalive - time.monotonic()
+        if left > 0:
+            self._idle_timer = self._loop.call_later(left, self._idle_check)
+        else:
+            self.close()
+
+
+class _Body:
+    """The body that came with the headers, read as aiohttp's handlers read theirs."""
+
+    __slots__ = ("_body",)
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+
+    async def __call__(self) -> bytes:
+        return self._body
+
+
+def _plain(message: RawRequestMessage) -> bool:
+    """HTTP/1.1 with a plain Content-Length body: nothing aiohttp must decode or answer first."""
+    headers = message.headers
+    return (
+        message.version == HttpVersion11
+        and not message.chunked
+        and not message.upgrade
+        and "Content-Encoding" not in headers
+        and "Expect" not in headers
+    )
+
+
+class FastReply:
+    """A Reply written straight to the connection's transport."""
+
+    __slots__ = ("_conn", "started")
+
+    def __init__(self, conn: FastConnection) -> None:
+        self._conn = conn
+        self.started = False
+
+    def _head(self, status: int, headers: Mapping[str, str], framing: str) -> bytes:
+        conn = self._conn
+        close = conn._closing or conn._owner.closing
+        connection = "Connection: close\r\n" if close else ""
+        reason = _REASONS.get(status, "")
+        return (
+            f"HTTP/1.1 {status} {reason}\r\n{header_lines(headers)}{framing}{connection}\r\n"
+        ).encode("latin-1", "surrogateescape")
+
+    async def whole(
+        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
+    ) -> None:
+        conn = self._conn
+        if close:
+            conn._closing = True
+        self.started = True
+        await self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n") + body)
+
+    async def begin(self, status: int, headers: Mapping[str, str]) -> None:
+        self.started = True
+        await self._write(self._head(status, headers, "Transfer-Encoding: chunked\r\n"))
+
+    def send(self, chunk: bytes) -> Awaitable[None] | None:
+        """One chunk, one write; the caller awaits only when the socket's buffer is full."""
+        return self._put(b"%x\r\n%b\r\n" % (len(chunk), chunk)) if chunk else None
+
+    async def end(self) -> None:
+        await self._write(_LAST_CHUNK)
+
+    async def _write(self, data: bytes) -> None:
+        full = self._put(data)
+        if full is not None:
+            await full
+
+    def _put(self, data: bytes) -> Awaitable[None] | None:
+        conn = self._conn
+        transport = conn.transport
+        if transport is None or transport.is_closing():
+            raise ConnectionResetError("the client closed the connection")
+        transport.write(data)
+        return conn._drain_helper() if conn.writing_paused else None
+
+
+class FastSite(web.TCPSite):
+    """aiohttp's TCP site, listening with the fast path in front of aiohttp's server."""
+
+    def __init__(self, runner: web.AppRunner, fast: FastConnections, **kwargs) -> None:
+        super().__init__(runner, **kwargs)
+        self._fast = fast
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        self._server = await asyncio.get_running_loop().create_server(
+            self._fast,
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
+
+    async def stop(self) -> None:
+        """Stop listening, then drain the fast path; aiohttp drains its own connections."""
+        await super().stop()
+        await self._fast.drain(self._runner._shutdown_timeout)
