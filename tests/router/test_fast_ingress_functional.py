@@ -1,0 +1,188 @@
+"""The fast path (router/fast_ingress.py) and its hand-over to aiohttp, on raw sockets.
+
+Every request below must get the same answer whichever server reads it: complete common
+POSTs are answered by the fast path, anything else (split heads, late bodies, chunked or
+gzip bodies, Expect, pipelining, HTTP/1.0, other paths) by aiohttp after the hand-over,
+on the same connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+
+import orjson
+import pytest
+
+from router.fast_ingress import FastConnection
+from tests.router.conftest import running, settle
+
+BODY = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]})
+STREAM = orjson.dumps(
+    {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+)
+ANSWER = b'"content": "tok0 tok1 tok2 "'
+
+
+def post(body: bytes = BODY, path: str = "/v1/chat/completions", extra: str = "") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n"
+    return f"{head}Content-Length: {len(body)}\r\n{extra}\r\n".encode() + body
+
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """One HTTP/1.1 answer: status, headers (lower-case names), body (chunked decoded);
+    a 100 Continue before it is skipped."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    if head.startswith(b"HTTP/1.1 100 "):
+        head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ")[1])
+    headers = {}
+    for line in lines[1:]:
+        if line:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+    if headers.get("transfer-encoding") == "chunked":
+        body = b""
+        while size := int((await reader.readuntil(b"\r\n")).strip(), 16):
+            body += (await reader.readexactly(size + 2))[:-2]
+        await reader.readuntil(b"\r\n")
+        return status, headers, body
+    return status, headers, await reader.readexactly(int(headers.get("content-length", 0)))
+
+
+async def exchange(url: str, *writes: bytes, answers: int = 1, pause: float = 0.05) -> list:
+    """Send `writes` (pausing between them) on one connection and read `answers` answers."""
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        async with asyncio.timeout(10):
+            for i, data in enumerate(writes):
+                if i:
+                    await asyncio.sleep(pause)
+                writer.write(data)
+                await writer.drain()
+            return [await read_response(reader) for _ in range(answers)]
+    finally:
+        writer.close()
+
+
+@pytest.fixture
+def handovers(monkeypatch) -> list[bytes]:
+    """The bytes each hand-over to aiohttp started from."""
+    seen: list[bytes] = []
+    real = FastConnection._hand_over
+
+    def spy(self: FastConnection, data: bytes) -> None:
+        seen.append(data)
+        real(self, data)
+
+    monkeypatch.setattr(FastConnection, "_hand_over", spy)
+    return seen
+
+
+async def test_a_complete_request_is_answered_without_aiohttp(handovers) -> None:
+    async with running(1) as (router, stubs):
+        (answer,) = await exchange(router.url, post())
+        status, headers, body = answer
+        assert status == 200 and ANSWER in body
+        assert headers["x-kvroute-backend"] == "b0" and headers["x-request-id"]
+        assert stubs[0].raw[-1] == BODY
+        assert handovers == []
+
+
+@pytest.mark.parametrize(
+    "writes",
+    [
+        pytest.param((post()[:20], post()[20:]), id="head-split"),
+        pytest.param((post()[:-10], post()[-10:]), id="body-late"),
+        pytest.param((post(path="/v1/chat/completions?x=1"),), id="query"),
+        pytest.param((post().replace(b"HTTP/1.1", b"HTTP/1.0", 1),), id="http-1.0"),
+        pytest.param((post(extra="Expect: 100-continue\r\n"),), id="expect"),
+        pytest.param(
+            (
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: k\r\n"
+                b"Transfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n" % (len(BODY), BODY),
+            ),
+            id="chunked",
+        ),
+    ],
+)
+async def test_what_the_fast_path_does_not_take_aiohttp_answers_the_same(
+    writes: tuple[bytes, ...], handovers
+) -> None:
+    async with running(1) as (router, stubs):
+        (answer,) = await exchange(router.url, *writes)
+        assert answer[0] == 200 and ANSWER in answer[2]
+        assert stubs[0].raw[-1] == BODY  # the backend got the body, de-chunked
+        assert handovers and handovers[0] == writes[0]
+
+
+async def test_a_gzip_body_is_decoded_by_aiohttp(handovers) -> None:
+    async with running(1) as (router, stubs):
+        packed = gzip.compress(BODY)
+        (answer,) = await exchange(router.url, post(packed, extra="Content-Encoding: gzip\r\n"))
+        assert answer[0] == 200 and stubs[0].raw[-1] == BODY
+        assert len(handovers) == 1
+
+
+async def test_keep_alive_runs_fast_requests_then_hands_over_for_good(handovers) -> None:
+    async with running(1) as (router, stubs):
+        split = post()
+        answers = await exchange(
+            router.url, post(), post(STREAM), split[:30], split[30:], post(), answers=4
+        )
+        assert [a[0] for a in answers] == [200] * 4
+        assert answers[1][1]["transfer-encoding"] == "chunked"
+        assert answers[1][2].endswith(b"data: [DONE]\n\n")
+        assert ANSWER in answers[3][2]
+        assert len(handovers) == 1  # the split request; aiohttp kept the connection after it
+        assert len(stubs[0].raw) == 4
+
+
+async def test_pipelined_requests_are_answered_in_order(handovers) -> None:
+    async with running(1) as (router, _stubs):
+        answers = await exchange(router.url, post() + post(STREAM), answers=2)
+        assert [a[0] for a in answers] == [200, 200]
+        assert ANSWER in answers[0][2] and answers[1][2].endswith(b"data: [DONE]\n\n")
+        assert len(handovers) == 1
+
+
+async def test_a_request_sent_before_the_last_answer_waits_for_it(handovers) -> None:
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.pace = 5, 0.05
+        answers = await exchange(router.url, post(STREAM), post(), answers=2, pause=0.02)
+        assert [a[0] for a in answers] == [200, 200]
+        assert answers[0][2].endswith(b"data: [DONE]\n\n")
+        assert b'tok4 "}, "finish_reason": "stop"' in answers[1][2]
+        assert handovers == []  # the early request was kept and served after the stream
+
+
+async def test_errors_are_openai_json_from_the_fast_path(handovers) -> None:
+    async with running(1) as (router, _stubs):
+        unknown = orjson.dumps({"model": "nope", "messages": [{"role": "user", "content": "x"}]})
+        bad = b"{not json"
+        answers = [(await exchange(router.url, post(b)))[0] for b in (bad, unknown)]
+        assert [a[0] for a in answers] == [400, 404]
+        for _status, headers, body in answers:
+            assert headers["content-type"] == "application/json"
+            assert orjson.loads(body)["error"]["message"]
+        assert handovers == []
+
+
+async def test_connection_close_and_idle_connections_are_closed(handovers) -> None:
+    async with running(1, limits={"header_timeout": 0.3}) as (router, _stubs):
+        host, port = router.url.removeprefix("http://").split(":")
+        for extra in ("Connection: close\r\n", ""):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            try:
+                async with asyncio.timeout(5):
+                    writer.write(post(extra=extra))
+                    status, headers, _ = await read_response(reader)
+                    assert status == 200
+                    assert headers.get("connection") == ("close" if extra else None)
+                    assert await reader.read() == b""  # closed: at once, or once idle
+            finally:
+                writer.close()
+        assert handovers == []
+        await settle(router)
