@@ -17,7 +17,10 @@ For each candidate b, in seconds:
 
 The minimum wins. Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among
 them the one holding the longest prefix wins (a hit saves the fleet a prefill even when
-the TTFT is the same), then one is drawn at random, so equals share the work. A hot
+the TTFT is the same); a prompt cached nowhere goes where the fewest requests run (its
+prefill is one long engine step that stalls every request running there: often a hot
+prefix's holder, which then delays the whole burst); then one is drawn at random, so
+equals share the work. A hot
 prefix spreads by itself: once its holders' queues cost clearly more than a cold
 backend's full prefill, the next request goes to another backend, which then holds the
 prefix too (the speculative insert keeps a burst together there until its KV events
@@ -125,6 +128,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         ties = [s for s in scored if s[0] <= best + margin]
         most = max(cached for _, cached, _ in ties)
         ties = [s for s in ties if s[1] == most]
+        if not most:  # a cold prompt: its long prefill step stalls whatever runs there
+            fewest = min(b.inflight for _, _, b in ties)
+            ties = [s for s in ties if s[2].inflight == fewest]
         _, cached, backend = ties[self._rng.randrange(len(ties))]
         self._learn(req, backend, cached)
         self._record(req, backend, scored)

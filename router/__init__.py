@@ -2,9 +2,13 @@
 
 One request's way, module by module:
 
-  http_ingress.py   aiohttp routes: check the token (auth.py, 401), read the body (413
-                    above the limit, 408 too slow), parse the few routing fields
-                    (request.py, 400 on bad JSON), build a `Call`
+  fast_ingress.py   every connection starts here: a complete common POST to a generation
+                    endpoint is read and answered without aiohttp's web layer; anything
+                    else hands the connection to aiohttp's server for good
+  http_ingress.py   aiohttp routes and `HttpIngress.serve`, which both servers call: check
+                    the token (auth.py, 401), read the body (413 above the limit, 408 too
+                    slow), parse the few routing fields (request.py, 400 on bad JSON),
+                    build a `Call`, relay the answer
   grpc_ingress.py   grpc.aio: protobuf → the same JSON body and `Call`; SSE → messages
   dispatch.py       the one place that chains the steps: admission (admission.py: wait
                     queue, 429) → model check (404) → [KV_AWARE: exact token ids from

@@ -103,3 +103,17 @@ def test_concurrency_threshold_is_a_hard_cap() -> None:
 def test_no_candidate() -> None:
     pick = policy().pick(request(), FleetView((), (), frozenset()))
     assert (pick.backend, pick.reason) == (None, Reason.NO_CANDIDATE)
+
+
+def test_a_cold_prompt_keeps_off_busy_backends() -> None:
+    """A cold prefill stalls every request running where it lands (one long engine step):
+    among equal costs it goes where the fewest requests run, and never to a hot prefix's
+    holder; a warm request still goes to the holder."""
+    p = policy()
+    holder, light, lighter = B("a", inflight=9), B("b", inflight=2), B("c", inflight=1)
+    hold(p, "a", 500)
+    for i in range(1, 21):  # 20 new prompts (i = 0 would be the held one)
+        ids = [i * 10_000 + t for t in range(8000)]
+        req = RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
+        assert p.pick(req, view([holder, light, lighter])).backend.name == "c"
+    assert p.pick(request(), view([holder, light, lighter])).backend.name == "a"
