@@ -13,7 +13,10 @@ byte of that request, to aiohttp's RequestHandler for the rest of its life: its 
 slowloris timeouts, lingering close and errors apply exactly as before.
 
 Answers are written with one `transport.write` per message (head and body together;
-one per SSE chunk, chunked-encoded). A client that goes away cancels its request, as
+one per SSE chunk, chunked-encoded). A stream is relayed from the backend connection's
+own callback straight into the client's transport (`Upstream.relay`; FastReply is the
+sink): no task wake-up per event, and a client that reads slowly pauses the backend's
+socket through the body reader's limit. A client that goes away cancels its request, as
 aiohttp's `handler_cancellation` does. A connection idle for `keepalive` seconds is
 closed (one timer per idle period, re-armed lazily).
 """
@@ -34,7 +37,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from router import log
 from router.errors import KvrouteError
 from router.http_ingress import HttpIngress
-from router.proxy import header_lines
+from router.proxy import Sink, header_lines
 from router.request import Kind
 
 ROUTES = {
@@ -89,7 +92,15 @@ class FastConnections:
 
 
 class FastConnection(BaseProtocol):
-    __slots__ = ("_closing", "_idle_at", "_idle_timer", "_owner", "_pending", "task")
+    __slots__ = (
+        "_closing",
+        "_idle_at",
+        "_idle_timer",
+        "_owner",
+        "_pending",
+        "on_resume",
+        "task",
+    )
 
     def __init__(self, owner: FastConnections) -> None:
         super().__init__(asyncio.get_running_loop())
@@ -99,6 +110,13 @@ class FastConnection(BaseProtocol):
         self._closing = False  # close once the current answer is out
         self._idle_at = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
+        #: a relayed stream waiting for the client's buffer to drain (FastReply.on_ready)
+        self.on_resume: Callable[[], None] | None = None
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.on_resume is not None:
+            self.on_resume()
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
@@ -240,13 +258,18 @@ def _plain(message: RawRequestMessage) -> bool:
 
 
 class FastReply:
-    """A Reply written straight to the connection's transport."""
+    """A Reply written straight to the connection's transport; streamed bodies are
+    relayed into it by the backend connection itself (it is their Sink)."""
 
     __slots__ = ("_conn", "started")
 
     def __init__(self, conn: FastConnection) -> None:
         self._conn = conn
         self.started = False
+
+    @property
+    def sink(self) -> Sink:
+        return self
 
     def _head(self, status: int, headers: Mapping[str, str], framing: str) -> bytes:
         conn = self._conn
@@ -272,23 +295,33 @@ class FastReply:
 
     def send(self, chunk: bytes) -> Awaitable[None] | None:
         """One chunk, one write; the caller awaits only when the socket's buffer is full."""
-        return self._put(b"%x\r\n%b\r\n" % (len(chunk), chunk)) if chunk else None
+        self.put(chunk)
+        return None if self.ready() else self._conn._drain_helper()
 
     async def end(self) -> None:
         await self._write(_LAST_CHUNK)
 
-    async def _write(self, data: bytes) -> None:
-        full = self._put(data)
-        if full is not None:
-            await full
+    # the Sink Upstream.relay writes to, from the backend connection's callbacks
+    def put(self, chunk: bytes) -> None:
+        if chunk:
+            self._raw(b"%x\r\n%b\r\n" % (len(chunk), chunk))
 
-    def _put(self, data: bytes) -> Awaitable[None] | None:
-        conn = self._conn
-        transport = conn.transport
+    def ready(self) -> bool:
+        return not self._conn.writing_paused
+
+    def on_ready(self, callback: Callable[[], None] | None) -> None:
+        self._conn.on_resume = callback
+
+    async def _write(self, data: bytes) -> None:
+        self._raw(data)
+        if not self.ready():
+            await self._conn._drain_helper()
+
+    def _raw(self, data: bytes) -> None:
+        transport = self._conn.transport
         if transport is None or transport.is_closing():
             raise ConnectionResetError("the client closed the connection")
         transport.write(data)
-        return conn._drain_helper() if conn.writing_paused else None
 
 
 class FastSite(web.TCPSite):

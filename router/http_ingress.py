@@ -38,7 +38,7 @@ from router.errors import (
     Unauthorized,
 )
 from router.metrics import CONTENT_TYPE, Metrics
-from router.proxy import Upstream, forward_headers
+from router.proxy import Sink, Upstream, forward_headers
 from router.request import Kind, parse
 from router.telemetry import Telemetry
 
@@ -144,10 +144,13 @@ class HttpIngress:
                     await reply.whole(upstream.status, _reply(upstream, extra), body)
                     return
                 await reply.begin(upstream.status, _reply(upstream, extra))
-                async for chunk in upstream.chunks():
-                    full = reply.send(chunk)
-                    if full is not None:
-                        await full
+                if reply.sink is not None:
+                    await upstream.relay(reply.sink)
+                else:
+                    async for chunk in upstream.chunks():
+                        full = reply.send(chunk)
+                        if full is not None:
+                            await full
                 await reply.end()
         except KvrouteError as err:
             if not reply.started:
@@ -253,6 +256,7 @@ class Reply(Protocol):
     """Where one request's answer goes: whole, or as a stream (begin, send..., end)."""
 
     started: bool  # the status line left: an error can only end the stream now
+    sink: Sink | None  # where Upstream.relay may write a stream directly, if anywhere
 
     async def whole(
         self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
@@ -270,6 +274,8 @@ class AiohttpReply:
     """A Reply through aiohttp's server: the handler returns `response`."""
 
     __slots__ = ("_request", "response", "started")
+
+    sink = None  # aiohttp's writes are coroutines: chunks are awaited one by one
 
     def __init__(self, request: web.Request) -> None:
         self._request = request

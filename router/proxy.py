@@ -22,6 +22,7 @@ import asyncio
 import re
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Protocol
 
 import aiohttp
 from aiohttp.base_protocol import BaseProtocol
@@ -87,12 +88,26 @@ def make_session(connect_timeout: float) -> aiohttp.ClientSession:
     )
 
 
+class Sink(Protocol):
+    """Where `Upstream.relay` writes a streamed body (the fast path's client connection)."""
+
+    def put(self, chunk: bytes) -> None:
+        """Write `chunk`; ConnectionError if the client is gone."""
+
+    def ready(self) -> bool:
+        """False while the client's socket buffer is full."""
+
+    def on_ready(self, callback: Callable[[], None] | None) -> None:
+        """Call `callback` when the client's buffer drains again (None: stop)."""
+
+
 class Upstream:
     """A backend response whose headers arrived; its body is read through this object."""
 
     __slots__ = (
         "_conn",
         "_deadline",
+        "_draining",
         "_end",
         "_idle",
         "_idle_timer",
@@ -100,6 +115,8 @@ class Upstream:
         "_last_chunk_at",
         "_on_first",
         "_payload",
+        "_relayed",
+        "_sink",
         "_tail",
         "_tally",
         "backend_name",
@@ -128,6 +145,9 @@ class Upstream:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._itl = itl
         self._tally: Tally | None = None
+        self._sink: Sink | None = None
+        self._relayed: asyncio.Future[None] | None = None
+        self._draining = False
         self.first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
         self._tail = b""
@@ -165,8 +185,7 @@ class Upstream:
         exchange finishes; `on_first` hears the first chunk (the prefill is done).
         """
         loop = asyncio.get_running_loop()
-        tally = self._tally = Tally(self._itl)
-        assert self._deadline is not None, "watch() the body's timeout before reading it"
+        self._begin_body()
         payload = self._payload
         while True:
             try:
@@ -175,17 +194,63 @@ class Upstream:
                 raise UpstreamDisconnected(f"backend stream broke: {exc}") from exc
             if not chunk:  # clean end; a cut-off body raises ClientPayloadError above
                 return
-            now = loop.time()
-            if self.first_chunk_at is None:
-                self.first_chunk_at = now
-                self._on_first()
-                self._deadline.reschedule(None)  # the idle timer decides from here on
-                self._arm_idle_timer(now + self._idle)
-            else:
-                tally.observe(now - self._last_chunk_at)
-            self._last_chunk_at = now
-            self._tail = chunk
+            self._arrived(chunk, loop.time())
             yield chunk
+
+    async def relay(self, sink: Sink) -> None:
+        """Stream the body into `sink` as `chunks` would, but from the connection's own
+        callback: no task wake-up, future or generator step per chunk (the hot loop of a
+        streaming worker). While the sink is not ready, the body waits in the reader,
+        whose limit pauses the backend's socket. Returns at the body's end."""
+        self._begin_body()
+        self._sink = sink
+        self._relayed = asyncio.get_running_loop().create_future()
+        self._conn.relay = self
+        sink.on_ready(self.drain)
+        try:
+            self.drain()  # what came with the head
+            await self._relayed
+        finally:
+            self._conn.relay = None
+            sink.on_ready(None)
+
+    def drain(self) -> None:
+        """Pass what the reader holds to the sink; note the end or the failure.
+
+        Reading may resume the paused socket, whose buffered bytes then come back here
+        through `data_received`: that nested call returns at once and the loop takes them.
+        """
+        done, payload, sink = self._relayed, self._payload, self._sink
+        if self._draining or done is None or done.done():
+            return
+        self._draining = True
+        try:
+            while sink.ready() and (chunk := payload.read_nowait(-1)):
+                self._arrived(chunk, asyncio.get_running_loop().time())
+                sink.put(chunk)
+            if payload.at_eof():
+                done.set_result(None)
+        except aiohttp.ClientError as exc:
+            done.set_exception(UpstreamDisconnected(f"backend stream broke: {exc}"))
+        except ConnectionError as exc:  # the client is gone
+            done.set_exception(exc)
+        finally:
+            self._draining = False
+
+    def _begin_body(self) -> None:
+        assert self._deadline is not None, "watch() the body's timeout before reading it"
+        self._tally = Tally(self._itl)
+
+    def _arrived(self, chunk: bytes, now: float) -> None:
+        if self.first_chunk_at is None:
+            self.first_chunk_at = now
+            self._on_first()
+            self._deadline.reschedule(None)  # the idle timer decides from here on
+            self._arm_idle_timer(now + self._idle)
+        else:
+            self._tally.observe(now - self._last_chunk_at)
+        self._last_chunk_at = now
+        self._tail = chunk
 
     def _arm_idle_timer(self, due: float) -> None:
         """Expire the body's timeout at `due` (never after `end`) unless a chunk comes.
@@ -374,7 +439,15 @@ class _Connection(BaseProtocol):
     socket while the reader lags behind.
     """
 
-    __slots__ = ("_answer", "_payload", "_should_close", "_upstreams", "backend", "idle_since")
+    __slots__ = (
+        "_answer",
+        "_payload",
+        "_should_close",
+        "_upstreams",
+        "backend",
+        "idle_since",
+        "relay",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop, upstreams: Upstreams, backend: URL) -> None:
         super().__init__(loop)
@@ -384,6 +457,8 @@ class _Connection(BaseProtocol):
         self._answer: asyncio.Future[tuple[RawResponseMessage, StreamReader]] | None = None
         self._payload: StreamReader | None = None
         self._should_close = False
+        #: the answer whose body is relayed from this protocol's callbacks (Upstream.relay)
+        self.relay: Upstream | None = None
 
     @property
     def open(self) -> bool:
@@ -436,7 +511,7 @@ class _Connection(BaseProtocol):
         except Exception as exc:  # not HTTP: nothing more on this connection is trusted
             self.close()
             self._fail(aiohttp.ClientConnectionError(f"invalid answer: {exc}"))
-            return
+            messages = ()
         for message, payload in messages:
             if message.should_close:
                 self._should_close = True
@@ -448,6 +523,8 @@ class _Connection(BaseProtocol):
                 return
             self._payload = EMPTY_PAYLOAD if message.code in _NO_BODY_STATUS else payload
             answer.set_result((message, self._payload))
+        if self.relay is not None:
+            self.relay.drain()
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         # aiohttp's StreamReader calls this after every HTTP chunk it hands out, paused or
@@ -474,6 +551,8 @@ class _Connection(BaseProtocol):
         self._parser = None
         self._reading_paused = False  # nothing to resume: readers drain what was buffered
         super().connection_lost(exc)
+        if self.relay is not None:
+            self.relay.drain()
 
     def _fail(self, exc: aiohttp.ClientError) -> None:
         """Hand `exc` to whoever waits: for the answer's head, else for its body."""

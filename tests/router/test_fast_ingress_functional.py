@@ -9,12 +9,15 @@ on the same connection.
 from __future__ import annotations
 
 import asyncio
+import gc
 import gzip
+import socket
 
 import orjson
 import pytest
 
 from router.fast_ingress import FastConnection
+from router.proxy import _Connection
 from tests.router.conftest import running, settle
 
 BODY = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]})
@@ -185,4 +188,42 @@ async def test_connection_close_and_idle_connections_are_closed(handovers) -> No
             finally:
                 writer.close()
         assert handovers == []
+        await settle(router)
+
+
+async def test_a_client_that_stops_reading_holds_the_backend_back_and_loses_nothing() -> None:
+    """Flow control through the relay: while the client reads nothing, the router stops
+    reading the backend (its socket paused, a bounded body buffer); then every event
+    arrives, in order."""
+    chunks = 40_000  # ~7 MB: more than the socket buffers on the way hold
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.chunks = chunks
+        host, port = router.url.removeprefix("http://").split(":")
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect((host, int(port)))
+        reader, writer = await asyncio.open_connection(sock=sock)
+        try:
+            writer.write(post(STREAM))
+            async with asyncio.timeout(5):
+                while not stubs[0].chunk_sent_at:
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(1.0)  # the client reads nothing meanwhile
+            (upstream,) = [
+                o for o in gc.get_objects() if isinstance(o, _Connection) and o.relay is not None
+            ]
+            (client,) = [o for o in gc.get_objects() if isinstance(o, FastConnection) and o.task]
+            assert not upstream.transport.is_reading()  # the backend waits
+            assert client.writing_paused  # the router's buffer for the client is full...
+            assert client.transport.get_write_buffer_size() < 1_000_000  # ...and bounded
+            async with asyncio.timeout(60):
+                status, _, body = await read_response(reader)
+        finally:
+            writer.close()
+        assert status == 200
+        events = body.split(b"\n\n")
+        assert events[-2:] == [b"data: [DONE]", b""]
+        contents = [orjson.loads(e[6:])["choices"][0]["delta"]["content"] for e in events[:-2]]
+        assert contents == [f"tok{i} " for i in range(chunks)]
+        assert stubs[0].completed == 1
         await settle(router)

@@ -152,7 +152,9 @@ async def test_a_client_reset_mid_stream_is_counted_not_logged(
             writer.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, linger)
             writer.close()
         await settle(router)
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+    # the router's own records (the stub backend's aiohttp may log its side of the cut)
+    ours = [r for r in caplog.records if r.name.startswith(("kvroute", "asyncio"))]
+    assert not [r for r in ours if r.levelno >= logging.ERROR]
 
 
 async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:
