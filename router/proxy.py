@@ -115,6 +115,7 @@ class Upstream:
         "_last_chunk_at",
         "_on_first",
         "_payload",
+        "_refilled",
         "_relayed",
         "_sink",
         "_tail",
@@ -148,6 +149,7 @@ class Upstream:
         self._sink: Sink | None = None
         self._relayed: asyncio.Future[None] | None = None
         self._draining = False
+        self._refilled = False
         self.first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
         self._tail = b""
@@ -218,16 +220,26 @@ class Upstream:
         """Pass what the reader holds to the sink; note the end or the failure.
 
         Reading may resume the paused socket, whose buffered bytes then come back here
-        through `data_received`: that nested call returns at once and the loop takes them.
+        through `data_received`: that nested call only notes the refill, and the loop
+        reads again (so one event costs one read of the reader, not two).
         """
-        done, payload, sink = self._relayed, self._payload, self._sink
-        if self._draining or done is None or done.done():
+        done = self._relayed
+        if done is None or done.done():
             return
+        if self._draining:
+            self._refilled = True
+            return
+        payload, sink, now = self._payload, self._sink, asyncio.get_running_loop().time
         self._draining = True
         try:
-            while sink.ready() and (chunk := payload.read_nowait(-1)):
-                self._arrived(chunk, asyncio.get_running_loop().time())
-                sink.put(chunk)
+            while sink.ready():
+                self._refilled = False
+                chunk = payload.read_nowait(-1)
+                if chunk:
+                    self._arrived(chunk, now())
+                    sink.put(chunk)
+                if not self._refilled:
+                    break
             if payload.at_eof():
                 done.set_result(None)
         except aiohttp.ClientError as exc:
