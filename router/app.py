@@ -142,6 +142,7 @@ class Router:
             ingress,
             self._runner.server,
             cfg.limits.max_body_bytes,
+            cfg.limits.body_timeout,
             cfg.limits.header_timeout,
             parser_limits(cfg.limits),
         )

@@ -3,14 +3,15 @@
 Why: aiohttp's web server was ~35% of the router's CPU per request (request object,
 router resolution, middlewares, response object, per-connection task wake-ups), most of
 the added latency. Each connection starts here. A request's bytes go through aiohttp's
-own C parser (llhttp, with the configured header limits); a request that is both
-common and complete - POST to /v1/chat/completions, /v1/completions or /v1/embeddings,
-HTTP/1.1, a Content-Length body that arrived with the headers, no Content-Encoding,
-Expect or Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's
-handlers. Anything else (another path, a partial head, a body still coming, chunked or
-gzip bodies, a malformed request, pipelined requests) hands the connection, with every
-byte of that request, to aiohttp's RequestHandler for the rest of its life: its limits,
-slowloris timeouts, lingering close and errors apply exactly as before.
+own C parser (llhttp, with the configured header limits); a common request - POST to
+/v1/chat/completions, /v1/completions or /v1/embeddings, HTTP/1.1, whose head came in
+one read, with a Content-Length body within `max_body_bytes` (waited for up to
+`body_timeout`, then a 408 and the connection closes), no Content-Encoding, Expect or
+Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's handlers.
+Anything else (another path, a head split over reads, chunked or gzip bodies, a
+malformed request, pipelined requests) hands the connection, with every byte of that
+request, to aiohttp's RequestHandler for the rest of its life: its limits, slowloris
+timeouts, lingering close and errors apply exactly as before.
 
 Answers are written with one `transport.write` per message (head and body together;
 one per SSE chunk, chunked-encoded). A stream is relayed from the backend connection's
@@ -28,11 +29,13 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
+from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpRequestParser, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.streams import StreamReader
 
 from router import log
 from router.errors import KvrouteError
@@ -58,12 +61,14 @@ class FastConnections:
         ingress: HttpIngress,
         fallback: Callable[[], asyncio.Protocol],
         max_body: int,
+        body_timeout: float,
         keepalive: float,
         parser_limits: Mapping[str, int],
     ) -> None:
         self.ingress = ingress
         self.fallback = fallback
         self.max_body = max_body
+        self.body_timeout = body_timeout
         self.keepalive = keepalive
         self.parser_limits = dict(parser_limits)
         self.open: set[FastConnection] = set()
@@ -98,6 +103,7 @@ class FastConnection(BaseProtocol):
         "_idle_timer",
         "_owner",
         "_pending",
+        "_receiving",
         "on_resume",
         "task",
     )
@@ -107,6 +113,7 @@ class FastConnection(BaseProtocol):
         self._owner = owner
         self.task: asyncio.Task | None = None
         self._pending = b""  # bytes that came while a request was being answered
+        self._receiving: _Receiving | None = None  # a request whose body is still coming
         self._closing = False  # close once the current answer is out
         self._idle_at = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -126,6 +133,7 @@ class FastConnection(BaseProtocol):
     def connection_lost(self, exc: BaseException | None) -> None:
         super().connection_lost(exc)
         self._owner.open.discard(self)
+        self._stop_receiving()
         if self._idle_timer is not None:
             self._idle_timer.cancel()
         if self.task is not None:
@@ -143,10 +151,13 @@ class FastConnection(BaseProtocol):
             if len(self._pending) > self._owner.max_body:
                 self._pause_reading_for_buffer()  # until this answer is out
             return
+        if self._receiving is not None:
+            self._receive(data)
+            return
         self._process(data)
 
     def _process(self, data: bytes) -> None:
-        """Serve `data` if it is one complete common request, else hand it to aiohttp."""
+        """Serve `data` if it starts one common request, else hand it to aiohttp."""
         owner = self._owner
         parser = HttpRequestParser(
             self, self._loop, owner.max_body + 1, auto_decompress=False, **owner.parser_limits
@@ -160,21 +171,64 @@ class FastConnection(BaseProtocol):
             return
         message, payload = messages[0]
         kind = ROUTES.get(message.path) if message.method == "POST" else None
-        if kind is None or not _plain(message) or not payload.is_eof() or owner.closing:
+        if kind is None or not _plain(message, owner.max_body) or owner.closing:
             self._hand_over(data)
             return
+        if payload.is_eof():
+            self._start(kind, message, payload, data)
+            return
+        # the body is still coming (e.g. a client that writes head and body apart)
+        self._parser = parser
+        timer = self._loop.call_later(owner.body_timeout, self._body_late)
+        self._receiving = _Receiving(kind, message, payload, bytearray(data), timer)
+
+    def _receive(self, data: bytes) -> None:
+        """More of a body: start the request once it is whole; anything odd (a second
+        request, bytes past the declared length, a parse error) goes to aiohttp."""
+        receiving = self._receiving
+        receiving.raw.extend(data)
+        try:
+            messages, upgraded, tail = self._parser.feed_data(data)
+        except HttpProcessingError:
+            messages, upgraded, tail = (None,), False, b""
+        if messages or upgraded or tail:
+            self._stop_receiving()
+            self._hand_over(bytes(receiving.raw))
+        elif receiving.payload.is_eof():
+            self._stop_receiving()
+            self._start(receiving.kind, receiving.message, receiving.payload, receiving.raw)
+
+    def _start(
+        self, kind: Kind, message: RawRequestMessage, payload: StreamReader, raw: bytes
+    ) -> None:
         body = payload.read_nowait(-1)
-        if len(body) > owner.max_body:
-            self._hand_over(data)  # aiohttp answers the 413
+        if len(body) > self._owner.max_body:
+            self._hand_over(bytes(raw))  # aiohttp answers the 413
             return
         self._closing = message.should_close
-        self.task = self._loop.create_task(self._serve(kind, message, body))
+        self.task = self._loop.create_task(self._serve(kind, message, _Body(body)))
 
-    async def _serve(self, kind: Kind, message: RawRequestMessage, body: bytes) -> None:
+    def _body_late(self) -> None:
+        """The body did not come within `body_timeout`: answer 408 and close."""
+        receiving = self._receiving
+        self._stop_receiving()
+        self._closing = True
+        late = _Late(self._owner.ingress.body_late())
+        self.task = self._loop.create_task(self._serve(receiving.kind, receiving.message, late))
+
+    def _stop_receiving(self) -> None:
+        if self._receiving is not None:
+            self._receiving.timer.cancel()
+        self._receiving = None
+        self._parser = None
+
+    async def _serve(
+        self, kind: Kind, message: RawRequestMessage, read_body: Callable[[], Awaitable[bytes]]
+    ) -> None:
         reply = FastReply(self)
         try:
             await self._owner.ingress.serve(
-                kind, message.method, message.path, message.headers, _Body(body), reply
+                kind, message.method, message.path, message.headers, read_body, reply
             )
         except (ConnectionError, asyncio.CancelledError):
             self._closing = True
@@ -224,7 +278,7 @@ class FastConnection(BaseProtocol):
 
     def _idle_check(self) -> None:
         self._idle_timer = None
-        if self.task is not None:
+        if self.task is not None or self._receiving is not None:
             return  # busy: the end of its answer starts the next idle period
         left = self._idle_at + self._owner.keepalive - time.monotonic()
         if left > 0:
@@ -233,8 +287,16 @@ class FastConnection(BaseProtocol):
             self.close()
 
 
+class _Receiving(NamedTuple):
+    kind: Kind
+    message: RawRequestMessage
+    payload: StreamReader
+    raw: bytearray  # every byte of the request so far, for a hand-over
+    timer: asyncio.TimerHandle  # body_timeout
+
+
 class _Body:
-    """The body that came with the headers, read as aiohttp's handlers read theirs."""
+    """The request's whole body, read as aiohttp's handlers read theirs."""
 
     __slots__ = ("_body",)
 
@@ -245,15 +307,31 @@ class _Body:
         return self._body
 
 
-def _plain(message: RawRequestMessage) -> bool:
-    """HTTP/1.1 with a plain Content-Length body: nothing aiohttp must decode or answer first."""
+class _Late:
+    """A body that did not arrive in time: reading it raises the 408."""
+
+    __slots__ = ("_error",)
+
+    def __init__(self, error: KvrouteError) -> None:
+        self._error = error
+
+    async def __call__(self) -> bytes:
+        raise self._error
+
+
+def _plain(message: RawRequestMessage, max_body: int) -> bool:
+    """HTTP/1.1 with a plain Content-Length body within the limit: nothing aiohttp must
+    decode, refuse or answer first."""
     headers = message.headers
+    length = headers.get("Content-Length", "0")
     return (
         message.version == HttpVersion11
         and not message.chunked
         and not message.upgrade
         and "Content-Encoding" not in headers
         and "Expect" not in headers
+        and length.isdigit()
+        and int(length) <= max_body
     )
 
 

@@ -178,14 +178,15 @@ class HttpIngress:
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
         except TimeoutError:
-            raise RequestTimeout(
-                f"The request body did not arrive within {self._body_timeout:g} s."
-            ) from None
+            raise self.body_late() from None
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
             raise BadRequest(f"The request body could not be read: {exc}") from None
         if len(body) > self._max_body:  # e.g. chunked, or inflated from gzip, and read at once
             raise self._too_large()
         return body
+
+    def body_late(self) -> RequestTimeout:
+        return RequestTimeout(f"The request body did not arrive within {self._body_timeout:g} s.")
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")

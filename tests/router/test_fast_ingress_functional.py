@@ -98,7 +98,6 @@ async def test_a_complete_request_is_answered_without_aiohttp(handovers) -> None
     "writes",
     [
         pytest.param((post()[:20], post()[20:]), id="head-split"),
-        pytest.param((post()[:-10], post()[-10:]), id="body-late"),
         pytest.param((post(path="/v1/chat/completions?x=1"),), id="query"),
         pytest.param((post().replace(b"HTTP/1.1", b"HTTP/1.0", 1),), id="http-1.0"),
         pytest.param((post(extra="Expect: 100-continue\r\n"),), id="expect"),
@@ -119,6 +118,18 @@ async def test_what_the_fast_path_does_not_take_aiohttp_answers_the_same(
         assert answer[0] == 200 and ANSWER in answer[2]
         assert stubs[0].raw[-1] == BODY  # the backend got the body, de-chunked
         assert handovers and handovers[0] == writes[0]
+
+
+async def test_a_body_written_apart_from_its_head_is_waited_for(handovers) -> None:
+    """As clients that write the head and the body separately (urllib3) do."""
+    async with running(1) as (router, stubs):
+        whole = post()
+        head = whole[: whole.index(b"\r\n\r\n") + 4]
+        rest = whole[len(head) :]
+        (answer,) = await exchange(router.url, head, rest[:10], rest[10:])
+        assert answer[0] == 200 and ANSWER in answer[2]
+        assert stubs[0].raw[-1] == BODY
+        assert handovers == []
 
 
 async def test_a_gzip_body_is_decoded_by_aiohttp(handovers) -> None:
@@ -227,3 +238,19 @@ async def test_a_client_that_stops_reading_holds_the_backend_back_and_loses_noth
         assert contents == [f"tok{i} " for i in range(chunks)]
         assert stubs[0].completed == 1
         await settle(router)
+
+
+async def test_a_body_that_does_not_come_is_a_408_and_the_connection_closes(handovers) -> None:
+    async with running(1, limits={"body_timeout": 0.3}) as (router, stubs):
+        host, port = router.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            async with asyncio.timeout(5):
+                writer.write(post()[:-5])  # five bytes short, for good
+                status, headers, body = await read_response(reader)
+                assert status == 408 and headers["connection"] == "close"
+                assert "did not arrive within 0.3 s" in orjson.loads(body)["error"]["message"]
+                assert await reader.read() == b""
+        finally:
+            writer.close()
+        assert stubs[0].received == [] and handovers == []
