@@ -213,7 +213,7 @@ class FastConnection(BaseProtocol):
         receiving = self._receiving
         self._stop_receiving()
         self._closing = True
-        late = _Late(self._owner.ingress.body_late())
+        late = _Body(self._owner.ingress.body_late())
         self.task = self._loop.create_task(self._serve(receiving.kind, receiving.message, late))
 
     def _stop_receiving(self) -> None:
@@ -296,27 +296,18 @@ class _Receiving(NamedTuple):
 
 
 class _Body:
-    """The request's whole body, read as aiohttp's handlers read theirs."""
+    """The request's body as `HttpIngress.serve` reads it: the bytes, or the error that
+    reading it raises (a 408 when it did not arrive in time)."""
 
-    __slots__ = ("_body",)
+    __slots__ = ("_outcome",)
 
-    def __init__(self, body: bytes) -> None:
-        self._body = body
-
-    async def __call__(self) -> bytes:
-        return self._body
-
-
-class _Late:
-    """A body that did not arrive in time: reading it raises the 408."""
-
-    __slots__ = ("_error",)
-
-    def __init__(self, error: KvrouteError) -> None:
-        self._error = error
+    def __init__(self, outcome: bytes | KvrouteError) -> None:
+        self._outcome = outcome
 
     async def __call__(self) -> bytes:
-        raise self._error
+        if isinstance(self._outcome, KvrouteError):
+            raise self._outcome
+        return self._outcome
 
 
 def _plain(message: RawRequestMessage, max_body: int) -> bool:
