@@ -97,6 +97,8 @@ class FastConnections:
 
 
 class FastConnection(BaseProtocol):
+    """One client connection while the fast path holds it: one request at a time."""
+
     __slots__ = (
         "_closing",
         "_idle_at",
@@ -174,13 +176,17 @@ class FastConnection(BaseProtocol):
         if kind is None or not _plain(message, owner.max_body) or owner.closing:
             self._hand_over(data)
             return
-        if payload.is_eof():
+        # the request's bytes; more in this read would be a pipelined request, which the
+        # parser keeps to itself: aiohttp serves those
+        size = data.find(b"\r\n\r\n") + 4 + int(message.headers.get("Content-Length", 0))
+        if len(data) > size:
+            self._hand_over(data)
+        elif payload.is_eof():
             self._start(kind, message, payload, data)
-            return
-        # the body is still coming (e.g. a client that writes head and body apart)
-        self._parser = parser
-        timer = self._loop.call_later(owner.body_timeout, self._body_late)
-        self._receiving = _Receiving(kind, message, payload, bytearray(data), timer)
+        else:  # the body is still coming (e.g. a client that writes head and body apart)
+            self._parser = parser
+            timer = self._loop.call_later(owner.body_timeout, self._body_late)
+            self._receiving = _Receiving(kind, message, payload, bytearray(data), size, timer)
 
     def _receive(self, data: bytes) -> None:
         """More of a body: start the request once it is whole; anything odd (a second
@@ -191,7 +197,7 @@ class FastConnection(BaseProtocol):
             messages, upgraded, tail = self._parser.feed_data(data)
         except HttpProcessingError:
             messages, upgraded, tail = (None,), False, b""
-        if messages or upgraded or tail:
+        if messages or upgraded or tail or len(receiving.raw) > receiving.size:
             self._stop_receiving()
             self._hand_over(bytes(receiving.raw))
         elif receiving.payload.is_eof():
@@ -202,9 +208,6 @@ class FastConnection(BaseProtocol):
         self, kind: Kind, message: RawRequestMessage, payload: StreamReader, raw: bytes
     ) -> None:
         body = payload.read_nowait(-1)
-        if len(body) > self._owner.max_body:
-            self._hand_over(bytes(raw))  # aiohttp answers the 413
-            return
         self._closing = message.should_close
         self.task = self._loop.create_task(self._serve(kind, message, _Body(body)))
 
@@ -292,6 +295,7 @@ class _Receiving(NamedTuple):
     message: RawRequestMessage
     payload: StreamReader
     raw: bytearray  # every byte of the request so far, for a hand-over
+    size: int  # head and body
     timer: asyncio.TimerHandle  # body_timeout
 
 

@@ -162,6 +162,15 @@ async def test_pipelined_requests_are_answered_in_order(handovers) -> None:
         assert len(handovers) == 1
 
 
+async def test_a_pipelined_request_split_across_reads_is_not_lost(handovers) -> None:
+    async with running(1) as (router, stubs):
+        second = post(STREAM)
+        answers = await exchange(router.url, post() + second[:40], second[40:], answers=2)
+        assert [a[0] for a in answers] == [200, 200]
+        assert answers[1][2].endswith(b"data: [DONE]\n\n")
+        assert len(stubs[0].raw) == 2 and len(handovers) == 1
+
+
 async def test_a_request_sent_before_the_last_answer_waits_for_it(handovers) -> None:
     async with running(1) as (router, stubs):
         stubs[0].behaviour.chunks, stubs[0].behaviour.pace = 5, 0.05
