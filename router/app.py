@@ -31,6 +31,7 @@ from router.telemetry import Telemetry
 from router.workers import WorkerContext
 
 _STARTUP_POLL_SECONDS = 3.0
+_FEED_JOIN_SECONDS = 10.0  # a worker waits this long for the collector's feed to be live
 
 
 class Router:
@@ -114,6 +115,8 @@ class Router:
         self.telemetry.start()
         if ctx is not None and ctx.collector:
             return
+        if ctx is not None and not await self.telemetry.joined(_FEED_JOIN_SECONDS):
+            log.server.warning("the collector's feed is not live yet: edits may be missed")
         # one model poll and one health check before serving, so /ready and the first
         # requests see which backends answer (bounded: a slow backend stays "up")
         startup = asyncio.gather(poller.poll_once(), self.health.admit(list(self.fleet.members)))

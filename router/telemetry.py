@@ -25,11 +25,16 @@ then, from its own decisions (approximate mode).
 The same feed carries the admin API's runtime edits to every worker: worker 0 pushes an
 edit to the collector's PULL socket (`broadcast`) and the collector publishes it (`a`);
 each worker hands it to `on_broadcast`.
+
+PUB/SUB drops what is published before a subscription reaches the publisher, so a
+worker does not serve until its feed is live: it pushes empty hellos to the control
+socket until the collector's answer (`h`) comes back on the feed (`joined`, bounded).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import Callable
@@ -59,6 +64,7 @@ _SUMMED = {
 _MAXED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage"}
 _CACHE_INFO = "vllm:cache_config_info"
 _BROADCAST_TIMEOUT_S = 2.0
+_HELLO_INTERVAL_S = 0.05
 
 
 @dataclass
@@ -270,6 +276,7 @@ class Telemetry:
         self._appliers: dict[str, tuple[EventApplier, KvEventsConfig]] = {}
         self._tasks: list[asyncio.Task] = []
         self._index: PrefixIndex | None = None
+        self._joined = asyncio.Event()  # a worker's feed delivers (see `joined`)
 
     @property
     def _follower(self) -> bool:
@@ -342,7 +349,8 @@ class Telemetry:
         pull.bind(self._link.control)
         try:
             while True:
-                self._publish([b"a", b"", await pull.recv()])
+                payload = await pull.recv()
+                self._publish([b"a", b"", payload] if payload else [b"h", b""])
         finally:
             pull.close()
 
@@ -353,12 +361,31 @@ class Telemetry:
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.connect(self._feed)
+        hello = asyncio.create_task(self._hello())
         try:
             while True:
                 kind, name, *rest = await sub.recv_multipart()
+                self._joined.set()  # the subscription is live: nothing more is missed
                 self._received(kind, name.decode(), rest)
         finally:
+            hello.cancel()
             sub.close()
+
+    async def _hello(self) -> None:
+        """Ask the collector for a message until one comes back on the feed."""
+        while not self._joined.is_set():
+            with contextlib.suppress(TimeoutError):  # the collector is not up yet
+                await self.broadcast(b"")
+            await asyncio.sleep(_HELLO_INTERVAL_S)
+
+    async def joined(self, timeout: float) -> bool:
+        """A worker: wait until its feed is live (True), at most `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._joined.wait()
+        except TimeoutError:
+            return False
+        return True
 
     def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
         if kind == b"s":
