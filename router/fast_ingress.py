@@ -182,7 +182,7 @@ class FastConnection(BaseProtocol):
         if len(data) > size:
             self._hand_over(data)
         elif payload.is_eof():
-            self._start(kind, message, payload, data)
+            self._start(kind, message, payload)
         else:  # the body is still coming (e.g. a client that writes head and body apart)
             self._parser = parser
             timer = self._loop.call_later(owner.body_timeout, self._body_late)
@@ -202,11 +202,9 @@ class FastConnection(BaseProtocol):
             self._hand_over(bytes(receiving.raw))
         elif receiving.payload.is_eof():
             self._stop_receiving()
-            self._start(receiving.kind, receiving.message, receiving.payload, receiving.raw)
+            self._start(receiving.kind, receiving.message, receiving.payload)
 
-    def _start(
-        self, kind: Kind, message: RawRequestMessage, payload: StreamReader, raw: bytes
-    ) -> None:
+    def _start(self, kind: Kind, message: RawRequestMessage, payload: StreamReader) -> None:
         body = payload.read_nowait(-1)
         self._closing = message.should_close
         self.task = self._loop.create_task(self._serve(kind, message, _Body(body)))
@@ -240,7 +238,7 @@ class FastConnection(BaseProtocol):
             log.http.exception("error handling %s %s", message.method, message.path)
             if not reply.started:
                 with contextlib.suppress(ConnectionError):
-                    await reply.whole(500, _INTERNAL[0], _INTERNAL[1])
+                    await reply.whole(500, *_INTERNAL)
         finally:
             self.task = None
             self._after_answer()

@@ -154,8 +154,7 @@ class HttpIngress:
                 await reply.end()
         except KvrouteError as err:
             if not reply.started:
-                headers_, body = err.http_answer(extra)
-                await reply.whole(err.status, headers_, body)
+                await _refuse(reply, err, extra)
                 return
             await _end_stream_with(reply, err)
         except ConnectionResetError:
@@ -314,7 +313,7 @@ async def _end_stream_with(reply: Reply, err: KvrouteError) -> None:
 
 
 async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
-    """Answer a request refused before any backend saw it."""
+    """Answer with `err` before anything of an answer was sent (refused, or failed)."""
     if isinstance(err, Unauthorized):
         extra = {**extra, "WWW-Authenticate": "Bearer"}
     headers, body = err.http_answer(extra)
