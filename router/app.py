@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import signal
+from collections.abc import Callable
 
 import aiohttp
 import orjson
@@ -21,7 +22,7 @@ from router.discovery import Discovery
 from router.dispatch import Dispatcher
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
-from router.health import HealthChecker, ModelPoller
+from router.health import HealthChecker, ModelPoller, Verdicts
 from router.http_ingress import HttpIngress, errors_middleware, parser_limits, server_limits
 from router.metrics import Metrics
 from router.proxy import make_session
@@ -95,14 +96,17 @@ class Router:
     async def _start(self) -> None:
         cfg = self.config
         self._session = make_session(cfg.timeouts.connect)
-        self.poller = poller = ModelPoller(
+        self.poller = ModelPoller(
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
         self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
         # backend telemetry (issue 4): /metrics scraping and KV event subscriptions; with
-        # several workers, gathered once by the collector and fed to the workers
+        # several workers, gathered once by the collector and fed to the workers, as are
+        # the health verdicts and model lists
         ctx = self.context
+        worker = ctx is not None and not ctx.collector
+        verdicts = Verdicts(self.fleet, self.health)
         self.telemetry = Telemetry(
             self.fleet,
             self._session,
@@ -111,20 +115,19 @@ class Router:
             self._kv_events,
             ctx,
             self._edited,
+            verdicts,
         )
         self.telemetry.start()
+        if worker:
+            if not await self.telemetry.joined(_FEED_JOIN_SECONDS):
+                log.server.warning("the collector's feed is not live yet: edits may be missed")
+            with contextlib.suppress(TimeoutError):  # the collector's first round is bounded
+                await asyncio.wait_for(verdicts.adopted.wait(), 2 * _STARTUP_POLL_SECONDS)
+        else:
+            await self._probe(None if ctx is None else self.telemetry.publish_verdicts)
         if ctx is not None and ctx.collector:
             return
-        if ctx is not None and not await self.telemetry.joined(_FEED_JOIN_SECONDS):
-            log.server.warning("the collector's feed is not live yet: edits may be missed")
-        # one model poll and one health check before serving, so /ready and the first
-        # requests see which backends answer (bounded: a slow backend stays "up")
-        startup = asyncio.gather(poller.poll_once(), self.health.admit(list(self.fleet.members)))
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(startup, _STARTUP_POLL_SECONDS)
         self.fleet.changed()
-        self._tasks.append(asyncio.create_task(poller.run(), name="kvroute-models"))
-        self._tasks.append(asyncio.create_task(self.health.run(), name="kvroute-health"))
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
@@ -193,6 +196,19 @@ class Router:
             await self._session.close()
         if self.table is not None:
             self.table.close()
+
+    async def _probe(self, after: Callable[[], None] | None) -> None:
+        """One model poll and one health check before serving, so /ready and the first
+        requests see which backends answer (bounded: a slow backend stays "up"); then
+        the periodic rounds, each followed by `after` (the collector's publish)."""
+        members = list(self.fleet.members)
+        startup = asyncio.gather(self.poller.poll_once(), self.health.admit(members))
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(startup, _STARTUP_POLL_SECONDS)
+        if after is not None:
+            after()
+        self._tasks.append(asyncio.create_task(self.poller.run(after), name="kvroute-models"))
+        self._tasks.append(asyncio.create_task(self.health.run(after), name="kvroute-health"))
 
     def _edited(self, payload: bytes) -> None:
         """An admin edit broadcast by worker 0 (router/admin.py), applied here too."""

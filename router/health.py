@@ -13,14 +13,19 @@ outcomes feed the circuit breaker (breaker.py), the other half of ejection.
 `ModelPoller` fetches each backend's `/v1/models` every `models_refresh_interval`: the
 cards feed `/v1/models` and the per-model candidate lists. A failed fetch keeps what
 was known; reachability is the health checker's job.
+
+With several workers (router/workers.py) only the collector probes: `Verdicts` encodes
+its health verdicts and model cards after every round, and each worker adopts them, so
+a fleet is probed once per interval, not once per worker.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import aiohttp
+import msgspec
 import orjson
 
 from router.backends import Backend, Fleet
@@ -38,11 +43,14 @@ class HealthChecker:
     async def check_once(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self._fleet.members))
 
-    async def run(self) -> None:
+    async def run(self, after: Callable[[], None] | None = None) -> None:
+        """Check every `interval`; `after` hears each round's end (the collector's publish)."""
         while True:
             await asyncio.sleep(self.cfg.interval)
             if self.cfg.enabled:
                 await self.check_once()
+                if after is not None:
+                    after()
 
     async def admit(self, backends: list[Backend]) -> None:
         """One check for backends about to join the fleet (reload, admin API): each
@@ -94,10 +102,12 @@ class ModelPoller:
     async def poll(self, backends: Iterable[Backend]) -> None:
         await asyncio.gather(*(self._poll(b) for b in backends))
 
-    async def run(self) -> None:
+    async def run(self, after: Callable[[], None] | None = None) -> None:
         while True:
             await asyncio.sleep(self._interval)
             await self.poll_once()
+            if after is not None:
+                after()
 
     async def _poll(self, backend: Backend) -> None:
         try:
@@ -116,3 +126,53 @@ def _cards(body: bytes) -> list[dict]:
     except (orjson.JSONDecodeError, AttributeError):
         return []
     return [c for c in data if isinstance(c, dict)] if isinstance(data, list) else []
+
+
+class _Verdict(msgspec.Struct, array_like=True):
+    name: str
+    healthy: bool
+    streak: int
+    passed_ago: float | None  # seconds since the last passed check, if any
+    cards: list[dict] | None  # None: the model list is not known yet
+
+
+class Verdicts:
+    """The collector's probe results, as one message, and their adoption by a worker."""
+
+    def __init__(self, fleet: Fleet, health: HealthChecker) -> None:
+        self._fleet = fleet
+        self._health = health
+        #: set once a worker adopted a first message (it serves with known health then)
+        self.adopted = asyncio.Event()
+
+    def encode(self) -> bytes:
+        now = asyncio.get_running_loop().time()
+        last = self._health.last_pass
+        verdicts = [
+            _Verdict(
+                b.name,
+                b.healthy,
+                b.check_streak,
+                now - last[b.name] if b.name in last else None,
+                None if b.discovered_models is None else b.model_cards,
+            )
+            for b in self._fleet.members
+        ]
+        return msgspec.msgpack.encode(verdicts)
+
+    def adopt(self, payload: bytes) -> None:
+        """Take the collector's verdicts; backends it does not know yet keep their own
+        (one just added through the admin API, whose edit reaches the collector too)."""
+        now = asyncio.get_running_loop().time()
+        fleet = self._fleet
+        for v in msgspec.msgpack.decode(payload, type=list[_Verdict]):
+            backend = fleet.find(v.name)
+            if backend is None:
+                continue
+            backend.check_streak = v.streak
+            fleet.set_healthy(backend, v.healthy)
+            if v.passed_ago is not None:
+                self._health.last_pass[v.name] = now - v.passed_ago
+            if v.cards is not None:
+                fleet.set_discovered(backend, v.cards)
+        self.adopted.set()

@@ -22,9 +22,12 @@ and applies batches to its own index. A worker that starts after a batch was pub
 misses it (PUB/SUB keeps no history): its index fills from the next events and, until
 then, from its own decisions (approximate mode).
 
-The same feed carries the admin API's runtime edits to every worker: worker 0 pushes an
-edit to the collector's PULL socket (`broadcast`) and the collector publishes it (`a`);
-each worker hands it to `on_broadcast`.
+The same feed carries the collector's health verdicts and model lists (`p`, after each
+probe round and to every worker that says hello; router/health.py `Verdicts`: only the
+collector probes), and the admin API's runtime edits: worker 0 pushes an edit to the
+collector's PULL socket (`broadcast`), the collector applies it too (so it scrapes,
+subscribes to and probes an added backend) and publishes it (`a`); each worker hands it
+to `on_broadcast`.
 
 PUB/SUB drops what is published before a subscription reaches the publisher, so a
 worker does not serve until its feed is live: it pushes empty hellos to the control
@@ -49,6 +52,7 @@ from hashing.prefix_index import PrefixIndex
 from router import log
 from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
+from router.health import Verdicts
 from router.kv_events import EventApplier, EventStats, EventSubscriber, run_forever
 from router.metrics import Metrics
 from router.workers import WorkerContext
@@ -245,6 +249,7 @@ class Telemetry:
         kv_events: Callable[[], dict[str, KvEventsConfig]],
         link: WorkerContext | None = None,
         on_broadcast: Callable[[bytes], None] | None = None,
+        verdicts: Verdicts | None = None,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
@@ -254,6 +259,8 @@ class Telemetry:
         self._feed = None if link is None else link.feed
         self._collector = link is not None and link.collector
         self._on_broadcast = on_broadcast
+        self._verdicts = verdicts
+        self._verdicts_ready = False  # the collector: its first probe round is done
         self._zmq: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
@@ -333,6 +340,11 @@ class Telemetry:
     def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
+    def publish_verdicts(self) -> None:
+        """The collector: send its health verdicts and model lists to every worker."""
+        self._verdicts_ready = True
+        self._publish([b"p", b"", self._verdicts.encode()])
+
     async def broadcast(self, payload: bytes) -> None:
         """Send `payload` to every worker (this one included) through the collector."""
         if self._push is None:
@@ -343,14 +355,24 @@ class Telemetry:
             await self._push.send(payload)
 
     async def _relay(self) -> None:
-        """The collector: what workers push to the control socket goes to every worker."""
+        """The collector: what workers push to the control socket goes to every worker.
+
+        An admin edit is applied here too (the collector scrapes, subscribes and probes
+        the backends it adds); a hello is answered, with the verdicts once known.
+        """
         pull = self._context().socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.bind(self._link.control)
         try:
             while True:
                 payload = await pull.recv()
-                self._publish([b"a", b"", payload] if payload else [b"h", b""])
+                if payload:
+                    self._publish([b"a", b"", payload])
+                    self._on_broadcast(payload)
+                    continue
+                self._publish([b"h", b""])
+                if self._verdicts_ready:
+                    self.publish_verdicts()
         finally:
             pull.close()
 
@@ -399,6 +421,8 @@ class Telemetry:
             log.backends.warning("KV index of %s cleared (collector's reset)", name)
         elif kind == b"a" and self._on_broadcast is not None:
             self._on_broadcast(rest[0])
+        elif kind == b"p" and self._verdicts is not None:
+            self._verdicts.adopt(rest[0])
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""

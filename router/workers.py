@@ -3,14 +3,15 @@
 Process model (all children are spawned, not forked, so none inherits a running loop):
 
 - **workers** 0..N-1 each run the whole request path (HTTP and gRPC ingress, dispatch,
-  health checks) on their own uvloop, listening on the same port with SO_REUSEPORT:
+  circuit breakers) on their own uvloop, listening on the same port with SO_REUSEPORT:
   the kernel spreads connections over them. In-flight counts go through the shared
   `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
   `concurrency_threshold` see the router's whole load, not one worker's.
-- **the collector** scrapes every backend's /metrics and holds the KV event
-  subscriptions once for the router, and publishes snapshots and in-order event
-  batches to the workers over a ZMQ IPC socket (router/telemetry.py), so 100 backends
-  are scraped 100 times per interval, not 100 times N.
+- **the collector** scrapes every backend's /metrics, holds the KV event
+  subscriptions and runs the health checks and model polls once for the router, and
+  publishes snapshots, in-order event batches and health verdicts to the workers over
+  a ZMQ IPC socket (router/telemetry.py), so 100 backends are scraped and probed 100
+  times per interval, not 100 times N.
 - **the supervisor** (this module, no event loop) reserves the ports, creates the run
   directory (shared load table, Prometheus multiprocess files, the IPC socket),
   restarts a child that dies (zeroing a dead worker's counters first, with a backoff

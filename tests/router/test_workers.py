@@ -260,16 +260,27 @@ async def _equals(value, expected: float) -> bool:
 
 
 class CountingBackend:
-    """A backend that answers health checks and counts /metrics scrapes."""
+    """A backend that counts /metrics scrapes, /health checks and /v1/models polls, and
+    fails its checks while `failing`."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: str = "counted-model") -> None:
+        self.model = model
         self.scrapes = 0
+        self.checks = 0
+        self.polls = 0
+        self.failing = False
         self.runner: web.AppRunner | None = None
         self.url = ""
 
     async def start(self) -> CountingBackend:
         app = web.Application()
-        app.add_routes([web.get("/metrics", self._metrics), web.get("/health", self._ok)])
+        app.add_routes(
+            [
+                web.get("/metrics", self._metrics),
+                web.get("/health", self._health),
+                web.get("/v1/models", self._models),
+            ]
+        )
         self.runner = web.AppRunner(app)
         await self.runner.setup()
         site = web.TCPSite(self.runner, "127.0.0.1", 0)
@@ -281,8 +292,19 @@ class CountingBackend:
         self.scrapes += 1
         return web.Response(text='vllm:num_requests_waiting{engine="0"} 7.0\n')
 
-    async def _ok(self, request: web.Request) -> web.Response:
-        return web.Response()
+    async def _health(self, request: web.Request) -> web.Response:
+        self.checks += 1
+        return web.Response(status=500 if self.failing else 200)
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self.polls += 1
+        return web.json_response({"object": "list", "data": [{"id": self.model}]})
+
+
+async def _rate(count, seconds: float) -> float:
+    start, t0 = count(), time.monotonic()
+    await asyncio.sleep(seconds)
+    return (count() - start) / (time.monotonic() - t0)
 
 
 async def test_backends_are_scraped_once_and_every_worker_sees_the_result(tmp_path) -> None:
@@ -301,13 +323,52 @@ async def test_backends_are_scraped_once_and_every_worker_sees_the_result(tmp_pa
 
             for session in sessions:
                 await until(lambda s=session: waiting_seen(s), 10, "the collector's snapshot")
-            start, t0 = backend.scrapes, time.monotonic()
-            await asyncio.sleep(3.0)
-            rate = (backend.scrapes - start) / (time.monotonic() - t0)
+            rate = await _rate(lambda: backend.scrapes, 3.0)
             # one scraper at ~5/s (jittered ±20%); one per worker too would be >= 10/s
             assert 2.5 <= rate <= 7.5, rate
     finally:
         await backend.runner.cleanup()
+
+
+async def test_backends_are_probed_once_and_every_worker_adopts_the_verdicts(tmp_path) -> None:
+    backend = await CountingBackend().start()
+    config = {
+        "backends": [{"url": backend.url, "name": "b0"}],
+        "health": {"interval": 0.2, "timeout": 1.0, "unhealthy_threshold": 1},
+        "models_refresh_interval": 0.2,
+    }
+
+    async def listed(session: aiohttp.ClientSession) -> bool:
+        async with session.get(r.url + "/v1/models") as resp:
+            return backend.model in {m["id"] for m in (await resp.json())["data"]}
+
+    async def ready(session: aiohttp.ClientSession) -> int:
+        async with session.get(r.url + "/ready") as resp:
+            return resp.status
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            for session in sessions:  # the collector's poll is every worker's model list
+                await until(lambda s=session: listed(s), 10, "the polled model list")
+            checks, polls = await asyncio.gather(
+                _rate(lambda: backend.checks, 3.0), _rate(lambda: backend.polls, 3.0)
+            )
+            # one prober at 5/s each; one per worker as well would be >= 10/s
+            assert 2.5 <= checks <= 7.5, checks
+            assert 2.5 <= polls <= 7.5, polls
+            backend.failing = True  # the collector's verdict takes it out of every worker
+            for session in sessions:
+                await until(lambda s=session: _is(ready(s), 503), 10, "b0 down everywhere")
+            backend.failing = False
+            for session in sessions:
+                await until(lambda s=session: _is(ready(s), 200), 10, "b0 up everywhere")
+    finally:
+        await backend.runner.cleanup()
+
+
+async def _is(status, expected: int) -> bool:
+    return await status == expected
 
 
 async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> None:
@@ -377,14 +438,21 @@ async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> N
 
 
 async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
-    """The admin API listens in worker 0; its edits and reloads apply in both workers."""
+    """The admin API listens in worker 0; its edits and reloads apply in both workers,
+    and in the collector (a backend added there is scraped for every worker)."""
     servers = await stubs(3)
+    counted = await CountingBackend().start()
     token = tmp_path / "admin.token"
     token.write_text("admin-secret-token-0123456789")
     admin_port = free_port()
     admin = {"port": admin_port, "token_file": str(token)}
     try:
-        async with multi_router(tmp_path, {"backends": backends(servers[:2]), "admin": admin}) as r:
+        config = {
+            "backends": backends(servers[:2]),
+            "admin": admin,
+            "telemetry": {"scrape_interval": 0.2},
+        }
+        async with multi_router(tmp_path, config) as r:
             sessions = [await r.pinned(pid) for pid in r.workers()]
 
             async def view(session: aiohttp.ClientSession) -> dict:
@@ -409,9 +477,16 @@ async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
                     assert resp.status == 201
                     assert (await resp.json())["added"] == ["b2"]
                 await everywhere(lambda v: set(v) == {"b0", "b1", "b2"}, "b2 added")
+                async with http.post(base + "/backends", json={"url": counted.url}) as resp:
+                    assert resp.status == 201
+                    (name,) = (await resp.json())["added"]
+                await everywhere(
+                    lambda v: v.get(name, {}).get("waiting") == 7.0,
+                    "the added backend's scrape",
+                )
                 async with http.delete(base + "/backends/b1") as resp:
                     assert resp.status == 200
-                await everywhere(lambda v: set(v) == {"b0", "b2"}, "b1 removed")
+                await everywhere(lambda v: set(v) == {"b0", "b2", name}, "b1 removed")
                 async with http.post(base + "/backends", json={"url": "nope"}) as resp:
                     assert resp.status == 400  # refused in worker 0: nothing broadcast
                 r.path.write_text(
@@ -429,6 +504,7 @@ async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
     finally:
         for s in servers:
             await s.stop()
+        await counted.runner.cleanup()
 
 
 async def _holds(value, check) -> bool:
