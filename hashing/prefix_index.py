@@ -133,6 +133,18 @@ class PrefixIndex:
                 hi = mid - 1
         return lo
 
+    def snapshot(self, backend: str) -> list[tuple[int, int]]:
+        """The confirmed (key, engine hash) pairs of `backend`, least recently stored first."""
+        h = self._backends.get(backend)
+        return list(h.confirmed.items()) if h else []
+
+    def restore(self, backend: str, pairs: Sequence[Sequence[int]]) -> None:
+        """Replace `backend`'s confirmed keys with a `snapshot` (a worker joining late)."""
+        h = self._of(backend)
+        h.confirmed = OrderedDict((key, engine) for key, engine in pairs)
+        h.by_engine = {engine: key for key, engine in h.confirmed.items()}
+        self._trim(h)
+
     def size(self, backend: str) -> tuple[int, int]:
         """(confirmed, speculative) keys held for `backend`."""
         h = self._backends.get(backend)

@@ -18,9 +18,10 @@ scrapes and subscribes, and publishes on a ZMQ PUB socket (IPC) each snapshot
 (`s`, backend, msgpack snapshot), each KV batch in sequence order after its gap checks
 and replays (`k`, backend, payload as the backend sent it) and each index reset
 (`c`, backend); every worker's `Telemetry` follows that feed instead of the backends
-and applies batches to its own index. A worker that starts after a batch was published
-misses it (PUB/SUB keeps no history): its index fills from the next events and, until
-then, from its own decisions (approximate mode).
+and applies batches to its own index. The collector applies them to an index of its own
+too: a worker that starts late (or is restarted) gets that index as a snapshot (`i<n>.`,
+backend, msgpack pairs; a topic only that worker subscribes to), published in order with
+the batches, and goes on from there.
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
 probe round and to every worker that says hello; router/health.py `Verdicts`: only the
@@ -30,8 +31,9 @@ subscribes to and probes an added backend) and publishes it (`a`); each worker h
 to `on_broadcast`.
 
 PUB/SUB drops what is published before a subscription reaches the publisher, so a
-worker does not serve until its feed is live: it pushes empty hellos to the control
-socket until the collector's answer (`h`) comes back on the feed (`joined`, bounded).
+worker does not serve until its feed is live: it pushes hellos (`hello <n>`) to the
+control socket until the collector's answer comes back on the feed on that worker's
+topic (then the verdicts and the snapshot; `joined`, bounded).
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from router import log
 from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
 from router.health import Verdicts
-from router.kv_events import EventApplier, EventStats, EventSubscriber, run_forever
+from router.kv_events import EventApplier, EventSubscriber, run_forever
 from router.metrics import Metrics
 from router.workers import WorkerContext
 
@@ -69,6 +71,12 @@ _MAXED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "
 _CACHE_INFO = "vllm:cache_config_info"
 _BROADCAST_TIMEOUT_S = 2.0
 _HELLO_INTERVAL_S = 0.05
+_HELLO = b"hello "  # + the worker's index; an admin edit is a JSON object
+
+
+def _snapshot_topic(worker: bytes) -> bytes:
+    """The feed topic of one worker's index snapshot (`.` ends it: i1 is not i10)."""
+    return b"i" + worker + b"."
 
 
 @dataclass
@@ -221,16 +229,20 @@ def _base_model(backend: Backend) -> str:
 
 
 class _Forwarder:
-    """The collector's stand-in for an EventApplier: in-order batches go to the workers."""
+    """The collector's EventApplier: in-order batches go to the workers, and to the
+    collector's own index (the snapshot a late worker starts from)."""
 
-    def __init__(self, backend: str, publish: Callable[[list[bytes]], None]) -> None:
+    def __init__(
+        self, applier: EventApplier, backend: str, publish: Callable[[list[bytes]], None]
+    ) -> None:
+        self._applier = applier
         self._name = backend.encode()
         self._publish = publish
-        self.stats = EventStats()
+        self.stats = applier.stats
 
     def apply_payload(self, payload: bytes) -> None:
-        self.stats.batches += 1
         self._publish([b"k", self._name, payload])
+        self._applier.apply_payload(payload)
 
 
 class Telemetry:
@@ -284,6 +296,7 @@ class Telemetry:
         self._tasks: list[asyncio.Task] = []
         self._index: PrefixIndex | None = None
         self._joined = asyncio.Event()  # a worker's feed delivers (see `joined`)
+        self._me = b"" if link is None else str(link.index).encode()
 
     @property
     def _follower(self) -> bool:
@@ -340,6 +353,15 @@ class Telemetry:
     def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
+    def _publish_index(self, topic: bytes) -> None:
+        """The collector: its index of every backend with events, to one joining worker
+        (ordered with the batches on the feed, so the worker goes on from there)."""
+        if self._index is None:
+            return
+        for name in self._subscribers:
+            pairs = msgspec.msgpack.encode(self._index.snapshot(name))
+            self._publish([topic, name.encode(), pairs])
+
     def publish_verdicts(self) -> None:
         """The collector: send its health verdicts and model lists to every worker."""
         self._verdicts_ready = True
@@ -366,13 +388,15 @@ class Telemetry:
         try:
             while True:
                 payload = await pull.recv()
-                if payload:
+                if not payload.startswith(_HELLO):
                     self._publish([b"a", b"", payload])
                     self._on_broadcast(payload)
                     continue
-                self._publish([b"h", b""])
+                topic = _snapshot_topic(payload[len(_HELLO) :])
+                self._publish([topic, b"", b""])  # to that worker alone: its feed is live
                 if self._verdicts_ready:
                     self.publish_verdicts()
+                self._publish_index(topic)
         finally:
             pull.close()
 
@@ -381,23 +405,23 @@ class Telemetry:
         sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        for topic in (b"s", b"k", b"c", b"a", b"p", _snapshot_topic(self._me)):
+            sub.setsockopt(zmq.SUBSCRIBE, topic)  # not the other workers' snapshots
         sub.connect(self._feed)
         hello = asyncio.create_task(self._hello())
         try:
             while True:
                 kind, name, *rest = await sub.recv_multipart()
-                self._joined.set()  # the subscription is live: nothing more is missed
                 self._received(kind, name.decode(), rest)
         finally:
             hello.cancel()
             sub.close()
 
     async def _hello(self) -> None:
-        """Ask the collector for a message until one comes back on the feed."""
+        """Say hello to the collector until its answer comes back on the feed."""
         while not self._joined.is_set():
             with contextlib.suppress(TimeoutError):  # the collector is not up yet
-                await self.broadcast(b"")
+                await self.broadcast(_HELLO + self._me)
             await asyncio.sleep(_HELLO_INTERVAL_S)
 
     async def joined(self, timeout: float) -> bool:
@@ -423,6 +447,12 @@ class Telemetry:
             self._on_broadcast(rest[0])
         elif kind == b"p" and self._verdicts is not None:
             self._verdicts.adopt(rest[0])
+        elif kind == _snapshot_topic(self._me):
+            index = getattr(self._fleet.policy, "index", None)
+            if not name:  # the answer to this worker's hello: nothing more is missed
+                self._joined.set()
+            elif index is not None:
+                index.restore(name, msgspec.msgpack.decode(rest[0]))
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""
@@ -464,7 +494,7 @@ class Telemetry:
         applier = EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
         if self._follower:
             return applier
-        sink = _Forwarder(backend.name, self._publish) if self._collector else applier
+        sink = _Forwarder(applier, backend.name, self._publish) if self._collector else applier
 
         def reset(why: str) -> None:
             index.cleared(backend.name)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from hashing.blocks import chain, root_key
@@ -68,6 +69,25 @@ def test_capacity_evicts_least_recent() -> None:
     index = PrefixIndex(capacity=3)
     stored(index)
     assert index.size("a") == (3, 0)
+
+
+def test_a_restored_snapshot_answers_and_evicts_as_the_original() -> None:
+    """A late worker starts from the collector's snapshot: same lookups, same engine
+    hashes for BlockRemoved, same LRU order, through a msgpack round trip."""
+    original = PrefixIndex()
+    keys = chain(ROOT, IDS, 16)
+    stored(original)
+    late = PrefixIndex(capacity=3)
+    late.learn("a", keys[:1], expires_at=10.0)  # its own decisions stay
+    late.restore("a", msgspec.msgpack.decode(msgspec.msgpack.encode(original.snapshot("a"))))
+    assert late.size("a") == (3, 1)  # trimmed to its capacity, least recent first
+    assert late.snapshot("a") == original.snapshot("a")[1:]
+    whole = PrefixIndex()
+    whole.restore("a", original.snapshot("a"))
+    assert whole.longest_prefix(keys, "a") == 4
+    whole.removed("a", [1003])
+    assert whole.longest_prefix(keys, "a") == 3
+    assert PrefixIndex().snapshot("nobody") == []
 
 
 def test_speculative_keys_expire() -> None:

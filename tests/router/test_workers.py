@@ -388,7 +388,8 @@ async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> N
     config = {"backends": entries, "routing": {"strategy": "KV_AWARE", "seed": 1}}
     try:
         async with multi_router(tmp_path, config) as r:
-            w0, w1 = [await r.pinned(pid) for pid in r.workers()]
+            pids = r.workers()
+            w0, w1 = [await r.pinned(pid) for pid in pids]
             await asyncio.sleep(1.5)  # each worker's index loop sets up its appliers
             doc = "".join(f"clause {k}: keep the premises in good order. " for k in range(60))
             body = chat(doc, model="sim-llama-70b") | {"max_tokens": 2}
@@ -397,16 +398,31 @@ async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> N
                 home = resp.headers["x-kvroute-backend"]
 
             async def keys(session: aiohttp.ClientSession) -> int:
+                """Confirmed (event-fed) keys the worker holds for `home`."""
                 async with session.get(r.url + "/debug/routing") as resp:
-                    return (await resp.json())["backends"][home]["index_keys"]
+                    return (await resp.json())["backends"][home]["index_keys"][0]
+
+            async def follows(session: aiohttp.ClientSession) -> None:
+                async with session.post(r.url + CHAT, json=body) as resp:
+                    assert resp.status == 200
+                    assert resp.headers["x-kvroute-backend"] == home
+                    usage = (await resp.json())["usage"]
+                    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
             # worker 1 never routed this prompt: only the forwarded events can fill it
             await until(lambda: keys(w1), 10, "worker 1's index to learn the blocks")
-            async with w1.post(r.url + CHAT, json=body) as resp:
-                assert resp.status == 200
-                assert resp.headers["x-kvroute-backend"] == home
-                usage = (await resp.json())["usage"]
-                assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+            held = await keys(w1)
+            await follows(w1)
+            # a worker started after the events (here: a restarted one) gets the
+            # collector's index when it joins, before it serves anything
+            victim = pids[1]
+            os.kill(victim, signal.SIGKILL)
+            await until(lambda: victim not in r.workers(), 10, "the worker to die")
+            await until(lambda: len(r.workers()) == WORKERS, 30, "the restarted worker")
+            (replacement,) = set(r.workers()) - set(pids[:1])
+            fresh = await r.pinned(replacement)
+            assert await keys(fresh) >= held
+            await follows(fresh)
     finally:
         await fleet.stop()
 
