@@ -206,9 +206,24 @@ async def apply_edit(router: Router, edit: dict) -> dict[str, list[str]]:
         if backend is not None:
             fleet.set_draining(backend, edit["draining"])
         return {}
+    if edit["backends"] == _entries(router.config):  # e.g. a worker's replay (below)
+        return {"added": [], "removed": [], "at_restart": []}
     data = msgspec.to_builtins(router.config)
     data["backends"] = edit["backends"]
     return await router.reloader.apply(build(data, "admin"))
+
+
+def replay_edits(router: Router) -> list[bytes]:
+    """The edits that bring a (re)started worker, which read the file, to the router's
+    runtime view: the backend list as edited since, and the drained backends. The
+    collector, which applies every edit too, sends them to each worker that joins."""
+    edits = [{"op": "backends", "backends": _entries(router.config)}]
+    edits += [
+        {"op": "drain", "name": b.name, "draining": True}
+        for b in router.fleet.members
+        if b.draining
+    ]
+    return [orjson.dumps(edit) for edit in edits]
 
 
 def _entries(config: Config) -> list[dict]:

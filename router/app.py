@@ -14,7 +14,7 @@ from aiohttp import web
 
 import policies
 from router import log
-from router.admin import AdminServer, apply_edit
+from router.admin import AdminServer, apply_edit, replay_edits
 from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config, ConfigError, KvEventsConfig
@@ -116,18 +116,23 @@ class Router:
             ctx,
             self._edited,
             verdicts,
+            lambda: replay_edits(self),
         )
         self.telemetry.start()
         if worker:
             if not await self.telemetry.joined(_FEED_JOIN_SECONDS):
                 log.server.warning("the collector's feed is not live yet: edits may be missed")
-            with contextlib.suppress(TimeoutError):  # the collector's first round is bounded
+            # the collector's first round is bounded; the edits it replays came before
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(verdicts.adopted.wait(), 2 * _STARTUP_POLL_SECONDS)
+            if self._edits:  # applied before serving (not cancelled if slow)
+                await asyncio.wait(self._edits, timeout=_STARTUP_POLL_SECONDS)
         else:
             await self._probe(None if ctx is None else self.telemetry.publish_verdicts)
         if ctx is not None and ctx.collector:
             return
         self.fleet.changed()
+        cfg = self.config  # replayed edits may have changed it
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]

@@ -19,9 +19,7 @@ scrapes and subscribes, and publishes on a ZMQ PUB socket (IPC) each snapshot
 and replays (`k`, backend, payload as the backend sent it) and each index reset
 (`c`, backend); every worker's `Telemetry` follows that feed instead of the backends
 and applies batches to its own index. The collector applies them to an index of its own
-too: a worker that starts late (or is restarted) gets that index as a snapshot (`i<n>.`,
-backend, msgpack pairs; a topic only that worker subscribes to), published in order with
-the batches, and goes on from there.
+too.
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
 probe round and to every worker that says hello; router/health.py `Verdicts`: only the
@@ -32,8 +30,11 @@ to `on_broadcast`.
 
 PUB/SUB drops what is published before a subscription reaches the publisher, so a
 worker does not serve until its feed is live: it pushes hellos (`hello <n>`) to the
-control socket until the collector's answer comes back on the feed on that worker's
-topic (then the verdicts and the snapshot; `joined`, bounded).
+control socket until the collector's welcome comes back on a topic only that worker
+subscribes to (`w<n>.`): `j` (joined), the runtime edits that bring a restarted worker's
+file-based config to the router's (`e`: backend list, drains), and a snapshot of the
+collector's index per backend with events (`i`, published in order with the batches,
+so the worker goes on from there). `joined` waits for it, bounded.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ _HELLO_INTERVAL_S = 0.05
 _HELLO = b"hello "  # + the worker's index; an admin edit is a JSON object
 
 
-def _snapshot_topic(worker: bytes) -> bytes:
-    """The feed topic of one worker's index snapshot (`.` ends it: i1 is not i10)."""
-    return b"i" + worker + b"."
+def _worker_topic(worker: bytes) -> bytes:
+    """The feed topic of what one joining worker alone needs (`.` ends it: w1 is not w10)."""
+    return b"w" + worker + b"."
 
 
 @dataclass
@@ -262,6 +263,7 @@ class Telemetry:
         link: WorkerContext | None = None,
         on_broadcast: Callable[[bytes], None] | None = None,
         verdicts: Verdicts | None = None,
+        replay: Callable[[], list[bytes]] = list,
     ) -> None:
         self._fleet = fleet
         self._metrics = metrics
@@ -272,6 +274,7 @@ class Telemetry:
         self._collector = link is not None and link.collector
         self._on_broadcast = on_broadcast
         self._verdicts = verdicts
+        self._replay = replay  # the collector: edits that bring a joining worker up to date
         self._verdicts_ready = False  # the collector: its first probe round is done
         self._zmq: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket | None = None
@@ -297,6 +300,7 @@ class Telemetry:
         self._index: PrefixIndex | None = None
         self._joined = asyncio.Event()  # a worker's feed delivers (see `joined`)
         self._me = b"" if link is None else str(link.index).encode()
+        self._topic = _worker_topic(self._me)
 
     @property
     def _follower(self) -> bool:
@@ -353,14 +357,20 @@ class Telemetry:
     def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
-    def _publish_index(self, topic: bytes) -> None:
-        """The collector: its index of every backend with events, to one joining worker
-        (ordered with the batches on the feed, so the worker goes on from there)."""
-        if self._index is None:
-            return
-        for name in self._subscribers:
-            pairs = msgspec.msgpack.encode(self._index.snapshot(name))
-            self._publish([topic, name.encode(), pairs])
+    def _welcome(self, topic: bytes) -> None:
+        """The collector's answer to a worker's hello, on that worker's topic: `j` (its feed
+        is live), the runtime edits the file does not know (`e`), the index of every
+        backend with events (`i`, ordered with the batches, so the worker goes on from
+        there); and the verdicts, to everyone."""
+        self._publish([topic, b"j"])
+        for edit in self._replay():
+            self._publish([topic, b"e", edit])
+        if self._verdicts_ready:
+            self.publish_verdicts()
+        if self._index is not None:
+            for name in self._subscribers:
+                pairs = msgspec.msgpack.encode(self._index.snapshot(name))
+                self._publish([topic, b"i", name.encode(), pairs])
 
     def publish_verdicts(self) -> None:
         """The collector: send its health verdicts and model lists to every worker."""
@@ -392,11 +402,7 @@ class Telemetry:
                     self._publish([b"a", b"", payload])
                     self._on_broadcast(payload)
                     continue
-                topic = _snapshot_topic(payload[len(_HELLO) :])
-                self._publish([topic, b"", b""])  # to that worker alone: its feed is live
-                if self._verdicts_ready:
-                    self.publish_verdicts()
-                self._publish_index(topic)
+                self._welcome(_worker_topic(payload[len(_HELLO) :]))
         finally:
             pull.close()
 
@@ -405,7 +411,7 @@ class Telemetry:
         sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        for topic in (b"s", b"k", b"c", b"a", b"p", _snapshot_topic(self._me)):
+        for topic in (b"s", b"k", b"c", b"a", b"p", self._topic):
             sub.setsockopt(zmq.SUBSCRIBE, topic)  # not the other workers' snapshots
         sub.connect(self._feed)
         hello = asyncio.create_task(self._hello())
@@ -433,6 +439,16 @@ class Telemetry:
             return False
         return True
 
+    def _welcomed(self, what: str, rest: list[bytes]) -> None:
+        """What the collector sent this worker alone (see `_welcome`)."""
+        index = getattr(self._fleet.policy, "index", None)
+        if what == "j":  # nothing published from here on is missed
+            self._joined.set()
+        elif what == "e":
+            self._on_broadcast(rest[0])
+        elif what == "i" and index is not None:
+            index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
+
     def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
         if kind == b"s":
             backend = self._fleet.find(name)
@@ -447,12 +463,8 @@ class Telemetry:
             self._on_broadcast(rest[0])
         elif kind == b"p" and self._verdicts is not None:
             self._verdicts.adopt(rest[0])
-        elif kind == _snapshot_topic(self._me):
-            index = getattr(self._fleet.policy, "index", None)
-            if not name:  # the answer to this worker's hello: nothing more is missed
-                self._joined.set()
-            elif index is not None:
-                index.restore(name, msgspec.msgpack.decode(rest[0]))
+        elif kind == self._topic:
+            self._welcomed(name, rest)
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""

@@ -503,6 +503,19 @@ async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
                 async with http.delete(base + "/backends/b1") as resp:
                     assert resp.status == 200
                 await everywhere(lambda v: set(v) == {"b0", "b2", name}, "b1 removed")
+                async with http.post(base + "/backends/b0/drain") as resp:
+                    assert resp.status == 200
+                await everywhere(lambda v: not v["b0"]["usable"], "b0 drained")
+                # a restarted worker reads the file, then takes the runtime edits back
+                victim = next(pid for pid in r.workers() if pid != _listener(r, admin_port))
+                os.kill(victim, signal.SIGKILL)
+                await until(lambda: victim not in r.workers(), 10, "the worker to die")
+                await until(lambda: len(r.workers()) == WORKERS, 30, "the restarted worker")
+                (replacement,) = set(r.workers()) - {_listener(r, admin_port)}
+                sessions = [await r.pinned(_listener(r, admin_port)), await r.pinned(replacement)]
+                view_now = await view(sessions[1])
+                assert set(view_now) == {"b0", "b2", name}, view_now
+                assert not view_now["b0"]["usable"]
                 async with http.post(base + "/backends", json={"url": "nope"}) as resp:
                     assert resp.status == 400  # refused in worker 0: nothing broadcast
                 r.path.write_text(
@@ -521,6 +534,15 @@ async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
         for s in servers:
             await s.stop()
         await counted.runner.cleanup()
+
+
+def _listener(r: MultiRouter, port: int) -> int:
+    """The worker listening on `port` (the admin API's: worker 0)."""
+    for pid in r.workers():
+        conns = psutil.Process(pid).net_connections(kind="tcp")
+        if any(c.status == "LISTEN" and c.laddr.port == port for c in conns):
+            return pid
+    raise AssertionError(f"no worker listens on {port}")
 
 
 async def _holds(value, check) -> bool:
