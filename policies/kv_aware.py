@@ -102,8 +102,8 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         tok = params.tokenizer
         self._blocks = make_prompt_blocks(params.block_size, max_blocks, tok.kind, tok.path)
         self._rng = random.Random(params.seed)
-        #: the last decisions with their scores, for /debug/routing
-        self.recent: deque[dict[str, Any]] = deque(maxlen=64)
+        #: the last decisions as recorded (see `recent`)
+        self._recent: deque[tuple] = deque(maxlen=64)
         #: backends that publish KV events; the others are indexed from our own decisions
         self.event_backends: set[str] = set()
 
@@ -168,12 +168,19 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self.index.learn(backend.name, new, time.monotonic() + ttl)
 
     def _record(self, req: RouteRequest, chosen: BackendLike, scored: list) -> None:
-        self.recent.append(
+        """Keep the decision as it stands; `recent` formats it only when someone asks."""
+        self._recent.append((time.time(), req.model, req.prompt_tokens, chosen.name, scored))
+
+    @property
+    def recent(self) -> list[dict[str, Any]]:
+        """The last decisions with their scores, for /debug/routing."""
+        return [
             {
-                "at": time.time(),
-                "model": req.model,
-                "prompt_tokens": req.prompt_tokens,
-                "chosen": chosen.name,
+                "at": at,
+                "model": model,
+                "prompt_tokens": tokens,
+                "chosen": chosen,
                 "scores": {b.name: {"ttft_s": round(c, 6), "cached": k} for c, k, b in scored},
             }
-        )
+            for at, model, tokens, chosen, scored in self._recent
+        ]
