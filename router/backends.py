@@ -219,8 +219,12 @@ class Fleet:
         members = tuple(backends)
         policy.on_fleet_change(members)
         stayed = {id(b) for b in members}
-        removed = (b for b in self.members if id(b) not in stayed)
-        self.retired = tuple(b for b in (*self.retired, *removed) if b.local_inflight)
+        leaving = (*self.retired, *(b for b in self.members if id(b) not in stayed))
+        self.retired = tuple(b for b in leaving if b.local_inflight)
+        in_use = {b.slot for b in (*members, *self.retired)}
+        for b in leaving:  # idle and gone: its shared-table slot may serve another backend
+            if b.table is not None and b.slot not in in_use:
+                b.table.release(b.slot)
         self.members, self.policy = members, policy
         self.changed()
 

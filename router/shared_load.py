@@ -1,10 +1,11 @@
 """Router-wide in-flight counts shared by the worker processes (`serve --workers N`).
 
 One file in shared memory (a tmpfs under the supervisor's run directory), mapped by
-every worker. Layout: `slots` backend keys (uint64, 0 = free), then per slot two
-counters (requests in flight, prompt tokens queued) with one int64 per worker:
+every worker. Layout: `slots` backend keys (uint64, 0 = never used), then per slot
+three counters (requests in flight, prompt tokens queued, and whether the worker holds
+the backend) with one int64 per worker:
 
-    [key_0 .. key_{S-1}] [slot 0: inflight w0..wN-1, tokens w0..wN-1] [slot 1: ...]
+    [key_0 .. key_{S-1}] [slot 0: inflight w0..wN-1, tokens w0..wN-1, held w0..wN-1] ...
 
 A worker only ever writes its own column, so an increment is a plain read-modify-write
 with no lock; readers sum a contiguous run of N int64s (one C-level `sum` over a
@@ -13,11 +14,14 @@ run on, so a reader never sees a torn value. When a worker dies the supervisor z
 its column before starting its replacement: its requests died with it, so the
 router-wide sums are right again at once.
 
-Slots are claimed once per backend (when its `Backend` is built, never per request),
-by open addressing on a hash of its name and URL under an `flock`, so two workers that
-add the same backend agree on its slot. Slots are never freed: the table is sized at
-start for `slots` distinct backends over the router's life (discovery churn included);
-a backend that finds it full counts locally only and a warning says so.
+Slots are claimed when a `Backend` is built (never per request), by open addressing on
+a hash of its name and URL under an `flock`, so two workers that add the same backend
+agree on its slot. A worker lets go of a slot when the backend has left its fleet and
+its last request there ended (`release`); a slot no worker holds, with nothing in
+flight, is reused by the next claim on its probe path, so discovery churn (pods coming
+and going) does not fill the table. Keys stay in reused slots' places, so a probe path
+is never cut. A backend that finds the table full counts locally only and a warning
+says so.
 """
 
 from __future__ import annotations
@@ -34,13 +38,17 @@ from router import log
 _INT64 = 8
 
 
+def _zeros(n: int) -> memoryview:
+    return memoryview(bytes(n * _INT64)).cast("q")
+
+
 class LoadTable:
     """A mapped view of the shared counters; `worker` is the column this process writes."""
 
     def __init__(self, path: str | Path, slots: int, workers: int, worker: int | None) -> None:
         self.path = str(path)
         self.slots, self.workers, self.worker = slots, workers, worker
-        size = slots * _INT64 * (1 + 2 * workers)
+        size = slots * _INT64 * (1 + 3 * workers)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             if os.fstat(fd).st_size < size:
@@ -52,32 +60,48 @@ class LoadTable:
         self._keys = memoryview(self._map).cast("Q")[:slots]
 
     def slot(self, name: str, url: str) -> int | None:
-        """The backend's slot, claimed on first use; None when the table is full."""
+        """The backend's slot, claimed and held by this worker; None when the table is full."""
         key = xxhash.xxh3_64_intdigest(f"{name}\0{url}".encode()) or 1
-        found = self._probe(key)
-        if found is not None and self._keys[found] == key:
-            return found
         with open(self.path, "rb") as f:  # claims are rare: a lock on the whole file
             fcntl.flock(f, fcntl.LOCK_EX)
-            found = self._probe(key)
+            found = self._claim(key)
             if found is None:
                 log.server.warning("shared load table full: %s counts per worker only", name)
                 return None
-            self._keys[found] = key
+            self._words[self._base(found) + 2 * self.workers + self.worker] = 1
             return found
 
-    def _probe(self, key: int) -> int | None:
-        """The slot holding `key`, else the first free one on its probe path."""
+    def release(self, slot: int) -> None:
+        """This worker is done with the slot's backend (gone from its fleet, idle)."""
+        self._words[self._base(slot) + 2 * self.workers + self.worker] = 0
+
+    def _claim(self, key: int) -> int | None:
+        """The slot holding `key`, else the first reusable one on its probe path (never
+        used, or held by no worker with nothing counted), reset for `key`."""
         start = key % self.slots
+        reusable = None
         for i in range(self.slots):
             slot = (start + i) % self.slots
             held = self._keys[slot]
-            if held == key or held == 0:
+            if held == key:
                 return slot
-        return None
+            if held == 0:  # the end of the path: `key` is nowhere further
+                reusable = slot if reusable is None else reusable
+                break
+            if reusable is None and self._idle(slot):
+                reusable = slot
+        if reusable is not None:
+            base = self._base(reusable)
+            self._words[base : base + 3 * self.workers] = _zeros(3 * self.workers)
+            self._keys[reusable] = key
+        return reusable
+
+    def _idle(self, slot: int) -> bool:
+        base = self._base(slot)
+        return not any(self._words[base : base + 3 * self.workers])
 
     def _base(self, slot: int) -> int:
-        return self.slots + slot * 2 * self.workers
+        return self.slots + slot * 3 * self.workers
 
     def add(self, slot: int, requests: int, tokens: int) -> None:
         """Count this worker's requests and queued tokens to a backend up or down."""
@@ -94,11 +118,10 @@ class LoadTable:
         return sum(self._words[base : base + self.workers])
 
     def clear_worker(self, worker: int) -> None:
-        """Zero a dead worker's column: its in-flight requests ended with it."""
+        """Zero a dead worker's column: its requests ended, its backends went with it."""
         for slot in range(self.slots):
             i = self._base(slot) + worker
-            self._words[i] = 0
-            self._words[i + self.workers] = 0
+            self._words[i : i + 3 * self.workers : self.workers] = _zeros(3)
 
     def close(self) -> None:
         self._keys.release()

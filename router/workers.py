@@ -47,7 +47,7 @@ from router import log
 from router.config import Config
 from router.shared_load import LoadTable
 
-#: backends the shared load table can tell apart over the router's life, at least
+#: backends the shared load table tells apart at once (freed slots are reused), at least
 _MIN_SLOTS = 4096
 #: a child that dies younger than this is restarted after a growing delay
 _YOUNG_SECONDS = 10.0

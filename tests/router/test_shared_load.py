@@ -1,10 +1,12 @@
 """The shared load table: per-worker columns summed by readers, slots agreed on by every
-worker, a dead worker's column zeroed, and a full table degrading to local counts."""
+worker, a dead worker's column zeroed, a full table degrading to local counts, and slots
+reused once no worker holds their backend."""
 
 from __future__ import annotations
 
-from router.backends import Backend
-from router.config import BackendConfig
+from policies.round_robin import RoundRobinParams, RoundRobinPolicy
+from router.backends import Backend, Fleet
+from router.config import BackendConfig, BreakerConfig
 from router.shared_load import LoadTable
 
 
@@ -54,3 +56,46 @@ def test_a_full_table_leaves_new_backends_counting_locally(tmp_path) -> None:
     assert extra.table is None
     extra.count(1, 5)
     assert extra.inflight == 1 and extra.queued_tokens == 5
+
+
+def test_a_slot_no_worker_holds_is_reused_and_probe_paths_stay_whole(tmp_path) -> None:
+    t0, t1 = tables(tmp_path, workers=2, slots=3)
+    a, b, c = (t0.slot(n, "http://x:1") for n in ("a", "b", "c"))
+    assert t0.slot("d", "http://x:1") is None  # full
+    assert t1.slot("b", "http://x:1") == b  # worker 1 holds b too
+    t0.release(b)
+    assert t0.slot("d", "http://x:1") is None  # worker 1 still holds b
+    t1.release(b)
+    t0.add(a, 1, 10)
+    t0.release(a)
+    assert t0.slot("d", "http://x:1") not in (None, a)  # a still has a request in flight
+    # every key still found where it was, whichever slots were reused on its path
+    assert t1.slot("a", "http://x:1") == a and t1.slot("c", "http://x:1") == c
+    assert t1.inflight(a) == 1
+
+
+def test_a_reused_slot_starts_from_zero_and_a_dead_worker_lets_go(tmp_path) -> None:
+    t0, t1 = tables(tmp_path, workers=2, slots=1)
+    supervisor = LoadTable(tmp_path / "load", 1, 2, None)
+    slot = t0.slot("a", "http://x:1")
+    t0.add(slot, 0, 500)  # e.g. a count left behind
+    t0.add(slot, 0, -500)
+    supervisor.clear_worker(0)  # worker 0 died holding `a`
+    assert t1.slot("b", "http://x:1") == slot
+    assert t1.inflight(slot) == 0 and t1.queued_tokens(slot) == 0
+
+
+def test_backends_leaving_the_fleet_free_their_slots(tmp_path) -> None:
+    """Discovery churn: many more backends over the router's life than the table has slots."""
+    (t0,) = tables(tmp_path, workers=1, slots=4)
+    breaker = BreakerConfig()
+    cfgs = [BackendConfig(url=f"http://10.0.0.{i}:8000", name=f"pod-{i}") for i in range(2)]
+    fleet = Fleet(cfgs, RoundRobinPolicy(RoundRobinParams()), breaker, t0)
+    busy = fleet.members[0]
+    busy.count(1, 0)  # a request still running on pod-0 when it leaves
+    for i in range(2, 40):  # each generation: pod-(i-1) and pod-i
+        cfgs = [BackendConfig(url=f"http://10.0.0.{k}:8000", name=f"pod-{k}") for k in (i - 1, i)]
+        fleet.update(cfgs, fleet.prepare(cfgs, breaker), fleet.policy, breaker)
+        assert all(b.table is t0 for b in fleet.members), i
+    assert busy in fleet.retired and t0.inflight(busy.slot) == 1
+    busy.count(-1, 0)
