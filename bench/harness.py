@@ -2,7 +2,7 @@
 
 For each strategy in turn, on a fresh, cold fleet so that the runs are comparable:
   1. start K simulated vLLM servers in one child process (`python -m bench.sim`);
-  2. start a router with that strategy in this process (`router.app.Router`);
+  2. start a router with that strategy in a process of its own (`kvroute serve`);
   3. calibrate the router's hop: pairs of `POST /tokenize` direct to a backend, then
      through the router (proxying only, no engine work); hop = median difference;
   4. snapshot every backend's /metrics and /sim/stats and the router's /metrics;
@@ -16,15 +16,13 @@ usage.cached_tokens), n/a otherwise.
 Process layout on 2 cores. The simulator is the CPU-heavy part: it tokenizes every
 prompt (~5 ms of Python per 8k-token request), runs every engine step of K backends and
 writes every SSE chunk, so it gets a process, hence a core, of its own, and its clock
-(the engine's step sleeps) never waits behind the client. The router and the load
-generator share this process: the router parses each body once and relays chunks, the
-client decodes one small JSON per chunk, and both only read clocks around network waits.
-Measured on the 300-request long-prefix run with 7 backends: at time_scale 0.25 each
-process used ~45% of a core; the router in a third process gave the same TTFTs within
-run-to-run noise, so the simpler layout stayed. What does distort results on a shared
-2-core machine is everything else running: time_scale 0.25 inflated PREFIX_AWARE's
-cached TTFTs (P50 124-468 ms simulated against 64 at time_scale 1), while 0.5 (the
-default, ~25% of a core each) agreed with 1 within ~20 ms. The footer prints each
+(the engine's step sleeps) never waits behind the client. The router gets a process of
+its own too, as in production: in the load generator's process, KV_AWARE's tokenizing
+and KV event handling ran on the loop that timestamps every chunk, which no deployment
+does. What does distort results on a shared 2-core machine is everything else running:
+time_scale 0.25 inflated PREFIX_AWARE's cached TTFTs (P50 124-468 ms simulated against 64
+at time_scale 1), while 0.5 (the default, ~25% of a core each) agreed with 1 within
+~20 ms. The footer prints each
 process's CPU share and this event loop's lag, and warns when the lag is large in
 simulated time; compare a slower --time-scale when in doubt.
 
@@ -54,9 +52,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import policies
 from bench.loadgen import Outcome, replay
+from bench.overhead import free_port, wait_ready
 from bench.report import BackendDelta, Run, Summary, chart, percentile, reading, summarize, table
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
-from router.app import Router
 from router.config import Config, build
 
 __all__ = ["Options", "build_parser", "main", "router_config", "run_bench"]
@@ -65,6 +63,7 @@ DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
 DEFAULT_TIME_SCALE = 0.5
 _SIM_START_SECONDS = 30.0
+_ROUTER_START_SECONDS = 30.0
 _STOP_SECONDS = 10.0
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
@@ -319,17 +318,14 @@ async def _simulated_run(
 ) -> Run:
     async with _simulator(options) as (backends, sim_pid):
         urls = [b["url"] for b in backends]
-        router = Router(router_config(strategy, backends, options.routing))
-        try:
-            await router.start()
+        config = router_config(strategy, backends, options.routing)
+        async with _router(config) as (url, router_pid):
             async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as http:
-                model = options.model or await _first_model(http, router.url)
-                hop = await _calibrate(http, urls, router.url, model, options.calibration)
-                pids = {"harness": os.getpid(), "simulator": sim_pid}
-                entry = _Entry(strategy, router.url, urls, pids, hop)
+                model = options.model or await _first_model(http, url)
+                hop = await _calibrate(http, urls, url, model, options.calibration)
+                pids = {"harness": os.getpid(), "simulator": sim_pid, "router": router_pid}
+                entry = _Entry(strategy, url, urls, pids, hop)
                 return await _measured_replay(http, entry, model, specs, options, on_done)
-        finally:
-            await router.stop()
 
 
 async def _target_run(
@@ -405,6 +401,36 @@ async def _simulator(options: Options) -> AsyncIterator[tuple[list[dict], int]]:
         )
         try:
             yield await _announced(proc, options.backends, kv_events, stderr), proc.pid
+        finally:
+            await _stop(proc)
+
+
+@contextlib.asynccontextmanager
+async def _router(config: Config) -> AsyncIterator[tuple[str, int]]:
+    """`kvroute serve` with `config` in a process of its own, as in production: its work
+    (parsing, tokenizing, KV events) never holds up the load generator's clock. Yields
+    its URL and pid."""
+    data = msgspec.to_builtins(config)
+    data["listen"]["port"] = port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with (
+        tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp,
+        tempfile.TemporaryFile() as err,
+    ):
+        path = Path(tmp) / "router.yaml"
+        path.write_bytes(orjson.dumps(data))  # JSON is YAML
+        cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--workers", "1"]
+        proc = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err
+        )
+        try:
+            try:
+                await wait_ready(url, _ROUTER_START_SECONDS)
+            except RuntimeError:
+                err.seek(0)
+                tail = err.read().decode(errors="replace").strip().splitlines()[-5:]
+                raise HarnessError("the router did not start:\n  " + "\n  ".join(tail)) from None
+            yield url, proc.pid
         finally:
             await _stop(proc)
 
