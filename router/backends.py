@@ -221,12 +221,17 @@ class Fleet:
         stayed = {id(b) for b in members}
         leaving = (*self.retired, *(b for b in self.members if id(b) not in stayed))
         self.retired = tuple(b for b in leaving if b.local_inflight)
-        in_use = {b.slot for b in (*members, *self.retired)}
-        for b in leaving:  # idle and gone: its shared-table slot may serve another backend
+        self.members, self.policy = members, policy
+        self.let_go(b for b in leaving if not b.local_inflight)
+        self.changed()
+
+    def let_go(self, gone: Iterable[Backend]) -> None:
+        """Free the shared-table slots of backends this process no longer uses, so they
+        can serve other backends (a slot a member or a retired backend shares stays)."""
+        in_use = {b.slot for b in (*self.members, *self.retired)}
+        for b in gone:
             if b.table is not None and b.slot not in in_use:
                 b.table.release(b.slot)
-        self.members, self.policy = members, policy
-        self.changed()
 
     def set_discovered(self, backend: Backend, cards: list[dict]) -> None:
         models = frozenset(str(c.get("id", "")) for c in cards if isinstance(c, dict))

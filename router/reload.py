@@ -117,7 +117,11 @@ class Reloader:
         current = {id(b) for b in fleet.members}
         added = [b for b in backends if id(b) not in current]
         if added:
-            await asyncio.gather(router.health.admit(added), router.poller.poll(added))
+            try:
+                await asyncio.gather(router.health.admit(added), router.poller.poll(added))
+            except BaseException:  # e.g. cancelled at shutdown: they never join
+                fleet.let_go(added)
+                raise
         # swap: no await from here on
         kept = {id(b) for b in backends}
         removed = [b.name for b in fleet.members if id(b) not in kept]

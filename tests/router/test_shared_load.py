@@ -99,3 +99,16 @@ def test_backends_leaving_the_fleet_free_their_slots(tmp_path) -> None:
         assert all(b.table is t0 for b in fleet.members), i
     assert busy in fleet.retired and t0.inflight(busy.slot) == 1
     busy.count(-1, 0)
+
+
+def test_backends_prepared_for_a_reload_that_never_happened_are_let_go(tmp_path) -> None:
+    (t0,) = tables(tmp_path, workers=1, slots=2)
+    breaker = BreakerConfig()
+    cfgs = [BackendConfig(url="http://10.0.0.1:8000", name="kept")]
+    fleet = Fleet(cfgs, RoundRobinPolicy(RoundRobinParams()), breaker, t0)
+    for i in range(5):  # each reload prepares a newcomer, then is cancelled before the swap
+        extra = [*cfgs, BackendConfig(url=f"http://10.0.1.{i}:8000", name=f"new-{i}")]
+        (kept, newcomer) = fleet.prepare(extra, breaker)
+        assert kept is fleet.members[0] and newcomer.table is t0, i
+        fleet.let_go([newcomer])
+    assert fleet.members[0].table is t0
