@@ -165,8 +165,9 @@ class Verdicts:
         (one just added through the admin API, whose edit reaches the collector too)."""
         now = asyncio.get_running_loop().time()
         fleet = self._fleet
+        members = {b.name: b for b in fleet.members}
         for v in msgspec.msgpack.decode(payload, type=list[_Verdict]):
-            backend = fleet.find(v.name)
+            backend = members.get(v.name)
             if backend is None:
                 continue
             backend.check_streak = v.streak

@@ -441,12 +441,11 @@ class Telemetry:
 
     def _welcomed(self, what: str, rest: list[bytes]) -> None:
         """What the collector sent this worker alone (see `_welcome`)."""
-        index = getattr(self._fleet.policy, "index", None)
         if what == "j":  # nothing published from here on is missed
             self._joined.set()
         elif what == "e":
             self._on_broadcast(rest[0])
-        elif what == "i" and index is not None:
+        elif what == "i" and (index := getattr(self._fleet.policy, "index", None)) is not None:
             index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
 
     def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
