@@ -377,6 +377,9 @@ class FastReply:
         if chunk:
             self._raw(b"%x\r\n%b\r\n" % (len(chunk), chunk))
 
+    def put_framed(self, chunks: bytes) -> None:
+        self._raw(chunks)
+
     def ready(self) -> bool:
         return not self._conn.writing_paused
 

@@ -32,6 +32,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import Histogram
 from yarl import URL
 
+from router.chunked import ChunkedBody, ChunkError
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
 from router.metrics import Tally
 
@@ -42,6 +43,7 @@ _BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "CONNECT", "TRACE"})
 _IDEMPOTENT = frozenset({"GET", "HEAD", "OPTIONS", "TRACE", "PUT", "DELETE"})
 _INTERIM = range(100, 200)  # 1xx answers precede the final one (101 is final: an upgrade)
 _NO_BODY_STATUS = frozenset({204, 304})
+_TAIL_MIN = 32  # bytes: shorter chunks (`data: [DONE]`, framed or not) hold no usage
 _READ_LIMIT = 2**16  # body bytes buffered before the socket pauses (aiohttp's default)
 KEEPALIVE_SECONDS = 60.0  # an idle connection is closed after this long
 
@@ -97,6 +99,9 @@ class Sink(Protocol):
     def ready(self) -> bool:
         """False while the client's socket buffer is full."""
 
+    def put_framed(self, chunks: bytes) -> None:
+        """Write whole chunks already framed for chunked transfer encoding, as they are."""
+
     def on_ready(self, callback: Callable[[], None] | None) -> None:
         """Call `callback` when the client's buffer drains again (None: stop)."""
 
@@ -113,12 +118,14 @@ class Upstream:
         "_idle_timer",
         "_itl",
         "_last_chunk_at",
+        "_loop",
         "_on_first",
         "_payload",
         "_refilled",
         "_relayed",
         "_sink",
         "_tail",
+        "_taken",
         "_tally",
         "backend_name",
         "first_chunk_at",
@@ -138,6 +145,9 @@ class Upstream:
         on_first: Callable[[], None],
     ) -> None:
         self._conn = conn
+        # asked once: on Python 3.11 every asyncio.get_running_loop() is a getpid() system
+        # call, which per SSE event was a third of a streaming worker's system calls
+        self._loop = asyncio.get_running_loop()
         self._payload = payload
         self._on_first = on_first
         self._deadline: asyncio.Timeout | None = None
@@ -150,6 +160,7 @@ class Upstream:
         self._relayed: asyncio.Future[None] | None = None
         self._draining = False
         self._refilled = False
+        self._taken = 0  # body bytes the relay took from the reader
         self.first_chunk_at: float | None = None
         self._last_chunk_at = 0.0
         self._tail = b""
@@ -175,7 +186,8 @@ class Upstream:
         """`usage.prompt_tokens_details.cached_tokens` of the answer, if it reported one.
 
         Streams report usage in their last event, so only the last chunk is kept (by
-        reference) and searched once, at the end.
+        reference) and searched once, at the end; a chunk too short to hold usage (the
+        `data: [DONE]` read apart from the usage event) does not replace it.
         """
         found = _CACHED_TOKENS.search(self._tail)
         return int(found.group(1)) if found else None
@@ -186,7 +198,7 @@ class Upstream:
         The gaps between chunks go to the inter-token latency histogram `itl` when the
         exchange finishes; `on_first` hears the first chunk (the prefill is done).
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         self._begin_body()
         payload = self._payload
         while True:
@@ -206,7 +218,7 @@ class Upstream:
         whose limit pauses the backend's socket. Returns at the body's end."""
         self._begin_body()
         self._sink = sink
-        self._relayed = asyncio.get_running_loop().create_future()
+        self._relayed = self._loop.create_future()
         self._conn.relay = self
         sink.on_ready(self.drain)
         try:
@@ -229,13 +241,14 @@ class Upstream:
         if self._draining:
             self._refilled = True
             return
-        payload, sink, now = self._payload, self._sink, asyncio.get_running_loop().time
+        payload, sink, now = self._payload, self._sink, self._loop.time
         self._draining = True
         try:
             while sink.ready():
                 self._refilled = False
                 chunk = payload.read_nowait(-1)
                 if chunk:
+                    self._taken += len(chunk)
                     self._arrived(chunk, now())
                     sink.put(chunk)
                 if not self._refilled:
@@ -248,6 +261,27 @@ class Upstream:
             done.set_exception(exc)
         finally:
             self._draining = False
+
+    def forward(self, chunks: bytes) -> bool:
+        """Pass a read of whole chunks to the sink as the backend framed them, if nothing
+        waits before it in the reader and the sink takes it now (a stream's hot path:
+        nothing decoded or framed again); False: the caller puts it in the reader."""
+        done = self._relayed
+        if (
+            self._draining
+            or done is None
+            or done.done()
+            or self._payload.total_bytes != self._taken
+            or not self._sink.ready()
+        ):
+            return False
+        if chunks:
+            self._arrived(chunks, self._loop.time())
+            try:
+                self._sink.put_framed(chunks)
+            except ConnectionError as exc:  # the client is gone
+                done.set_exception(exc)
+        return True
 
     def _begin_body(self) -> None:
         assert self._deadline is not None, "watch() the body's timeout before reading it"
@@ -262,7 +296,8 @@ class Upstream:
         else:
             self._tally.observe(now - self._last_chunk_at)
         self._last_chunk_at = now
-        self._tail = chunk
+        if len(chunk) > _TAIL_MIN:
+            self._tail = chunk
 
     def _arm_idle_timer(self, due: float) -> None:
         """Expire the body's timeout at `due` (never after `end`) unless a chunk comes.
@@ -271,7 +306,7 @@ class Upstream:
         if a chunk came since, sleeps on until the new one. So a stream costs a timer per
         idle period, not a reschedule (a timer cancelled and another created) per chunk.
         """
-        loop = asyncio.get_running_loop()
+        loop = self._loop
         due = min(due, self._end)
         if due > loop.time():
             self._idle_timer = loop.call_at(due, self._on_idle_timer)
@@ -313,6 +348,17 @@ async def open_upstream(
     except aiohttp.ClientError as exc:
         raise UpstreamError(f"backend failed before responding: {exc}") from exc
     return Upstream(conn, message, payload, idle, end, itl, on_first)
+
+
+def _head_end(carry: bytes, data: bytes) -> int:
+    """Where in `data` the blank line ending a head ends, or -1; `carry` holds the last
+    bytes (up to 3) of the head before `data`, for a blank line split between reads."""
+    if carry:
+        edge = (carry + data[:3]).find(b"\r\n\r\n")
+        if edge >= 0:
+            return edge + 4 - len(carry)
+    end = data.find(b"\r\n\r\n")
+    return end + 4 if end >= 0 else -1
 
 
 def header_lines(headers: Mapping[str, str]) -> str:
@@ -453,6 +499,10 @@ class _Connection(BaseProtocol):
 
     __slots__ = (
         "_answer",
+        "_carry",
+        "_chunked",
+        "_head_done",
+        "_method",
         "_payload",
         "_should_close",
         "_upstreams",
@@ -469,6 +519,11 @@ class _Connection(BaseProtocol):
         self._answer: asyncio.Future[tuple[RawResponseMessage, StreamReader]] | None = None
         self._payload: StreamReader | None = None
         self._should_close = False
+        self._method = ""
+        self._head_done = False  # the final answer's head is parsed
+        self._carry = b""  # the last bytes of a head split across reads
+        #: the answer's chunked body, decoded here rather than by aiohttp's parser
+        self._chunked: ChunkedBody | None = None
         #: the answer whose body is relayed from this protocol's callbacks (Upstream.relay)
         self.relay: Upstream | None = None
 
@@ -490,6 +545,10 @@ class _Connection(BaseProtocol):
             auto_decompress=False,
         )
         self._payload = None
+        self._method = method
+        self._head_done = False
+        self._carry = b""
+        self._chunked = None
         self._answer = answer = self._loop.create_future()
         self.transport.writelines((head, body))
         return answer
@@ -516,8 +575,44 @@ class _Connection(BaseProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
+        if self._chunked is not None:
+            if data:
+                self._chunk_received(data)
+            return
         if self._parser is None:  # lost: nothing more to parse
             return
+        if self._head_done or not data:  # b"": resume what the paused parser holds
+            self._parse(data, False)
+        else:
+            data = self._take_head(data)
+            if self._chunked is not None:
+                if data:
+                    self._chunk_received(data)
+                return
+            if data:
+                self._parse(data, False)
+        if self.relay is not None:
+            self.relay.drain()
+
+    def _take_head(self, data: bytes) -> bytes:
+        """Parse the answer's head (and any interim heads before it) from `data`; return
+        the bytes after it. Whether they go to aiohttp's parser or to a ChunkedBody is
+        decided by the head, so the parser gets exactly the head."""
+        while not self._head_done and self.open:
+            end = _head_end(self._carry, data)
+            if end < 0:  # all of it is head (or not HTTP: the parser says so)
+                self._carry = (self._carry + data)[-3:]
+                self._parse(data, False)
+                return b""
+            self._carry = b""
+            self._parse(data[:end], True)
+            data = data[end:]
+            if not data:
+                break
+        return data
+
+    def _parse(self, data: bytes, head_end: bool) -> None:
+        """Feed aiohttp's parser; `head_end`: `data` ends exactly where a head does."""
         try:
             messages, _, _ = self._parser.feed_data(data)
         except Exception as exc:  # not HTTP: nothing more on this connection is trusted
@@ -533,10 +628,38 @@ class _Connection(BaseProtocol):
             if answer is None or answer.done():  # an answer nobody waits for
                 self.close()
                 return
+            self._head_done = True
+            bodyless = message.code in _NO_BODY_STATUS or self._method == "HEAD"
             self._payload = EMPTY_PAYLOAD if message.code in _NO_BODY_STATUS else payload
+            if head_end and message.chunked and not bodyless:
+                self._chunked = ChunkedBody()
             answer.set_result((message, self._payload))
-        if self.relay is not None:
-            self.relay.drain()
+
+    def _chunk_received(self, data: bytes) -> None:
+        """A chunked body's bytes: passed on as they came when they hold whole chunks and
+        a relay can take them now, else decoded into the reader (which pauses the socket
+        when it is full)."""
+        chunked, payload = self._chunked, self._payload
+        if chunked.done:  # bytes after the answer: the connection is not reused
+            self._should_close = True
+            return
+        try:
+            pieces, whole = chunked.feed(data)
+        except ChunkError as exc:
+            self.close()
+            self._fail(aiohttp.ClientPayloadError(f"invalid chunked body: {exc}"))
+            return
+        relay = self.relay
+        if relay is None or whole is None or not relay.forward(whole):
+            for piece in pieces:
+                payload.feed_data(piece)
+        elif not chunked.done:
+            return  # passed on: nothing waits in the reader
+        if chunked.done:
+            self._should_close = self._should_close or chunked.overrun
+            payload.feed_eof()
+        if relay is not None:
+            relay.drain()
 
     def resume_reading(self, resume_parser: bool = True) -> None:
         # aiohttp's StreamReader calls this after every HTTP chunk it hands out, paused or

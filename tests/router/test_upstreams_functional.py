@@ -300,3 +300,159 @@ async def test_close_closes_the_idle_connections() -> None:
         await body_of(await send(upstreams, url))
         upstreams.close()
         await asyncio.wait_for(gone.wait(), 5)
+
+
+class RecordingSink:
+    """A relay's sink that records how each write came: re-framed (`put`) or as the
+    backend framed it (`put_framed`); `ready` can be switched off like a full socket."""
+
+    def __init__(self) -> None:
+        self.writes: list[tuple[str, bytes]] = []
+        self.is_ready = True
+        self.arrived = asyncio.Event()
+        self._on_ready: Callable[[], None] | None = None
+
+    def put(self, chunk: bytes) -> None:
+        self._record("put", b"%x\r\n%b\r\n" % (len(chunk), chunk))
+
+    def put_framed(self, chunks: bytes) -> None:
+        self._record("framed", chunks)
+
+    def _record(self, how: str, data: bytes) -> None:
+        self.writes.append((how, data))
+        self.arrived.set()
+
+    def ready(self) -> bool:
+        return self.is_ready
+
+    def on_ready(self, callback: Callable[[], None] | None) -> None:
+        self._on_ready = callback
+
+    def resume(self) -> None:
+        self.is_ready = True
+        if self._on_ready is not None:
+            self._on_ready()
+
+    async def next_write(self) -> None:
+        await asyncio.wait_for(self.arrived.wait(), 5)
+        self.arrived.clear()
+
+    def body(self) -> bytes:
+        return _dechunk(b"".join(data for _, data in self.writes))
+
+
+def _dechunk(framed: bytes) -> bytes:
+    out, pos = [], 0
+    while pos < len(framed):
+        eol = framed.index(b"\r\n", pos)
+        size = int(framed[pos:eol], 16)
+        out.append(framed[eol + 2 : eol + 2 + size])
+        assert framed[eol + 2 + size : eol + 4 + size] == b"\r\n"
+        pos = eol + 4 + size
+    return b"".join(out)
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+)
+
+
+async def test_a_relay_passes_whole_chunks_on_as_they_came_and_reframes_split_ones() -> None:
+    sink = RecordingSink()
+    step = asyncio.Queue()
+    usage = b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":48}}}\n\n'
+    writes = [
+        b"b\r\ndata: one\n\n\r\n",
+        b"B\r\ndata: two\n\n\r\n",  # an unusual size line: decoded, framed again
+        b"d\r\ndata: th",  # a chunk split over two reads
+        b"ree\n\n\r\n",
+        b"%x\r\n%s\r\n" % (len(usage), usage),
+        b"e\r\ndata: [DONE]\n\n\r\n0\r\n\r\n",  # apart from the usage event
+    ]
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(SSE_HEAD)
+            for data in writes:
+                await step.get()
+                writer.write(data)
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, connections):
+        for _ in range(2):  # the connection is reused: the decoder ended at the body's end
+            sink.writes.clear()
+            sink.arrived.clear()
+            upstream = await send(upstreams, url)
+            async with asyncio.timeout(5) as deadline:
+                upstream.watch(deadline)
+                relay = asyncio.create_task(upstream.relay(sink))
+                for data in writes[:-1]:
+                    step.put_nowait(None)
+                    if data != b"d\r\ndata: th":
+                        await sink.next_write()
+                step.put_nowait(None)
+                await relay
+            upstream.finish(True)
+            assert sink.body() == b"data: one\n\ndata: two\n\ndata: three\n\n" + usage + (
+                b"data: [DONE]\n\n"
+            )
+            framed = [data for how, data in sink.writes if how == "framed"]
+            assert framed[:1] == [writes[0]] and writes[4] in framed
+            assert upstream.cached_tokens() == 48
+        assert len(connections) == 1
+    upstreams.close()
+
+
+async def test_a_relay_whose_sink_is_full_keeps_order_and_loses_nothing() -> None:
+    sink = RecordingSink()
+    sink.is_ready = False
+    events = [b"data: %d\n\n" % i for i in range(50)]
+    sent = asyncio.Event()
+
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD)
+        for event in events:
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+            await writer.drain()
+            await asyncio.sleep(0.001)
+        sent.set()
+        await asyncio.sleep(0.2)
+        writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(events[0]), events[0]))
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        async with asyncio.timeout(5) as deadline:
+            upstream.watch(deadline)
+            relay = asyncio.create_task(upstream.relay(sink))
+            await sent.wait()
+            assert not sink.writes  # nothing written while the sink is full
+            sink.resume()
+            assert sink.body() == b"".join(events)  # what waited, in order
+            await relay
+        assert sink.body() == b"".join(events) + events[0]
+        assert sink.writes[-1][0] == "framed"  # once drained, reads pass on again
+        upstream.finish(True)
+    upstreams.close()
+
+
+async def test_invalid_chunked_framing_breaks_the_relay_and_drops_the_connection() -> None:
+    async def script(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(SSE_HEAD + b"b\r\ndata: one\n\n\r\nzz\r\n")
+        await reader.read()
+
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        async with asyncio.timeout(5) as deadline:
+            upstream.watch(deadline)
+            with pytest.raises(UpstreamDisconnected, match="invalid chunked body"):
+                await upstream.relay(RecordingSink())
+        upstream.finish(True)
+        assert not upstreams._idle
+    upstreams.close()
