@@ -357,20 +357,27 @@ class Telemetry:
     def _publish_snapshot(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
-    def _welcome(self, topic: bytes) -> None:
+    async def _welcome(self, topic: bytes) -> None:
         """The collector's answer to a worker's hello, on that worker's topic: `j` (its feed
         is live), the runtime edits the file does not know (`e`), the index of every
         backend with events (`i`, ordered with the batches, so the worker goes on from
-        there); and the verdicts, to everyone."""
+        there); and the verdicts, to everyone.
+
+        The index goes one backend at a time, the loop free in between: a large fleet's
+        index takes seconds to encode, and meanwhile the KV subscribers must keep draining
+        their sockets (a backend drops events past its send queue). A batch forwarded in
+        between is in the snapshots taken after it, and a worker's restore replaces that
+        backend's keys whole, so it ends where the collector is."""
         self._publish([topic, b"j"])
         for edit in self._replay():
             self._publish([topic, b"e", edit])
         if self._verdicts_ready:
             self.publish_verdicts()
         if self._index is not None:
-            for name in self._subscribers:
+            for name in list(self._subscribers):
                 pairs = msgspec.msgpack.encode(self._index.snapshot(name))
                 self._publish([topic, b"i", name.encode(), pairs])
+                await asyncio.sleep(0)
 
     def publish_verdicts(self) -> None:
         """The collector: send its health verdicts and model lists to every worker."""
@@ -402,7 +409,7 @@ class Telemetry:
                     self._publish([b"a", b"", payload])
                     self._on_broadcast(payload)
                     continue
-                self._welcome(_worker_topic(payload[len(_HELLO) :]))
+                await self._welcome(_worker_topic(payload[len(_HELLO) :]))
         finally:
             pull.close()
 
