@@ -1,11 +1,13 @@
 """kvroute beside the Rust routers on PyPI, one trivial backend, one run, one table.
 
 Rows: the backend called directly (the baseline), kvroute with 1 worker and with one
-worker per usable core, sglang-router and vllm-router (both round robin over the one
-backend). The backend is `bench.instant_backend --raw` (~30,000 requests/s on one core),
-so the routers, not the backend, saturate first. Every router is started up front (an
-idle one costs nothing) and each phase takes the rows in turn, `--rounds` times for the
-rates, reporting the median round, so a burst of machine noise hits every row alike:
+worker per usable core, a bare TCP pipe on uvloop (bench.pipe: the floor under any
+Python proxy here, whatever it does per request), sglang-router and vllm-router (both
+round robin over the one backend). The backend is `bench.instant_backend --raw` (~30,000
+requests/s on one core), so the routers, not the backend, saturate first. Every router
+is started up front (an idle one costs nothing) and each phase takes the rows in turn,
+`--rounds` times for the rates, reporting the median round, so a burst of machine noise
+hits every row alike:
 
 - **req/s**: the most non-streaming chat requests per second, from `wrk` (Debian:
   `apt-get install -y wrk`) POSTing bench.overhead's body over `--connections`
@@ -64,6 +66,7 @@ PEERS = {
     "vllm-router": ("vllm_router", "--log-level", "warning"),
 }
 _TICK = os.sysconf("SC_CLK_TCK")
+FLOOR = "bare TCP pipe, uvloop (floor)"
 
 
 @dataclass
@@ -423,6 +426,9 @@ def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
         port = free_port()
         cmd = kvroute_cmd(direct, port, n, args.strategy, tmp)
         out.append(_Start(Row(f"kvroute --workers {n}"), cmd, port, True))
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.pipe", "--backend", direct, "--port", str(port)]
+    out.append(_Start(Row(FLOOR), cmd, port, False))
     if args.no_peers:
         return out
     for package, (python, version) in ensure_peers(Path(args.peers_venv), args.install).items():
@@ -581,10 +587,32 @@ def goals(rows: list[Row], meta: dict) -> list[str]:
             f"{_f(_per_core(one.sse_eps, one.sse_cores))} per router core "
             "(goal >= 50,000 per worker)"
         )
+    floor = _find(rows, FLOOR)
+    if one and floor:
+        out += _beside_floor(one, floor)
     if many and many.mem_mb_per_1k is not None:
         out.append(
             f"- memory, {many.name}: {many.mem_mb_per_1k:.1f} MB per 1,000 open streams "
             f"over {many.mem_idle_mb:.0f} MB idle (goal < 50)"
+        )
+    return out
+
+
+def _beside_floor(one: Row, floor: Row) -> list[str]:
+    """kvroute against the bare pipe: how much of each figure is the router's own."""
+    out = []
+    mine, bare = one.latency.get("seq"), floor.latency.get("seq")
+    if mine and bare:
+        own = mine["added_p50_ms"] - bare["added_p50_ms"]
+        out.append(
+            f"- added P50, sequential, of the bare pipe: {bare['added_p50_ms']:.2f} ms; "
+            f"{one.name}'s own over it: {own:.2f} ms"
+        )
+    mine_sse, bare_sse = (_per_core(r.sse_eps, r.sse_cores) for r in (one, floor))
+    if mine_sse and bare_sse:
+        out.append(
+            f"- SSE events per router core, {one.name} / the bare pipe: "
+            f"{mine_sse / bare_sse:.2f} (the pipe: {bare_sse:,.0f})"
         )
     return out
 
