@@ -597,7 +597,8 @@ class _Connection(BaseProtocol):
     def _take_head(self, data: bytes) -> bytes:
         """Parse the answer's head (and any interim heads before it) from `data`; return
         the bytes after it. Whether they go to aiohttp's parser or to a ChunkedBody is
-        decided by the head, so the parser gets exactly the head."""
+        decided by the head, so a chunked head is fed alone; any other answer (a JSON
+        body with its length: most of them) is fed whole, as it came."""
         while not self._head_done and self.open:
             end = _head_end(self._carry, data)
             if end < 0:  # all of it is head (or not HTTP: the parser says so)
@@ -605,6 +606,9 @@ class _Connection(BaseProtocol):
                 self._parse(data, False)
                 return b""
             self._carry = b""
+            if data.find(b"chunked", 0, end) < 0:
+                self._parse(data, False)
+                return b""
             self._parse(data[:end], True)
             data = data[end:]
             if not data:
