@@ -18,7 +18,8 @@ One request's way, module by module:
                     slot → proxy → [before the first byte: retry on the policy's next
                     pick (retry.py)] → give it back, feed the breaker, record metrics
   proxy.py          original bytes to the backend over its own pooled keep-alive client; JSON
-                    answers relayed whole, SSE relayed chunk by chunk, untouched; upstream
+                    answers relayed whole, SSE relayed chunk by chunk, untouched (chunked.py:
+                    reads of whole chunks pass as the backend framed them); upstream
                     failures translated to errors.py classes (502/504)
 
 Beside the path, never on it:
