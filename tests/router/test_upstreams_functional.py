@@ -352,6 +352,18 @@ def _dechunk(framed: bytes) -> bytes:
     return b"".join(out)
 
 
+@asynccontextmanager
+async def watched(script: Script) -> AsyncIterator[tuple[Upstreams, Upstream]]:
+    """One request to a scripted backend, its answer's body guarded by a 5 s timeout."""
+    upstreams = Upstreams()
+    async with backend(script) as (url, _):
+        upstream = await send(upstreams, url)
+        async with asyncio.timeout(5) as deadline:
+            upstream.watch(deadline)
+            yield upstreams, upstream
+    upstreams.close()
+
+
 SSE_HEAD = (
     b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 )
@@ -423,21 +435,16 @@ async def test_a_relay_whose_sink_is_full_keeps_order_and_loses_nothing() -> Non
         writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(events[0]), events[0]))
         await reader.read()
 
-    upstreams = Upstreams()
-    async with backend(script) as (url, _):
-        upstream = await send(upstreams, url)
-        async with asyncio.timeout(5) as deadline:
-            upstream.watch(deadline)
-            relay = asyncio.create_task(upstream.relay(sink))
-            await sent.wait()
-            assert not sink.writes  # nothing written while the sink is full
-            sink.resume()
-            assert sink.body() == b"".join(events)  # what waited, in order
-            await relay
+    async with watched(script) as (_, upstream):
+        relay = asyncio.create_task(upstream.relay(sink))
+        await sent.wait()
+        assert not sink.writes  # nothing written while the sink is full
+        sink.resume()
+        assert sink.body() == b"".join(events)  # what waited, in order
+        await relay
         assert sink.body() == b"".join(events) + events[0]
         assert sink.writes[-1][0] == "framed"  # once drained, reads pass on again
         upstream.finish(True)
-    upstreams.close()
 
 
 async def test_invalid_chunked_framing_breaks_the_relay_and_drops_the_connection() -> None:
@@ -446,13 +453,8 @@ async def test_invalid_chunked_framing_breaks_the_relay_and_drops_the_connection
         writer.write(SSE_HEAD + b"b\r\ndata: one\n\n\r\nzz\r\n")
         await reader.read()
 
-    upstreams = Upstreams()
-    async with backend(script) as (url, _):
-        upstream = await send(upstreams, url)
-        async with asyncio.timeout(5) as deadline:
-            upstream.watch(deadline)
-            with pytest.raises(UpstreamDisconnected, match="invalid chunked body"):
-                await upstream.relay(RecordingSink())
+    async with watched(script) as (upstreams, upstream):
+        with pytest.raises(UpstreamDisconnected, match="invalid chunked body"):
+            await upstream.relay(RecordingSink())
         upstream.finish(True)
         assert not upstreams._idle
-    upstreams.close()
