@@ -10,6 +10,7 @@ One request's way, module by module:
                     slow), parse the few routing fields (request.py, 400 on bad JSON),
                     build a `Call`, relay the answer
   grpc_ingress.py   grpc.aio: protobuf → the same JSON body and `Call`; SSE → messages
+                    (grpc_convert.py converts both ways)
   dispatch.py       the one place that chains the steps: admission (admission.py: wait
                     queue, 429) → model check (404) → [KV_AWARE: exact token ids from
                     tokenize.py (a backend's /tokenize) or an HF tokenizer in a worker

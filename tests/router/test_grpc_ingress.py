@@ -1,5 +1,5 @@
-"""Pure parts of the gRPC ingress: request → OpenAI body, SSE splitting, answer → messages,
-and the error translation (errors.to_grpc). One named row per case."""
+"""Pure parts of the gRPC ingress: request → OpenAI body, SSE splitting, answer → messages
+(grpc_convert.py), and the error translation (errors.to_grpc). One named row per case."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from router.errors import (
     UpstreamTimeout,
     grpc_code,
 )
-from router.grpc_ingress import SseEvents, _body, _chat_chunk, _chat_completion, _completion
+from router.grpc_convert import SseEvents, body_of, chat_chunk, chat_completion, completion
 from router.request import Kind, parse
 
 USER = pb.ChatMessage(role="user", content="hi")
@@ -181,7 +181,7 @@ USER_JSON = {"role": "user", "content": "hi"}
     ],
 )
 def test_body(request_, stream: bool, body: dict) -> None:
-    assert _body(request_, stream) == body
+    assert body_of(request_, stream) == body
 
 
 @pytest.mark.parametrize(
@@ -213,14 +213,14 @@ def test_body(request_, stream: bool, body: dict) -> None:
 )
 def test_body_rejects(request_, text: str) -> None:
     with pytest.raises(BadRequest, match=text) as info:
-        _body(request_, False)
+        body_of(request_, False)
     assert info.value.status == 400
 
 
 def test_token_ids_reach_routing_as_ids() -> None:
     """The body parses into the same routing fields as an HTTP client's (ids stay ints)."""
     request_ = pb.CompletionRequest(model="m", token_ids=pb.TokenIds(ids=[3, 1, 4]))
-    parsed = parse(Kind.COMPLETION, orjson.dumps(_body(request_, False)))
+    parsed = parse(Kind.COMPLETION, orjson.dumps(body_of(request_, False)))
     assert parsed.prompt == [3, 1, 4] and parsed.model == "m"
 
 
@@ -258,7 +258,7 @@ USAGE = {
 
 
 def test_chat_completion_message() -> None:
-    reply = _chat_completion(
+    reply = chat_completion(
         {
             "id": "x",
             "object": "chat.completion",
@@ -283,7 +283,7 @@ def test_chat_completion_message() -> None:
 
 
 def test_chat_chunk_tool_call_delta_and_missing_usage_details() -> None:
-    chunk = _chat_chunk(
+    chunk = chat_chunk(
         {
             "id": "x",
             "choices": [
@@ -308,7 +308,7 @@ def test_chat_chunk_tool_call_delta_and_missing_usage_details() -> None:
 
 
 def test_completion_message() -> None:
-    reply = _completion({"choices": [{"index": 0, "text": "t", "finish_reason": "length"}]})
+    reply = completion({"choices": [{"index": 0, "text": "t", "finish_reason": "length"}]})
     assert reply.choices[0].text == "t" and reply.choices[0].finish_reason == "length"
     assert not reply.HasField("usage")
 
