@@ -13,7 +13,8 @@ hits every row alike:
   `apt-get install -y wrk`) POSTing bench.overhead's body over `--connections`
   keep-alive connections for `--seconds`, with the router's CPU (cores) over the run;
 - **added latency** P50/P99 over calling the backend directly, sequential and at
-  `--concurrency` (bench.overhead.compare: the two paths interleaved in batches);
+  `--concurrency` (bench.overhead.compare: the two paths interleaved in batches; the
+  targets taken in turn over `--rounds`, each target's samples pooled);
 - **memory**: RSS summed over every router process (from /proc) with `--mem-streams`
   slow streams open, minus the same sum just before, per 1,000 streams (measured before
   the SSE phase has grown any heap);
@@ -281,10 +282,20 @@ def _timed(root: int | None, work: Callable[[], float]) -> tuple[float, float | 
     return rate, (cpu_seconds(root) - cpu0) / (time.monotonic() - t0) if root else None
 
 
-def measure_latency(row: Row, direct: str, url: str, args) -> None:
+def _latency_round(t: Target, direct: str, args) -> None:
+    """A `--rounds`-th of the requests, sequential and concurrent, pooled per target."""
+    per = max(1, args.requests // args.rounds)
     for label, conc in (("seq", 1), (f"c{args.concurrency}", args.concurrency)):
-        lat = asyncio.run(overhead.compare(direct, url, args.requests, conc))
-        row.latency[label] = overhead.summarize(lat)
+        lat = asyncio.run(overhead.compare(direct, t.url, per, conc))
+        pooled = t.lat.setdefault(label, {"direct": [], "router": []})
+        for path, samples in lat.items():
+            pooled[path] += samples
+
+
+def phase_latency(live: list[Target], args, direct: str) -> None:
+    _rounds(live, args.rounds, "latency", lambda t: _latency_round(t, direct, args))
+    for t in live:
+        t.row.latency = {label: overhead.summarize(lat) for label, lat in t.lat.items()}
 
 
 def _stream_body(model: str) -> bytes:
@@ -360,6 +371,7 @@ class Target:
     root: int | None = None  # None for the backend itself
     rps: list[tuple[float, float | None]] = field(default_factory=list)  # per round
     sse: list[tuple[float, float | None]] = field(default_factory=list)
+    lat: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # pooled rounds
 
     def attempt(self, phase: str, work: Callable[[], None]) -> None:
         """Run one phase on this target; a failure is a note, and the run goes on."""
@@ -478,8 +490,7 @@ def run(args) -> tuple[list[Row], dict]:
         live = [base, *(t for t in routers if t.url)]
         if wrk:
             phase_rps(live, args, wrk_script(tmp))
-        for t in live[1:]:
-            t.attempt("latency", partial(measure_latency, t.row, direct, t.url, args))
+        phase_latency(live[1:], args, direct)
         for t in live[1:]:  # before the SSE phase, whose streams would grow the idle heap
             memory = partial(measure_memory, t.row, t.url, t.root, args, direct)
             t.attempt("memory", lambda memory=memory: asyncio.run(memory()))
