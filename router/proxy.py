@@ -12,8 +12,9 @@ payload object, a response object, merges default headers and asks the cookie ja
 trace hooks - about 30% of the router's CPU per request in the profile, to write
 bytes we already have. `Upstreams` writes the request head and body in one call and
 parses the answer with aiohttp's own C parser into aiohttp's own StreamReader, exactly
-as aiohttp's client does underneath. Health checks, telemetry and /tokenize keep the
-aiohttp session (`make_session`).
+as aiohttp's client does underneath; a chunked body is decoded by `ChunkedBody`
+(router/chunked.py) instead, so a relay can pass reads of whole chunks on as they came.
+Health checks, telemetry and /tokenize keep the aiohttp session (`make_session`).
 """
 
 from __future__ import annotations
