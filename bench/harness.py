@@ -40,7 +40,7 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -48,9 +48,9 @@ import aiohttp
 import msgspec
 import orjson
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 import policies
+from bench import procstat, scrape
 from bench.loadgen import Outcome, replay
 from bench.overhead import free_port, wait_ready
 from bench.report import BackendDelta, Run, Summary, chart, percentile, reading, summarize, table
@@ -67,10 +67,8 @@ _ROUTER_START_SECONDS = 30.0
 _STOP_SECONDS = 10.0
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
-_MIN_CPU_SPAN = 1.0  # seconds; /proc counts CPU time in 10 ms ticks
 _WARMUP_PAIRS = 5
 _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=30)
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
 class HarnessError(RuntimeError):
@@ -358,7 +356,7 @@ async def _measured_replay(
     """Snapshot, replay through `entry`, snapshot; the Run with every delta."""
     before = await _snapshot(http, entry.url, entry.backends)
     started = time.monotonic()
-    with _cpu_meter(entry.pids) as cpu:
+    with procstat.cpu_meter(entry.pids) as cpu:
         async with _lag_monitor() as lags:
             outcomes = await replay(
                 entry.url,
@@ -373,13 +371,13 @@ async def _measured_replay(
     after = await _snapshot(http, entry.url, entry.backends)
     r0, r1 = before.router, after.router
     return Run(
-        strategy=entry.strategy or _reported_strategy(r1) or "target",
+        strategy=entry.strategy or scrape.reported_strategy(r1) or "target",
         time_scale=options.time_scale,
         wall_seconds=wall,
         outcomes=outcomes,
         backends=_backend_deltas(before, after, entry.backends, outcomes),
-        decision_seconds_sum=_delta(r0, r1, "kvroute_routing_decision_seconds_sum"),
-        decision_buckets=_bucket_deltas(r0, r1, "kvroute_routing_decision_seconds_bucket"),
+        decision_seconds_sum=scrape.delta(r0, r1, "kvroute_routing_decision_seconds_sum"),
+        decision_buckets=scrape.bucket_deltas(r0, r1, "kvroute_routing_decision_seconds_bucket"),
         hop_seconds=entry.hop,
         loop_lag_p99=percentile(lags, 0.99),
         cpu=cpu,
@@ -528,62 +526,16 @@ async def _calibrate(
 
 
 class _Snapshot(NamedTuple):
-    router: Samples
-    backends: list[tuple[Samples, dict]]  # /metrics and /sim/stats of each backend
+    router: scrape.Samples
+    backends: list[tuple[scrape.Samples, dict]]  # /metrics and /sim/stats of each backend
 
 
 async def _snapshot(http: aiohttp.ClientSession, entry: str, backends: list[str]) -> _Snapshot:
-    async def backend(url: str) -> tuple[Samples, dict]:
-        return await _metrics(http, url), await _json(http, url + "/sim/stats")
+    async def backend(url: str) -> tuple[scrape.Samples, dict]:
+        return await scrape.metrics(http, url), await scrape.json_of(http, url + "/sim/stats")
 
-    router, *rest = await asyncio.gather(_metrics(http, entry), *map(backend, backends))
+    router, *rest = await asyncio.gather(scrape.metrics(http, entry), *map(backend, backends))
     return _Snapshot(router, list(rest))
-
-
-async def _metrics(http: aiohttp.ClientSession, url: str) -> Samples:
-    """Every sample of `url`/metrics by (name, labels); empty if there is none."""
-    try:
-        async with http.get(url + "/metrics") as resp:
-            text = await resp.text() if resp.status == 200 else ""
-    except (aiohttp.ClientError, TimeoutError):
-        return {}
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text)
-        for s in family.samples
-    }
-
-
-async def _json(http: aiohttp.ClientSession, url: str) -> dict:
-    try:
-        async with http.get(url) as resp:
-            return await resp.json() if resp.status == 200 else {}
-    except (aiohttp.ClientError, TimeoutError, ValueError):
-        return {}
-
-
-def _total(samples: Samples, name: str) -> float | None:
-    values = [v for (n, _), v in samples.items() if n == name]
-    return sum(values) if values else None
-
-
-def _delta(before: Samples, after: Samples, name: str) -> float | None:
-    end = _total(after, name)
-    return None if end is None else end - (_total(before, name) or 0.0)
-
-
-def _bucket_deltas(before: Samples, after: Samples, name: str) -> list[tuple[str, float]]:
-    """A histogram's (le label, cumulative count) deltas, in bucket order."""
-    deltas = [
-        (dict(labels)["le"], value - before.get((n, labels), 0.0))
-        for (n, labels), value in after.items()
-        if n == name
-    ]
-    return sorted(deltas, key=lambda bucket: float(bucket[0]))
-
-
-def _stat_delta(before: dict, after: dict, key: str) -> float | None:
-    return None if key not in after else after[key] - before.get(key, 0)
 
 
 def _backend_deltas(
@@ -597,19 +549,21 @@ def _backend_deltas(
         out.append(
             BackendDelta(
                 name=url,
-                requests=_stat_delta(s0, s1, "requests_received"),
-                busy_seconds=_stat_delta(s0, s1, "busy_seconds"),
-                prefix_hits=_delta(m0, m1, "vllm:prefix_cache_hits_total"),
-                prefix_queries=_delta(m0, m1, "vllm:prefix_cache_queries_total"),
+                requests=scrape.stat_delta(s0, s1, "requests_received"),
+                busy_seconds=scrape.stat_delta(s0, s1, "busy_seconds"),
+                prefix_hits=scrape.delta(m0, m1, "vllm:prefix_cache_hits_total"),
+                prefix_queries=scrape.delta(m0, m1, "vllm:prefix_cache_queries_total"),
             )
         )
     return out
 
 
-def _target_deltas(before: Samples, after: Samples, outcomes: list[Outcome]) -> list[BackendDelta]:
-    hits = _delta(before, after, "vllm:prefix_cache_hits_total")
+def _target_deltas(
+    before: scrape.Samples, after: scrape.Samples, outcomes: list[Outcome]
+) -> list[BackendDelta]:
+    hits = scrape.delta(before, after, "vllm:prefix_cache_hits_total")
     if hits is not None:  # the target is one vLLM server
-        queries = _delta(before, after, "vllm:prefix_cache_queries_total")
+        queries = scrape.delta(before, after, "vllm:prefix_cache_queries_total")
         delta = BackendDelta(name="target", prefix_hits=hits, prefix_queries=queries)
         return [delta]
     counts: dict[str, int] = {}
@@ -617,14 +571,6 @@ def _target_deltas(before: Samples, after: Samples, outcomes: list[Outcome]) -> 
         if o.backend:
             counts[o.backend] = counts.get(o.backend, 0) + 1
     return [BackendDelta(name=name, requests=n) for name, n in sorted(counts.items())]
-
-
-def _reported_strategy(samples: Samples) -> str | None:
-    """The strategy a kvroute target reports in kvroute_policy_decisions_total, if any."""
-    for (name, labels), _ in samples.items():
-        if name == "kvroute_policy_decisions_total":
-            return dict(labels).get("policy")
-    return None
 
 
 @contextlib.asynccontextmanager
@@ -646,27 +592,6 @@ async def _lag_monitor() -> AsyncIterator[list[float]]:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
-
-
-@contextlib.contextmanager
-def _cpu_meter(pids: dict[str, int]) -> Iterator[dict[str, float]]:
-    """Each process's CPU time over the block, as a share of one core (Linux /proc)."""
-    shares: dict[str, float] = {}
-    t0, start = time.monotonic(), {name: _cpu_seconds(pid) for name, pid in pids.items()}
-    yield shares
-    elapsed = time.monotonic() - t0
-    for name, pid in pids.items():
-        end = _cpu_seconds(pid)
-        if end is not None and start[name] is not None and elapsed >= _MIN_CPU_SPAN:
-            shares[name] = (end - start[name]) / elapsed
-
-
-def _cpu_seconds(pid: int) -> float | None:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
 
 # --- output ---------------------------------------------------------------------------

@@ -56,6 +56,7 @@ import yaml
 from bench import overhead
 from bench.instant_backend import MODEL, SLOW_MODEL
 from bench.overhead import free_port, parser_for, process, wait_ready, write_json
+from bench.procstat import rss_mb, tree_cpu_seconds
 from bench.streams import Board, Stream, open_streams
 from router.workers import usable_cores
 
@@ -66,7 +67,6 @@ PEERS = {
     "sglang-router": ("sglang_router", "--log-level", "warn"),
     "vllm-router": ("vllm_router", "--log-level", "warning"),
 }
-_TICK = os.sysconf("SC_CLK_TCK")
 FLOOR = "bare TCP pipe, uvloop (floor)"
 
 
@@ -90,43 +90,6 @@ class Row:
 
 
 # --- processes ---------------------------------------------------------------------------
-
-
-def _tree(root: int) -> list[int]:
-    """`root` and every descendant (a supervisor's workers and collector)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError):
-                stat = Path(f"/proc/{entry.name}/stat").read_text()
-                children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(
-                    int(entry.name)
-                )
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def cpu_seconds(root: int) -> float:
-    total = 0
-    for pid in _tree(root):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])  # utime, stime
-    return total / _TICK
-
-
-def rss_mb(root: int) -> float:
-    total_kb = 0
-    for pid in _tree(root):
-        with contextlib.suppress(OSError):
-            status = Path(f"/proc/{pid}/status").read_text()
-            found = re.search(r"VmRSS:\s+(\d+) kB", status)
-            total_kb += int(found.group(1)) if found else 0
-    return total_kb / 1024
 
 
 @contextlib.contextmanager
@@ -277,9 +240,9 @@ def run_wrk(url: str, args, script: Path, seconds: float, row: Row | None = None
 
 def _timed(root: int | None, work: Callable[[], float]) -> tuple[float, float | None]:
     """(what `work` returns, the router's CPU cores over it: None without a router)."""
-    cpu0, t0 = cpu_seconds(root) if root else 0.0, time.monotonic()
+    cpu0, t0 = tree_cpu_seconds(root) if root else 0.0, time.monotonic()
     rate = work()
-    return rate, (cpu_seconds(root) - cpu0) / (time.monotonic() - t0) if root else None
+    return rate, (tree_cpu_seconds(root) - cpu0) / (time.monotonic() - t0) if root else None
 
 
 def _latency_round(t: Target, direct: str, args) -> None:
@@ -331,10 +294,10 @@ async def sse_rate(
     try:
         await asyncio.sleep(args.warmup)
         e0 = board.events
-        cpu0, t0 = cpu_seconds(root) if root else 0.0, time.monotonic()
+        cpu0, t0 = tree_cpu_seconds(root) if root else 0.0, time.monotonic()
         await asyncio.sleep(args.sse_seconds)
         elapsed = time.monotonic() - t0
-        cores = (cpu_seconds(root) - cpu0) / elapsed if root else None
+        cores = (tree_cpu_seconds(root) - cpu0) / elapsed if root else None
         return (board.events - e0) / elapsed, cores, board.errors
     finally:
         await _close_all(streams, board, backend)
