@@ -29,7 +29,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
             "Run the router in front of vLLM backends. Settings come from the YAML file "
             "(-c); flags override it; with --backend no file is needed."
         ),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("-c", "--config", metavar="FILE", help="YAML config file")
     p.add_argument("--host", help="listen address (config default 127.0.0.1)")
@@ -40,8 +39,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="a vLLM server, e.g. http://10.0.0.5:8000; repeat for each; replaces the file's list",
     )
-    p.add_argument("--strategy", choices=policies.names(), help="routing strategy")
-    p.add_argument("--prefix-length", type=int, help="tokens in the prefix fingerprint")
+    p.add_argument(
+        "--strategy", choices=policies.names(), help="routing strategy (config default RANDOM)"
+    )
+    p.add_argument(
+        "--prefix-length", type=int, help="tokens in the prefix fingerprint (PREFIX_AWARE)"
+    )
     p.add_argument(
         "--concurrency-threshold",
         type=int,
@@ -57,7 +60,11 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="processes sharing the listen port (config `workers`; 0 or unset: one per "
         "usable core; 1: a single process, no supervisor)",
     )
-    p.add_argument("--log-level", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        help="config default info; nothing is logged per request at any level",
+    )
     p.add_argument("--check", action="store_true", help="validate the config and exit")
 
 
