@@ -196,34 +196,44 @@ class AdminServer:
         }
 
 
-async def apply_edit(router: Router, edit: dict) -> dict[str, list[str]]:
-    """Apply a runtime edit (`{"op": "drain", "name", "draining"}` or `{"op":
-    "backends", "backends": [entries]}`) to `router`: the admin API's own, or one
-    broadcast from worker 0. ConfigError if the edited config is invalid."""
+async def apply_edit(router: Router, edit: dict, everywhere: bool = False) -> dict[str, list[str]]:
+    """Apply a runtime edit (`{"op": "drain", "name", "draining"}`, `{"op": "backends",
+    "backends": [entries]}`, or the collector's `{"op": "discovered", "found": {source:
+    [entries]}}`) to `router`: the admin API's own, or one broadcast (`everywhere`: the
+    collector applies it too). ConfigError if the edited config is invalid."""
     fleet = router.fleet
     if edit["op"] == "drain":
         backend = fleet.find(edit["name"])
         if backend is not None:
             fleet.set_draining(backend, edit["draining"])
         return {}
+    if edit["op"] == "discovered":
+        router.discovery.adopt(edit["found"])
+        return await router.reloader.apply(router.config, everywhere)
     if edit["backends"] == _entries(router.config):  # e.g. a worker's replay (below)
         return {"added": [], "removed": [], "at_restart": []}
     data = msgspec.to_builtins(router.config)
     data["backends"] = edit["backends"]
-    return await router.reloader.apply(build(data, "admin"))
+    return await router.reloader.apply(build(data, "admin"), everywhere)
+
+
+def discovered_edit(router: Router) -> bytes:
+    """The collector's discovered backends, as the edit that gives them to a worker."""
+    return orjson.dumps({"op": "discovered", "found": router.discovery.entries()})
 
 
 def replay_edits(router: Router) -> list[bytes]:
     """The edits that bring a (re)started worker, which read the file, to the router's
-    runtime view: the backend list as edited since, and the drained backends. The
-    collector, which applies every edit too, sends them to each worker that joins."""
+    runtime view: the discovered backends, the backend list as edited since, and the
+    drained backends. The collector, which applies every edit too, sends them to each
+    worker that joins."""
     edits = [{"op": "backends", "backends": _entries(router.config)}]
     edits += [
         {"op": "drain", "name": b.name, "draining": True}
         for b in router.fleet.members
         if b.draining
     ]
-    return [orjson.dumps(edit) for edit in edits]
+    return [discovered_edit(router), *(orjson.dumps(edit) for edit in edits)]
 
 
 def _entries(config: Config) -> list[dict]:

@@ -14,9 +14,9 @@ from aiohttp import web
 
 import policies
 from router import log
-from router.admin import AdminServer, apply_edit, replay_edits
+from router.admin import AdminServer, apply_edit, discovered_edit, replay_edits
 from router.auth import Authenticator
-from router.backends import Fleet
+from router.backends import Backend, Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
 from router.dispatch import Dispatcher
@@ -33,6 +33,7 @@ from router.workers import WorkerContext
 
 _STARTUP_POLL_SECONDS = 3.0
 _FEED_JOIN_SECONDS = 10.0  # a worker waits this long for the collector's feed to be live
+_VERDICT_GRACE = 1.0  # beyond the collector's own admission checks, before checking itself
 
 
 class Router:
@@ -100,13 +101,14 @@ class Router:
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
-        self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
         # backend telemetry (issue 4): /metrics scraping and KV event subscriptions; with
         # several workers, gathered once by the collector and fed to the workers, as are
-        # the health verdicts and model lists
+        # the health verdicts, model lists and discovered backends
         ctx = self.context
-        worker = ctx is not None and not ctx.collector
-        verdicts = Verdicts(self.fleet, self.health)
+        worker = self._is_worker()
+        if not worker:
+            self._tasks.append(asyncio.create_task(self.discovery.run(), name="kvroute-dns"))
+        self.verdicts = verdicts = Verdicts(self.fleet, self.health)
         self.telemetry = Telemetry(
             self.fleet,
             self._session,
@@ -215,6 +217,39 @@ class Router:
         self._tasks.append(asyncio.create_task(self.poller.run(after), name="kvroute-models"))
         self._tasks.append(asyncio.create_task(self.health.run(after), name="kvroute-health"))
 
+    def _is_worker(self) -> bool:
+        return self.context is not None and not self.context.collector
+
+    async def admit(self, added: list[Backend], everywhere: bool) -> None:
+        """Health and models of backends about to join (reload, admin API, discovery).
+
+        A worker of several whose change the collector applies too (`everywhere`: a
+        SIGHUP, an edit broadcast by worker 0, discovered backends) takes the
+        collector's verdicts, so each backend is checked once for the router; it checks
+        itself only the ones the collector said nothing of in time.
+        """
+        if everywhere and self._is_worker():
+            wait = max(self.config.health.timeout, _STARTUP_POLL_SECONDS) + _VERDICT_GRACE
+            added = await self.verdicts.take(added, wait)
+        if added:
+            await asyncio.gather(self.health.admit(added), self.poller.poll(added))
+
+    def admitted(self) -> None:
+        """Backends joined the fleet: the collector tells the workers their verdicts."""
+        if (feed := self._collecting()) is not None:
+            feed.verdicts_changed()
+
+    def discovered(self) -> None:
+        """The discovered backends changed here: the collector hands them to the workers
+        (discovery runs once for the router, so every worker routes over one fleet)."""
+        if (feed := self._collecting()) is not None:
+            feed.announce(discovered_edit(self))
+
+    def _collecting(self) -> Telemetry | None:
+        """The feed to the workers, when this process is the collector of several."""
+        ctx = self.context
+        return self.telemetry if ctx is not None and ctx.collector else None
+
     def _edited(self, payload: bytes) -> None:
         """An admin edit broadcast by worker 0 (router/admin.py), applied here too."""
         task = asyncio.create_task(self._apply_edit(orjson.loads(payload)))
@@ -223,7 +258,7 @@ class Router:
 
     async def _apply_edit(self, edit: dict) -> None:
         try:
-            await apply_edit(self, edit)
+            await apply_edit(self, edit, everywhere=True)
         except ConfigError as exc:  # worker 0 validated it: only a local secret can fail
             log.config.error("admin edit from worker 0 refused: %s", exc)
 

@@ -11,7 +11,10 @@ swapped in goes through the reload path (router/reload.py: build, validate, swap
 backends get a health check first and vanished ones drain like removed ones. The
 discovered backends are merged into every applied config, a SIGHUP reload of the file
 included. A failing source keeps its last good list, logs, and counts
-`kvroute_discovery_errors_total{source}`.
+`kvroute_discovery_errors_total{source}`. With several workers only the collector runs
+the sources (one resolver, one watch on the API server) and hands each change to the
+workers as an edit (`Router.discovered`), so every worker routes over the same fleet and
+takes the collector's health checks of the new backends.
 """
 
 from __future__ import annotations
@@ -103,6 +106,15 @@ class Discovery:
         self._merged = {b.key for b in discovered}
         return merged
 
+    def entries(self) -> dict[str, list[dict]]:
+        """The last good backends of each source, as config entries."""
+        return {label: msgspec.to_builtins(found) for label, found in self.found.items()}
+
+    def adopt(self, entries: dict[str, list[dict]]) -> None:
+        """Take another process's `entries` (a worker, from the collector, which runs the
+        sources for the router); the next applied config merges them."""
+        self.found = msgspec.convert(entries, dict[str, list[BackendConfig]])
+
     async def run(self) -> None:
         sources = self._router.config.discovery
         if not sources:
@@ -115,6 +127,7 @@ class Discovery:
                 # a rejected config is logged by the reloader; the old fleet keeps serving
                 with contextlib.suppress(ConfigError):
                     await self._router.reloader.apply(self._router.config)
+                    self._router.discovered()
         finally:
             for task in watchers:
                 task.cancel()

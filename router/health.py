@@ -22,6 +22,7 @@ a fleet is probed once per interval, not once per worker.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -144,6 +145,9 @@ class Verdicts:
         self._health = health
         #: set once a worker adopted a first message (it serves with known health then)
         self.adopted = asyncio.Event()
+        #: the last message's verdicts on backends this worker does not have yet
+        self._ahead: dict[str, _Verdict] = {}
+        self._heard = asyncio.Event()  # set (and replaced) at each message
 
     def encode(self) -> bytes:
         now = asyncio.get_running_loop().time()
@@ -161,19 +165,43 @@ class Verdicts:
         return msgspec.msgpack.encode(verdicts)
 
     def adopt(self, payload: bytes) -> None:
-        """Take the collector's verdicts; backends it does not know yet keep their own
-        (one just added through the admin API, whose edit reaches the collector too)."""
-        now = asyncio.get_running_loop().time()
+        """Take the collector's verdicts. Those on backends this worker has not added yet
+        (a reload or edit the collector applied first) wait for `take`."""
         fleet = self._fleet
         members = {b.name: b for b in fleet.members}
+        self._ahead = {}
         for v in msgspec.msgpack.decode(payload, type=list[_Verdict]):
             backend = members.get(v.name)
             if backend is None:
-                continue
-            backend.check_streak = v.streak
-            fleet.set_healthy(backend, v.healthy)
-            if v.passed_ago is not None:
-                self._health.last_pass[v.name] = now - v.passed_ago
-            if v.cards is not None:
-                fleet.set_discovered(backend, v.cards)
+                self._ahead[v.name] = v
+            else:
+                self._apply(backend, v)
+        self._heard.set()
+        self._heard = asyncio.Event()
         self.adopted.set()
+
+    async def take(self, backends: list[Backend], timeout: float) -> list[Backend]:
+        """Give `backends`, about to join this worker's fleet, the verdicts the collector
+        reaches for them (it applies the same reload or edit and probes them, once for
+        the router), waiting at most `timeout`; returns those it said nothing of."""
+        waiting = {b.name: b for b in backends}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            for name in [n for n in waiting if n in self._ahead]:
+                backend, verdict = waiting.pop(name), self._ahead[name]
+                backend.healthy = verdict.healthy  # it joins so: no transition to count
+                self._apply(backend, verdict)
+            left = deadline - loop.time()
+            if not waiting or left <= 0:
+                return list(waiting.values())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._heard.wait(), left)
+
+    def _apply(self, backend: Backend, v: _Verdict) -> None:
+        backend.check_streak = v.streak
+        self._fleet.set_healthy(backend, v.healthy)
+        if v.passed_ago is not None:
+            self._health.last_pass[v.name] = asyncio.get_running_loop().time() - v.passed_ago
+        if v.cards is not None:
+            self._fleet.set_discovered(backend, v.cards)

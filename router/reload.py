@@ -8,7 +8,9 @@ add and remove) does the rest:
    learned survives; its `on_fleet_change` rebuilds the ring, and consistent hashing
    keeps the prefixes of unchanged backends where they were), the auth secrets, and
    a Backend for each added one, checked once and asked for its models (bounded by
-   `health.timeout`), so it joins with known health and models;
+   `health.timeout`), so it joins with known health and models (`Router.admit`: in a
+   worker of several, the collector checks it for the router when it applies the same
+   change, a SIGHUP or a broadcast edit, and the worker takes its verdict);
 2. validate: any error (unreadable file, bad field, missing secret) raises
    ConfigError before anything changed; the old config keeps serving;
 3. swap, with no await: fleet membership and policy (`Fleet.update`: unchanged
@@ -75,17 +77,20 @@ class Reloader:
         self._pending: set[asyncio.Task] = set()
 
     def reload_soon(self) -> None:
-        """SIGHUP: reload in the background; a rejected config is logged, not raised."""
+        """SIGHUP: reload in the background; a rejected config is logged, not raised.
+        Every process of the router gets the signal, so the collector checks the
+        backends it adds (see `Router.admit`)."""
         task = asyncio.get_running_loop().create_task(self._reload_quietly())
         self._pending.add(task)
         task.add_done_callback(self._pending.discard)
 
     async def _reload_quietly(self) -> None:
         with contextlib.suppress(ConfigError):  # reload() logged why
-            await self.reload()
+            await self.reload(everywhere=True)
 
-    async def reload(self) -> dict[str, list[str]]:
-        """Re-read the config file and apply it; ConfigError (logged) leaves all as is."""
+    async def reload(self, everywhere: bool = False) -> dict[str, list[str]]:
+        """Re-read the config file and apply it; ConfigError (logged) leaves all as is.
+        `everywhere`: the collector applies it too (see `apply`)."""
         if self._source is None:
             raise ConfigError("the router was started without a config to reload")
         try:
@@ -93,18 +98,20 @@ class Reloader:
         except ConfigError as exc:
             log.config.error("reload rejected, the old config keeps serving: %s", exc)
             raise
-        return await self.apply(config)
+        return await self.apply(config, everywhere)
 
-    async def apply(self, config: Config) -> dict[str, list[str]]:
-        """Build, validate and swap in `config`; returns what changed, by kind."""
+    async def apply(self, config: Config, everywhere: bool = False) -> dict[str, list[str]]:
+        """Build, validate and swap in `config`; returns what changed, by kind.
+        `everywhere`: the collector applies the same change, so in a worker the added
+        backends take its health checks instead of checks of their own."""
         async with self._lock:
             try:
-                return await self._apply(config)
+                return await self._apply(config, everywhere)
             except ConfigError as exc:
                 log.config.error("reload rejected, the old config keeps serving: %s", exc)
                 raise
 
-    async def _apply(self, new: Config) -> dict[str, list[str]]:
+    async def _apply(self, new: Config, everywhere: bool) -> dict[str, list[str]]:
         router = self._router
         new = router.discovery.merge(new)  # DNS-discovered backends join every config
         old = router.config
@@ -118,7 +125,7 @@ class Reloader:
         added = [b for b in backends if id(b) not in current]
         if added:
             try:
-                await asyncio.gather(router.health.admit(added), router.poller.poll(added))
+                await router.admit(added, everywhere)
             except BaseException:  # e.g. cancelled at shutdown: they never join
                 fleet.let_go(added)
                 raise
@@ -131,6 +138,8 @@ class Reloader:
         router.health.cfg = new.health
         router.auth.adopt(auth)
         router.config = new
+        if added:
+            router.admitted()
         report = {
             "added": [b.name for b in added],
             "removed": removed,

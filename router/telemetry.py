@@ -22,11 +22,12 @@ and applies batches to its own index. The collector applies them to an index of 
 too.
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
-probe round and to every worker that says hello; router/health.py `Verdicts`: only the
-collector probes), and the admin API's runtime edits: worker 0 pushes an edit to the
-collector's PULL socket (`broadcast`), the collector applies it too (so it scrapes,
-subscribes to and probes an added backend) and publishes it (`a`); each worker hands it
-to `on_broadcast`.
+probe round, after backends joined its fleet, and to every worker that says hello;
+router/health.py `Verdicts`: only the collector probes), the admin API's runtime edits
+(worker 0 pushes an edit to the collector's PULL socket, `broadcast`; the collector
+applies it too, so it scrapes, subscribes to and probes an added backend, and publishes
+it, `a`) and the collector's own edits (`announce`: the discovered backends, `a` too);
+each worker hands an edit to `on_broadcast`.
 
 PUB/SUB drops what is published before a subscription reaches the publisher, so a
 worker does not serve until its feed is live: it pushes hellos (`hello <n>`) to the
@@ -371,8 +372,7 @@ class Telemetry:
         self._publish([topic, b"j"])
         for edit in self._replay():
             self._publish([topic, b"e", edit])
-        if self._verdicts_ready:
-            self.publish_verdicts()
+        self.verdicts_changed()
         if self._index is not None:
             for name in list(self._subscribers):
                 pairs = msgspec.msgpack.encode(self._index.snapshot(name))
@@ -383,6 +383,16 @@ class Telemetry:
         """The collector: send its health verdicts and model lists to every worker."""
         self._verdicts_ready = True
         self._publish([b"p", b"", self._verdicts.encode()])
+
+    def verdicts_changed(self) -> None:
+        """The collector: publish the verdicts again, once its first probe round is done
+        (e.g. backends a reload or edit added joined with their admission check)."""
+        if self._verdicts_ready:
+            self.publish_verdicts()
+
+    def announce(self, payload: bytes) -> None:
+        """The collector: an edit of its own (the discovered backends) to every worker."""
+        self._publish([b"a", b"", payload])
 
     async def broadcast(self, payload: bytes) -> None:
         """Send `payload` to every worker (this one included) through the collector."""

@@ -8,10 +8,11 @@ Process model (all children are spawned, not forked, so none inherits a running 
   `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
   `concurrency_threshold` see the router's whole load, not one worker's.
 - **the collector** scrapes every backend's /metrics, holds the KV event
-  subscriptions and runs the health checks and model polls once for the router, and
-  publishes snapshots, in-order event batches and health verdicts to the workers over
-  a ZMQ IPC socket (router/telemetry.py), so 100 backends are scraped and probed 100
-  times per interval, not 100 times N.
+  subscriptions, runs the health checks and model polls (admission checks of added
+  backends included) and the discovery sources once for the router, and publishes
+  snapshots, in-order event batches, health verdicts and discovered backends to the
+  workers over a ZMQ IPC socket (router/telemetry.py), so 100 backends are scraped and
+  probed 100 times per interval, not 100 times N.
 - **the supervisor** (this module, no event loop) reserves the ports, creates the run
   directory (shared load table, Prometheus multiprocess files, the IPC socket),
   restarts a child that dies (zeroing a dead worker's counters first, with a backoff

@@ -211,3 +211,11 @@ def _completion(model: str, chat: bool, n: int) -> dict:
         "choices": [choice],
         "usage": usage,
     }
+
+
+async def stubs_on(hosts: list[str]) -> list[StubBackend]:
+    """One stub on each loopback address in `hosts`, all on the same port (as discovered
+    backends of one Service are)."""
+    first = await StubBackend(host=hosts[0]).start()
+    rest = [await StubBackend(host=h, port=first.port).start() for h in hosts[1:]]
+    return [first, *rest]

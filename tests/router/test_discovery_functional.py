@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import orjson
 import pytest
-from aiohttp import web
 
 from router.app import Router
 from router.config import build
 from router.discovery import Discovery, system_resolver
-from tests.stub_backend import StubBackend
+from tests.router.fake_kube import FakeKubeApi
+from tests.stub_backend import StubBackend, stubs_on
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -29,12 +28,6 @@ class FakeDns:
         if self.failing:
             raise OSError("SERVFAIL")
         return sorted(self.addresses)
-
-
-async def stubs_on(hosts: list[str]) -> list[StubBackend]:
-    first = await StubBackend(host=hosts[0]).start()
-    rest = [await StubBackend(host=h, port=first.port).start() for h in hosts[1:]]
-    return [first, *rest]
 
 
 async def until(predicate, timeout: float = 5.0) -> None:
@@ -140,60 +133,6 @@ def test_discovery_config_errors(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         build(data)
     assert message in str(info.value)
-
-
-class FakeKubeApi:
-    """A loopback API server serving real EndpointSlice JSON: a list, then a watch stream
-    fed by the test. It insists on the service-account token and the label selector."""
-
-    def __init__(self, token: str) -> None:
-        self.token = token
-        self.slices: dict[str, dict] = {}
-        self.events: asyncio.Queue = asyncio.Queue()
-        self.lists = 0
-        self.runner: web.AppRunner | None = None
-        self.url = ""
-
-    @staticmethod
-    def slice(name: str, ready: dict[str, bool]) -> dict:
-        return {
-            "apiVersion": "discovery.k8s.io/v1",
-            "kind": "EndpointSlice",
-            "metadata": {"name": name, "labels": {"kubernetes.io/service-name": "vllm"}},
-            "addressType": "IPv4",
-            "ports": [{"name": "http", "port": 8000, "protocol": "TCP"}],
-            "endpoints": [
-                {"addresses": [ip], "conditions": {"ready": ok}} for ip, ok in ready.items()
-            ],
-        }
-
-    async def start(self) -> FakeKubeApi:
-        app = web.Application()
-        app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/ai/endpointslices", self._serve)
-        self.runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-        return self
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
-
-    async def _serve(self, request: web.Request) -> web.StreamResponse:
-        if request.headers.get("Authorization") != f"Bearer {self.token}":
-            return web.json_response({"kind": "Status", "code": 401}, status=401)
-        assert request.query["labelSelector"] == "kubernetes.io/service-name=vllm"
-        if request.query.get("watch") != "1":
-            self.lists += 1
-            body = {"kind": "EndpointSliceList", "metadata": {"resourceVersion": "7"}}
-            return web.json_response({**body, "items": list(self.slices.values())})
-        response = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await response.prepare(request)
-        while True:
-            event = await self.events.get()
-            if event is None:  # end this watch (as an API server does on timeout)
-                return response
-            await response.write(orjson.dumps(event) + b"\n")
 
 
 async def test_kubernetes_endpointslices_list_and_watch(tmp_path) -> None:

@@ -36,7 +36,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.overhead import free_port, process, wait_ready
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
-from tests.stub_backend import Behaviour, StubBackend
+from tests.router.fake_kube import FakeKubeApi
+from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
 WORKERS = 2
 CHAT = "/v1/chat/completions"
@@ -547,6 +548,77 @@ def _listener(r: MultiRouter, port: int) -> int:
 
 async def _holds(value, check) -> bool:
     return check(await value)
+
+
+async def test_discovery_and_admission_checks_run_once_for_every_worker(tmp_path) -> None:
+    """The collector alone watches the API server and checks the backends it finds or a
+    SIGHUP adds; every worker, a restarted one too, routes over that same fleet."""
+    found = await stubs_on(["127.0.0.2", "127.0.0.3"])
+    static = await StubBackend().start()
+    api = await FakeKubeApi("sa-token").start()
+    (tmp_path / "token").write_text("sa-token")
+    api.slices["vllm-a"] = api.slice("vllm-a", {"127.0.0.2": True})
+    source = {
+        "kind": "kubernetes",
+        "service": "vllm",
+        "namespace": "ai",
+        "api_server": api.url,
+        "token_file": str(tmp_path / "token"),
+        "port": found[0].port,
+    }
+    # no periodic checks in the test's time: every check counted is an admission check
+    quiet = {"health": {"interval": 3600}, "models_refresh_interval": 3600}
+    config = {"discovery": [source], **quiet}
+    names = lambda *stubs: {f"{s.host}:{s.port}" for s in stubs}  # noqa: E731
+    try:
+        async with multi_router(tmp_path, config) as r:
+            pids = r.workers()
+            sessions = [await r.pinned(pid) for pid in pids]
+
+            async def fleet(session: aiohttp.ClientSession) -> set[str]:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return set((await resp.json())["backends"])
+
+            async def everywhere(expected: set[str], what: str) -> None:
+                for session in sessions:
+                    await until(lambda s=session: _equals(fleet(s), expected), 15, what)
+
+            await everywhere(names(found[0]), "the listed backend in every worker")
+            api.events.put_nowait(
+                {"type": "ADDED", "object": api.slice("vllm-b", {"127.0.0.3": True})}
+            )
+            await everywhere(names(*found), "the watched backend in every worker")
+            for session in sessions:
+                async with session.post(r.url + CHAT, json=chat("hi")) as resp:
+                    assert resp.status == 200
+            assert (api.lists, api.watches) == (1, 1)  # one per worker as well would be 3
+            assert [s.health_checks for s in found] == [1, 1]
+            r.path.write_text(
+                yaml.safe_dump(
+                    {
+                        "listen": {"host": "127.0.0.1"},
+                        "backends": [{"url": static.url}],
+                        "discovery": [source],
+                        **quiet,
+                    }
+                )
+            )
+            os.kill(r.proc.pid, signal.SIGHUP)
+            await everywhere(names(static, *found), "the reload, discovered backends kept")
+            assert static.health_checks == 1
+            # a restarted worker reads the file, then takes the discovered backends
+            os.kill(pids[1], signal.SIGKILL)
+            await until(lambda: pids[1] not in r.workers(), 10, "the worker to die")
+            await until(lambda: len(r.workers()) == WORKERS, 30, "the restarted worker")
+            (replacement,) = set(r.workers()) - {pids[0]}
+            sessions = [await r.pinned(replacement)]
+            await everywhere(names(static, *found), "the restarted worker's fleet")
+            assert [s.health_checks for s in (static, *found)] == [1, 1, 1]
+            assert (api.lists, api.watches) == (1, 1)
+    finally:
+        await api.stop()
+        for stub in (static, *found):
+            await stub.stop()
 
 
 async def test_grpc_is_served_by_every_worker_and_a_busy_port_is_refused(tmp_path) -> None:
