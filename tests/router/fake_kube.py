@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import orjson
 from aiohttp import web
@@ -32,6 +33,19 @@ class FakeKubeApi:
             "endpoints": [
                 {"addresses": [ip], "conditions": {"ready": ok}} for ip, ok in ready.items()
             ],
+        }
+
+    def source(self, token_file: Path, token: str, **extra: object) -> dict:
+        """The `discovery:` entry that follows this server's `vllm` Service in `ai`,
+        presenting `token` (written to `token_file`)."""
+        token_file.write_text(token)
+        return {
+            "kind": "kubernetes",
+            "service": "vllm",
+            "namespace": "ai",
+            "api_server": self.url,
+            "token_file": str(token_file),
+            **extra,
         }
 
     async def start(self) -> FakeKubeApi:

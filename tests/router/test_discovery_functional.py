@@ -139,16 +139,8 @@ async def test_kubernetes_endpointslices_list_and_watch(tmp_path) -> None:
     stubs = await stubs_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
     port = stubs[0].port
     api = await FakeKubeApi("sa-token").start()
-    (tmp_path / "token").write_text("sa-token\n")
     api.slices["vllm-a"] = api.slice("vllm-a", {"127.0.0.2": True, "127.0.0.3": False})
-    source = {
-        "kind": "kubernetes",
-        "service": "vllm",
-        "namespace": "ai",
-        "api_server": api.url,
-        "token_file": str(tmp_path / "token"),
-        "port": port,
-    }
+    source = api.source(tmp_path / "token", "sa-token\n", port=port)
     config = {"listen": {"host": "127.0.0.1", "port": 0}, "discovery": [source]}
     router = Router(build(config))
     await router.start()
@@ -187,15 +179,8 @@ async def test_kubernetes_endpointslices_list_and_watch(tmp_path) -> None:
 
 async def test_kubernetes_wrong_token_keeps_the_fleet_and_counts(tmp_path) -> None:
     api = await FakeKubeApi("right").start()
-    (tmp_path / "token").write_text("wrong")
+    source = api.source(tmp_path / "token", "wrong")
     static = await StubBackend().start()
-    source = {
-        "kind": "kubernetes",
-        "service": "vllm",
-        "namespace": "ai",
-        "api_server": api.url,
-        "token_file": str(tmp_path / "token"),
-    }
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "backends": [{"url": static.url, "name": "static"}],

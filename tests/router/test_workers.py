@@ -556,16 +556,8 @@ async def test_discovery_and_admission_checks_run_once_for_every_worker(tmp_path
     found = await stubs_on(["127.0.0.2", "127.0.0.3"])
     static = await StubBackend().start()
     api = await FakeKubeApi("sa-token").start()
-    (tmp_path / "token").write_text("sa-token")
     api.slices["vllm-a"] = api.slice("vllm-a", {"127.0.0.2": True})
-    source = {
-        "kind": "kubernetes",
-        "service": "vllm",
-        "namespace": "ai",
-        "api_server": api.url,
-        "token_file": str(tmp_path / "token"),
-        "port": found[0].port,
-    }
+    source = api.source(tmp_path / "token", "sa-token", port=found[0].port)
     # no periodic checks in the test's time: every check counted is an admission check
     quiet = {"health": {"interval": 3600}, "models_refresh_interval": 3600}
     config = {"discovery": [source], **quiet}
