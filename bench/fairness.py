@@ -59,6 +59,7 @@ from bench.throughput import (
     peer_cmd,
     start_routers,
 )
+from router.workers import usable_cores
 
 
 @dataclass
@@ -134,27 +135,22 @@ def measure(name: str, url: str, backend: str, args) -> Result:
     return result
 
 
-def targets(stack: contextlib.ExitStack, direct: str, args, tmp: Path) -> list[tuple[str, str]]:
-    """(name, url) of every target that started."""
-    port = free_port()
-    starts: list = [
-        _Start(
-            Row("kvroute --workers 1"), kvroute_cmd(direct, port, 1, "ROUND_ROBIN", tmp), port, True
-        )
-    ]
+def targets(
+    stack: contextlib.ExitStack, direct: str, args, tmp: Path
+) -> list[tuple[str, str, str]]:
+    """(name, url, note) of every target; no url if it did not start (the note says why)."""
+    starts = []
+    for n in sorted({1, usable_cores()}):
+        port = free_port()
+        cmd = kvroute_cmd(direct, port, n, "ROUND_ROBIN", tmp)
+        starts.append(_Start(Row(f"kvroute --workers {n}"), cmd, port, True))
     for package, (python, version) in ensure_peers(Path(args.peers_venv), False).items():
         if python is not None:
             port = free_port()
-            starts.append(
-                _Start(
-                    Row(f"{package} {version}"),
-                    peer_cmd(python, package, direct, port),
-                    port,
-                    False,
-                )
-            )
+            cmd = peer_cmd(python, package, direct, port)
+            starts.append(_Start(Row(f"{package} {version}"), cmd, port, False))
     started = start_routers(stack, starts, tmp)
-    return [("backend direct", direct)] + [(t.row.name, t.url) for t in started if t.url]
+    return [("backend direct", direct, "")] + [(t.row.name, t.url, t.row.note) for t in started]
 
 
 def table(results: list[Result], args) -> str:
@@ -208,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-fair-")))
         direct = stack.enter_context(process(backend_cmd)).stdout.readline().strip()
         results = [
-            measure(name, url, direct, args) for name, url in targets(stack, direct, args, tmp)
+            measure(name, url, direct, args) if url else Result(name, note=note.lstrip("; "))
+            for name, url, note in targets(stack, direct, args, tmp)
         ]
     print(table(results, args))
     return 0
