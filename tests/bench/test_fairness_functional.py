@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import fairness
+from router.workers import usable_cores
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -20,7 +21,8 @@ def test_every_target_opens_its_streams_and_answers_the_probes(capsys) -> None:
         if line.startswith("| ") and not line.startswith("| target")
         for cells in [line.split("|")]
     }
-    assert set(rows) == {"backend direct", "kvroute --workers 1"}, printed
+    kvroutes = {f"kvroute --workers {n}" for n in (1, usable_cores())}
+    assert set(rows) == {"backend direct", *kvroutes}, printed
     for name, (opened, failed, _, p50, p99, top, rate) in rows.items():
         assert (opened, failed) == ("50", "0"), (name, printed)
         assert 0 < float(p50) <= float(p99) <= float(top), (name, printed)
