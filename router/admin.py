@@ -233,7 +233,8 @@ def replay_edits(router: Router) -> list[bytes]:
         for b in router.fleet.members
         if b.draining
     ]
-    return [discovered_edit(router), *(orjson.dumps(edit) for edit in edits)]
+    discovered = [discovered_edit(router)] if router.discovery.found else []
+    return [*discovered, *(orjson.dumps(edit) for edit in edits)]
 
 
 def _entries(config: Config) -> list[dict]:
