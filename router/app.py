@@ -136,6 +136,7 @@ class Router:
         self.fleet.changed()
         cfg = self.config  # replayed edits may have changed it
         self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
+        self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )

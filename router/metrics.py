@@ -14,6 +14,7 @@ their in-flight counts are router-wide (the shared load table). Process metrics
 
 from __future__ import annotations
 
+import asyncio
 from bisect import bisect_left
 from collections.abc import Callable, Iterable
 
@@ -39,6 +40,8 @@ _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LAG_INTERVAL = 0.25  # seconds between two looks at the event loop's lag
 
 
 class _BackendCollector:
@@ -202,6 +205,24 @@ class Metrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+        self.loop_lag = Histogram(
+            "kvroute_event_loop_lag_seconds",
+            "How late a serving process's event loop ran a timer: how long a new request "
+            "may wait for its turn (README, New requests while streams flow)",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+
+    async def watch_loop_lag(self) -> None:
+        """Every LAG_INTERVAL, how late the loop woke this task (a timer): four wake-ups
+        a second, nothing on the request path."""
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + LAG_INTERVAL
+            await asyncio.sleep(LAG_INTERVAL)
+            observe(max(0.0, loop.time() - due))
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

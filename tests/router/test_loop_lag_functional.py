@@ -1,0 +1,41 @@
+"""kvroute_event_loop_lag_seconds on a real router's /metrics: quiet while the loop is
+free, and a stall of the loop (here the test's own, which the in-process router shares)
+shows up as one late look."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metrics import LAG_INTERVAL
+from tests.router.conftest import running
+
+LAG = "kvroute_event_loop_lag_seconds"
+
+
+async def lag(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
+    async with http.get(url + "/metrics") as resp:
+        text = await resp.text()
+    (family,) = (f for f in text_string_to_metric_families(text) if f.name == LAG)
+    return {
+        s.labels.get("le", s.name.removeprefix(LAG)): s.value
+        for s in family.samples
+        if not s.name.endswith("_created")
+    }
+
+
+async def test_a_stalled_loop_shows_as_lag() -> None:
+    async with running(1) as (router, _), aiohttp.ClientSession() as http:
+        await asyncio.sleep(3 * LAG_INTERVAL)
+        quiet = await lag(http, router.url)
+        assert quiet["_count"] >= 2
+        assert quiet["0.25"] == quiet["_count"]  # no look came a quarter second late
+        time.sleep(0.6)  # the loop runs nothing for 0.6 s
+        await asyncio.sleep(2 * LAG_INTERVAL)
+        after = await lag(http, router.url)
+        assert after["_count"] > quiet["_count"]
+        assert after["_count"] - after["0.25"] == 1  # exactly one look was that late
+        assert after["_sum"] - quiet["_sum"] >= 0.6 - LAG_INTERVAL
