@@ -1,6 +1,6 @@
 """kvroute_event_loop_lag_seconds on a real router's /metrics: quiet while the loop is
 free, and a stall of the loop (here the test's own, which the in-process router shares)
-shows up as one late look."""
+shows up as a late look."""
 
 from __future__ import annotations
 
@@ -27,15 +27,21 @@ async def lag(http: aiohttp.ClientSession, url: str) -> dict[str, float]:
     }
 
 
+def late(samples: dict[str, float]) -> float:
+    """Looks that came more than a quarter second late."""
+    return samples["_count"] - samples["0.25"]
+
+
 async def test_a_stalled_loop_shows_as_lag() -> None:
     async with running(1) as (router, _), aiohttp.ClientSession() as http:
         await asyncio.sleep(3 * LAG_INTERVAL)
         quiet = await lag(http, router.url)
         assert quiet["_count"] >= 2
-        assert quiet["0.25"] == quiet["_count"]  # no look came a quarter second late
+        assert quiet["_sum"] / quiet["_count"] < 0.1  # a free loop is on time
         time.sleep(0.6)  # the loop runs nothing for 0.6 s
         await asyncio.sleep(2 * LAG_INTERVAL)
         after = await lag(http, router.url)
         assert after["_count"] > quiet["_count"]
-        assert after["_count"] - after["0.25"] == 1  # exactly one look was that late
+        assert late(after) >= late(quiet) + 1
+        # the look due during the stall ran at its end: at least 0.6 s - one interval late
         assert after["_sum"] - quiet["_sum"] >= 0.6 - LAG_INTERVAL
