@@ -576,24 +576,22 @@ class _Connection(BaseProtocol):
             self.transport.close()
 
     def data_received(self, data: bytes) -> None:
-        if self._chunked is not None:
-            if data:
-                self._chunk_received(data)
-            return
-        if self._parser is None:  # lost: nothing more to parse
-            return
-        if self._head_done or not data:  # b"": resume what the paused parser holds
-            self._parse(data, False)
-        else:
-            data = self._take_head(data)
-            if self._chunked is not None:
-                if data:
-                    self._chunk_received(data)
+        if self._chunked is None:
+            if self._parser is None:  # lost: nothing more to parse
                 return
-            if data:
+            if self._head_done or not data:  # b"": resume what the paused parser holds
                 self._parse(data, False)
-        if self.relay is not None:
-            self.relay.drain()
+                data = b""
+            else:
+                data = self._take_head(data)  # what follows the head, if anything
+            if self._chunked is None:  # not a chunked body: aiohttp's parser has it all
+                if data:
+                    self._parse(data, False)
+                if self.relay is not None:
+                    self.relay.drain()
+                return
+        if data:
+            self._chunk_received(data)
 
     def _take_head(self, data: bytes) -> bytes:
         """Parse the answer's head (and any interim heads before it) from `data`; return
