@@ -704,7 +704,7 @@ def _write(
     else:
         print(
             f"wrote {out / 'results.json'}; matplotlib is not installed, so no PNG "
-            "(pip install 'kvroute[bench]')"
+            "(pip install -e '.[bench]')"
         )
 
 

@@ -1,6 +1,6 @@
 """Locust users that replay the benchmark's seeded workloads (bench/workloads.py).
 
-    pip install 'kvroute[bench]'
+    pip install -e '.[bench]'
     locust -f bench/locustfile.py --host http://127.0.0.1:8000 --headless \\
         --users 16 --spawn-rate 4 --workload long-prefix --requests 300 --groups 50
 
@@ -29,7 +29,7 @@ try:
     from locust.exception import StopUser
 except ImportError as exc:
     raise ImportError(
-        "bench/locustfile.py needs locust, an optional extra: pip install 'kvroute[bench]'"
+        "bench/locustfile.py needs locust, an optional extra: pip install -e '.[bench]'"
     ) from exc
 import orjson
 

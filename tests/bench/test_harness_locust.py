@@ -27,7 +27,7 @@ def test_without_locust_the_import_error_says_what_to_install():
         [sys.executable, "-c", hide_locust], capture_output=True, text=True, timeout=30
     )
     assert proc.returncode != 0
-    assert "pip install 'kvroute[bench]'" in proc.stderr
+    assert "pip install -e '.[bench]'" in proc.stderr
 
 
 @pytest.mark.skipif(importlib.util.find_spec("locust") is None, reason="locust not installed")
