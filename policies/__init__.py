@@ -17,7 +17,7 @@ from policies.base import (
     Reason,
     RouteRequest,
 )
-from policies.registry import create, names, params_union, policy_class
+from policies.registry import canonical, create, names, params_union, policy_class, taking
 
 __all__ = [
     "SPILL_REASONS",
@@ -28,10 +28,12 @@ __all__ = [
     "PolicyParams",
     "Reason",
     "RouteRequest",
+    "canonical",
     "create",
     "names",
     "params_union",
     "policy_class",
+    "taking",
 ]
 
 for _mod in pkgutil.iter_modules(__path__):

@@ -32,6 +32,17 @@ def policy_class(name: str) -> type[Policy]:
     return _POLICIES[name]
 
 
+def canonical(name: str) -> str | None:
+    """The registered spelling of `name` in any case (`kv_aware` -> `KV_AWARE`), or None."""
+    folded = name.casefold()
+    return next((n for n in _POLICIES if n.casefold() == folded), None)
+
+
+def taking(field: str) -> list[str]:
+    """The strategies whose params have `field`, sorted."""
+    return [n for n in names() if field in _POLICIES[n].params_type.__struct_fields__]
+
+
 @functools.cache
 def params_union() -> typing.Any:
     """The tagged union of every registered params Struct (for msgspec decoding)."""

@@ -11,7 +11,7 @@ import uvloop
 
 import policies
 from router import log
-from router.config import ConfigError, load
+from router.config import DEFAULT_STRATEGY, LOG_LEVELS, ConfigError, load
 
 
 def _version() -> str:
@@ -19,6 +19,11 @@ def _version() -> str:
         return version("kvroute")
     except PackageNotFoundError:
         return "unknown"
+
+
+def _strategy(text: str) -> str:
+    """A strategy name in any case, as registered; argparse lists the names if unknown."""
+    return policies.canonical(text) or text
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +45,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help="a vLLM server, e.g. http://10.0.0.5:8000; repeat for each; replaces the file's list",
     )
     p.add_argument(
-        "--strategy", choices=policies.names(), help="routing strategy (config default RANDOM)"
+        "--strategy",
+        type=_strategy,
+        choices=policies.names(),
+        help=f"routing strategy, in any case (config default {DEFAULT_STRATEGY})",
     )
     p.add_argument(
         "--prefix-length", type=int, help="tokens in the prefix fingerprint (PREFIX_AWARE)"
@@ -62,7 +70,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--log-level",
-        choices=["debug", "info", "warning", "error"],
+        type=str.lower,
+        choices=LOG_LEVELS,
         help="config default info; nothing is logged per request at any level",
     )
     p.add_argument("--check", action="store_true", help="validate the config and exit")

@@ -20,6 +20,10 @@ import policies
 from policies.random import RandomParams
 
 Seconds = Annotated[float, Meta(gt=0)]
+LOG_LEVELS = ("debug", "info", "warning", "error")
+#: the strategy of a `routing:` section that names none, and of a file with no section
+DEFAULT_ROUTING = RandomParams()
+DEFAULT_STRATEGY: str = DEFAULT_ROUTING.__struct_config__.tag
 Port = Annotated[int, Meta(ge=0, le=65535)]
 
 
@@ -260,7 +264,7 @@ class Config(_Strict):
     )
     listen: ListenConfig = ListenConfig()
     grpc: GrpcConfig = GrpcConfig()
-    routing: policies.params_union() = RandomParams()  # type: ignore[valid-type]
+    routing: policies.params_union() = DEFAULT_ROUTING  # type: ignore[valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
@@ -280,6 +284,9 @@ class Config(_Strict):
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if self.log_level.lower() not in LOG_LEVELS:
+            levels = ", ".join(LOG_LEVELS)
+            raise ValueError(f"log_level {self.log_level!r} is not one of {levels}")
         if not self.backends and not self.discovery:
             raise ValueError("at least one backend (or a discovery source) is required")
         seen: set[str] = set()
@@ -309,10 +316,41 @@ def read_yaml(path: str | Path) -> dict[str, Any]:
 
 
 def build(data: dict[str, Any], source: str = "config") -> Config:
+    routing = data.get("routing")
+    if isinstance(routing, dict):
+        data = {**data, "routing": _with_strategy(routing, source)}
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _with_strategy(routing: dict[str, Any], source: str) -> dict[str, Any]:
+    """`routing` with its strategy spelled as registered, or the default one filled in.
+
+    A parameter that the default strategy lacks, in a section naming no strategy, is an
+    error that says which strategies take it: guessing one would route otherwise than
+    the file says.
+    """
+    given = routing.get("strategy")
+    if given is None:
+        default = DEFAULT_STRATEGY
+        for field in routing:
+            owners = policies.taking(field)
+            if owners and default not in owners:
+                raise ConfigError(
+                    f"{source}: `{field}` is a parameter of {' and '.join(owners)}, not of "
+                    f"{default} (the default strategy): set `routing.strategy` (--strategy) "
+                    "- at `$.routing`"
+                )
+        return {**routing, "strategy": default}
+    name = policies.canonical(given) if isinstance(given, str) else None
+    if name is None:
+        raise ConfigError(
+            f"{source}: unknown strategy {given!r}; the strategies are "
+            f"{', '.join(policies.names())} - at `$.routing.strategy`"
+        )
+    return {**routing, "strategy": name}
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
@@ -337,11 +375,8 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 
 
 def _strategy_fields(strategy: str) -> set[str]:
-    try:
-        params = policies.policy_class(strategy).params_type
-    except KeyError:
-        return set()
-    return set(params.__struct_fields__)
+    name = policies.canonical(strategy)
+    return set(policies.policy_class(name).params_type.__struct_fields__) if name else set()
 
 
 def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:

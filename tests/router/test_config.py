@@ -47,8 +47,25 @@ def test_defaults_need_only_backends() -> None:
         ),
         pytest.param(
             {"backends": ONE, "routing": {"strategy": "FASTEST"}},
-            "Invalid value 'FASTEST' - at `$.routing.strategy`",
+            "unknown strategy 'FASTEST'; the strategies are KV_AWARE, LEAST_OUTSTANDING_REQUESTS, "
+            "PREFIX_AWARE, RANDOM, ROUND_ROBIN - at `$.routing.strategy`",
             id="unknown-strategy",
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"stratgy": "PREFIX_AWARE"}},
+            "unknown field `stratgy` - at `$.routing`",
+            id="strategy-typo",
+        ),
+        pytest.param(
+            {"backends": ONE, "routing": {"prefix_length": 128}},
+            "`prefix_length` is a parameter of PREFIX_AWARE, not of RANDOM (the default "
+            "strategy): set `routing.strategy` (--strategy) - at `$.routing`",
+            id="param-without-strategy",
+        ),
+        pytest.param(
+            {"backends": ONE, "log_level": "verbose"},
+            "log_level 'verbose' is not one of debug, info, warning, error",
+            id="unknown-log-level",
         ),
         pytest.param(
             {"backends": ONE, "routing": {"strategy": "RANDOM", "prefix_length": 5}},
@@ -71,6 +88,20 @@ def test_bad_config_names_the_problem(data: dict, message: str) -> None:
     with pytest.raises(ConfigError) as info:
         build(data)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("routing", "strategy"),
+    [
+        pytest.param({}, "RANDOM", id="empty-section"),
+        pytest.param({"seed": 7}, "RANDOM", id="default-strategy-params"),
+        pytest.param({"strategy": "kv_aware"}, "KV_AWARE", id="lower-case"),
+        pytest.param({"strategy": "Prefix_Aware", "prefix_length": 64}, "PREFIX_AWARE", id="mixed"),
+    ],
+)
+def test_routing_strategy_defaults_and_takes_any_case(routing: dict, strategy: str) -> None:
+    cfg = build({"backends": ONE, "routing": routing})
+    assert cfg.routing.__struct_config__.tag == strategy
 
 
 def test_overrides_win_and_strategy_change_drops_foreign_keys() -> None:
@@ -127,3 +158,38 @@ def test_check_command(tmp_path) -> None:
     res = _kvroute("serve", "--check", "-c", str(bad))
     assert res.returncode == 2
     assert "unknown field `x` - at `$.routing`" in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "out"),
+    [
+        pytest.param(("--strategy", "kv_aware"), "strategy KV_AWARE", id="strategy-any-case"),
+        pytest.param(("--log-level", "WARNING"), "strategy RANDOM", id="log-level-any-case"),
+    ],
+)
+def test_check_command_takes_names_in_any_case(args: tuple[str, ...], out: str) -> None:
+    res = _kvroute("serve", "--check", "--backend", "http://127.0.0.1:1", *args)
+    assert res.returncode == 0, res.stderr
+    assert out in res.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "err"),
+    [
+        pytest.param(("--prefix-length", "128"), "set `routing.strategy` (--strategy)", id="param"),
+        pytest.param(("--strategy", "fastest"), "invalid choice: 'fastest'", id="strategy"),
+    ],
+)
+def test_check_command_refuses_flags_that_start_up_would(args: tuple[str, ...], err: str) -> None:
+    res = _kvroute("serve", "--check", "--backend", "http://127.0.0.1:1", *args)
+    assert res.returncode == 2
+    assert err in res.stderr
+
+
+def test_check_catches_what_start_up_rejects(tmp_path) -> None:
+    path = tmp_path / "verbose.yaml"
+    path.write_text("backends: [{url: http://127.0.0.1:1}]\nlog_level: verbose\n")
+    res = _kvroute("serve", "--check", "-c", str(path))
+    assert res.returncode == 2
+    assert "log_level 'verbose' is not one of debug, info, warning, error" in res.stderr
+    assert "Traceback" not in res.stderr
