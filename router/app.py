@@ -23,7 +23,13 @@ from router.dispatch import Dispatcher
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
 from router.health import HealthChecker, ModelPoller, Verdicts
-from router.http_ingress import HttpIngress, errors_middleware, parser_limits, server_limits
+from router.http_ingress import (
+    HttpIngress,
+    connection_handler,
+    errors_middleware,
+    parser_limits,
+    server_limits,
+)
 from router.metrics import Metrics
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
@@ -154,7 +160,7 @@ class Router:
         await self._runner.setup()
         fast = FastConnections(
             ingress,
-            self._runner.server,
+            connection_handler(self._runner.server, cfg.limits),
             cfg.limits.max_body_bytes,
             cfg.limits.body_timeout,
             cfg.limits.header_timeout,

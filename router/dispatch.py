@@ -126,8 +126,9 @@ class Dispatcher:
         if pick.reason in SPILL_REASONS:
             self._spillovers(pick.reason).inc()
         if pick.backend is None:
+            which = f" for model `{model}`" if model else " (the request named no model)"
             raise NoBackendAvailable(
-                f"No backend is available for model `{model}`; retry shortly.", retry_after=1
+                f"No backend is available{which}; retry shortly.", retry_after=1
             )
         return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
 
@@ -138,16 +139,17 @@ class Dispatcher:
 
         One timeout guards the exchange: each attempt sets it to its first-byte
         deadline, which bounds the body too (a stream's chunks push it on), and it
-        expires as an UpstreamTimeout (a 504).
+        expires as an UpstreamTimeout (a 504) naming the backend tried last.
         """
         try:
             held = await self.admission.enter(call.tenant)
         except KvrouteError as err:
             self.rejected(err)
             raise
+        tried: list[Backend] = []
         try:
             async with asyncio.timeout(None) as deadline:
-                attempt = await self._connect(call, deadline)
+                attempt = await self._connect(call, deadline, tried)
                 ok = False
                 try:  # no await since _connect returned: the attempt is released below
                     with attempt:
@@ -159,12 +161,16 @@ class Dispatcher:
         except TimeoutError as exc:
             if not deadline.expired():
                 raise
-            raise UpstreamTimeout("The backend did not answer in time.") from exc
+            # only an attempt sets the deadline: one was made
+            raise _blame(UpstreamTimeout("The backend did not answer in time."), tried[-1]) from exc
         finally:
             self.admission.leave(held)
 
-    async def _connect(self, call: Call, deadline: asyncio.Timeout) -> _Attempt:
-        """Send `call` until a backend gives an answer to relay, or no retry is left.
+    async def _connect(
+        self, call: Call, deadline: asyncio.Timeout, tried: list[Backend]
+    ) -> _Attempt:
+        """Send `call` until a backend gives an answer to relay, or no retry is left;
+        each backend attempted is appended to `tried`.
 
         Returns the attempt holding its slots; its answer may be a backend's own error
         status, passed through. Raises the last failure if no answer came at all.
@@ -177,10 +183,9 @@ class Dispatcher:
         except KvrouteError as err:
             self.rejected(err)
             raise
-        tried: list[str] = []
         while True:
             attempt = _Attempt(self, routed, call.started, deadline)  # no await before `try`
-            tried.append(attempt.backend.name)
+            tried.append(attempt.backend)
             try:
                 with attempt:
                     await attempt.open(call, self._upstreams, self._timeouts)
@@ -214,11 +219,11 @@ class Dispatcher:
         except ValueError as exc:  # e.g. the chat template refuses the conversation
             raise BadRequest(f"Cannot tokenize the prompt: {exc}") from None
 
-    def _retry_target(self, call: Call, tried: list[str]) -> Routed | None:
+    def _retry_target(self, call: Call, tried: list[Backend]) -> Routed | None:
         if not self._retry.allows(len(tried)):
             return None
         try:
-            return self.route(call, tried)
+            return self.route(call, [b.name for b in tried])
         except KvrouteError:  # no other candidate
             return None
 
@@ -367,6 +372,7 @@ class _Attempt:
 
     def _note(self, exc: BaseException) -> None:
         if isinstance(exc, UpstreamError):
+            _blame(exc, self.backend)
             self.error, self.status = exc, str(exc.status)
             self._metrics.upstream_errors.labels(self.backend.name, exc.kind).inc()
             self._verdict(False)
@@ -384,6 +390,13 @@ class Routed(NamedTuple):
     #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
     prompt_tokens: int = 0
     predicted_cached: int = 0
+
+
+def _blame(err: UpstreamError, backend: Backend) -> UpstreamError:
+    """`err`, naming `backend` as the one that failed (the client sees which)."""
+    url = backend.url
+    err.blame(backend.name, f"{url.host}:{url.port}")
+    return err
 
 
 def _describe(policy: Policy, call: Call, model: str) -> RouteRequest:

@@ -27,12 +27,18 @@ _STATUS_TYPE = {
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
     413: "RequestEntityTooLargeError",
+    417: "ExpectationFailedError",
     429: "RateLimitError",
+    431: "RequestHeaderFieldsTooLargeError",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
     504: "GatewayTimeoutError",
 }
+#: what a client hears of a bug of ours (the traceback goes to the log)
+INTERNAL = "The router failed to handle the request."
+#: how every UpstreamError message begins, until `blame` names the backend
+_SUBJECT = "The backend "
 
 
 class KvrouteError(Exception):
@@ -134,6 +140,13 @@ class PayloadTooLarge(KvrouteError, ValueError):
     status = 413
 
 
+class HeadersTooLarge(KvrouteError, ValueError):
+    """A request header (or the request line) over `max_header_bytes`, or more headers
+    than `max_headers`."""
+
+    status = 431
+
+
 class Unauthorized(KvrouteError, PermissionError):
     """A missing, unknown, expired or forged bearer token."""
 
@@ -161,8 +174,22 @@ class NoBackendAvailable(KvrouteError):
 
 
 class UpstreamError(KvrouteError, ConnectionError):
+    """A backend failed before or while answering. The message says what it did, as
+    "The backend ..."; `blame` names which backend once dispatch knows it."""
+
     status = 502
     kind = "upstream"
+    #: the backend that failed: the answer's x-kvroute-backend header
+    backend: str | None = None
+
+    def blame(self, name: str, address: str) -> None:
+        """Name the backend in the header and the message: "The backend refused the
+        connection." becomes "Backend b0 (10.0.0.5:8000) refused the connection."."""
+        self.backend = name
+        if self.message.startswith(_SUBJECT):
+            who = name if name == address else f"{name} ({address})"
+            self.message = f"Backend {who} {self.message.removeprefix(_SUBJECT)}"
+            self.args = (self.message,)
 
 
 class UpstreamConnectError(UpstreamError):

@@ -9,9 +9,11 @@ one read, with a Content-Length body within `max_body_bytes` (waited for up to
 `body_timeout`, then a 408 and the connection closes), no Content-Encoding, Expect or
 Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's handlers.
 Anything else (another path, a head split over reads, chunked or gzip bodies, a
-malformed request, pipelined requests) hands the connection, with every byte of that
-request, to aiohttp's RequestHandler for the rest of its life: its limits, slowloris
-timeouts, lingering close and errors apply exactly as before.
+malformed request or one over the header limits, a body declared over the limit,
+pipelined requests) hands the connection, with every byte of that request, to aiohttp's
+RequestHandler (http_ingress.IngressHandler) for the rest of its life: its limits (431),
+slowloris timeouts, `Expect: 100-continue` (a 413 instead for a body declared over the
+limit), lingering close and OpenAI-style errors apply exactly as before.
 
 Answers are written with one `transport.write` per message (head and body together;
 one per SSE chunk, chunked-encoded). A stream is relayed from the backend connection's
@@ -38,8 +40,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.streams import StreamReader
 
 from router import log
-from router.errors import KvrouteError
-from router.http_ingress import HttpIngress
+from router.errors import INTERNAL, KvrouteError
+from router.http_ingress import REQUEST_ID, HttpIngress, request_id
 from router.proxy import Sink, header_lines
 from router.request import Kind
 
@@ -50,7 +52,7 @@ ROUTES = {
 }
 _REASONS = {s.value: s.phrase for s in HTTPStatus}
 _LAST_CHUNK = b"0\r\n\r\n"
-_INTERNAL = KvrouteError("The router failed to handle the request.").http_answer()
+_INTERNAL = KvrouteError(INTERNAL)
 
 
 class FastConnections:
@@ -237,8 +239,9 @@ class FastConnection(BaseProtocol):
             self._closing = True
             log.http.exception("error handling %s %s", message.method, message.path)
             if not reply.started:
+                extra = {REQUEST_ID: request_id(message.headers)}
                 with contextlib.suppress(ConnectionError):
-                    await reply.whole(500, *_INTERNAL)
+                    await reply.whole(500, *_INTERNAL.http_answer(extra))
         finally:
             self.task = None
             self._after_answer()

@@ -8,8 +8,13 @@ event and `[DONE]` end the stream.
 
 Hostile clients are refused before any work: the bearer token is checked before the
 body is read (auth.py, 401); the body must arrive within `body_timeout` (408) and stop
-at `max_body_bytes` (413, read no further); aiohttp enforces the header limits and the
-header timeout (`server_limits`). A refusal never reaches dispatch or a backend.
+at `max_body_bytes` (413, read no further; one declared larger is refused before a
+`100 Continue` invites it); aiohttp enforces the header limits (431) and the header
+timeout (`server_limits`). A refusal never reaches dispatch or a backend.
+
+Every answer carries X-Request-Id (the client's, else a new one), including the errors
+aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`); an answer from
+a backend, and a 502/504 about one, names it in x-kvroute-backend.
 """
 
 from __future__ import annotations
@@ -19,10 +24,12 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Protocol
+from http import HTTPStatus
+from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 Continue
 from multidict import CIMultiDict
 
 from router import log
@@ -31,11 +38,14 @@ from router.backends import Fleet
 from router.config import Config, LimitsConfig
 from router.dispatch import Call, Dispatcher, new_request_id
 from router.errors import (
+    INTERNAL,
     BadRequest,
+    HeadersTooLarge,
     KvrouteError,
     PayloadTooLarge,
     RequestTimeout,
     Unauthorized,
+    UpstreamError,
 )
 from router.metrics import CONTENT_TYPE, Metrics
 from router.proxy import Sink, Upstream, forward_headers
@@ -45,6 +55,8 @@ from router.telemetry import Telemetry
 BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
 _LINGER_SECONDS = 2.0  # aiohttp's default, 10 s, lets a slow sender hold a connection
+#: aiohttp's message for too many headers (both parsers): it has no exception class
+_TOO_MANY_HEADERS = "Too many headers received"
 
 #: vLLM OpenAI-surface paths that are proxied but not fingerprinted
 _PROXIED = (
@@ -85,10 +97,11 @@ class HttpIngress:
         self._auth = auth or Authenticator(config.auth)
 
     def routes(self) -> list[web.RouteDef]:
+        body = {"expect_handler": self.expect}  # routes whose body is read
         routed = [
-            web.post("/v1/chat/completions", self._handler(Kind.CHAT)),
-            web.post("/v1/completions", self._handler(Kind.COMPLETION)),
-            web.post("/v1/embeddings", self._handler(Kind.EMBEDDING)),
+            web.post("/v1/chat/completions", self._handler(Kind.CHAT), **body),
+            web.post("/v1/completions", self._handler(Kind.COMPLETION), **body),
+            web.post("/v1/embeddings", self._handler(Kind.EMBEDDING), **body),
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/ready", self.ready),
@@ -96,7 +109,7 @@ class HttpIngress:
             web.get("/debug/routing", self.debug_routing),
         ]
         other = self._handler(Kind.OTHER)
-        routed += [web.route("*", path, other) for path in _PROXIED]
+        routed += [web.route("*", path, other, **body) for path in _PROXIED]
         return routed
 
     def _handler(self, kind: Kind) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
@@ -121,9 +134,9 @@ class HttpIngress:
         the fast path's: router/fast_ingress.py)."""
         started = asyncio.get_running_loop().time()
         headers = forward_headers(client_headers)
-        request_id = headers.get(REQUEST_ID) or new_request_id()
-        headers[REQUEST_ID] = request_id
-        extra = {REQUEST_ID: request_id}
+        rid = request_id(headers)
+        headers[REQUEST_ID] = rid
+        extra = {REQUEST_ID: rid}
         try:
             tenant = self._tenant(client_headers)  # before the body: no work for strangers
             body = await read_body()
@@ -162,12 +175,26 @@ class HttpIngress:
                 raise
             # the client left mid-stream: a 499, and no traceback to log
 
+    async def expect(self, request: web.Request) -> web.StreamResponse | None:
+        """Refuse a declared body over the limit before a `100 Continue` invites it: a
+        413, and the connection closes with the body unsent. Else aiohttp's answer. What
+        this returns bypasses the middlewares: it carries its own X-Request-Id."""
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            err = self._declared_too_large(length)
+        else:
+            try:
+                return await _default_expect_handler(request)
+            except web.HTTPException as exc:  # 417: an expectation other than 100-continue
+                err = KvrouteError(exc.reason, status=exc.status)
+        self._dispatch.rejected(err)
+        response = err.to_http({REQUEST_ID: request_id(request.headers)})
+        response.force_close()
+        return response
+
     async def _read_body(self, request: web.Request) -> bytes:
         if request.content_length is not None and request.content_length > self._max_body:
-            raise PayloadTooLarge(
-                f"Request body of {request.content_length} bytes exceeds the limit of "
-                f"{self._max_body} bytes."
-            )
+            raise self._declared_too_large(request.content_length)
         try:
             if request.content.is_eof():  # it all came with the headers: no timer, no copy
                 body = request.content.read_nowait()
@@ -186,6 +213,11 @@ class HttpIngress:
 
     def body_late(self) -> RequestTimeout:
         return RequestTimeout(f"The request body did not arrive within {self._body_timeout:g} s.")
+
+    def _declared_too_large(self, length: int) -> PayloadTooLarge:
+        return PayloadTooLarge(
+            f"Request body of {length} bytes exceeds the limit of {self._max_body} bytes."
+        )
 
     def _too_large(self) -> PayloadTooLarge:
         return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")
@@ -316,6 +348,8 @@ async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> Non
     """Answer with `err` before anything of an answer was sent (refused, or failed)."""
     if isinstance(err, Unauthorized):
         extra = {**extra, "WWW-Authenticate": "Bearer"}
+    elif isinstance(err, UpstreamError) and err.backend is not None:
+        extra = {**extra, BACKEND_HEADER: err.backend}  # the one that failed, tried last
     headers, body = err.http_answer(extra)
     # after a 413 or a 408 the rest of the body is not worth the connection
     await reply.whole(err.status, headers, body, isinstance(err, (PayloadTooLarge, RequestTimeout)))
@@ -327,14 +361,19 @@ def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
     return headers
 
 
+def request_id(headers: Mapping[str, str]) -> str:
+    """The request's id for its answer and its backend: the client's, else a new one."""
+    return headers.get(REQUEST_ID) or new_request_id()
+
+
 def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
 
 
 class _NoClientFaults(logging.Filter):
-    """Drop aiohttp's traceback for a malformed request: the client got its 400, and a
-    flood of them must not flood the log (no logging per request). Our own failures,
-    which aiohttp reports the same way, still get through."""
+    """Drop aiohttp's traceback for a malformed or oversized request: the client got its
+    400 or 431, and a flood of them must not flood the log (no logging per request). Our
+    own failures, which aiohttp reports the same way, still get through."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
@@ -351,7 +390,7 @@ def server_limits(limits: LimitsConfig) -> dict[str, object]:
     request, counted from the connection or the previous response, and a trickle of
     bytes does not extend it: so it is both the idle keep-alive timeout and the header
     read timeout that ends slowloris connections. An over-long request or header line,
-    or too many headers, is a 400 before any handler runs. After a refusal that left the
+    or too many headers, is a 431 before any handler runs. After a refusal that left the
     body unread (413, 408) aiohttp reads and drops what still comes for
     `lingering_time`, so the client sees the answer instead of a reset, then closes.
     """
@@ -372,12 +411,66 @@ def parser_limits(limits: LimitsConfig) -> dict[str, int]:
     }
 
 
+def connection_handler(server: web.Server, limits: LimitsConfig) -> Callable[[], IngressHandler]:
+    """What makes aiohttp's handler for a connection the fast path hands over: the
+    router's settings (as given to `server`'s runner) and errors."""
+    loop = asyncio.get_running_loop()
+    settings = server_limits(limits)
+    return functools.partial(
+        IngressHandler, server, loop=loop, limits=limits, access_log=None, **settings
+    )
+
+
+class IngressHandler(web.RequestHandler):
+    """aiohttp's connection handler, answering what aiohttp's server refuses by itself
+    (a head over the limits: 431; a malformed request: 400; a handler's crash: 500) as
+    the router answers everything: an OpenAI-style JSON error with X-Request-Id, where
+    aiohttp's own answer is text/plain and quotes the client's bytes back."""
+
+    __slots__ = ("_limits",)
+
+    def __init__(self, manager: web.Server, *, limits: LimitsConfig, **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._limits = limits
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        # aiohttp's: it logs, and raises if an answer already started
+        super().handle_error(request, status, exc, message)
+        err = _server_refusal(status, exc, self._limits)
+        response = err.to_http({REQUEST_ID: request_id(request.headers)})
+        response.force_close()
+        return response
+
+
+def _server_refusal(status: int, exc: BaseException | None, limits: LimitsConfig) -> KvrouteError:
+    """The error for what aiohttp's server refused; it never repeats the client's bytes."""
+    if isinstance(exc, LineTooLong):
+        return HeadersTooLarge(
+            f"A request header or the request line is over {limits.max_header_bytes} bytes."
+        )
+    if isinstance(exc, HttpProcessingError):
+        if exc.message == _TOO_MANY_HEADERS:
+            return HeadersTooLarge(f"The request has more than {limits.max_headers} headers.")
+        return BadRequest("The request is not valid HTTP.")
+    return KvrouteError(INTERNAL if status == 500 else HTTPStatus(status).phrase, status=status)
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler) -> web.StreamResponse:
-    """Turn aiohttp's own HTTP errors (unknown path, wrong method) into OpenAI-style ones."""
+    """Turn aiohttp's own HTTP errors (unknown path, wrong method) into OpenAI-style
+    ones, and give every answer an X-Request-Id (the proxied ones have theirs)."""
     try:
-        return await handler(request)
+        response = await handler(request)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return KvrouteError(exc.reason, status=exc.status).to_http()
+        response = KvrouteError(exc.reason, status=exc.status).to_http()
+    if not response.prepared:  # a stream that started already has its own
+        response.headers.setdefault(REQUEST_ID, request_id(request.headers))
+    return response

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import socket
 import ssl
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Protocol
@@ -180,7 +181,7 @@ class Upstream:
         try:
             self._tail = await self._payload.read()
         except aiohttp.ClientError as exc:
-            raise UpstreamDisconnected(f"backend failed while sending the body: {exc}") from exc
+            raise UpstreamDisconnected(_broke(exc, "answer")) from exc
         return self._tail
 
     def cached_tokens(self) -> int | None:
@@ -206,7 +207,7 @@ class Upstream:
             try:
                 chunk = await payload.readany()
             except aiohttp.ClientError as exc:
-                raise UpstreamDisconnected(f"backend stream broke: {exc}") from exc
+                raise UpstreamDisconnected(_broke(exc, "stream")) from exc
             if not chunk:  # clean end; a cut-off body raises ClientPayloadError above
                 return
             self._arrived(chunk, loop.time())
@@ -257,7 +258,7 @@ class Upstream:
             if payload.at_eof():
                 done.set_result(None)
         except aiohttp.ClientError as exc:
-            done.set_exception(UpstreamDisconnected(f"backend stream broke: {exc}"))
+            done.set_exception(UpstreamDisconnected(_broke(exc, "stream")))
         except ConnectionError as exc:  # the client is gone
             done.set_exception(exc)
         finally:
@@ -346,9 +347,35 @@ async def open_upstream(
         conn, message, payload = await upstreams.send(
             backend, _head(method, target, backend, headers, body), body, method, connect_timeout
         )
-    except aiohttp.ClientError as exc:
-        raise UpstreamError(f"backend failed before responding: {exc}") from exc
+    except _Malformed as exc:
+        raise UpstreamError("The backend answered with malformed HTTP.") from exc
+    except aiohttp.ClientError as exc:  # closed or reset
+        raise UpstreamError("The backend closed the connection before answering.") from exc
     return Upstream(conn, message, payload, idle, end, itl, on_first)
+
+
+class _Malformed(aiohttp.ClientPayloadError):
+    """The backend's bytes are not HTTP, or not the chunked framing they claim."""
+
+
+def _broke(exc: aiohttp.ClientError, what: str) -> str:
+    """How the backend failed the `what` it was sending, in the client's terms."""
+    if isinstance(exc, _Malformed):
+        return f"The backend sent a malformed {what}."
+    return f"The backend broke off the {what}."
+
+
+def _unreachable(exc: OSError) -> str:
+    """Why no connection to the backend was made, in the client's terms."""
+    if isinstance(exc, ConnectionRefusedError):
+        return "The backend refused the connection."
+    if isinstance(exc, socket.gaierror):
+        return "The backend cannot be reached: its host name does not resolve."
+    if isinstance(exc, ssl.SSLError):
+        return "The backend cannot be reached: the TLS handshake failed."
+    if exc.strerror:  # e.g. "No route to host"
+        return f"The backend cannot be reached ({exc.strerror})."
+    return "The backend cannot be reached."
 
 
 def _head_end(carry: bytes, data: bytes) -> int:
@@ -462,10 +489,10 @@ class Upstreams:
                 )
         except TimeoutError:
             raise UpstreamConnectError(
-                f"cannot connect to backend: no connection within {timeout:g} s"
+                f"The backend did not accept a connection within {timeout:g} s."
             ) from None
         except OSError as exc:  # refused, unreachable, unknown host, TLS handshake
-            raise UpstreamConnectError(f"cannot connect to backend: {exc}") from exc
+            raise UpstreamConnectError(_unreachable(exc)) from exc
         return conn
 
     def _tls_context(self) -> ssl.SSLContext:
@@ -620,7 +647,7 @@ class _Connection(BaseProtocol):
             messages, _, _ = self._parser.feed_data(data)
         except Exception as exc:  # not HTTP: nothing more on this connection is trusted
             self.close()
-            self._fail(aiohttp.ClientConnectionError(f"invalid answer: {exc}"))
+            self._fail(_Malformed(f"invalid answer: {exc}"))
             messages = ()
         for message, payload in messages:
             if message.should_close:
@@ -650,7 +677,7 @@ class _Connection(BaseProtocol):
             pieces, whole = chunked.feed(data)
         except ChunkError as exc:
             self.close()
-            self._fail(aiohttp.ClientPayloadError(f"invalid chunked body: {exc}"))
+            self._fail(_Malformed(f"invalid chunked body: {exc}"))
             return
         relay = self.relay
         if relay is None or whole is None or not relay.forward(whole):

@@ -2,11 +2,12 @@
 
 Everything else in the body is skipped by the decoder and forwarded as the original
 bytes. A body that is not JSON, or whose routing fields have the wrong type, becomes a
-400 naming the field.
+400 naming the field (in the message and as `param`).
 """
 
 from __future__ import annotations
 
+import re
 from enum import Enum
 
 import msgspec
@@ -25,7 +26,8 @@ class _Common(msgspec.Struct):
 
 
 class ChatRequest(_Common):
-    messages: list[Message] = msgspec.field(default_factory=list)
+    #: UNSET when absent, so that an empty list is told apart (and null stays invalid)
+    messages: list[Message] | msgspec.UnsetType = msgspec.UNSET
     #: empty when absent (msgspec cannot decode into `Raw | None`, msgspec issue #659)
     tools: msgspec.Raw = msgspec.Raw()
 
@@ -60,6 +62,8 @@ _DECODERS = {
 
 
 _REQUIRED = {Kind.CHAT: "messages", Kind.COMPLETION: "prompt", Kind.EMBEDDING: "input"}
+#: where a msgspec ValidationError message says the bad value is: "... - at `$.messages`"
+_AT = re.compile(r" - at `\$\.(.+)`$")
 
 
 def parse(kind: Kind, body: bytes) -> _Common:
@@ -69,12 +73,18 @@ def parse(kind: Kind, body: bytes) -> _Common:
     try:
         req = _DECODERS[kind].decode(body)
     except msgspec.ValidationError as exc:
-        raise BadRequest(f"Invalid request body: {exc}") from None
+        at = _AT.search(str(exc))
+        param = at.group(1) if at else None  # e.g. "messages", "messages[0].role"
+        raise BadRequest(f"Invalid request body: {exc}", param=param) from None
     except msgspec.DecodeError as exc:
         raise BadRequest(f"Request body is not valid JSON: {exc}") from None
     except RecursionError:  # skipped fields are still walked: deep nesting ends here
         raise BadRequest("Request body is nested too deeply.") from None
     field = _REQUIRED.get(kind)
-    if field is not None and not getattr(req, field):
-        raise BadRequest(f"Field required: `{field}`", param=field)
+    if field is not None:
+        value = getattr(req, field)
+        if value is None or value is msgspec.UNSET:
+            raise BadRequest(f"Field required: `{field}`", param=field)
+        if not value:  # [] or ""
+            raise BadRequest(f"`{field}` must not be empty.", param=field)
     return req

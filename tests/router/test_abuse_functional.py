@@ -10,6 +10,7 @@ import time
 
 import aiohttp
 import orjson
+import pytest
 
 from tests.router.chaos import TALLY, Tally, chat
 from tests.router.conftest import running, settle
@@ -28,13 +29,24 @@ async def _connect(router) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
     return await asyncio.open_connection("127.0.0.1", router.port)
 
 
-def _head(extra: str = "", path: str = CHAT_PATH) -> bytes:
-    return f"POST {path} HTTP/1.1\r\nHost: kvroute\r\n{extra}".encode()
+def _head(extra: str = "", path: str = CHAT_PATH, method: str = "POST") -> bytes:
+    return f"{method} {path} HTTP/1.1\r\nHost: kvroute\r\n{extra}".encode()
 
 
 async def _status(reader: asyncio.StreamReader) -> int:
     line = await asyncio.wait_for(reader.readline(), 5)
     return int(line.split()[1])
+
+
+async def _answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:
+    """The first answer as sent (a 100 Continue too): status, headers (lower-case
+    names), Content-Length body."""
+    async with asyncio.timeout(5):
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").split("\r\n")
+        fields = (line.partition(":") for line in head[1:] if line)
+        headers = {name.strip().lower(): value.strip() for name, _, value in fields}
+        body = await reader.readexactly(int(headers.get("content-length", 0)))
+    return int(head[0].split()[1]), headers, body
 
 
 async def _closed_within(reader: asyncio.StreamReader, bound: float) -> float:
@@ -121,29 +133,76 @@ async def test_oversize_bodies_get_413_without_being_read_whole() -> None:
         assert (tally.failed, tally.hung) == (0, 0)
 
 
-async def test_header_floods_are_4xx() -> None:
+BIG_HEADER = "X-Big: " + "a" * 4096 + "\r\n"  # one header over max_header_bytes
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "extra", "says"),
+    [
+        pytest.param("POST", CHAT_PATH, BIG_HEADER, "over 2048 bytes", id="long-header"),
+        pytest.param(
+            "POST",
+            CHAT_PATH,
+            "".join(f"X-H{i}: v\r\n" for i in range(40)),
+            "more than 20 headers",
+            id="too-many-headers",
+        ),
+        pytest.param(
+            "POST", CHAT_PATH + "?" + "q" * 4096, "", "over 2048 bytes", id="long-request-line"
+        ),
+        pytest.param("GET", "/v1/models", BIG_HEADER, "over 2048 bytes", id="not-fast-path"),
+    ],
+)
+async def test_header_floods_are_431_in_openai_json_without_an_echo(
+    method: str, path: str, extra: str, says: str
+) -> None:
+    """The limit broken is named; the client's own bytes are never sent back to it."""
     async with running(1, limits=LIMITS) as (router, stubs):
         tally = Tally.new()
-        cases = [
-            "X-Big: " + "a" * 4096 + "\r\n",  # one header over max_header_bytes
-            "".join(f"X-H{i}: v\r\n" for i in range(40)),  # over max_headers
-        ]
-        for extra in cases:
-            tally.add("sent")
-            reader, writer = await _connect(router)
-            writer.write(_head(extra + "Content-Length: 2\r\n\r\n{}"))
-            status = await _status(reader)
-            writer.close()
-            assert 400 <= status < 500, status
-        long_path = CHAT_PATH + "?" + "q" * 4096  # request line over the limit
         tally.add("sent")
         reader, writer = await _connect(router)
-        writer.write(_head("Content-Length: 2\r\n\r\n{}", path=long_path))
-        assert 400 <= await _status(reader) < 500
+        writer.write(_head(extra + "Content-Length: 2\r\n\r\n{}", path, method))
+        status, headers, body = await _answer(reader)
+        await _closed_within(reader, 3)
         writer.close()
+        assert status == 431
+        assert headers["content-type"] == "application/json" and headers["x-request-id"]
+        error = orjson.loads(body)["error"]
+        assert error["type"] == "RequestHeaderFieldsTooLargeError" and error["code"] == 431
+        assert says in error["message"]
+        assert b"aaaa" not in body and b"qqqq" not in body
         assert stubs[0].received == []
         await _still_serving(router, tally)
         assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize("path", [CHAT_PATH, "/v1/responses"], ids=["fast-path", "aiohttp"])
+async def test_expect_continue_for_a_body_over_the_limit_is_413_instead(path: str) -> None:
+    """A client waiting for `100 Continue` before a 17 MB upload hears the 413 first,
+    and the connection closes: the body is never invited."""
+    async with running(1, limits=LIMITS) as (router, stubs):
+        reader, writer = await _connect(router)
+        writer.write(_head("Expect: 100-continue\r\nContent-Length: 17000000\r\n\r\n", path))
+        status, headers, body = await _answer(reader)
+        await _closed_within(reader, 3)
+        writer.close()
+        assert (status, headers["connection"]) == (413, "close")
+        assert headers["x-request-id"]
+        assert "17000000 bytes exceeds the limit" in orjson.loads(body)["error"]["message"]
+        assert stubs[0].received == []
+
+
+async def test_expect_continue_for_a_body_within_the_limit_is_invited() -> None:
+    async with running(1, limits=LIMITS) as (router, stubs):
+        body = orjson.dumps(chat()["json"])
+        reader, writer = await _connect(router)
+        head = f"Expect: 100-continue\r\nContent-Length: {len(body)}\r\n\r\n"
+        writer.write(_head(head))
+        assert (await _answer(reader))[0] == 100
+        writer.write(body)
+        assert (await _answer(reader))[0] == 200
+        writer.close()
+        assert stubs[0].raw == [body]
 
 
 async def test_a_burst_beyond_the_queue_gets_429_with_retry_after() -> None:

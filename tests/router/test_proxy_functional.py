@@ -167,7 +167,8 @@ async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:
                 events = [ln for ln in (await resp.read()).split(b"\n") if ln.startswith(b"data: ")]
         assert len(events) == 4
         error = orjson.loads(events[2][6:])["error"]
-        assert error["code"] == 502 and "stream" in error["message"]
+        assert error["code"] == 502
+        assert error["message"] == f"Backend b0 (127.0.0.1:{stubs[0].port}) broke off the stream."
         assert events[3] == b"data: [DONE]"
         await settle(router)
         # the SDK surfaces it as an error instead of hanging
@@ -199,24 +200,49 @@ async def _status(url: str, **kwargs) -> tuple[int, dict, dict]:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "status", "text"),
+    ("kwargs", "status", "text", "param"),
     [
-        pytest.param({"data": b"{not json"}, 400, "not valid JSON", id="malformed-json"),
-        pytest.param({"json": {"model": MODEL}}, 400, "`messages`", id="missing-messages"),
+        pytest.param({"data": b"{not json"}, 400, "not valid JSON", None, id="malformed-json"),
         pytest.param(
-            {"json": {"model": MODEL, "messages": "hi"}}, 400, "$.messages", id="wrong-type"
+            {"json": {"model": MODEL}}, 400, "Field required: `messages`", "messages", id="missing"
         ),
         pytest.param(
-            {"json": {"model": "gpt-nope", "messages": CHAT}}, 404, "gpt-nope", id="unknown-model"
+            {"json": {"model": MODEL, "messages": []}},
+            400,
+            "`messages` must not be empty",
+            "messages",
+            id="empty",
         ),
-        pytest.param({"data": b"x" * 5000}, 413, "exceeds the limit", id="too-large"),
+        pytest.param(
+            {"json": {"model": MODEL, "messages": "hi"}},
+            400,
+            "$.messages",
+            "messages",
+            id="wrong-type",
+        ),
+        pytest.param(
+            {"json": {"model": MODEL, "messages": [{"role": 1}]}},
+            400,
+            "$.messages[0].role",
+            "messages[0].role",
+            id="wrong-nested-type",
+        ),
+        pytest.param(
+            {"json": {"model": "gpt-nope", "messages": CHAT}},
+            404,
+            "gpt-nope",
+            "model",
+            id="unknown-model",
+        ),
+        pytest.param({"data": b"x" * 5000}, 413, "exceeds the limit", None, id="too-large"),
     ],
 )
-async def test_client_errors(kwargs: dict, status: int, text: str) -> None:
+async def test_client_errors(kwargs: dict, status: int, text: str, param: str | None) -> None:
     async with running(1, limits={"max_body_bytes": 4096}) as (router, stubs):
         code, _, body = await _status(router.url + "/v1/chat/completions", **kwargs)
         assert code == status
         assert body["error"]["code"] == status and text in body["error"]["message"]
+        assert body["error"]["param"] == param
         assert stubs[0].received == []  # nothing reached the backend
         await settle(router)
 
@@ -229,19 +255,58 @@ async def test_backend_errors() -> None:
         code, _, body = await _status(router.url + url_path, **payload)
         assert (code, body["error"]["message"]) == (500, "stub failure")
 
+        # the upstream failures name the backend, in the header and the message
+        b0 = f"Backend b0 (127.0.0.1:{stubs[0].port})"
         stubs[0].behaviour.status, stubs[0].behaviour.hang_before_headers = 200, True
-        code, _, body = await _status(router.url + url_path, **payload)
+        code, headers, body = await _status(router.url + url_path, **payload)
         assert code == 504 and body["error"]["type"] == "GatewayTimeoutError"
+        assert body["error"]["message"] == f"{b0} did not answer in time."
+        assert headers["x-kvroute-backend"] == "b0"
         await settle(router)
 
         await stubs[0].stop()  # connection refused before the poller notices
-        code, _, body = await _status(router.url + url_path, **payload)
-        assert code == 502 and "connect" in body["error"]["message"]
+        code, headers, body = await _status(router.url + url_path, **payload)
+        assert code == 502 and body["error"]["message"] == f"{b0} refused the connection."
+        assert headers["x-kvroute-backend"] == "b0"
 
         router.fleet.set_healthy(router.fleet.members[0], False)
         code, headers, body = await _status(router.url + url_path, **payload)
         assert code == 503 and headers["Retry-After"] == "1"
+        no_model = {"json": {"messages": CHAT}}
+        code, _, body = await _status(router.url + url_path, **no_model)
+        assert code == 503
+        message = body["error"]["message"]
+        assert message == "No backend is available (the request named no model); retry shortly."
         await settle(router)
+
+
+async def test_a_502_after_retries_names_the_last_backend_tried() -> None:
+    async with running(2, health={"enabled": False}) as (router, stubs):
+        for stub in stubs:
+            await stub.stop()
+        url = router.url + "/v1/chat/completions"
+        code, headers, body = await _status(url, json={"model": MODEL, "messages": CHAT})
+        assert code == 502
+        last = headers["x-kvroute-backend"]
+        (first,) = {"b0", "b1"} - {last}
+        port = stubs[int(last[1])].port
+        assert (
+            body["error"]["message"] == f"Backend {last} (127.0.0.1:{port}) refused the connection."
+        )
+        retried = _retries(router.metrics.render())
+        assert retried == {(first, "connect"): 1.0}  # the first was tried, then the last
+
+
+def _retries(text: bytes) -> dict[tuple[str, str], float]:
+    """kvroute_retries_total by backend and reason, where counted."""
+    (found,) = (
+        f for f in text_string_to_metric_families(text.decode()) if f.name == "kvroute_retries"
+    )
+    return {
+        (s.labels["backend"], s.labels["reason"]): s.value
+        for s in found.samples
+        if s.name == "kvroute_retries_total" and s.value
+    }
 
 
 async def test_concurrency_limit_answers_429() -> None:
@@ -286,6 +351,30 @@ async def test_models_health_ready_metrics() -> None:
             router.fleet.set_healthy(backend, False)
         async with aiohttp.ClientSession() as http, http.get(router.url + "/ready") as resp:
             assert resp.status == 503
+
+
+async def test_every_answer_carries_a_request_id() -> None:
+    """The client's X-Request-Id comes back; without one, each answer gets a new one."""
+    answers = [
+        ("GET", "/v1/nothing-here", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("GET", "/v1/models", 200),
+        ("GET", "/health", 200),
+        ("GET", "/ready", 200),
+        ("GET", "/metrics", 200),
+        ("POST", "/v1/chat/completions", 200),
+    ]
+    async with running(1) as (router, _), aiohttp.ClientSession() as http:
+        made = set()
+        for method, path, status in answers:
+            kwargs = {"json": {"model": MODEL, "messages": CHAT}} if method == "POST" else {}
+            async with http.request(method, router.url + path, **kwargs) as resp:
+                assert resp.status == status
+                made.add(resp.headers["X-Request-Id"])
+            headers = {"X-Request-Id": f"mine-{path}"}
+            async with http.request(method, router.url + path, headers=headers, **kwargs) as resp:
+                assert resp.headers["X-Request-Id"] == f"mine-{path}"
+        assert len(made) == len(answers) and "" not in made
 
 
 async def test_unknown_path_is_openai_style_404() -> None:
