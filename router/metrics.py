@@ -9,7 +9,9 @@ histograms to prometheus-client's multiprocess files and `render` sums them over
 processes, dead ones included (counters never go back); gauges are "livemax" (a dead
 process's gauge disappears). The per-backend gauges come from the answering worker;
 their in-flight counts are router-wide (the shared load table). Process metrics
-(CPU, memory, fds) are per process and are left out there.
+(CPU, memory, fds) are per process and are left out there. Otherwise both modes export
+the same series: no `_created` ones (multiprocess mode has none), and no `_sum` for a
+histogram whose buckets go below zero (a single process's prometheus-client has none).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prometheus_client import (
     Histogram,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
     generate_latest,
 )
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -42,6 +45,9 @@ _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LAG_INTERVAL = 0.25  # seconds between two looks at the event loop's lag
+
+# process-wide: multiprocess mode cannot export `_created` series, so neither mode does
+disable_created_metrics()
 
 
 class _BackendCollector:
@@ -83,17 +89,38 @@ class _BackendCollector:
         return [inflight, up, checks, circuit, changes]
 
 
+class _EveryProcess:
+    """Every process's metric files, summed, as one process would export them."""
+
+    def __init__(self) -> None:
+        self._files = MultiProcessCollector(None)
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._files.collect():
+            if family.type == "histogram" and _below_zero(family):
+                # such a sum can fall, so it is no counter: a single process leaves it out
+                total = family.name + "_sum"
+                family.samples = [s for s in family.samples if s.name != total]
+            yield family
+
+
+def _below_zero(histogram: Metric) -> bool:
+    return any(float(s.labels.get("le", 0)) < 0 for s in histogram.samples)
+
+
 class Metrics:
     def __init__(
         self, members: Callable[[], Iterable[Backend]], multiprocess: bool = False
     ) -> None:
         r = self.registry = CollectorRegistry()
-        self._backends = _BackendCollector(members)
-        self._multiprocess = multiprocess
-        if not multiprocess:
+        #: what /metrics shows: this registry, or with several workers every process's
+        self._exported = CollectorRegistry() if multiprocess else r
+        if multiprocess:
+            self._exported.register(_EveryProcess())
+        else:
             ProcessCollector(registry=r)
-            PlatformCollector(registry=r)
-            r.register(self._backends)
+        PlatformCollector(registry=self._exported)
+        self._exported.register(_BackendCollector(members))
         self.requests = Counter(
             "kvroute_requests",
             "Requests finished, by backend, strategy and HTTP status",
@@ -229,12 +256,7 @@ class Metrics:
         self._index_mode.labels(backend, "approximate").set(0 if events else 1)
 
     def render(self) -> bytes:
-        if not self._multiprocess:
-            return generate_latest(self.registry)
-        every_process = CollectorRegistry()
-        MultiProcessCollector(every_process)
-        every_process.register(self._backends)
-        return generate_latest(every_process)
+        return generate_latest(self._exported)
 
 
 class Tally:

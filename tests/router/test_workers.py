@@ -8,14 +8,17 @@ PREFIX_AWARE places a prefix on the same backend whichever worker takes it; kill
 worker loses only its own requests, its counters are zeroed and it is restarted;
 /metrics sums every worker; backends are scraped once (not once per worker) and KV
 events reach every worker's index through the collector; SIGHUP reaches every worker;
-SIGTERM stops them all. The router runs in its own processes (on uvloop), so these
-tests run once, on the default test loop, not on both loops as *_functional files do.
+SIGTERM stops them all; separate gRPC channels are served by several workers, and a
+port held by another process, HTTP or gRPC, is refused. The router runs in its own
+processes (on uvloop), so these tests run once, on the default test loop, not on both
+loops as *_functional files do.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -36,6 +39,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.overhead import free_port, process, wait_ready
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
+from proto.kvroute.v1 import kvroute_pb2 as pb
+from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -84,19 +89,23 @@ class MultiRouter:
                 out.append(child.pid)
         return sorted(out)
 
-    def _mine(self) -> set[int]:
-        """Local ports of this test process's open connections to the router."""
+    def _mine(self, port: int | None = None) -> set[int]:
+        """Local ports of this test process's open connections to the router's `port`
+        (its HTTP port by default)."""
+        port = port or self.port
         return {
             c.laddr.port
             for c in psutil.Process().net_connections(kind="tcp")
-            if c.raddr and c.raddr.port == self.port and c.status == psutil.CONN_ESTABLISHED
+            if c.raddr and c.raddr.port == port and c.status == psutil.CONN_ESTABLISHED
         }
 
-    def _owner(self, client_port: int) -> int | None:
+    def _owner(self, client_port: int, port: int | None = None) -> int | None:
+        """The worker holding the server end of the connection from `client_port`."""
+        port = port or self.port
         for pid in self.workers():
             with contextlib.suppress(psutil.NoSuchProcess):
                 for c in psutil.Process(pid).net_connections(kind="tcp"):
-                    if c.raddr and c.raddr.port == client_port and c.laddr.port == self.port:
+                    if c.raddr and c.raddr.port == client_port and c.laddr.port == port:
                         return pid
         return None
 
@@ -643,3 +652,68 @@ async def test_grpc_is_served_by_every_worker_and_a_busy_port_is_refused(tmp_pat
     finally:
         for s in servers:
             await s.stop()
+
+
+#: channels opened at most before two workers must have served one each: all of them
+#: landing in one of two workers by chance is a 2**-31 event
+_CHANNELS = 32
+
+
+async def test_separate_grpc_channels_are_served_by_several_workers(tmp_path) -> None:
+    """gRPC has every core, as HTTP has: the kernel spreads the connections of separate
+    channels over every worker's listener, and each worker answers on its own."""
+    servers = await stubs(1)
+    grpc_port = free_port()
+    config = {"backends": backends(servers), "grpc": {"enabled": True, "port": grpc_port}}
+    request = pb.ChatCompletionRequest(
+        model="stub-model", messages=[pb.ChatMessage(role="user", content="hi")]
+    )
+    # its own subchannel pool: channels to one target would share one connection
+    options = [("grpc.use_local_subchannel_pool", 1)]
+    served: set[int] = set()
+    try:
+        async with multi_router(tmp_path, config) as r, contextlib.AsyncExitStack() as open_:
+            for _ in range(_CHANNELS):  # each stays open: the workers serve them side by side
+                before = r._mine(grpc_port)
+                channel = grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}", options=options)
+                api = pb_grpc.InferenceStub(await open_.enter_async_context(channel))
+                reply = await api.CreateChatCompletion(request, timeout=10)
+                assert reply.choices[0].message.content == "tok0 tok1 tok2 "
+                (client_port,) = r._mine(grpc_port) - before
+                owner = functools.partial(r._owner, client_port, grpc_port)
+                served.add(await until(owner, 5, "the channel's worker"))
+                if len(served) > 1:
+                    break
+            assert len(served) > 1, f"all {_CHANNELS} channels went to one worker: {served}"
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_a_grpc_port_another_server_holds_is_refused(tmp_path) -> None:
+    """A gRPC server elsewhere listens with SO_REUSEPORT (grpcio's default), so the
+    workers could join it unnoticed; the supervisor's first bind, without SO_REUSEPORT,
+    fails instead and the router exits."""
+    foreign = grpc.aio.server()
+    grpc_port = foreign.add_insecure_port("127.0.0.1:0")
+    await foreign.start()
+    path = tmp_path / "router.yaml"
+    config = {
+        "listen": {"host": "127.0.0.1"},
+        "backends": [{"url": "http://127.0.0.1:9"}],
+        "grpc": {"enabled": True, "port": grpc_port},
+    }
+    path.write_text(yaml.safe_dump(config))
+    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--port", str(free_port())]
+    second = await asyncio.create_subprocess_exec(
+        *cmd, "--workers", str(WORKERS), stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        _, err = await asyncio.wait_for(second.communicate(), 30)
+        assert second.returncode == 1
+        assert b"Address already in use" in err
+    finally:
+        if second.returncode is None:
+            second.kill()
+            await second.wait()
+        await foreign.stop(None)
