@@ -28,7 +28,9 @@ Invariants.
 Cost. Build: O(V log V) for V = vnodes * total weight points (64 members: 32,768 points,
 about 40 ms and 1.7 MB, paid once per membership change). ``owner``: one bisect, O(log V).
 ``walk``: one bisect, then about N / (N - k) points per new member when k were met
-(vnodes * H(N) points to meet all N); lazy, so one or two picks stay about a microsecond.
+(so about N * H(N), or N ln N, points on average to meet all N equal members, whatever
+``vnodes``: each point's owner is close to a random draw); lazy, so one or two picks stay
+about a microsecond.
 """
 
 from bisect import bisect_left

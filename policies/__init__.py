@@ -12,10 +12,12 @@ from policies.base import (
     BackendLike,
     FleetView,
     Pick,
+    Placements,
     Policy,
     PolicyParams,
     Reason,
     RouteRequest,
+    load_cap_per_weight,
 )
 from policies.registry import canonical, create, names, params_union, policy_class, taking
 
@@ -24,12 +26,14 @@ __all__ = [
     "BackendLike",
     "FleetView",
     "Pick",
+    "Placements",
     "Policy",
     "PolicyParams",
     "Reason",
     "RouteRequest",
     "canonical",
     "create",
+    "load_cap_per_weight",
     "names",
     "params_union",
     "policy_class",

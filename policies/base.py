@@ -8,6 +8,7 @@ stateless policy stays a dozen lines."""
 
 from __future__ import annotations
 
+import math
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,6 +33,28 @@ class BackendLike(Protocol):
 
     @property
     def inflight(self) -> int: ...
+
+
+class Placements(Protocol):
+    """Where this router's other worker processes just sent prompts (router/placements.py).
+
+    A policy that learns from its own decisions writes each one here, with no await, and
+    reads the others' before it decides, under one lock, so that a burst of one new
+    prefix spread over several workers by the kernel lands where the first of them went.
+    """
+
+    def lock(self) -> None:
+        """Take the router-wide pick lock: two workers' picks of one new prefix at the
+        same instant would each find it placed nowhere. Held for one pick."""
+
+    def unlock(self) -> None: ...
+
+    def place(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+        """`backend` was just sent the blocks `keys[start:]` (the ones it did not hold)."""
+
+    def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
+        """(backend, blocks, expires_at): another worker's recent placement of the blocks
+        from `keys[start]` on, and how many of them this prompt shares, if any."""
 
 
 class Reason(StrEnum):
@@ -89,6 +112,19 @@ class Pick(NamedTuple):
     predicted_cached: int = 0
 
 
+def load_cap_per_weight(load_factor: float | None, candidates: Sequence[BackendLike]) -> float:
+    """Bounded load: load_factor * (T + 1) / W over the candidates, with T their in-flight
+    requests and W their weight; a backend of weight w is full at w times this. The + 1 is
+    the request being placed, so a lone request always fits (infinite: no bound)."""
+    if load_factor is None:
+        return math.inf
+    inflight = weight = 0
+    for backend in candidates:
+        inflight += backend.inflight
+        weight += backend.weight
+    return load_factor * (inflight + 1) / weight
+
+
 class PolicyParams(
     msgspec.Struct, tag_field="strategy", forbid_unknown_fields=True, frozen=True, kw_only=True
 ):
@@ -128,3 +164,6 @@ class Policy(Generic[P]):
 
     def on_fleet_change(self, members: tuple[BackendLike, ...]) -> None:
         """Called when backends are added, removed or re-weighted."""
+
+    def share(self, placements: Placements) -> None:
+        """Called, with several worker processes, with their shared recent placements."""

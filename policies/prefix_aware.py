@@ -1,30 +1,59 @@
-"""PREFIX_AWARE: pin each prompt prefix to one backend by consistent hashing.
+"""PREFIX_AWARE: pin each prompt prefix to one backend by consistent hashing, with bounded load.
 
 The fingerprint of the first `prefix_length` tokens (model and tenant mixed in) is
 looked up on a hash ring over every configured backend, so all router processes and
 replicas with the same backend list agree without sharing state, and adding or
 removing one of N backends moves about 1/N of the prefixes.
 
-Bounded load: when the owner's in-flight count is at or above `concurrency_threshold`,
-the walk continues clockwise to the next distinct backend, the same order for that
-fingerprint on every replica, so a hot prefix spreads over a small, stable set of
-backends instead of scattering. Backends that are not candidates (unhealthy, or not
-serving the model) are skipped the same way. If every candidate is at the threshold,
-the least loaded one wins (ties at random).
+Bounded load ("Consistent Hashing with Bounded Loads", Mirrokni, Thorup and Zadimoghaddam,
+SODA 2018; Envoy's `hash_balance_factor`, HAProxy's `hash-balance-factor`). With T the in-flight
+requests of the candidates and W their total weight, candidate b is full when
 
-Reads: fingerprint, candidate names, in-flight counts. Cost: O(log V) for the ring
-lookup plus one step per skipped backend; the ring is rebuilt only on fleet change.
+    inflight(b) >= ceil(load_factor * (T + 1) * weight(b) / W)
+
+or when inflight(b) >= `concurrency_threshold` (the absolute cap). The "+ 1" is the
+request being placed, so the backend that takes it ends at or under ceil(load_factor *
+mean), the mean counting that request: below load_factor x mean + 1. A lone request
+(T = 0) has a cap of at least 1, so it always fits on its owner. With equal weights the
+cap is ceil(load_factor * (T + 1) / n) over n candidates, as in the paper.
+
+A full owner hands the request on clockwise along that fingerprint's own ring order
+(`HashRing.walk`), the same order in every worker and replica that sees the same loads,
+so a hot prefix grows onto a small, stable run of backends instead of scattering.
+Backends that are not candidates (unhealthy, or not serving the model) are skipped the
+same way. The relative caps alone always leave room (together they exceed T), so only
+`concurrency_threshold` can fill every candidate (ALL_SATURATED); then the least loaded
+one wins (ties at random).
+
+Trade-off. A lower load_factor spreads a hot prefix sooner: better balance, fewer cache
+hits. When one shared system prompt is longer than `prefix_length`, every request has
+the same fingerprint: all conversations share one owner and none keeps a backend of its
+own. Raise `prefix_length` past the shared part to pin each conversation; until then,
+bounded load keeps such a fleet from sitting on one backend. load_factor must be above
+1.0: at 1.0 every backend must stay within one request of the mean, and the paper's
+bounds on walk length and on requests moved per change grow without limit as
+load_factor nears 1.
+
+Reads: fingerprint, candidate names, in-flight counts and weights. Cost: one pass over
+the candidates to total their load (none when load_factor is null), O(log V) for the
+ring lookup, then a few ring points per skipped backend; no allocation grows with the
+fleet but the walk's set of backends met. With 64 backends a pick takes about 4 us, 5 us
+when it walks past 50 full ones. The ring is rebuilt only on fleet change.
 
 Parameters (defaults):
   prefix_length (256): leading tokens that form the fingerprint.
-  concurrency_threshold (32, null = never spill): in-flight requests at which a pinned
-      backend is considered full.
+  load_factor (1.25, > 1.0, null = no relative cap): how far above the mean in-flight
+      load (per unit of weight) a backend may go before the walk passes it by.
+  concurrency_threshold (32, null = no absolute cap): in-flight requests at which a
+      backend is full whatever the mean.
   tokenizer: {kind: approx, chars_per_token: 4.0} or {kind: hf, path: /models/tok/}.
   vnodes (512): ring points per unit of backend weight.
+  seed (unset): fixes the tie-break among saturated backends.
 YAML:
   routing:
     strategy: PREFIX_AWARE
     prefix_length: 256
+    load_factor: 1.25
     concurrency_threshold: 32
     tokenizer: {kind: approx, chars_per_token: 4.0}
 """
@@ -48,6 +77,7 @@ from policies.base import (
     PolicyParams,
     Reason,
     RouteRequest,
+    load_cap_per_weight,
 )
 from policies.least_outstanding_requests import least_loaded
 from policies.registry import register
@@ -68,6 +98,7 @@ class TokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
     prefix_length: Annotated[int, Meta(ge=1)] = 256
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = 32
+    load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.25
     tokenizer: TokenizerParams = TokenizerParams()
     vnodes: Annotated[int, Meta(ge=1, le=4096)] = DEFAULT_VNODES
     seed: Annotated[int, Meta(ge=0)] | None = None
@@ -96,6 +127,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareParams]):
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)
+        per_weight = load_cap_per_weight(self.params.load_factor, fleet.candidates)
         threshold = self.params.concurrency_threshold
         reason = Reason.AFFINITY
         for index in self._ring.walk(req.fingerprint):
@@ -104,7 +136,16 @@ class PrefixAwarePolicy(Policy[PrefixAwareParams]):
                 if reason is Reason.AFFINITY:
                     reason = Reason.SPILL_UNAVAILABLE
                 continue
-            if threshold is None or backend.inflight < threshold:
+            if not _full(backend, per_weight, threshold):
                 return Pick(backend, reason)
             reason = Reason.SPILL_THRESHOLD
         return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
+
+
+def _full(backend: BackendLike, per_weight: float, threshold: int | None) -> bool:
+    """At either cap. An integer count reaches ceil(x) exactly when it reaches x, so the
+    relative cap needs no ceil (and an infinite one never binds)."""
+    load = backend.inflight
+    if threshold is not None and load >= threshold:
+        return True
+    return load >= per_weight * backend.weight

@@ -92,55 +92,6 @@ def test_least_outstanding(loads: dict[str, int], expected: set[str]) -> None:
     assert picks == expected  # ties are broken at random, so every tied backend shows up
 
 
-def _owner_order(policy, fp: int, n: int) -> list[str]:
-    ring = policy._ring
-    return [ring.members[i] for i in list(ring.walk(fp))[:n]]
-
-
-@pytest.mark.parametrize(
-    ("threshold", "load_on", "down", "reason"),
-    [
-        pytest.param(4, {}, (), Reason.AFFINITY, id="owner-free"),
-        pytest.param(4, {0: 4}, (), Reason.SPILL_THRESHOLD, id="owner-at-threshold"),
-        pytest.param(4, {0: 9, 1: 4}, (), Reason.SPILL_THRESHOLD, id="two-full-takes-third"),
-        pytest.param(4, {}, (0,), Reason.SPILL_UNAVAILABLE, id="owner-down"),
-        pytest.param(None, {0: 1000}, (), Reason.AFFINITY, id="no-threshold-never-spills"),
-    ],
-)
-def test_prefix_aware_bounded_walk(threshold, load_on, down, reason) -> None:
-    members = [B(n) for n in "abcdef"]
-    policy = make(PrefixAwareParams(concurrency_threshold=threshold, seed=1), members)
-    fp = 0x1234_5678_9ABC_DEF0
-    order = _owner_order(policy, fp, 6)
-    by_name = {b.name: b for b in members}
-    for rank, load in load_on.items():
-        by_name[order[rank]].inflight = load
-    view = fleet(members, down=tuple(order[r] for r in down))
-    pick = policy.pick(RouteRequest("m", fp), view)
-    skipped = len(load_on) if reason is Reason.SPILL_THRESHOLD else len(down)
-    assert pick.reason is reason
-    assert pick.backend.name == order[skipped]
-
-
-def test_prefix_aware_all_saturated_takes_least_loaded() -> None:
-    members = [B("a", 5), B("b", 3), B("c", 7)]
-    policy = make(PrefixAwareParams(concurrency_threshold=2, seed=1), members)
-    pick = policy.pick(RouteRequest("m", 42), fleet(members))
-    assert (pick.backend, pick.reason) == (members[1], Reason.ALL_SATURATED)
-
-
-def test_prefix_aware_same_fingerprint_same_backend_and_spread() -> None:
-    members = [B(n) for n in "abcd"]
-    policy = make(PrefixAwareParams(), members)
-    view = fleet(members)
-    assert len({policy.pick(RouteRequest("m", 77), view).backend.name for _ in range(50)}) == 1
-    counts = collections.Counter(
-        policy.pick(RouteRequest("m", fp * 0x9E3779B97F4A7C15 % 2**64), view).backend.name
-        for fp in range(4000)
-    )
-    assert max(counts.values()) / (4000 / 4) < 1.3, counts
-
-
 @pytest.mark.parametrize("package", ["policies", "hashing"])
 def test_decision_packages_do_no_io(package: str) -> None:
     """hashing/ and policies/ stay pure: no event loop, network or metrics imports."""
