@@ -14,6 +14,7 @@ and for KV-aware routing:
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts)
+    rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
 prometheus_client (stdlib, msgspec and xxhash only; ``tokenizers`` when an HF tokenizer is
@@ -28,6 +29,7 @@ from hashing import (
     fingerprint,
     hf_chat,
     prefix_index,
+    rendezvous,
     ring,
     tokens,
 )
@@ -39,6 +41,7 @@ __all__ = [
     "fingerprint",
     "hf_chat",
     "prefix_index",
+    "rendezvous",
     "ring",
     "tokens",
 ]

@@ -17,23 +17,35 @@ For each candidate b, in seconds:
 
 The minimum wins. Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among
 them the one holding the longest prefix wins (a hit saves the fleet a prefill even when
-the TTFT is the same); a prompt cached nowhere goes where the fewest requests run (its
-prefill is one long engine step that stalls every request running there: often a hot
-prefix's holder, which then delays the whole burst); then one is drawn at random, so
-equals share the work. A hot
-prefix spreads by itself: once its holders' queues cost clearly more than a cold
-backend's full prefill, the next request goes to another backend, which then holds the
-prefix too (the speculative insert keeps a burst together there until its KV events
-confirm it), so the holder set grows only as demand needs. `concurrency_threshold` is a
-hard cap: backends at it are skipped unless all are (then the least loaded, ties at random).
+the TTFT is the same). A prompt cached nowhere keeps off backends above the bounded
+load, `load_factor` x the mean in-flight requests + 1 (its prefill is one long engine
+step that stalls every request running there: often a hot prefix's holder, which then
+delays the whole burst). The remaining ties go to the rendezvous-hash winner of the
+prompt's first block that none of them holds (hashing/rendezvous.py): every worker and
+every replica that sees the same near-ties sends the same new prefix to the same
+backend, with no shared state, while different new prefixes spread over the ties in
+proportion to weight. A hot prefix spreads by itself: once its holders' queues cost
+clearly more than a cold backend's full prefill, the next request goes to another
+backend, which then holds the prefix too (the speculative insert keeps a burst together
+there until its KV events confirm it), so the holder set grows only as demand needs.
+`concurrency_threshold` is a hard cap: backends at it are skipped unless all are (then
+the least loaded, ties at random).
+
+With several worker processes, each decision is also written to the router's shared
+placements (`share`, router/placements.py) before `pick` returns, and each pick first
+reads there whether another worker just sent this prompt's uncached blocks somewhere,
+the two under a router-wide lock held for the pick: a burst of one new prefix that the
+kernel spread over the workers stays on one backend, as it would in one process.
 
 Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
-Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/.
+Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/;
+one shared-placement probe and one rendezvous rank per tied candidate.
 
 Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
 chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
-(0.05), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold (null),
+(0.05), tie_fraction (0.1), tie_seconds (0.005), load_factor (1.25, null: no bound on
+where a cold prompt goes), concurrency_threshold (null),
 speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s (600, when
 it does not), index_capacity (1_000_000 keys per backend), seed.
 YAML:
@@ -52,7 +64,18 @@ from msgspec import Meta
 
 from hashing.chat_tokens import PromptBlocks, make_prompt_blocks
 from hashing.prefix_index import PrefixIndex
-from policies.base import BackendLike, FleetView, Pick, Policy, PolicyParams, Reason, RouteRequest
+from hashing.rendezvous import name_hash, score
+from policies.base import (
+    BackendLike,
+    FleetView,
+    Pick,
+    Placements,
+    Policy,
+    PolicyParams,
+    Reason,
+    RouteRequest,
+    load_cap_per_weight,
+)
 from policies.least_outstanding_requests import least_loaded
 from policies.registry import register
 
@@ -82,11 +105,15 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     waiting_s_per_request: NonNegative = 0.05
     tie_fraction: NonNegative = 0.1
     tie_seconds: NonNegative = 0.005
+    load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.25
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = None
     speculative_ttl_s: Positive = 2.0
     approximate_ttl_s: Positive = 600.0
     index_capacity: Annotated[int, Meta(ge=1)] = 1_000_000
     seed: Annotated[int, Meta(ge=0)] | None = None
+
+
+_Scored = tuple[float, int, BackendLike]  # (estimated TTFT, cached tokens, backend)
 
 
 def _attr(backend: BackendLike, name: str) -> float:
@@ -106,6 +133,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self._recent: deque[tuple] = deque(maxlen=64)
         #: backends that publish KV events; the others are indexed from our own decisions
         self.event_backends: set[str] = set()
+        #: each backend's rendezvous identity, by name (memoised: names are few)
+        self._hashes: dict[str, int] = {}
+        self._shared: Placements | None = None
 
     @property
     def block_keys(self) -> PromptBlocks:
@@ -115,27 +145,83 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         names = {m.name for m in members}
         for gone in self.event_backends - names:
             self.index.forget(gone)
+        self._hashes = {name: h for name, h in self._hashes.items() if name in names}
+
+    def share(self, placements: Placements) -> None:
+        self._shared = placements
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
+        shared = self._shared
+        if shared is None or not req.blocks:
+            return self._pick(req, fleet)
+        shared.lock()
+        try:
+            return self._pick(req, fleet)
+        finally:
+            shared.unlock()
+
+    def _pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         pool = self._under_cap(fleet.candidates)
         if not pool:
             if not fleet.candidates:
                 return Pick(None, Reason.NO_CANDIDATE)
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
         scored = [self._score(req, b) for b in pool]
+        if self._shared is not None:
+            self._adopt_placement(req, scored)
         best = min(cost for cost, _, _ in scored)
         margin = max(self.params.tie_seconds, best * self.params.tie_fraction)
         ties = [s for s in scored if s[0] <= best + margin]
         most = max(cached for _, cached, _ in ties)
         ties = [s for s in ties if s[1] == most]
         if not most:  # a cold prompt: its long prefill step stalls whatever runs there
-            fewest = min(b.inflight for _, _, b in ties)
-            ties = [s for s in ties if s[2].inflight == fewest]
-        _, cached, backend = ties[self._rng.randrange(len(ties))]
+            ties = self._within_load(ties, pool)
+        _, cached, backend = self._agreed(req, ties, most)
         self._learn(req, backend, cached)
         self._record(req, backend, scored)
         reason = Reason.KV_HIT if cached else Reason.KV_COLD
         return Pick(backend, reason, cached)
+
+    def _adopt_placement(self, req: RouteRequest, scored: list[_Scored]) -> None:
+        """Take another worker's recent placement of the blocks no candidate holds here:
+        its backend holds them (speculatively) for this pick and the ones after it."""
+        start = max(cached for _, cached, _ in scored) // self.params.block_size
+        if start >= len(req.blocks):
+            return
+        found = self._shared.held(req.blocks, start)
+        if found is None:
+            return
+        name, count, expires_at = found
+        for i, (_, _, backend) in enumerate(scored):
+            if backend.name == name:
+                self.index.learn(name, req.blocks[start : start + count], expires_at)
+                scored[i] = self._score(req, backend)
+                return
+
+    def _within_load(self, ties: list[_Scored], pool: list[BackendLike]) -> list[_Scored]:
+        """The ties under the bounded load (`load_cap_per_weight`), or all if none is."""
+        if self.params.load_factor is None or len(ties) < 2:
+            return ties
+        per_weight = load_cap_per_weight(self.params.load_factor, pool)
+        light = [s for s in ties if s[2].inflight < per_weight * s[2].weight]
+        return light or ties
+
+    def _agreed(self, req: RouteRequest, ties: list[_Scored], cached: int) -> _Scored:
+        """The rendezvous winner of the first block the ties do not hold: the same on
+        every worker and replica; a prompt without such a block draws at random."""
+        if len(ties) == 1:
+            return ties[0]
+        first_new = cached // self.params.block_size
+        if first_new >= len(req.blocks):
+            return ties[self._rng.randrange(len(ties))]
+        key = req.blocks[first_new]
+        return max(ties, key=lambda s: score(key, self._hash(s[2].name), s[2].weight))
+
+    def _hash(self, name: str) -> int:
+        found = self._hashes.get(name)
+        if found is None:
+            found = self._hashes[name] = name_hash(name)
+        return found
 
     def _under_cap(self, candidates: tuple[BackendLike, ...]) -> list[BackendLike]:
         cap = self.params.concurrency_threshold
@@ -165,7 +251,10 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         if not new:
             return
         ttl = p.speculative_ttl_s if backend.name in self.event_backends else p.approximate_ttl_s
-        self.index.learn(backend.name, new, time.monotonic() + ttl)
+        expires_at = time.monotonic() + ttl
+        self.index.learn(backend.name, new, expires_at)
+        if self._shared is not None:
+            self._shared.place(backend.name, req.blocks, cached // p.block_size, expires_at)
 
     def _record(self, req: RouteRequest, chosen: BackendLike, scored: list) -> None:
         """Keep the decision as it stands; `recent` formats it only when someone asks."""

@@ -31,6 +31,7 @@ from router.http_ingress import (
     server_limits,
 )
 from router.metrics import Metrics
+from router.placements import PlacementTable
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
 from router.shared_load import LoadTable
@@ -60,11 +61,13 @@ class Router:
         self.config = config
         self.context = context
         self.table = None
+        self.placements = None
         if context is not None and not context.collector:
             ctx = context
             self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
+            self.placements = PlacementTable(ctx.placements_path, ctx.index, self._share)
         routing = policies.create(config.routing)
-        self.fleet = Fleet(config.backends, routing, config.breaker, self.table)
+        self.fleet = Fleet(config.backends, routing, config.breaker, self.table, self.placements)
         self.auth = Authenticator(config.auth)
         serves_admin = context is None or context.index == 0
         self.admin = None
@@ -83,6 +86,11 @@ class Router:
         self.telemetry: Telemetry | None = None
         self.dispatcher: Dispatcher | None = None  # none in the collector
         self._edits: set[asyncio.Task] = set()  # admin edits broadcast by worker 0
+
+    def _share(self, payload: bytes) -> None:
+        """This worker's placements, to the others (dropped before telemetry starts)."""
+        if self.telemetry is not None:
+            self.telemetry.push_nowait(payload)
 
     def _kv_events(self) -> dict[str, KvEventsConfig]:
         """Each backend's KV event endpoints in the current (possibly reloaded) config."""
@@ -210,6 +218,8 @@ class Router:
             await self._session.close()
         if self.table is not None:
             self.table.close()
+        if self.placements is not None:
+            self.placements.close()
 
     async def _probe(self, after: Callable[[], None] | None) -> None:
         """One model poll and one health check before serving, so /ready and the first

@@ -30,6 +30,7 @@ from policies import FleetView, Policy
 from router import log
 from router.breaker import Breaker, BreakerState
 from router.config import BackendConfig, BreakerConfig
+from router.placements import PlacementTable
 from router.shared_load import LoadTable
 
 _MAX_CACHED_VIEWS = 1024
@@ -136,13 +137,22 @@ class Fleet:
         policy: Policy,
         breaker: BreakerConfig = _DEFAULT_BREAKER,
         table: LoadTable | None = None,
+        placements: PlacementTable | None = None,
     ) -> None:
         self.table = table
+        self.placements = placements
         self.members: tuple[Backend, ...] = tuple(Backend(c, breaker, table) for c in configs)
         self.retired: tuple[Backend, ...] = ()
         self.policy = policy
         self._views: dict[str, FleetView] = {}
-        policy.on_fleet_change(self.members)
+        self._attach(policy, self.members)
+
+    def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
+        """Tell `policy` its members and, with several workers, their shared placements."""
+        policy.on_fleet_change(members)
+        if self.placements is not None:
+            self.placements.known(b.name for b in members)
+            policy.share(self.placements)
 
     def view(self, model: str) -> FleetView:
         view = self._views.get(model)
@@ -217,7 +227,7 @@ class Fleet:
             backend.reconfigure(cfg)
             backend.breaker.cfg = breaker
         members = tuple(backends)
-        policy.on_fleet_change(members)
+        self._attach(policy, members)
         stayed = {id(b) for b in members}
         leaving = (*self.retired, *(b for b in self.members if id(b) not in stayed))
         self.retired = tuple(b for b in leaving if b.local_inflight)

@@ -59,6 +59,7 @@ from router.config import KvEventsConfig, TelemetryConfig
 from router.health import Verdicts
 from router.kv_events import EventApplier, EventSubscriber, run_forever
 from router.metrics import Metrics
+from router.placements import LEARNED, decode_learned
 from router.workers import WorkerContext
 
 _SUMMED = {
@@ -280,6 +281,7 @@ class Telemetry:
         self._zmq: zmq.asyncio.Context | None = None
         self._pub: zmq.Socket | None = None
         self._push: zmq.asyncio.Socket | None = None
+        self._push_now: zmq.Socket | None = None  # `push_nowait`'s: sends never wait
         if self._collector:
             self._pub = self._context().socket(zmq.PUB)
             self._pub.setsockopt(zmq.LINGER, 0)
@@ -323,6 +325,9 @@ class Telemetry:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if self._push_now is not None:  # a shadow context's socket: destroy does not see it
+            self._push_now.close(linger=0)
+        self._link = None  # `push_nowait` sends nothing from here on
         if self._zmq is not None:
             self._zmq.destroy(linger=0)
 
@@ -403,6 +408,18 @@ class Telemetry:
         async with asyncio.timeout(_BROADCAST_TIMEOUT_S):
             await self._push.send(payload)
 
+    def push_nowait(self, payload: bytes) -> None:
+        """Send `payload` to every worker through the collector without waiting: dropped
+        if the collector is not keeping up (a routing hint, never an edit)."""
+        if self._link is None:
+            return
+        if self._push_now is None:
+            self._push_now = zmq.Context.shadow(self._context().underlying).socket(zmq.PUSH)
+            self._push_now.setsockopt(zmq.LINGER, 0)
+            self._push_now.connect(self._link.control)
+        with contextlib.suppress(zmq.Again):
+            self._push_now.send(payload, flags=zmq.NOBLOCK)
+
     async def _relay(self) -> None:
         """The collector: what workers push to the control socket goes to every worker.
 
@@ -415,6 +432,9 @@ class Telemetry:
         try:
             while True:
                 payload = await pull.recv()
+                if payload.startswith(LEARNED):  # a worker's placements: to the others
+                    self._publish([b"l", b"", payload])
+                    continue
                 if not payload.startswith(_HELLO):
                     self._publish([b"a", b"", payload])
                     self._on_broadcast(payload)
@@ -428,7 +448,7 @@ class Telemetry:
         sub = self._context().socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
-        for topic in (b"s", b"k", b"c", b"a", b"p", self._topic):
+        for topic in (b"s", b"k", b"c", b"a", b"p", b"l", self._topic):
             sub.setsockopt(zmq.SUBSCRIBE, topic)  # not the other workers' snapshots
         sub.connect(self._feed)
         hello = asyncio.create_task(self._hello())
@@ -475,12 +495,23 @@ class Telemetry:
         elif kind == b"c" and self._index is not None:
             self._index.cleared(name)
             log.backends.warning("KV index of %s cleared (collector's reset)", name)
+        elif kind == b"l":
+            self._learned(rest[0])
         elif kind == b"a" and self._on_broadcast is not None:
             self._on_broadcast(rest[0])
         elif kind == b"p" and self._verdicts is not None:
             self._verdicts.adopt(rest[0])
         elif kind == self._topic:
             self._welcomed(name, rest)
+
+    def _learned(self, payload: bytes) -> None:
+        """Another worker's placements, into this worker's index for their whole TTL."""
+        worker, placed = decode_learned(payload)
+        index = getattr(self._fleet.policy, "index", None)
+        if index is None or worker == self._link.index:
+            return
+        for backend, expires_at, keys in placed:
+            index.learn(backend, keys, expires_at)
 
     async def _maintain(self) -> None:
         """Once a second: subscriptions follow membership, the index ages and resizes."""

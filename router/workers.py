@@ -88,6 +88,10 @@ class WorkerContext:
         return f"{self.rundir}/load"
 
     @property
+    def placements_path(self) -> str:
+        return f"{self.rundir}/placements"
+
+    @property
     def name(self) -> str:
         return "collector" if self.collector else f"worker {self.index}"
 

@@ -105,15 +105,86 @@ def test_no_candidate() -> None:
     assert (pick.backend, pick.reason) == (None, Reason.NO_CANDIDATE)
 
 
+def _new_prompt(i: int, tokens: int = 8000) -> RouteRequest:
+    ids = [i * 10_000 + t for t in range(tokens)]
+    return RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
+
+
 def test_a_cold_prompt_keeps_off_busy_backends() -> None:
     """A cold prefill stalls every request running where it lands (one long engine step):
-    among equal costs it goes where the fewest requests run, and never to a hot prefix's
-    holder; a warm request still goes to the holder."""
+    among equal costs it keeps to backends within the bounded load, so never to a hot
+    prefix's holder, and spreads over those; a warm request still goes to the holder."""
     p = policy()
     holder, light, lighter = B("a", inflight=9), B("b", inflight=2), B("c", inflight=1)
     hold(p, "a", 500)
-    for i in range(1, 21):  # 20 new prompts (i = 0 would be the held one)
-        ids = [i * 10_000 + t for t in range(8000)]
-        req = RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
-        assert p.pick(req, view([holder, light, lighter])).backend.name == "c"
-    assert p.pick(request(), view([holder, light, lighter])).backend.name == "a"
+    members = view([holder, light, lighter])
+    # 20 new prompts (i = 0 would be the held one)
+    used = collections.Counter(p.pick(_new_prompt(i), members).backend.name for i in range(1, 21))
+    assert set(used) == {"b", "c"}, used
+    assert p.pick(request(), members).backend.name == "a"
+
+
+def test_without_a_load_bound_a_cold_prompt_may_go_to_the_holder() -> None:
+    p = policy(load_factor=None)
+    members = view([B("a", inflight=9), B("b", inflight=2), B("c", inflight=1)])
+    hold(p, "a", 500)
+    used = {p.pick(_new_prompt(i), members).backend.name for i in range(1, 41)}
+    assert used == {"a", "b", "c"}
+
+
+def test_every_process_places_new_prefixes_alike() -> None:
+    """No shared state: two policies (other seeds, their own indexes) that see the same
+    near-tied fleet send each new prefix to the same backend, and spread them."""
+    first, second = create(KvAwareParams(seed=1)), create(KvAwareParams(seed=2))
+    members = [B(n, inflight=1) for n in "abcd"]
+    picks = [
+        [p.pick(_new_prompt(i, 400), view(members)).backend.name for i in range(40)]
+        for p in (first, second)
+    ]
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) == 4
+
+
+class SharedDict:
+    """Placements in one process: what router/placements.py shares between workers."""
+
+    def __init__(self) -> None:
+        self.placed: dict[int, tuple[str, list[int], float]] = {}
+        self.locked = False
+
+    def lock(self) -> None:
+        assert not self.locked
+        self.locked = True
+
+    def unlock(self) -> None:
+        self.locked = False
+
+    def place(self, backend: str, keys, start: int, expires_at: float) -> None:
+        self.placed[keys[start]] = (backend, list(keys[start:]), expires_at)
+
+    def held(self, keys, start: int):
+        found = self.placed.get(keys[start])
+        if found is None:
+            return None
+        backend, placed, expires_at = found
+        count = next(
+            (n for n in range(len(placed), 0, -1) if list(keys[start : start + n]) == placed[:n]), 0
+        )
+        return backend, count, expires_at
+
+
+def test_a_burst_over_two_workers_stays_on_one_backend() -> None:
+    """Two workers' policies, each with its own index, share placements and the load
+    table (the same B objects): a burst of one new prefix alternating between them lands
+    on one backend, although each worker's first request finds it cold in its index."""
+    shared, members = SharedDict(), [B(n) for n in "abcd"]
+    workers = [create(KvAwareParams(seed=s)) for s in (1, 2)]
+    for w in workers:
+        w.share(shared)
+    chosen = set()
+    for i in range(12):  # concurrent: nothing finishes
+        pick = workers[i % 2].pick(request(), view(members))
+        pick.backend.inflight += 1
+        pick.backend.queued_tokens += len(IDS) - pick.predicted_cached
+        chosen.add(pick.backend.name)
+    assert len(chosen) == 1, chosen

@@ -1,0 +1,164 @@
+"""Where a router's workers just sent new prompt blocks: one view for KV_AWARE's learning.
+
+With `serve --workers N` the kernel spreads connections over the workers, so the requests
+of one new prefix arrive on several of them at once. Each worker's prefix index learns
+from its own decisions; without this module each worker would place its share of the
+burst as if no one held the prefix, and the burst would split over backends. Two paths,
+one fast and lossy, one exact and a few milliseconds late:
+
+- **The table** (`PlacementTable`): a set of (backend, block key) pairs in shared memory
+  in the supervisor's run directory, written by `place` before the policy's pick returns
+  (no await) and read by every worker's next pick (`held`). It is direct-mapped: pair
+  (b, k) lives in slot ``(k ^ hash(b)) mod SLOTS`` with its tag and expiry, and a newer
+  pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
+  first uncached block (one probe per backend), then how many of the following blocks
+  it holds by binary search, as the prefix index does (holdings are prefix-closed).
+- **The lock**: a pick reads the table, decides and writes its placement holding an
+  `flock` on the table's file, so two workers' picks of one new prefix at the same
+  instant go one after the other, the second finding the first's placement. It is held
+  for one pick (tens to hundreds of microseconds); a worker that dies holding it lets go
+  with its file.
+- **The broadcast**: the same placements, batched per loop turn, go to the collector's
+  control socket and from there to every worker's index (router/telemetry.py, topic
+  `l`), exactly and for their whole TTL, however many the table has overwritten since.
+
+Concurrency: each slot word is an aligned 8-byte store, so no value tears. Two workers
+writing one slot at once leave one of the two pairs, possibly with the other's expiry;
+an overwritten pair shortens a chain it was part of. The worst case is a wrong guess of
+where a prefix is, which costs a cache miss, never an error.
+
+Cost: `place` two word stores per new block (what the prefix index's own insert costs);
+`held` one probe per backend plus log2(blocks) probes for the holder, and a clock read;
+the lock two system calls, and a wait while another worker picks.
+2**20 slots of 16 bytes: 16 MB shared per router.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import mmap
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+
+import msgspec
+
+from hashing.rendezvous import name_hash
+
+__all__ = ["LEARNED", "PlacementTable", "decode_learned"]
+
+SLOTS = 1 << 20  # a power of two: the slot is the low bits
+_MASK = SLOTS - 1
+#: the control-socket prefix of a broadcast batch (admin edits are JSON, hellos "hello")
+LEARNED = b"L"
+
+
+class _Batch(msgspec.Struct, array_like=True):
+    """A worker's placements of one loop turn: (backend, expires_at, keys) each."""
+
+    worker: int
+    placed: list[tuple[str, float, list[int]]]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(_Batch).decode
+
+
+def decode_learned(payload: bytes) -> tuple[int, list[tuple[str, float, list[int]]]]:
+    """A broadcast batch (after `LEARNED`): the sending worker and its placements."""
+    batch = _decode(payload[len(LEARNED) :])
+    return batch.worker, batch.placed
+
+
+class PlacementTable:
+    """One worker's mapping of the shared table, and its outgoing broadcast batch."""
+
+    def __init__(self, path: str | Path, worker: int, send: Callable[[bytes], None]) -> None:
+        size = SLOTS * 16
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            if os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._lock_fd = os.open(path, os.O_RDONLY)  # `lock`'s: flock is per open file
+        self._tags = memoryview(self._map).cast("Q")  # even words; odd ones are expiries
+        self._expiries = memoryview(self._map).cast("d")
+        self._worker = worker
+        self._send = send
+        self._members: dict[str, int] = {}
+        self._outbox: list[tuple[str, float, list[int]]] = []
+
+    def lock(self) -> None:
+        """Wait for the other workers' picks (an uncontended flock: two system calls)."""
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+
+    def unlock(self) -> None:
+        fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def known(self, names: Iterable[str]) -> None:
+        """The fleet's backend names, the ones `held` looks for."""
+        self._members = {n: name_hash(n) for n in names}
+
+    def place(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+        """Record that `backend` was just sent `keys[start:]`: in the table at once, and
+        in the batch that goes to every worker at the end of this loop turn."""
+        placed = list(keys[start:])
+        if not placed:
+            return
+        member = self._members.get(backend) or name_hash(backend)
+        tags, expiries = self._tags, self._expiries
+        for key in placed:
+            tag = key ^ member
+            slot = (tag & _MASK) * 2
+            expiries[slot + 1] = expires_at
+            tags[slot] = tag
+        if not self._outbox:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._outbox.append((backend, expires_at, placed))
+
+    def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
+        """The backend holding the most of the prompt's blocks from `keys[start]` on, by
+        any worker's recent placement: (backend, how many, expires_at), or None."""
+        best: tuple[str, int, float] | None = None
+        now = time.monotonic()
+        for name, member in self._members.items():
+            expires_at = self._expiry(keys[start], member, now)
+            if expires_at is None:
+                continue
+            count = self._run(keys, start, member, now)
+            if best is None or count > best[1]:
+                best = (name, count, expires_at)
+        return best
+
+    def _run(self, keys: Sequence[int], start: int, member: int, now: float) -> int:
+        """How many blocks from `start` on the member holds (keys[start] it does)."""
+        lo, hi = 1, len(keys) - start
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._expiry(keys[start + mid - 1], member, now) is None:
+                hi = mid - 1
+            else:
+                lo = mid
+        return lo
+
+    def _expiry(self, key: int, member: int, now: float) -> float | None:
+        tag = key ^ member
+        slot = (tag & _MASK) * 2
+        if self._tags[slot] != tag:
+            return None
+        expires_at = self._expiries[slot + 1]
+        return expires_at if expires_at > now else None
+
+    def _flush(self) -> None:
+        batch, self._outbox = self._outbox, []
+        self._send(LEARNED + _encode(_Batch(self._worker, batch)))
+
+    def close(self) -> None:
+        self._tags.release()
+        self._expiries.release()
+        self._map.close()
+        os.close(self._lock_fd)

@@ -1,0 +1,75 @@
+"""router/placements.py: two workers' mappings of one table, and the broadcast batch."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from hashing.blocks import chain, root_key
+from router.placements import PlacementTable, decode_learned
+
+ROOT = root_key("m", None)
+DOC = chain(ROOT, list(range(3200)), 16)  # 200 blocks
+
+
+def _other(shared: int) -> list[int]:
+    """A prompt sharing the document's first `shared` blocks, then its own."""
+    return DOC[:shared] + chain(DOC[shared - 1], list(range(90_000, 91_600)), 16)
+
+
+@pytest.fixture
+def pair(tmp_path):
+    sent: list[bytes] = []
+    tables = [PlacementTable(tmp_path / "placements", w, sent.append) for w in (0, 1)]
+    for t in tables:
+        t.known(["b0", "b1", "b2"])
+    yield *tables, sent
+    for t in tables:
+        t.close()
+
+
+@pytest.mark.parametrize(
+    ("prompt", "start", "expected"),
+    [
+        pytest.param(DOC, 0, ("b1", 200), id="the-same-prompt"),
+        pytest.param(_other(137), 0, ("b1", 137), id="a-shared-prefix"),
+        pytest.param(DOC, 50, ("b1", 150), id="from-a-later-block"),
+        pytest.param(_other(1)[1:], 0, None, id="another-first-block"),
+    ],
+)
+async def test_another_worker_sees_a_placement_at_once(pair, prompt, start, expected) -> None:
+    mine, theirs, _ = pair
+    mine.place("b1", DOC, 0, time.monotonic() + 60)
+    found = theirs.held(prompt, start)
+    assert (found and found[:2]) == expected
+
+
+async def test_the_longest_holder_wins_and_expired_pairs_do_not_count(pair) -> None:
+    mine, theirs, _ = pair
+    mine.place("b0", _other(40), 0, time.monotonic() + 60)
+    mine.place("b2", DOC, 0, time.monotonic() + 60)
+    assert theirs.held(DOC, 0)[:2] == ("b2", 200)
+    mine.place("b2", DOC, 0, time.monotonic() - 1)  # its TTL has passed
+    assert theirs.held(DOC, 0)[:2] == ("b0", 40)
+
+
+async def test_a_backend_outside_the_fleet_is_not_reported(pair) -> None:
+    mine, theirs, _ = pair
+    mine.place("gone", DOC, 0, time.monotonic() + 60)
+    assert theirs.held(DOC, 0) is None
+
+
+async def test_one_broadcast_batch_per_loop_turn(pair) -> None:
+    mine, _, sent = pair
+    expires_at = time.monotonic() + 60
+    mine.place("b0", DOC, 10, expires_at)
+    mine.place("b1", DOC, 0, expires_at)
+    mine.place("b1", DOC, 200, expires_at)  # nothing new: nothing placed
+    assert sent == []  # sent at the end of the turn, not per pick
+    await asyncio.sleep(0)
+    assert len(sent) == 1
+    worker, placed = decode_learned(sent[0])
+    assert worker == 0
+    assert placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
