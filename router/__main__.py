@@ -12,6 +12,7 @@ import uvloop
 import policies
 from router import log
 from router.config import DEFAULT_STRATEGY, LOG_LEVELS, ConfigError, load
+from router.errors import ListenError
 
 
 def _version() -> str:
@@ -112,15 +113,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.workers import Supervisor, worker_count
 
     log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
-    if worker_count(config) > 1:
-        try:
-            supervisor = Supervisor(config, args.config, overrides)
-        except OSError as exc:  # the port is taken, or the address is not ours
-            print(f"kvroute: cannot listen on {config.listen.host}: {exc}", file=sys.stderr)
-            return 1
-        return supervisor.run()
     try:
+        if worker_count(config) > 1:
+            return Supervisor(config, args.config, overrides).run()
         uvloop.run(serve(config, ConfigSource(args.config, overrides)))
+    except ListenError as exc:  # the port is taken, or the address is not ours
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 1
     except ConfigError as exc:  # a secret the config names cannot be read
         print(f"kvroute: invalid config: {exc}", file=sys.stderr)
         return 2

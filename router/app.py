@@ -20,6 +20,7 @@ from router.backends import Backend, Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
 from router.dispatch import Dispatcher
+from router.errors import listening
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
 from router.health import HealthChecker, ModelPoller, Verdicts
@@ -183,16 +184,19 @@ class Router:
             reuse_port=ctx is not None,  # the workers share the port
             backlog=cfg.listen.backlog,
         )
-        await site.start()
+        with listening("HTTP", cfg.listen.host, cfg.listen.port):
+            await site.start()
         self.port = self._runner.addresses[0][1]
         if self.admin is not None:
-            await self.admin.start()
+            with listening("the admin API", cfg.admin.host, cfg.admin.port):
+                await self.admin.start()
         # gRPC ingress (issue 6): same loop, same dispatcher, its own port
         if cfg.grpc.enabled:
             self.grpc = GrpcIngress(
                 cfg, self.fleet, self.dispatcher, self.metrics, self.auth, ctx is not None
             )
-            self.grpc_port = await self.grpc.start()
+            with listening("gRPC", cfg.grpc.host or cfg.listen.host, cfg.grpc.port):
+                self.grpc_port = await self.grpc.start()
         log.server.info(
             "kvroute listening on %s, strategy %s, %d backends",
             self.url,

@@ -11,7 +11,9 @@ builtin they resemble so generic handlers work.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import os
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import grpc
@@ -251,3 +253,20 @@ def _any(message) -> any_pb2.Any:
     packed = any_pb2.Any()
     packed.Pack(message)
     return packed
+
+
+class ListenError(OSError):
+    """A listener could not bind; the message names which one and its host:port."""
+
+
+@contextlib.contextmanager
+def listening(what: str, host: str, port: int) -> Iterator[None]:
+    """Turn a failed bind of listener `what` into a ListenError that says where."""
+    try:
+        yield
+    except OSError as exc:  # asyncio's message repeats the address: the errno's says it all
+        reason = os.strerror(exc.errno) if exc.errno else str(exc)
+        raise ListenError(f"cannot listen on {host}:{port} for {what}: {reason}") from exc
+    except RuntimeError as exc:  # grpcio's bind failure, with no errno
+        reason = "the port is in use, or the address is not this host's"
+        raise ListenError(f"cannot listen on {host}:{port} for {what}: {reason}") from exc

@@ -46,6 +46,7 @@ from prometheus_client import multiprocess
 
 from router import log
 from router.config import Config
+from router.errors import listening
 from router.shared_load import LoadTable
 
 #: backends the shared load table tells apart at once (freed slots are reused), at least
@@ -112,12 +113,17 @@ def worker_count(config: Config) -> int:
     return config.workers or usable_cores()
 
 
-def _reserve(host: str, port: int) -> socket.socket:
+def _reserve(what: str, host: str, port: int) -> socket.socket:
     """Bind (without listening) to learn port 0's number and hold it for the workers.
 
     A first bind without SO_REUSEPORT fails if anything holds the port, so a second
-    router started on a busy port stops with "address in use" instead of silently
-    joining the first one's SO_REUSEPORT group."""
+    router started on a busy port stops with "address in use" (a ListenError naming
+    `what` and where) instead of silently joining the first one's SO_REUSEPORT group."""
+    with listening(what, host, port):
+        return _bound(host, port)
+
+
+def _bound(host: str, port: int) -> socket.socket:
     family, kind, proto, _, addr = socket.getaddrinfo(
         host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
@@ -172,11 +178,11 @@ class Supervisor:
         metrics_dir = self.rundir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
-        self._sockets = [_reserve(config.listen.host, config.listen.port)]
+        self._sockets = [_reserve("HTTP", config.listen.host, config.listen.port)]
         overrides = {**overrides, "listen.port": self._sockets[0].getsockname()[1]}
         if config.grpc.enabled:
             grpc_host = config.grpc.host or config.listen.host
-            self._sockets.append(_reserve(grpc_host, config.grpc.port))
+            self._sockets.append(_reserve("gRPC", grpc_host, config.grpc.port))
             overrides["grpc.port"] = self._sockets[1].getsockname()[1]
         self.port = overrides["listen.port"]
         slots = max(_MIN_SLOTS, 8 * len(config.backends))
