@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import asyncio
 import fcntl
-import mmap
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -46,6 +45,7 @@ from pathlib import Path
 import msgspec
 
 from hashing.rendezvous import name_hash
+from router.shared_load import map_shared
 
 __all__ = ["LEARNED", "PlacementTable", "decode_learned"]
 
@@ -76,14 +76,7 @@ class PlacementTable:
     """One worker's mapping of the shared table, and its outgoing broadcast batch."""
 
     def __init__(self, path: str | Path, worker: int, send: Callable[[bytes], None]) -> None:
-        size = SLOTS * 16
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_shared(path, SLOTS * 16)
         self._lock_fd = os.open(path, os.O_RDONLY)  # `lock`'s: flock is per open file
         self._tags = memoryview(self._map).cast("Q")  # even words; odd ones are expiries
         self._expiries = memoryview(self._map).cast("d")

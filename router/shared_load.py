@@ -42,20 +42,24 @@ def _zeros(n: int) -> memoryview:
     return memoryview(bytes(n * _INT64)).cast("q")
 
 
+def map_shared(path: str | Path, size: int) -> mmap.mmap:
+    """`size` bytes of the file at `path`, created (zeroed) by whichever process is first."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if os.fstat(fd).st_size < size:
+            os.ftruncate(fd, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
+
+
 class LoadTable:
     """A mapped view of the shared counters; `worker` is the column this process writes."""
 
     def __init__(self, path: str | Path, slots: int, workers: int, worker: int | None) -> None:
         self.path = str(path)
         self.slots, self.workers, self.worker = slots, workers, worker
-        size = slots * _INT64 * (1 + 3 * workers)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
-        try:
-            if os.fstat(fd).st_size < size:
-                os.ftruncate(fd, size)
-            self._map = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        self._map = map_shared(self.path, slots * _INT64 * (1 + 3 * workers))
         self._words = memoryview(self._map).cast("q")
         self._keys = memoryview(self._map).cast("Q")[:slots]
 
