@@ -147,7 +147,7 @@ def targets(
     for package, (python, version) in ensure_peers(Path(args.peers_venv), False).items():
         if python is not None:
             port = free_port()
-            cmd = peer_cmd(python, package, direct, port)
+            cmd = peer_cmd(python, package, [direct], port)
             starts.append(_Start(Row(f"{package} {version}"), cmd, port, False))
     started = start_routers(stack, starts, tmp)
     return [("backend direct", direct, "")] + [(t.row.name, t.url, t.row.note) for t in started]

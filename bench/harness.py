@@ -1,14 +1,25 @@
 """`kvroute bench`: replay one workload against each routing strategy and compare them.
 
-For each strategy in turn, on a fresh, cold fleet so that the runs are comparable:
+For each row in turn (each strategy, then with --peers each peer router), on a fresh,
+cold fleet so that the rows are comparable:
   1. start K simulated vLLM servers in one child process (`python -m bench.sim`);
-  2. start a router with that strategy in a process of its own (`kvroute serve`);
+  2. start the row's router, --replicas processes of it, each on a port of its own:
+     kvroute as `kvroute serve` starts by default (one worker per usable core, config
+     `workers: 0`; --workers to choose), KV events only if the simulator publishes them
+     (`--sim-arg=--kv-events`); or a peer with its policy and its own defaults;
   3. calibrate the router's hop: pairs of `POST /tokenize` direct to a backend, then
-     through the router (proxying only, no engine work); hop = median difference;
-  4. snapshot every backend's /metrics and /sim/stats and the router's /metrics;
-  5. replay the workload through the router (`bench.loadgen`), bounded by --max-wall;
-  6. snapshot again: the deltas give the fleet hit rate, load spread and decision time;
-  7. stop the router, then the fleet (in `finally`: also on errors and Ctrl-C).
+     through the router (proxying only, no engine work); hop = median difference (n/a
+     for a router that does not proxy /tokenize);
+  4. snapshot every backend's /metrics and /sim/stats and each replica's /metrics;
+  5. replay the workload (`bench.loadgen`), each request to a replica drawn from the
+     seed, bounded by --max-wall;
+  6. snapshot again: the backends' deltas give the fleet hit rate and load spread, the
+     same way for every router; kvroute's own give its decision time;
+  7. stop the routers, then the fleet (in `finally`: also on errors and Ctrl-C).
+The peers (sglang-router with cache_aware and with round_robin, vllm-router with
+cache_aware) are pip-installed on first use into bench.throughput's virtualenv; one that
+cannot be installed or started is a row of n/a with the reason, and the run goes on.
+--seeds runs the whole comparison once per seed and adds each row's mean over them.
 With --target URL nothing is started: the workload goes to URL, and hit rate and spread
 come from what it exposes (kvroute's x-kvroute-backend header, vLLM's /metrics,
 usage.cached_tokens), n/a otherwise.
@@ -16,17 +27,18 @@ usage.cached_tokens), n/a otherwise.
 Process layout on 2 cores. The simulator is the CPU-heavy part: it tokenizes every
 prompt (~5 ms of Python per 8k-token request), runs every engine step of K backends and
 writes every SSE chunk, so it gets a process, hence a core, of its own, and its clock
-(the engine's step sleeps) never waits behind the client. The router gets a process of
-its own too, as in production: in the load generator's process, KV_AWARE's tokenizing
-and KV event handling ran on the loop that timestamps every chunk, which no deployment
-does. What does distort results on a shared 2-core machine is everything else running:
-time_scale 0.25 inflated PREFIX_AWARE's cached TTFTs (P50 124-468 ms simulated against 64
-at time_scale 1), while 0.5 (the default, ~25% of a core each) agreed with 1 within
-~20 ms. The footer prints each
-process's CPU share and this event loop's lag, and warns when the lag is large in
-simulated time; compare a slower --time-scale when in doubt.
+(the engine's step sleeps) never waits behind the client. The router gets processes of
+its own too, as in production (here its workers share the cores with everything else,
+which a router beside its fleet would not): in the load generator's process, KV_AWARE's
+tokenizing and KV event handling ran on the loop that timestamps every chunk, which no
+deployment does. What does distort results on a shared 2-core machine is everything
+else running: time_scale 0.25 inflated PREFIX_AWARE's cached TTFTs (P50 124-468 ms
+simulated against 64 at time_scale 1), while 0.5 (the default, ~25% of a core each)
+agreed with 1 within ~20 ms. The footer prints each process's CPU share and this event
+loop's lag, and warns when the lag is large in simulated time; compare a slower
+--time-scale when in doubt.
 
-Every run is bounded: --requests, --duration and --max-wall per strategy.
+Every run is bounded: --requests, --duration and --max-wall per row and seed.
 """
 
 from __future__ import annotations
@@ -42,7 +54,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import IO, NamedTuple
 
 import aiohttp
 import msgspec
@@ -52,16 +64,36 @@ import uvloop
 import policies
 from bench import procstat, scrape
 from bench.loadgen import Outcome, replay
-from bench.overhead import free_port, wait_ready
-from bench.report import BackendDelta, Run, Summary, chart, percentile, reading, summarize, table
+from bench.overhead import free_port
+from bench.report import (
+    BackendDelta,
+    Run,
+    Setup,
+    Summary,
+    chart,
+    means_table,
+    percentile,
+    reading,
+    seed_means,
+    summarize,
+    table,
+)
+from bench.throughput import PEERS_VENV, ensure_peers, peer_cmd
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import Config, build
+from router.workers import worker_count
 
-__all__ = ["Options", "build_parser", "main", "router_config", "run_bench"]
+__all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
 
 DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
 DEFAULT_TIME_SCALE = 0.5
+#: the peer rows: (PyPI package, its --policy)
+PEER_ROWS = (
+    ("sglang-router", "cache_aware"),
+    ("sglang-router", "round_robin"),
+    ("vllm-router", "cache_aware"),
+)
 _SIM_START_SECONDS = 30.0
 _ROUTER_START_SECONDS = 30.0
 _STOP_SECONDS = 10.0
@@ -75,24 +107,31 @@ class HarnessError(RuntimeError):
     """The benchmark cannot run (a process did not start, a target did not answer)."""
 
 
+class _StartFailed(RuntimeError):
+    """A router process exited or never answered its readiness path; says why."""
+
+
 _EXAMPLES = """examples:
-  # issue 3's benchmark: the public long-context shape (7 instances, 8,000-token prefixes)
+  # the public long-context benchmark's shape (7 instances, 8,000-token prefixes)
   kvroute bench --workload long-prefix --backends 7 --requests 300 --groups 50 --rate 6 \\
       --time-scale 1 --out results/
   # a hot prefix: does the concurrency threshold spread it?
   kvroute bench --workload hot-prefix --strategies PREFIX_AWARE --concurrency-threshold 8
   # KV_AWARE with the simulator's KV events
   kvroute bench --strategies PREFIX_AWARE,KV_AWARE --sim-arg=--kv-events
+  # beside sglang-router and vllm-router, two router replicas each, over three seeds
+  kvroute bench --backends 4 --strategies PREFIX_AWARE,KV_AWARE --peers --replicas 2 \\
+      --seeds 0,1,2
   # the same workload against a router (or vLLM) that is already running
   kvroute bench --target http://127.0.0.1:8000 --rate 2 --requests 100
 """
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Keeps the examples' lines; shows a default only where there is one."""
+    """Keeps the examples' lines; shows a default only where there is one (not for flags)."""
 
     def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default is None or action.default == [] or action.default == argparse.SUPPRESS:
+        if action.nargs == 0 or action.default in (None, [], argparse.SUPPRESS):
             return action.help
         return f"{action.help} (default: {action.default})"
 
@@ -101,9 +140,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute bench",
         description=(
-            "Replay the same seeded workload against each routing strategy, each on a fresh,\n"
-            "cold fleet of simulated vLLM servers behind a kvroute router, and print one\n"
-            "comparison table. Latencies are in simulated time (wall time / --time-scale)."
+            "Replay the same seeded workload against each routing strategy (with --peers,\n"
+            "also sglang-router and vllm-router), each on a fresh, cold fleet of simulated\n"
+            "vLLM servers behind routers started as users run them, and print one comparison\n"
+            "table. Latencies are in simulated time (wall time / --time-scale)."
         ),
         epilog=_EXAMPLES,
         formatter_class=_HelpFormatter,
@@ -137,10 +177,45 @@ def build_parser() -> argparse.ArgumentParser:
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
     run.add_argument(
+        "--workers",
+        type=_non_negative,
+        default=0,
+        metavar="N",
+        help="kvroute processes per router (config `workers`); 0: one per usable core, as "
+        "`kvroute serve` starts by default",
+    )
+    run.add_argument(
+        "--replicas",
+        type=_positive(int),
+        default=1,
+        metavar="R",
+        help="router processes per row, one config, each on its own port; each request goes "
+        "to one of them drawn from the seed. Peers get R replicas too",
+    )
+    run.add_argument(
+        "--peers",
+        action="store_true",
+        help="add rows for sglang-router (cache_aware, round_robin) and vllm-router "
+        "(cache_aware) on the same fleet and workload; pip-installed on first use",
+    )
+    run.add_argument(
+        "--peers-venv",
+        type=Path,
+        default=PEERS_VENV,
+        metavar="DIR",
+        help="the peers' virtualenv, created on first use (shared with bench.throughput)",
+    )
+    run.add_argument(
+        "--no-install",
+        dest="install",
+        action="store_false",
+        help="never pip: a peer not already in --peers-venv is a row of n/a",
+    )
+    run.add_argument(
         "--target",
         metavar="URL",
         help="send the workload to this router or server instead (e.g. http://127.0.0.1:8000); "
-        "starts nothing and ignores --strategies",
+        "starts nothing and ignores --strategies, --workers, --replicas and --peers",
     )
     run.add_argument("--model", help="model name to request (default: the target's first model)")
     work = p.add_argument_group("workload (bench/workloads.py)")
@@ -150,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="long-prefix",
         help="long-prefix: shared 8,000-token documents + own questions; short-prefix: the "
         "same with 500 tokens; hot-prefix: documents drawn by a Zipf law; multi-turn: "
-        "conversations resent whole each turn; no-sharing: unique prompts",
+        "conversations resent whole each turn, behind a 1,000-token system prompt; "
+        "no-sharing: unique prompts",
     )
     work.add_argument("--requests", type=int, default=300, help="requests per strategy")
     work.add_argument("--groups", type=int, default=50, help="prefix groups / conversations")
@@ -160,7 +236,21 @@ def build_parser() -> argparse.ArgumentParser:
     work.add_argument("--question-tokens", type=int, default=100, help="per-request question")
     work.add_argument("--max-tokens", type=int, default=100, help="output tokens per request")
     work.add_argument("--zipf-s", type=float, default=1.1, help="hot-prefix Zipf exponent")
-    work.add_argument("--seed", type=int, default=0, help="workload and policy seed")
+    work.add_argument(
+        "--system-prompt",
+        choices=("shared", "per-conversation"),
+        default="shared",
+        help="multi-turn: one system prompt for every conversation, or one each",
+    )
+    seeds = work.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0, help="workload, policy and replica seed")
+    seeds.add_argument(
+        "--seeds",
+        type=_seed_list,
+        metavar="LIST",
+        help="comma-separated, e.g. 0,1,2: the whole comparison once per seed, each seed's "
+        "table, then each row's mean over the seeds",
+    )
     arrivals = work.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--rate",
@@ -176,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-wall",
         type=_positive(float),
         default=600.0,
-        help="wall seconds per strategy, then cancel",
+        help="wall seconds per row and seed, then cancel",
     )
     out.add_argument(
         "--calibration",
@@ -206,6 +296,40 @@ def _non_negative(text: str) -> int:
     return value
 
 
+def _seed_list(text: str) -> list[int]:
+    seeds = [int(part) for part in text.split(",") if part.strip()]
+    if not seeds or len(set(seeds)) < len(seeds):
+        raise argparse.ArgumentTypeError(f"want distinct seeds like 0,1,2, got {text!r}")
+    return seeds
+
+
+class Peer(msgspec.Struct, frozen=True, kw_only=True):
+    """A Rust router from PyPI with one of its policies: one row of the table."""
+
+    package: str
+    policy: str
+    python: str | None  # the peers virtualenv's interpreter; None: it cannot run
+    version: str  # or why it cannot run
+
+    @property
+    def label(self) -> str:
+        return f"{self.package}:{self.policy}"
+
+
+def find_peers(venv: Path, install: bool) -> tuple[Peer, ...]:
+    """Each peer row, its package pip-installed into `venv` first unless not `install`."""
+    found = ensure_peers(venv, install)
+    return tuple(
+        Peer(
+            package=package,
+            policy=policy,
+            python=None if found[package][0] is None else str(found[package][0]),
+            version=found[package][1],
+        )
+        for package, policy in PEER_ROWS
+    )
+
+
 class Options(NamedTuple):
     """How to run the benchmark, besides the workload."""
 
@@ -219,6 +343,19 @@ class Options(NamedTuple):
     concurrency: int | None
     max_wall: float
     calibration: int
+    seed: int = 0  # the workload's, the policies' and the replica draw's
+    workers: int = 0  # per kvroute router; 0: one per usable core, as `kvroute serve`
+    replicas: int = 1
+    peers: tuple[Peer, ...] = ()
+
+
+class _Seeded(NamedTuple):
+    """One seed's workload and the rows measured with it."""
+
+    workload: WorkloadSpec
+    requests: int
+    runs: list[Run]
+    summaries: list[Summary]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -228,23 +365,35 @@ def main(argv: Sequence[str] | None = None) -> int:
         workload, options = _from_args(args)
     except ValueError as exc:
         parser.error(str(exc))
-    specs = generate(workload)
+    seeds = args.seeds or [args.seed]
     try:
-        runs = uvloop.run(_until_signal(run_bench(specs, options, _progress_factory())))
+        if args.peers and options.target is None:
+            options = options._replace(peers=find_peers(args.peers_venv, args.install))
+        results = uvloop.run(_until_signal(_every_seed(workload, seeds, options)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\nkvroute bench: interrupted; everything started was stopped", file=sys.stderr)
         return 130
     except HarnessError as exc:
         print(f"kvroute bench: {exc}", file=sys.stderr)
         return 1
-    summaries = [summarize(r) for r in runs]
-    print(_header(workload, options, len(specs)))
-    print(table(summaries))
-    for line in [*reading(summaries), *_footer(runs, options)]:
-        print(line)
+    _print(results, options)
     if args.out is not None:
-        _write(args.out, argv, workload, options, runs, summaries)
-    return 0 if all(s.ok for s in summaries) else 1  # 1: a strategy served nothing
+        _write(args.out, argv, options, results)
+    summaries = [s for r in results for s in r.summaries if not s.unmeasured]
+    return 0 if all(s.ok for s in summaries) else 1  # 1: a measured row served nothing
+
+
+async def _every_seed(
+    workload: WorkloadSpec, seeds: Sequence[int], options: Options
+) -> list[_Seeded]:
+    """The whole comparison once per seed, in order."""
+    out = []
+    for seed in seeds:
+        seeded = msgspec.structs.replace(workload, seed=seed)
+        specs = generate(seeded)
+        runs = await run_bench(specs, options._replace(seed=seed), _progress_factory())
+        out.append(_Seeded(seeded, len(specs), runs, [summarize(r) for r in runs]))
+    return out
 
 
 def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
@@ -260,9 +409,9 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         "question_tokens": args.question_tokens,
         "max_tokens": args.max_tokens,
         "zipf_s": args.zipf_s,
+        "system_prompt": args.system_prompt,
         "rate": None if args.concurrency else (args.rate or DEFAULT_RATE),
         "duration": args.duration,
-        "seed": args.seed,
     }
     try:
         workload = msgspec.convert(fields, WorkloadSpec)  # checks the bounds
@@ -270,7 +419,6 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
         raise ValueError(flag.replace("--shape", "--workload")) from None
     knobs = {
-        "seed": args.seed,
         "prefix_length": args.prefix_length,
         "concurrency_threshold": args.concurrency_threshold,
     }
@@ -285,6 +433,8 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         concurrency=args.concurrency,
         max_wall=args.max_wall,
         calibration=args.calibration,
+        workers=args.workers,
+        replicas=args.replicas,
     )
     return workload, options
 
@@ -300,30 +450,48 @@ async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:
 async def run_bench(
     specs: Sequence[RequestSpec], options: Options, progress: _ProgressFactory | None = None
 ) -> list[Run]:
-    """One `Run` per strategy (or one for --target), in order."""
+    """One `Run` per row: each strategy, then each peer (or one for --target), in order."""
+    rows: list[str | Peer] = [*options.strategies, *options.peers]
     runs = []
-    for strategy in options.strategies:
-        on_done = progress(strategy, len(specs)) if progress else _ignore
+    for row in rows:
+        label = row.label if isinstance(row, Peer) else row
+        on_done = progress(label, len(specs)) if progress else _ignore
         if options.target is None:
-            runs.append(await _simulated_run(strategy, specs, options, on_done))
+            runs.append(await _simulated_run(row, specs, options, on_done))
         else:
             runs.append(await _target_run(options.target, specs, options, on_done))
     return runs
 
 
 async def _simulated_run(
-    strategy: str, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
+    row: str | Peer, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
 ) -> Run:
-    async with _simulator(options) as (backends, sim_pid):
+    """`row` on a fresh, cold fleet. A kvroute router that does not start ends the run;
+    a peer that cannot run or start is a row of n/a with the reason."""
+    if isinstance(row, Peer) and row.python is None:
+        return _unmeasured(row.label, _peer_setup(row, options), row.version, options)
+    async with contextlib.AsyncExitStack() as stack:
+        backends, sim_pid = await stack.enter_async_context(_simulator(options))
         urls = [b["url"] for b in backends]
-        config = router_config(strategy, backends, options.routing)
-        async with _router(config) as (url, router_pid):
-            async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as http:
-                model = options.model or await _first_model(http, url)
-                hop = await _calibrate(http, urls, url, model, options.calibration)
-                pids = {"harness": os.getpid(), "simulator": sim_pid, "router": router_pid}
-                entry = _Entry(strategy, url, urls, pids, hop)
-                return await _measured_replay(http, entry, model, specs, options, on_done)
+        if isinstance(row, Peer):
+            label, router = row.label, _peer_router(row, urls, options)
+        else:
+            tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
+            label, router = row, _kvroute_router(row, backends, options, Path(tmp))
+        try:
+            replicas = await stack.enter_async_context(_replicas(router, options.replicas))
+        except _StartFailed as exc:
+            if not isinstance(row, Peer):
+                raise HarnessError(f"the router did not start: {exc}") from None
+            return _unmeasured(label, router.setup, f"did not start: {exc}", options)
+        http = await stack.enter_async_context(aiohttp.ClientSession(timeout=_HTTP_TIMEOUT))
+        model = options.model or await _first_model(http, urls[0])
+        hop = await _calibrate(http, urls, replicas[0][0], model, options.calibration)
+        trees = [pid for _, root in replicas for pid in procstat.tree(root)]
+        pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
+        setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
+        entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup)
+        return await _measured_replay(http, entry, model, specs, options, on_done)
 
 
 async def _target_run(
@@ -331,18 +499,31 @@ async def _target_run(
 ) -> Run:
     async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as http:
         model = options.model or await _first_model(http, target)
-        entry = _Entry(None, target, [], {"harness": os.getpid()}, None)
+        entry = _Entry(None, [target], [], {"harness": [os.getpid()]}, None, None)
         return await _measured_replay(http, entry, model, specs, options, on_done)
+
+
+def _unmeasured(label: str, setup: Setup, why: str, options: Options) -> Run:
+    return Run(
+        strategy=label,
+        time_scale=options.time_scale,
+        wall_seconds=0.0,
+        outcomes=[],
+        seed=options.seed,
+        setup=setup,
+        unmeasured=why,
+    )
 
 
 class _Entry(NamedTuple):
     """Where a replay goes and what is known around it."""
 
-    strategy: str | None  # None: ask the target (kvroute's decision counter)
-    url: str
+    label: str | None  # None: ask the target (kvroute's decision counter)
+    routers: list[str]  # the replicas' URLs
     backends: list[str]  # simulated backends to snapshot; empty for a target
-    pids: dict[str, int]  # processes whose CPU share is measured
+    pids: dict[str, list[int]]  # processes whose CPU share is measured, by role
     hop: float | None
+    setup: Setup | None
 
 
 async def _measured_replay(
@@ -354,24 +535,26 @@ async def _measured_replay(
     on_done: _OnDone,
 ) -> Run:
     """Snapshot, replay through `entry`, snapshot; the Run with every delta."""
-    before = await _snapshot(http, entry.url, entry.backends)
+    before = await _snapshot(http, entry.routers, entry.backends)
     started = time.monotonic()
     with procstat.cpu_meter(entry.pids) as cpu:
         async with _lag_monitor() as lags:
             outcomes = await replay(
-                entry.url,
+                entry.routers,
                 model,
                 specs,
                 concurrency=options.concurrency,
                 time_scale=options.time_scale,
                 deadline=options.max_wall,
+                seed=options.seed,
                 on_done=on_done,
             )
     wall = time.monotonic() - started
-    after = await _snapshot(http, entry.url, entry.backends)
-    r0, r1 = before.router, after.router
+    after = await _snapshot(http, entry.routers, entry.backends)
+    r0, r1 = scrape.merged(before.routers), scrape.merged(after.routers)
+    pairs = zip(before.routers, after.routers, strict=True)
     return Run(
-        strategy=entry.strategy or scrape.reported_strategy(r1) or "target",
+        strategy=entry.label or scrape.reported_strategy(r1) or "target",
         time_scale=options.time_scale,
         wall_seconds=wall,
         outcomes=outcomes,
@@ -381,6 +564,9 @@ async def _measured_replay(
         hop_seconds=entry.hop,
         loop_lag_p99=percentile(lags, 0.99),
         cpu=cpu,
+        seed=options.seed,
+        setup=entry.setup,
+        replica_requests=[scrape.delta(a, b, "kvroute_requests_total") for a, b in pairs],
     )
 
 
@@ -403,38 +589,104 @@ async def _simulator(options: Options) -> AsyncIterator[tuple[list[dict], int]]:
             await _stop(proc)
 
 
+class _Router(NamedTuple):
+    """How to start each replica of a row's router, and what the table says about it."""
+
+    command: Callable[[int], list[str]]  # given the replica's port
+    ready: str  # a path that answers 200 once it routes
+    setup: Setup
+
+
+def _kvroute_router(strategy: str, backends: list[dict], options: Options, tmp: Path) -> _Router:
+    """`kvroute serve` with one config file for every replica, which differ by --port."""
+    knobs = {**options.routing, "seed": options.seed}
+    config = router_config(strategy, backends, knobs, options.workers)
+    path = tmp / "router.yaml"
+    path.write_bytes(msgspec.json.encode(config))  # JSON is YAML
+    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path)]
+    setup = Setup(
+        router="kvroute serve",
+        policy=strategy,
+        params=msgspec.to_builtins(config.routing),
+        workers=worker_count(config),
+        workers_config=config.workers,
+        replicas=options.replicas,
+        kv_events=any(b.kv_events for b in config.backends),
+    )
+    return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
+
+
+def _peer_router(peer: Peer, backends: list[str], options: Options) -> _Router:
+    assert peer.python is not None
+    python = Path(peer.python)
+    return _Router(
+        lambda port: peer_cmd(python, peer.package, backends, port, peer.policy),
+        "/readiness",  # 200 once its workers passed their health checks
+        _peer_setup(peer, options),
+    )
+
+
+def _peer_setup(peer: Peer, options: Options) -> Setup:
+    version = peer.version if peer.python else None
+    return Setup(
+        router=peer.package, policy=peer.policy, version=version, replicas=options.replicas
+    )
+
+
 @contextlib.asynccontextmanager
-async def _router(config: Config) -> AsyncIterator[tuple[str, int]]:
-    """`kvroute serve` with `config` in a process of its own, as in production: its work
-    (parsing, tokenizing, KV events) never holds up the load generator's clock. Yields
-    its URL and pid."""
-    data = msgspec.to_builtins(config)
-    data["listen"]["port"] = port = free_port()
+async def _replicas(router: _Router, n: int) -> AsyncIterator[list[tuple[str, int]]]:
+    """`n` processes of `router`, each on a free port; yields their URLs and pids."""
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(_replica(router)) for _ in range(n)]
+
+
+@contextlib.asynccontextmanager
+async def _replica(router: _Router) -> AsyncIterator[tuple[str, int]]:
+    """One router in a process of its own, as in production: its work (parsing,
+    tokenizing, KV events) never holds up the load generator's clock. Yields its URL and
+    pid once it is ready."""
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
-    with (
-        tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp,
-        tempfile.TemporaryFile() as err,
-    ):
-        path = Path(tmp) / "router.yaml"
-        path.write_bytes(orjson.dumps(data))  # JSON is YAML
-        cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--workers", "1"]
+    with tempfile.TemporaryFile() as err:
         proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL, stderr=err
+            *router.command(port),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=err,
         )
         try:
-            try:
-                await wait_ready(url, _ROUTER_START_SECONDS)
-            except RuntimeError:
-                err.seek(0)
-                tail = err.read().decode(errors="replace").strip().splitlines()[-5:]
-                raise HarnessError("the router did not start:\n  " + "\n  ".join(tail)) from None
+            await _until_ready(url + router.ready, proc, err)
             yield url, proc.pid
         finally:
             await _stop(proc)
 
 
+async def _until_ready(url: str, proc: asyncio.subprocess.Process, err: IO[bytes]) -> None:
+    """Until `url` answers 200; `_StartFailed` with the stderr's tail if the process
+    exits first or the start takes too long."""
+    deadline = time.monotonic() + _ROUTER_START_SECONDS
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
+        while proc.returncode is None:
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with http.get(url) as resp:
+                    if resp.status == 200:
+                        return
+            if time.monotonic() > deadline:
+                why = f"{url} not 200 after {_ROUTER_START_SECONDS:.0f} s"
+                raise _StartFailed(" | ".join([why, *_tail(err)]))
+            await asyncio.sleep(0.1)
+    raise _StartFailed(" | ".join([f"exited with code {proc.returncode}", *_tail(err)]))
+
+
+def _tail(file: IO[bytes], lines: int = 3) -> list[str]:
+    """The last lines a process wrote to `file`, without terminal colours."""
+    file.seek(0)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", file.read().decode(errors="replace"))
+    return [line.strip()[:200] for line in text.strip().splitlines()[-lines:]]
+
+
 async def _announced(
-    proc: asyncio.subprocess.Process, n: int, kv_events: bool, stderr
+    proc: asyncio.subprocess.Process, n: int, kv_events: bool, stderr: IO[bytes]
 ) -> list[dict]:
     """Backend configs from the simulator's stdout: n URL lines, then with --kv-events n
     lines `kv-events URL pub=ENDPOINT replay=ENDPOINT` (bench/sim/cli.py)."""
@@ -446,8 +698,7 @@ async def _announced(
             while len(lines) < expected and (line := await proc.stdout.readline()):
                 lines.append(line.decode().strip())
     if len(lines) < expected:
-        stderr.seek(0)
-        tail = stderr.read().decode(errors="replace").strip().splitlines()[-5:]
+        tail = _tail(stderr, 5)
         raise HarnessError("the simulator did not start:\n  " + "\n  ".join(tail or ["?"]))
     # fixed names: the hash ring, hence each prefix's home, is the same in every run
     backends = [{"url": url, "name": f"sim-{i}"} for i, url in enumerate(lines[:n])]
@@ -470,8 +721,11 @@ async def _stop(proc: asyncio.subprocess.Process) -> None:
         await proc.wait()
 
 
-def router_config(strategy: str, backends: list[dict], knobs: dict[str, int]) -> Config:
-    """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has."""
+def router_config(
+    strategy: str, backends: list[dict], knobs: dict[str, int], workers: int = 0
+) -> Config:
+    """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
+    `workers` 0 is one per usable core, as `kvroute serve` runs by default."""
     fields = policies.policy_class(strategy).params_type.__struct_fields__
     routing = {"strategy": strategy, **{k: v for k, v in knobs.items() if k in fields}}
     return build(
@@ -479,6 +733,7 @@ def router_config(strategy: str, backends: list[dict], knobs: dict[str, int]) ->
             "listen": {"host": "127.0.0.1", "port": 0},
             "backends": backends,
             "routing": routing,
+            "workers": workers,
             "log_level": "warning",
         },
         "kvroute bench",
@@ -502,7 +757,8 @@ async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
 async def _calibrate(
     http: aiohttp.ClientSession, backends: list[str], router: str, model: str, pairs: int
 ) -> float | None:
-    """Median of (routed - direct) over back-to-back `POST /tokenize` pairs; None for 0 pairs.
+    """Median of (routed - direct) over back-to-back `POST /tokenize` pairs; None for 0 pairs
+    or a router that does not proxy /tokenize (sglang-router answers 404).
 
     Pairing adjacent calls cancels the machine's slow drifts (other processes' load).
     """
@@ -510,32 +766,36 @@ async def _calibrate(
         return None
     body = orjson.dumps({"model": model, "prompt": "calibration"})
 
-    async def timed(url: str) -> float:
+    async def timed(url: str) -> float | None:
         t0 = time.perf_counter()
         async with http.post(url + "/tokenize", data=body) as resp:
             await resp.read()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0 if resp.status == 200 else None
 
     differences = []
     for i in range(pairs + _WARMUP_PAIRS):
         direct = await timed(backends[i % len(backends)])
         routed = await timed(router)
+        if direct is None or routed is None:
+            return None
         if i >= _WARMUP_PAIRS:
             differences.append(routed - direct)
     return percentile(differences, 0.5)
 
 
 class _Snapshot(NamedTuple):
-    router: scrape.Samples
+    routers: list[scrape.Samples]  # each replica's /metrics
     backends: list[tuple[scrape.Samples, dict]]  # /metrics and /sim/stats of each backend
 
 
-async def _snapshot(http: aiohttp.ClientSession, entry: str, backends: list[str]) -> _Snapshot:
+async def _snapshot(
+    http: aiohttp.ClientSession, routers: list[str], backends: list[str]
+) -> _Snapshot:
     async def backend(url: str) -> tuple[scrape.Samples, dict]:
         return await scrape.metrics(http, url), await scrape.json_of(http, url + "/sim/stats")
 
-    router, *rest = await asyncio.gather(scrape.metrics(http, entry), *map(backend, backends))
-    return _Snapshot(router, list(rest))
+    pages = await asyncio.gather(*(scrape.metrics(http, url) for url in routers))
+    return _Snapshot(list(pages), list(await asyncio.gather(*map(backend, backends))))
 
 
 def _backend_deltas(
@@ -543,7 +803,7 @@ def _backend_deltas(
 ) -> list[BackendDelta]:
     """Simulated fleet: each backend's counters. Target: what the target itself exposes."""
     if not urls:
-        return _target_deltas(before.router, after.router, outcomes)
+        return _target_deltas(scrape.merged(before.routers), scrape.merged(after.routers), outcomes)
     out = []
     for url, (m0, s0), (m1, s1) in zip(urls, before.backends, after.backends, strict=True):
         out.append(
@@ -638,10 +898,65 @@ class _Progress:
         sys.stderr.flush()
 
 
+def _print(results: Sequence[_Seeded], options: Options) -> None:
+    """Each seed's table, then the rows' configuration, their means over the seeds, the
+    footer."""
+    for i, seeded in enumerate(results):
+        print(("\n" if i else "") + _header(seeded.workload, options, seeded.requests))
+        print(table(seeded.summaries))
+        for line in reading(seeded.summaries):
+            print(line)
+    print("\nConfiguration of each row (every seed alike, the policies seeded with the table's):")
+    for run in results[0].runs:
+        if run.setup:
+            print(f"  {run.strategy}: {_described(run.setup, run.replica_requests, run.seed)}")
+    if len(results) > 1:
+        seeds = ", ".join(str(r.workload.seed) for r in results)
+        print(f"\nMean over seeds {seeds} (n/a if a seed has none):")
+        print(means_table(seed_means([s for r in results for s in r.summaries])))
+    for line in _footer([run for r in results for run in r.runs], options):
+        print(line)
+
+
+def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int | None) -> str:
+    """A row's configuration in words: router, processes, replicas, KV events, params."""
+    replicas = _count(setup.replicas, "replica")
+    if len(replica_requests) > 1 and any(n is not None for n in replica_requests):
+        counts = " / ".join("n/a" if n is None else f"{n:.0f}" for n in replica_requests)
+        replicas += f" (requests {counts} with seed {seed})"
+    if setup.params is None:
+        version = f" {setup.version}" if setup.version else ""
+        return f"{setup.router}{version} --policy {setup.policy} with its defaults, {replicas}"
+    workers = _count(setup.workers, "worker")
+    if setup.workers_config == 0:
+        workers += " (one per usable core)"
+    if setup.processes is not None:
+        workers += f", {setup.processes} processes"
+    skip = {"strategy", "seed"}
+    knobs = [f"{k}={_compact(v)}" for k, v in setup.params.items() if k not in skip]
+    events = "on" if setup.kv_events else "off"
+    head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
+    return "; ".join([head, " ".join(knobs)] if knobs else [head])
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
+def _compact(value: object) -> str:
+    return value if isinstance(value, str) else orjson.dumps(value).decode()
+
+
 def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
     w = workload
     if w.shape == "no-sharing":
         prompts = f"unique {w.shared_tokens + w.question_tokens}-token prompts"
+    elif w.shape == "multi-turn":
+        prompts = (
+            f"{w.groups} conversations, {w.shared_tokens}-token system prompt "
+            f"({'one for all' if w.system_prompt == 'shared' else 'one each'}), "
+            f"{w.question_tokens}-token questions"
+        )
     else:
         prompts = (
             f"{w.groups} groups, {w.shared_tokens}-token shared prompts, "
@@ -670,9 +985,14 @@ def _footer(runs: Sequence[Run], options: Options) -> list[str]:
         f"Latencies (ms) and req/s are in {clock}. The router's own cost is real time: "
         "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
         "direct/routed pairs).",
-        f"CPU, peak share of one core over a replay: {shares or 'n/a'}; this process's event "
-        f"loop lag p99 {lag * 1e3:.1f} ms.",
+        f"CPU, peak share of one core over a replay (router: every process of every "
+        f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",
     ]
+    if options.target is None and options.time_scale < 1:
+        lines.append(
+            f"A router's own added latency is real time, so it weighs {1 / options.time_scale:g}x "
+            "in the latency columns: compare routers' overheads at --time-scale 1."
+        )
     if lag / options.time_scale > _LAG_WARNING:
         lines.append(
             f"WARNING: that lag is {lag / options.time_scale * 1e3:.0f} ms of simulated time: "
@@ -683,24 +1003,31 @@ def _footer(runs: Sequence[Run], options: Options) -> list[str]:
 
 
 def _write(
-    out: Path,
-    argv: Sequence[str] | None,
-    workload: WorkloadSpec,
-    options: Options,
-    runs: Sequence[Run],
-    summaries: Sequence[Summary],
+    out: Path, argv: Sequence[str] | None, options: Options, results: Sequence[_Seeded]
 ) -> None:
+    """results.json (every seed's summaries and runs, each tagged with its seed; with
+    several seeds the means too) and a PNG per seed."""
     out.mkdir(parents=True, exist_ok=True)
+    summaries = [s for r in results for s in r.summaries]
     doc = {
         "command": ["kvroute", "bench", *(sys.argv[1:] if argv is None else argv)],
-        "workload": workload,
+        "workload": results[0].workload,
+        "seeds": [r.workload.seed for r in results],
         "options": options._asdict(),
         "summaries": summaries,
-        "runs": runs,
+        "runs": [run for r in results for run in r.runs],
+        "means": seed_means(summaries) if len(results) > 1 else [],
     }
     (out / "results.json").write_bytes(msgspec.json.encode(doc))
-    if chart(runs, summaries, out / "ttft_hit_rate.png"):
-        print(f"wrote {out / 'results.json'} and {out / 'ttft_hit_rate.png'}")
+    pngs = []
+    for r in results:
+        name = (
+            "ttft_hit_rate.png" if len(results) == 1 else f"ttft_hit_rate_seed{r.workload.seed}.png"
+        )
+        if chart(r.runs, r.summaries, out / name):
+            pngs.append(str(out / name))
+    if pngs:
+        print(f"wrote {out / 'results.json'} and {', '.join(pngs)}")
     else:
         print(
             f"wrote {out / 'results.json'}; matplotlib is not installed, so no PNG "

@@ -12,6 +12,10 @@ real vLLM, like the simulator, produces exactly `max_tokens` tokens.
 A request fails on a non-200 status, an SSE error event, a stream that ends without
 `[DONE]`, a transport error, or the run's deadline; each failure keeps a short reason.
 
+Replicas. Given several URLs (replicas of one router), each request goes to one of them
+drawn at random from `seed`, as a load balancer in front of the replicas would spread
+them; the same seed draws the same URL for every request, so runs stay comparable.
+
 Scheduling. Open loop (specs carry arrivals): each request leaves at
 start + arrival x time_scale whatever the others do. Closed loop: `concurrency` workers,
 each sending the next spec when its previous one ended. Either way a spec with turn t > 0
@@ -26,6 +30,7 @@ Cost: one orjson decode per SSE event, one encode per request, O(1) state per re
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Callable, Sequence
 
 import aiohttp
@@ -75,17 +80,21 @@ def chat_body(spec: RequestSpec, model: str) -> dict:
 
 
 async def replay(
-    url: str,
+    urls: Sequence[str],
     model: str,
     specs: Sequence[RequestSpec],
     *,
     concurrency: int | None,
     time_scale: float = 1.0,
     deadline: float,
+    seed: int = 0,
     on_done: Callable[[Outcome], None] = lambda _: None,
 ) -> list[Outcome]:
-    """Send `specs` to `url` (a server root); one Outcome per spec, in spec order."""
+    """Send `specs` to `urls` (server roots, one drawn per request); one Outcome per spec,
+    in spec order."""
     outcomes = [Outcome(index=s.index, group=s.group) for s in specs]
+    draw = random.Random(f"{seed}/replicas")
+    targets = [draw.choice(urls) for _ in specs]
     finished = {(s.group, s.turn): asyncio.Event() for s in specs}
     connector = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -97,7 +106,7 @@ async def replay(
             try:
                 if spec.turn:
                     await finished[(spec.group, spec.turn - 1)].wait()
-                await _send(http, url, chat_body(spec, model), out, start)
+                await _send(http, targets[spec.index], chat_body(spec, model), out, start)
             finally:
                 finished[(spec.group, spec.turn)].set()
                 on_done(out)

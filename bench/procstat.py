@@ -11,7 +11,7 @@ import contextlib
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -65,14 +65,21 @@ def rss_mb(root: int) -> float:
     return total_kb / 1024
 
 
+def _total_cpu_seconds(pids: Sequence[int]) -> float | None:
+    """The CPU seconds of every process in `pids`; None once one of them is gone."""
+    times = [cpu_seconds(pid) for pid in pids]
+    return None if None in times else sum(filter(None, times))
+
+
 @contextlib.contextmanager
-def cpu_meter(pids: dict[str, int]) -> Iterator[dict[str, float]]:
-    """Each process's CPU time over the block, as a share of one core."""
+def cpu_meter(pids: dict[str, Sequence[int]]) -> Iterator[dict[str, float]]:
+    """Each named group of processes' CPU time over the block, as a share of one core
+    (above 1 when the group, say a router's workers, uses more than one)."""
     shares: dict[str, float] = {}
-    t0, start = time.monotonic(), {name: cpu_seconds(pid) for name, pid in pids.items()}
+    t0, start = time.monotonic(), {name: _total_cpu_seconds(p) for name, p in pids.items()}
     yield shares
     elapsed = time.monotonic() - t0
-    for name, pid in pids.items():
-        end = cpu_seconds(pid)
-        if end is not None and start[name] is not None and elapsed >= _MIN_CPU_SPAN:
-            shares[name] = (end - start[name]) / elapsed
+    for name, group in pids.items():
+        end, begin = _total_cpu_seconds(group), start[name]
+        if end is not None and begin is not None and elapsed >= _MIN_CPU_SPAN:
+            shares[name] = (end - begin) / elapsed

@@ -15,6 +15,10 @@ queries), the router's decision-time histogram delta and the calibrated hop cost
   `cached_tokens / prompt_tokens` when the target reported them, else n/a.
 - Load spread: max / mean over backends of requests and of busy time (1.0 = even).
 
+A row that could not be measured (a peer router that is not installed or did not start)
+is a Run with no outcomes and `unmeasured` saying why: every cell n/a, the reason in the
+note column. With several seeds, `seed_means` averages each row over them.
+
 Cost: O(requests log requests) for the sorts; the chart needs matplotlib (optional).
 """
 
@@ -31,11 +35,15 @@ from bench.loadgen import Outcome
 __all__ = [
     "BackendDelta",
     "Run",
+    "SeedMean",
+    "Setup",
     "Summary",
     "bucket_quantile",
     "chart",
+    "means_table",
     "percentile",
     "reading",
+    "seed_means",
     "summarize",
     "table",
 ]
@@ -51,8 +59,22 @@ class BackendDelta(msgspec.Struct, kw_only=True):
     prefix_queries: float | None = None
 
 
+class Setup(msgspec.Struct, frozen=True, kw_only=True):
+    """Which router one row measured, in how many processes, with which parameters."""
+
+    router: str  # "kvroute serve" or a peer's PyPI package
+    policy: str  # kvroute's strategy or the peer's --policy
+    params: dict[str, object] | None = None  # kvroute's routing section; None: the peer's own
+    version: str | None = None  # a peer's
+    workers: int = 1  # serving processes per replica
+    workers_config: int | None = None  # kvroute's `workers` (0: one per usable core)
+    processes: int | None = None  # every process of one replica, counted once it started
+    replicas: int = 1
+    kv_events: bool = False
+
+
 class Run(msgspec.Struct, kw_only=True):
-    strategy: str
+    strategy: str  # the row's label: a kvroute strategy, or a peer router and its policy
     time_scale: float
     wall_seconds: float
     outcomes: list[Outcome]
@@ -62,12 +84,17 @@ class Run(msgspec.Struct, kw_only=True):
     hop_seconds: float | None = None  # calibration: median of routed - direct pairs
     loop_lag_p99: float | None = None  # the harness's event loop, seconds
     cpu: dict[str, float] = {}  # process -> share of one core over the replay
+    seed: int | None = None  # the workload's
+    setup: Setup | None = None  # None: a --target, started elsewhere
+    replica_requests: list[float | None] = []  # each router replica's own request count
+    unmeasured: str = ""  # why the row has no outcomes (then every figure is n/a)
 
 
 class Summary(msgspec.Struct, kw_only=True):
     """One table row; latencies and throughput in simulated time, router costs real."""
 
     strategy: str
+    seed: int | None
     ok: int
     failed: int
     ttft_p50: float | None
@@ -84,6 +111,7 @@ class Summary(msgspec.Struct, kw_only=True):
     decision_us: float | None  # P50 from the histogram's buckets
     decision_mean_us: float | None
     hop_ms: float | None
+    unmeasured: str = ""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -131,6 +159,7 @@ def summarize(run: Run) -> Summary:
     hit_rate, source = _hit_rate(run)
     return Summary(
         strategy=run.strategy,
+        seed=run.seed,
         ok=len(ok),
         failed=len(run.outcomes) - len(ok),
         ttft_p50=_scaled(percentile(ttft, 0.5), run),
@@ -147,6 +176,7 @@ def summarize(run: Run) -> Summary:
         decision_us=_micros(bucket_quantile(run.decision_buckets, 0.5)),
         decision_mean_us=_micros(_ratio(run.decision_seconds_sum, _count(run.decision_buckets))),
         hop_ms=None if run.hop_seconds is None else run.hop_seconds * 1e3,
+        unmeasured=run.unmeasured,
     )
 
 
@@ -188,7 +218,7 @@ def _ratio(num: float | None, den: float | None, unit: float = 1.0) -> float | N
 
 # (header, Summary field, format); a missing value prints as n/a
 _COLUMNS = (
-    ("strategy", "strategy", "{}"),
+    ("strategy", "strategy", "text"),
     ("ok", "ok", "{}"),
     ("fail", "failed", "{}"),
     ("TTFT p50", "ttft_p50", "ms"),
@@ -203,10 +233,21 @@ _COLUMNS = (
     ("spread busy", "spread_busy", "{:.2f}"),
     ("decide µs", "decision_us", "{:.1f}"),
     ("hop ms", "hop_ms", "{:.2f}"),
+    ("note", "unmeasured", "text"),
+)
+_MEAN_COLUMNS = (
+    ("strategy", "strategy", "text"),
+    ("seeds", "seeds", "{}"),
+    ("TTFT p50", "ttft_p50", "ms"),
+    ("p90", "ttft_p90", "ms"),
+    ("p99", "ttft_p99", "ms"),
+    ("KV hit", "hit_rate", "pct"),
 )
 
 
 def _cell(value: object, fmt: str) -> str:
+    if fmt == "text":
+        return str(value)
     if value is None:
         return "n/a"
     if fmt == "ms":
@@ -220,25 +261,69 @@ def _cell(value: object, fmt: str) -> str:
 
 def table(summaries: Sequence[Summary]) -> str:
     """A fixed-width text table, one row per strategy."""
-    rows = [[h for h, _, _ in _COLUMNS]]
-    rows += [[_cell(getattr(s, f), fmt) for _, f, fmt in _COLUMNS] for s in summaries]
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    return _fixed_width(summaries, _COLUMNS)
+
+
+def _fixed_width(items: Sequence[object], columns: Sequence[tuple[str, str, str]]) -> str:
+    """Text columns to the left, numbers to the right."""
+    rows = [[h for h, _, _ in columns]]
+    rows += [[_cell(getattr(s, f), fmt) for _, f, fmt in columns] for s in items]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = [
         "  ".join(
-            c.ljust(w) if i == 0 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(r, widths, strict=True))
-        )
+            c.ljust(w) if fmt == "text" else c.rjust(w)
+            for c, w, (_, _, fmt) in zip(r, widths, columns, strict=True)
+        ).rstrip()
         for r in rows
     ]
     return "\n".join(lines)
 
 
+class SeedMean(msgspec.Struct, kw_only=True):
+    """One row's mean over the seeds; None where a seed has no value (n/a stays n/a)."""
+
+    strategy: str
+    seeds: int
+    ttft_p50: float | None
+    ttft_p90: float | None
+    ttft_p99: float | None
+    hit_rate: float | None
+
+
+def seed_means(summaries: Sequence[Summary]) -> list[SeedMean]:
+    """Each row (by label, in first-seen order) averaged over its seeds' summaries."""
+    rows: dict[str, list[Summary]] = {}
+    for s in summaries:
+        rows.setdefault(s.strategy, []).append(s)
+    return [
+        SeedMean(
+            strategy=label,
+            seeds=len(group),
+            ttft_p50=_mean(s.ttft_p50 for s in group),
+            ttft_p90=_mean(s.ttft_p90 for s in group),
+            ttft_p99=_mean(s.ttft_p99 for s in group),
+            hit_rate=_mean(s.hit_rate for s in group),
+        )
+        for label, group in rows.items()
+    ]
+
+
+def _mean(values: Iterable[float | None]) -> float | None:
+    values = list(values)
+    return None if None in values else sum(values) / len(values)
+
+
+def means_table(means: Sequence[SeedMean]) -> str:
+    return _fixed_width(means, _MEAN_COLUMNS)
+
+
 def reading(summaries: Sequence[Summary]) -> list[str]:
-    """Plain-language lines: each strategy against the first one (the baseline)."""
-    if len(summaries) < 2:
+    """Plain-language lines: each measured row against the first one (the baseline)."""
+    measured = [s for s in summaries if not s.unmeasured]
+    if len(measured) < 2:
         return []
-    base = summaries[0]
-    return [_versus(s, base) for s in summaries[1:]]
+    base = measured[0]
+    return [_versus(s, base) for s in measured[1:]]
 
 
 def _versus(s: Summary, base: Summary) -> str:
@@ -268,6 +353,8 @@ def chart(runs: Sequence[Run], summaries: Sequence[Summary], path: Path) -> bool
         import matplotlib.ticker
     except ImportError:
         return False
+    runs = [r for r in runs if not r.unmeasured]
+    summaries = [s for s in summaries if not s.unmeasured]
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), width_ratios=(2, 1))
     for run in runs:
         ttft = sorted(o.ttft / run.time_scale for o in run.outcomes if o.ok and o.ttft)
@@ -282,7 +369,8 @@ def chart(runs: Sequence[Run], summaries: Sequence[Summary], path: Path) -> bool
     rates = [100 * (s.hit_rate or 0.0) for s in summaries]
     bars = right.bar(range(len(names)), rates, color=[f"C{i}" for i in range(len(names))])
     right.bar_label(bars, fmt="%.1f%%", fontsize=8)  # same colours as the TTFT lines
-    right.set_xticks(range(len(names)), [n.replace("_", "_\n") for n in names], fontsize=7)
+    labels = [n.replace(":", "\n") if ":" in n else n.replace("_", "_\n") for n in names]
+    right.set_xticks(range(len(names)), labels, fontsize=7, rotation=30, ha="right")
     right.set(ylim=(0, 100), ylabel="%", title="fleet KV cache hit rate")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -7,6 +7,8 @@ A page that does not answer reads as empty, so a run against a target that expos
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -33,6 +35,16 @@ async def json_of(http: aiohttp.ClientSession, url: str) -> dict:
             return await resp.json() if resp.status == 200 else {}
     except (aiohttp.ClientError, TimeoutError, ValueError):
         return {}
+
+
+def merged(pages: Iterable[Samples]) -> Samples:
+    """Several pages' samples added up by (name, labels): replicas of one router read as one.
+    Summing is right for the counters and histogram buckets the deltas are taken of."""
+    out: Samples = {}
+    for page in pages:
+        for key, value in page.items():
+            out[key] = out.get(key, 0.0) + value
+    return out
 
 
 def total(samples: Samples, name: str) -> float | None:

@@ -44,7 +44,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -150,7 +150,11 @@ def kvroute_cmd(backend: str, port: int, workers: int, strategy: str, tmp: Path)
     return [*cmd, "--workers", str(workers)]
 
 
-def peer_cmd(python: Path, package: str, backend: str, port: int) -> list[str]:
+def peer_cmd(
+    python: Path, package: str, backends: Sequence[str], port: int, policy: str = "round_robin"
+) -> list[str]:
+    """The peer on 127.0.0.1:`port` with `policy` (its own defaults for the policy's knobs);
+    its Prometheus listener on a free port, so that several can run at once."""
     module, level_flag, level = PEERS[package]
     return [
         str(python),
@@ -161,9 +165,9 @@ def peer_cmd(python: Path, package: str, backend: str, port: int) -> list[str]:
         "--port",
         str(port),
         "--worker-urls",
-        backend,
+        *backends,
         "--policy",
-        "round_robin",
+        policy,
         "--prometheus-port",
         str(free_port()),
         level_flag,
@@ -411,7 +415,7 @@ def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
             out.append(Row(package, note="; " + version))
             continue
         port = free_port()
-        cmd = peer_cmd(python, package, direct, port)
+        cmd = peer_cmd(python, package, [direct], port)
         out.append(_Start(Row(package, version=version), cmd, port, False))
     return out
 

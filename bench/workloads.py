@@ -13,11 +13,15 @@ differs a little). G = `groups`, N = `requests`:
   short-prefix  the same with ~500-token shared system prompts.
   hot-prefix    long-prefix documents, but each request draws its group from a Zipf law
                 with exponent `zipf_s` over G groups: a few hot prefixes take most requests.
-  multi-turn    G conversations, each with a `prefix_tokens` (default 1,000) system prompt;
-                turn t sends the whole history (t questions and t `max_tokens`-token
-                replies) plus a new question, so prompts grow by question + reply per turn.
-                Conversations are interleaved at random with their turns kept in order; a
-                client sends turn t only after turn t-1 of the same group has finished.
+  multi-turn    G conversations behind one `prefix_tokens` (default 1,000) system prompt,
+                the same for all of them (`system_prompt` "shared", as in a chat product),
+                or one per conversation ("per-conversation"). The shared one is longer than
+                PREFIX_AWARE's default `prefix_length` (256 tokens), so a router that hashes
+                only the leading tokens sees one prefix for every conversation. Turn t sends
+                the whole history (t questions and t `max_tokens`-token replies) plus a new
+                question, so prompts grow by question + reply per turn. Conversations are
+                interleaved at random with their turns kept in order; a client sends turn t
+                only after turn t-1 of the same group has finished.
   no-sharing    every request a unique prompt of prefix + question tokens (its own group).
 
 Invariants: the same `WorkloadSpec` gives the same requests, byte for byte (every text comes
@@ -25,8 +29,9 @@ from a `random.Random` seeded with a string of the seed, the shape and an index,
 Python hashes with SHA-512, independent of PYTHONHASHSEED). Every text starts with a
 four-character tag that is a bijection of (seed, group) for fewer than 2**20 groups, so
 two groups differ from their first token on and share no KV block: their only common
-bytes are the chat template's first few characters, less than one 16-token block.
-Requests of one group share exactly the group's prefix messages.
+bytes are the chat template's first few characters, less than one 16-token block. The
+exception is multi-turn's shared system prompt: there groups differ from the first token
+after it. Requests of one group share exactly the group's prefix messages.
 
 Cost: O(characters generated), once per workload; about 1.5 ms per 8,000-token document.
 """
@@ -83,6 +88,7 @@ class WorkloadSpec(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_o
     question_tokens: Annotated[int, Meta(ge=2)] = 100
     max_tokens: Annotated[int, Meta(ge=1)] = 100
     zipf_s: Annotated[float, Meta(gt=0)] = 1.1
+    system_prompt: Literal["shared", "per-conversation"] = "shared"  # multi-turn
     rate: Annotated[float, Meta(gt=0)] | None = None
     duration: Annotated[float, Meta(gt=0)] | None = None
     seed: int = 0
@@ -163,8 +169,9 @@ def _multi_turn(spec: WorkloadSpec, rng: random.Random) -> list[Prompt]:
     turns = -(-spec.requests // spec.groups)
     pending = [g for g in range(spec.groups) for _ in range(turns)]
     rng.shuffle(pending)  # a uniformly random interleaving; turns are numbered in order
+    shared = spec.system_prompt == "shared"
     history = {
-        g: [_msg("system", tagged_text(spec, "doc", g, spec.shared_tokens))]
+        g: [_msg("system", tagged_text(spec, "doc", 0 if shared else g, spec.shared_tokens))]
         for g in range(spec.groups)
     }
     next_turn = dict.fromkeys(range(spec.groups), 0)

@@ -1,5 +1,6 @@
 """Smoke tests of `kvroute bench` and `kvroute demo` on tiny workloads, real processes on
-127.0.0.1; plus the report's pure arithmetic."""
+127.0.0.1; plus the report's pure arithmetic. The peers are pointed at an empty
+virtualenv and never pip-installed, so every machine runs the same tests."""
 
 import importlib.util
 import math
@@ -14,10 +15,19 @@ import pytest
 
 from bench import demo, harness
 from bench.loadgen import Outcome
-from bench.report import BackendDelta, Run, bucket_quantile, percentile, reading, summarize
+from bench.report import (
+    BackendDelta,
+    Run,
+    bucket_quantile,
+    percentile,
+    reading,
+    seed_means,
+    summarize,
+)
 from bench.sim import SimParams, start_fleet
 from bench.workloads import WorkloadSpec, generate
 from router.app import Router
+from router.workers import usable_cores
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).parents[2]
@@ -49,7 +59,12 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+def _results(out: Path) -> dict:
+    return orjson.loads((out / "results.json").read_bytes())
+
+
 def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
+    """By default each router runs as `kvroute serve` does: one worker per usable core."""
     assert harness.main([*TINY, f"--out={tmp_path}"]) == 0
     out = capsys.readouterr().out
     rows = _rows(out)
@@ -58,14 +73,95 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
         assert cells[1:3] == ["20", "0"]  # ok, failed
         assert cells[10].endswith("%")  # fleet KV hit rate
     assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
-    doc = orjson.loads((tmp_path / "results.json").read_bytes())
+    doc = _results(tmp_path)
     assert [s["strategy"] for s in doc["summaries"]] == ["RANDOM", "PREFIX_AWARE"]
+    cores = usable_cores()
+    for run in doc["runs"]:
+        setup = run["setup"]
+        assert (setup["workers"], setup["workers_config"], setup["replicas"]) == (cores, 0, 1)
+        assert setup["processes"] >= (cores + 2 if cores > 1 else 1)  # + supervisor, collector
+        assert setup["kv_events"] is False
+    assert doc["runs"][1]["setup"]["params"]["prefix_length"] == 256
+    assert f"PREFIX_AWARE: kvroute serve, {cores} worker" in out
+    assert "KV events off; prefix_length=256 concurrency_threshold=32" in out
     prefix_aware = doc["summaries"][1]
     assert prefix_aware["hit_rate"] > 0.5  # 4 of every 5 requests find their document
     assert len(doc["runs"][0]["outcomes"]) == 20
     assert all(o["cached_tokens"] is not None for o in doc["runs"][1]["outcomes"])
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (tmp_path / "ttft_hit_rate.png").exists() == has_matplotlib
+
+
+def test_replicas_share_the_requests_of_one_config(tmp_path, capsys):
+    argv = [*TINY, "--strategies=PREFIX_AWARE", "--replicas=2", "--workers=1", f"--out={tmp_path}"]
+    assert harness.main(argv) == 0
+    (run,) = _results(tmp_path)["runs"]
+    assert (run["setup"]["replicas"], run["setup"]["workers"]) == (2, 1)
+    first, second = run["replica_requests"]  # each router's own kvroute_requests_total
+    assert first > 0 and second > 0 and first + second <= 20  # a last one may count late
+    assert (
+        f"2 replicas (requests {first:.0f} / {second:.0f} with seed 0)" in capsys.readouterr().out
+    )
+
+
+def test_peers_that_cannot_run_are_rows_of_na_with_the_reason(tmp_path, capsys):
+    venv = tmp_path / "no-peers"
+    argv = [*TINY, "--strategies=RANDOM", "--requests=8", f"--out={tmp_path}"]
+    assert harness.main([*argv, "--peers", f"--peers-venv={venv}", "--no-install"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    labels = ["sglang-router:cache_aware", "sglang-router:round_robin", "vllm-router:cache_aware"]
+    assert list(rows) == ["RANDOM", *labels]
+    for label in labels:
+        assert rows[label][1:15] == ["0", "0", *["n/a"] * 12]
+        assert " ".join(rows[label][15:]) == f"not installed in {venv} (--no-install)"
+    assert not venv.exists()  # --no-install: nothing was created
+    peers = _results(tmp_path)["summaries"][1:]
+    assert {(s["ok"], s["unmeasured"]) for s in peers} == {
+        (0, f"not installed in {venv} (--no-install)")
+    }
+
+
+def test_a_peer_that_does_not_start_is_a_row_of_na_with_its_error(tmp_path, capsys):
+    python = tmp_path / "peers" / "bin" / "python"
+    python.parent.mkdir(parents=True)
+    python.write_text(  # "installed" (it has a version), but the router cannot start
+        '#!/bin/sh\ncase "$1" in -c) echo 9.9;; *) echo "no router here" >&2; exit 3;; esac\n'
+    )
+    python.chmod(0o755)
+    argv = [*TINY, "--strategies=RANDOM", "--requests=8", "--calibration=0", "--peers"]
+    assert harness.main([*argv, f"--peers-venv={python.parents[1]}", "--no-install"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert rows["RANDOM"][1:3] == ["8", "0"]
+    note = "did not start: exited with code 3 | no router here"
+    assert " ".join(rows["vllm-router:cache_aware"][15:]) == note
+    assert "sglang-router 9.9 --policy round_robin with its defaults, 1 replica" in out
+
+
+def test_seeds_give_a_table_each_and_their_means(tmp_path, capsys):
+    argv = [*TINY, "--strategies=RANDOM", "--requests=8", "--seeds=0,1", f"--out={tmp_path}"]
+    assert harness.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seed 0; 2 simulated" in out and "seed 1; 2 simulated" in out
+    assert "Mean over seeds 0, 1" in out
+    doc = _results(tmp_path)
+    assert doc["seeds"] == [0, 1]
+    assert [(s["strategy"], s["seed"]) for s in doc["summaries"]] == [("RANDOM", 0), ("RANDOM", 1)]
+    (mean,) = doc["means"]
+    p50s = [s["ttft_p50"] for s in doc["summaries"]]
+    assert mean["seeds"] == 2 and math.isclose(mean["ttft_p50"], sum(p50s) / 2)
+
+
+def test_seed_means_average_each_row_and_keep_na():
+    runs = [_run("RANDOM", [0.4, 0.6], 0.2, [1.0]), _run("RANDOM", [0.9, 1.1], 0.4, [1.0])]
+    runs.append(Run(strategy="peer", time_scale=1, wall_seconds=0, outcomes=[], unmeasured="no"))
+    summaries = [summarize(r) for r in runs]
+    random_row, peer_row = seed_means(summaries)
+    assert random_row.seeds == 2
+    assert math.isclose(random_row.ttft_p50, 1.5)  # (1.0 + 2.0) / 2, in simulated seconds
+    assert math.isclose(random_row.hit_rate, 0.3)
+    assert (peer_row.strategy, peer_row.ttft_p50, peer_row.hit_rate) == ("peer", None, None)
+    assert reading([summaries[0], summaries[2]]) == []  # nothing measured to compare with
 
 
 def test_demo_runs_three_strategies_and_explains(capsys):

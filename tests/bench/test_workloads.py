@@ -7,6 +7,7 @@ import pytest
 
 from bench.sim import render_chat, tokenize
 from bench.workloads import SHAPES, WorkloadSpec, generate
+from policies.prefix_aware import PrefixAwareParams
 
 BLOCK = 16  # the simulator's (and vLLM's) KV block size in tokens
 SMALL = {"requests": 60, "groups": 10, "prefix_tokens": 400, "question_tokens": 20}
@@ -33,7 +34,7 @@ def test_same_seed_same_bytes_other_seed_other_text(shape):
 def test_groups_share_no_kv_block(shape):
     """Different groups differ from the first token on: no common full block."""
     first = {}
-    for r in generate(WorkloadSpec(shape=shape, **SMALL)):
+    for r in generate(WorkloadSpec(shape=shape, system_prompt="per-conversation", **SMALL)):
         first.setdefault(r.group, r.messages)
     assert len({m[0]["content"][:4] for m in first.values()}) == len(first)  # first token
     prompts = [tokenize(render_chat(m)) for m in first.values()]
@@ -113,6 +114,21 @@ def test_multi_turn_history_grows_turn_by_turn():
             assert 20 + 30 <= grown <= 20 + 30 + 20  # question + reply + template
         previous[r.group] = r.messages
     assert sorted(len(m) for m in previous.values()) == [8, 8, 8]
+
+
+def test_multi_turn_conversations_share_a_system_prompt_longer_than_prefix_length():
+    """By default every conversation starts with one system prompt, longer than the
+    fingerprint PREFIX_AWARE takes by default, and they part at the first question."""
+    requests = generate(WorkloadSpec(shape="multi-turn", requests=12, groups=4))
+    first = {r.group: r.messages for r in requests if r.turn == 0}
+    assert len(first) == 4
+    systems = {m[0]["content"] for m in first.values()}
+    assert len(systems) == 1
+    (system,) = systems
+    assert len(tokenize(system)) == 1000 > PrefixAwareParams().prefix_length
+    prompts = [tokenize(render_chat(m)) for m in first.values()]
+    shared = {_leading_tokens_shared(a, b) for a, b in itertools.combinations(prompts, 2)}
+    assert min(shared) >= 1000 and max(shared) < 1000 + 2 * BLOCK  # the system prompt only
 
 
 def test_poisson_arrivals_have_the_rate_and_stop_at_the_duration():
