@@ -43,9 +43,10 @@ class Placements(Protocol):
     prefix spread over several workers by the kernel lands where the first of them went.
     """
 
-    def lock(self) -> None:
-        """Take the router-wide pick lock: two workers' picks of one new prefix at the
-        same instant would each find it placed nowhere. Held for one pick."""
+    def lock(self) -> bool:
+        """Take the router-wide pick lock (True), or give up after a bounded wait: two
+        workers' picks of one new prefix at the same instant would each find it placed
+        nowhere. Held for one pick."""
 
     def unlock(self) -> None: ...
 

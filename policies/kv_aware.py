@@ -154,11 +154,12 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         shared = self._shared
         if shared is None or not req.blocks:
             return self._pick(req, fleet)
-        shared.lock()
+        locked = shared.lock()
         try:
             return self._pick(req, fleet)
         finally:
-            shared.unlock()
+            if locked:
+                shared.unlock()
 
     def _pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         pool = self._under_cap(fleet.candidates)

@@ -16,8 +16,10 @@ one fast and lossy, one exact and a few milliseconds late:
 - **The lock**: a pick reads the table, decides and writes its placement holding an
   `flock` on the table's file, so two workers' picks of one new prefix at the same
   instant go one after the other, the second finding the first's placement. It is held
-  for one pick (tens to hundreds of microseconds); a worker that dies holding it lets go
-  with its file.
+  for one pick (tens to hundreds of microseconds), waited for at most 5 ms, yielding
+  the core meanwhile (then the pick goes ahead without it: a holder descheduled on a
+  busy machine must not stall this worker's streams longer), and a worker that dies
+  holding it lets go with its file.
 - **The broadcast**: the same placements, batched per loop turn, go to the collector's
   control socket and from there to every worker's index (router/telemetry.py, topic
   `l`), exactly and for their whole TTL, however many the table has overwritten since.
@@ -51,6 +53,9 @@ __all__ = ["LEARNED", "PlacementTable", "decode_learned"]
 
 SLOTS = 1 << 20  # a power of two: the slot is the low bits
 _MASK = SLOTS - 1
+#: how long a pick waits for another worker's: a scheduler slice, for a holder that was
+#: descheduled mid-pick on a busy machine
+_LOCK_WAIT_S = 0.005
 #: the control-socket prefix of a broadcast batch (admin edits are JSON, hellos "hello")
 LEARNED = b"L"
 
@@ -85,9 +90,20 @@ class PlacementTable:
         self._members: dict[str, int] = {}
         self._outbox: list[tuple[str, float, list[int]]] = []
 
-    def lock(self) -> None:
-        """Wait for the other workers' picks (an uncontended flock: two system calls)."""
-        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+    def lock(self) -> bool:
+        """Take the pick lock if it comes within `_LOCK_WAIT_S` (an uncontended flock: two
+        system calls). A worker holding it may be descheduled on a busy machine, and a
+        blocking wait would stall this worker's every stream meanwhile: past the wait the
+        pick goes ahead unlocked (False), risking only the split it guards against."""
+        deadline = time.perf_counter() + _LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.perf_counter() > deadline:
+                    return False
+                os.sched_yield()  # the holder may be waiting for this core
 
     def unlock(self) -> None:
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

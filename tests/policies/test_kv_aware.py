@@ -152,9 +152,10 @@ class SharedDict:
         self.placed: dict[int, tuple[str, list[int], float]] = {}
         self.locked = False
 
-    def lock(self) -> None:
+    def lock(self) -> bool:
         assert not self.locked
         self.locked = True
+        return True
 
     def unlock(self) -> None:
         self.locked = False

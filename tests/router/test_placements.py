@@ -73,3 +73,14 @@ async def test_one_broadcast_batch_per_loop_turn(pair) -> None:
     worker, placed = decode_learned(sent[0])
     assert worker == 0
     assert placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
+
+
+async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:
+    """One worker's pick holds it; another's gives up after its short wait (it must not
+    stall that worker's loop behind a descheduled holder), and takes it once free."""
+    mine, theirs, _ = pair
+    assert mine.lock()
+    assert not theirs.lock()
+    mine.unlock()
+    assert theirs.lock()
+    theirs.unlock()
