@@ -5,7 +5,7 @@ Run: .venv/bin/pytest bench/test_bench_routing.py --benchmark-enable
 fingerprint + PREFIX_AWARE pick over 16 backends + the decision metrics. The baseline in
 the same group is `orjson.loads` of the same body, the full parse a naive router does
 before it even starts to decide, so the result reads as a ratio to it.
-Goal (issue 2): fingerprint + pick median under 50 µs with the approximate tokenizer.
+Goal: fingerprint + pick median under 50 µs with the approximate tokenizer.
 """
 
 import orjson

@@ -76,11 +76,11 @@ class Router:
             self.admin = AdminServer(self, config.admin)
         check_admin_token(self.admin, self.auth)
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
-        self.discovery = Discovery(self)  # backends from DNS names (issue 8)
+        self.discovery = Discovery(self)  # backends from DNS names
         self.metrics = Metrics(lambda: self.fleet.members, multiprocess=context is not None)
         self.port = 0
         self._runner: web.AppRunner | None = None
-        self.grpc: GrpcIngress | None = None  # gRPC ingress (issue 6), when config.grpc.enabled
+        self.grpc: GrpcIngress | None = None  # gRPC ingress, when config.grpc.enabled
         self.grpc_port = 0
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
@@ -116,7 +116,7 @@ class Router:
             self.fleet, self._session, cfg.models_refresh_interval, _STARTUP_POLL_SECONDS
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
-        # backend telemetry (issue 4): /metrics scraping and KV event subscriptions; with
+        # backend telemetry: /metrics scraping and KV event subscriptions; with
         # several workers, gathered once by the collector and fed to the workers, as are
         # the health verdicts, model lists and discovered backends
         ctx = self.context
@@ -190,7 +190,7 @@ class Router:
         if self.admin is not None:
             with listening("the admin API", cfg.admin.host, cfg.admin.port):
                 await self.admin.start()
-        # gRPC ingress (issue 6): same loop, same dispatcher, its own port
+        # gRPC ingress: same loop, same dispatcher, its own port
         if cfg.grpc.enabled:
             self.grpc = GrpcIngress(
                 cfg, self.fleet, self.dispatcher, self.metrics, self.auth, ctx is not None
@@ -205,7 +205,7 @@ class Router:
         )
 
     async def stop(self) -> None:
-        if self.grpc is not None:  # gRPC ingress (issue 6): started last, stopped first
+        if self.grpc is not None:  # gRPC ingress: started last, stopped first
             await self.grpc.stop()
         if self.telemetry is not None:
             await self.telemetry.stop()

@@ -41,7 +41,7 @@ class ListenConfig(_Strict):
 
 
 class GrpcConfig(_Strict):
-    """The gRPC ingress (issue 6): off by default, so a router opens no second port unasked.
+    """The gRPC ingress: off by default, so a router opens no second port unasked.
 
     `host` unset means the HTTP listener's host; the port is its own (50051, gRPC's usual).
     """

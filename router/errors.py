@@ -88,7 +88,7 @@ class KvrouteError(Exception):
         """The event that ends a stream that already started: the error, then [DONE]."""
         return b"data: " + orjson.dumps(self.body()) + b"\n\ndata: [DONE]\n\n"
 
-    # --- gRPC (issue 6) ---------------------------------------------------------------
+    # --- gRPC ---------------------------------------------------------------
 
     def to_grpc(self, metadata: Iterable[tuple[str, str]] = ()) -> GrpcStatus:
         """The gRPC status for this error: `await context.abort(*err.to_grpc(trailers))`.
@@ -207,7 +207,7 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     kind = "timeout"
 
 
-# --- gRPC (issue 6): the HTTP status → gRPC code table used by to_grpc() --------------
+# --- gRPC: the HTTP status → gRPC code table used by to_grpc() --------------
 
 
 class GrpcStatus(NamedTuple):

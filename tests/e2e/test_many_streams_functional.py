@@ -1,6 +1,6 @@
 """10,000 concurrent streaming clients held open through `kvroute serve --workers 2`.
 
-Three processes on 127.0.0.1 (issue 7): the raw instant backend; the router with two
+Three processes on 127.0.0.1: the raw instant backend; the router with two
 workers (each holds a client and a backend socket per stream, so 10,000 streams need two
 processes under a 20,000 descriptor limit); and this test's client, 10,000 bare asyncio
 connections (bench.streams). The backend sends each stream its first event at once and
