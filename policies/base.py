@@ -39,16 +39,10 @@ class Placements(Protocol):
     """Where this router's other worker processes just sent prompts (router/placements.py).
 
     A policy that learns from its own decisions writes each one here, with no await, and
-    reads the others' before it decides, under one lock, so that a burst of one new
-    prefix spread over several workers by the kernel lands where the first of them went.
+    reads the others' before it decides (the router holds a lock around both), so that a
+    burst of one new prefix spread over several workers by the kernel lands where the
+    first of them went.
     """
-
-    def lock(self) -> bool:
-        """Take the router-wide pick lock (True), or give up after a bounded wait: two
-        workers' picks of one new prefix at the same instant would each find it placed
-        nowhere. Held for one pick."""
-
-    def unlock(self) -> None: ...
 
     def place(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
         """`backend` was just sent the blocks `keys[start:]` (the ones it did not hold)."""

@@ -38,8 +38,9 @@ the least loaded, ties at random).
 With several worker processes, each decision is also written to the router's shared
 placements (`share`, router/placements.py) before `pick` returns, and each pick first
 reads there whether another worker just sent this prompt's uncached blocks somewhere,
-the two under a router-wide lock held for the pick: a burst of one new prefix that the
-kernel spread over the workers stays on one backend, as it would in one process.
+the router holding a router-wide lock around the pick and its load count: a burst of
+one new prefix that the kernel spread over the workers stays on one backend, as it
+would in one process.
 
 Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
 Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/;
@@ -155,17 +156,6 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self._shared = placements
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
-        shared = self._shared
-        if shared is None or not req.blocks:
-            return self._pick(req, fleet)
-        locked = shared.lock()
-        try:
-            return self._pick(req, fleet)
-        finally:
-            if locked:
-                shared.unlock()
-
-    def _pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         pool = self._under_cap(fleet.candidates)
         if not pool:
             if not fleet.candidates:

@@ -21,6 +21,7 @@ move to `retired`, which no view contains, until their last request ends.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Iterable
 
@@ -146,6 +147,15 @@ class Fleet:
         self.policy = policy
         self._views: dict[str, FleetView] = {}
         self._attach(policy, self.members)
+
+    def picking(self) -> contextlib.AbstractContextManager[object]:
+        """Held around a pick and the count of its request in the shared load table: with
+        several workers and a policy that learns from its picks (KV-aware), the
+        placements' lock, so that the next worker's pick sees both where this one went
+        and its load; else nothing to hold (a stateless pick need not wait for others)."""
+        if self.placements is None or self.policy.block_keys is None:
+            return contextlib.nullcontext()
+        return self.placements
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements."""

@@ -179,12 +179,13 @@ class Dispatcher:
         try:
             if block_keys is not None and (block_keys.remote or block_keys.offload):
                 call.token_ids = await self._token_ids(call, block_keys)
-            routed = self.route(call)
+            # counted in the shared load before another worker picks (see Fleet.picking)
+            with self.fleet.picking():
+                attempt = _Attempt(self, self.route(call), call.started, deadline)
         except KvrouteError as err:
             self.rejected(err)
             raise
-        while True:
-            attempt = _Attempt(self, routed, call.started, deadline)  # no await before `try`
+        while True:  # no await between an attempt's creation and its `try`
             tried.append(attempt.backend)
             try:
                 with attempt:
@@ -204,6 +205,7 @@ class Dispatcher:
             room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
             deadline.reschedule(None)  # the backoff is bounded by `room`
             await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
+            attempt = _Attempt(self, routed, call.started, deadline)
 
     async def _token_ids(self, call: Call, block_keys: PromptBlocks) -> list[int] | None:
         """Exact ids from a backend's /tokenize, or from the HF tokenizer in a worker

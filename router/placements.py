@@ -13,9 +13,10 @@ one fast and lossy, one exact and a few milliseconds late:
   pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
   first uncached block (one probe per backend), then how many of the following blocks
   it holds by binary search, as the prefix index does (holdings are prefix-closed).
-- **The lock**: a pick reads the table, decides and writes its placement holding an
+- **The lock** (`with table:`, router/dispatch.py): a pick reads the table, decides,
+  writes its placement and counts its request in the shared load table holding an
   `flock` on the table's file, so two workers' picks of one new prefix at the same
-  instant go one after the other, the second finding the first's placement. It is held
+  instant go one after the other, the second finding the first's placement and load. It is held
   for one pick (tens to hundreds of microseconds), waited for at most 5 ms, yielding
   the core meanwhile (then the pick goes ahead without it: a holder descheduled on a
   busy machine must not stall this worker's streams longer), and a worker that dies
@@ -83,6 +84,7 @@ class PlacementTable:
     def __init__(self, path: str | Path, worker: int, send: Callable[[bytes], None]) -> None:
         self._map = map_shared(path, SLOTS * 16)
         self._lock_fd = os.open(path, os.O_RDONLY)  # `lock`'s: flock is per open file
+        self._locked = False  # `with table:` took the lock (it never nests: no await)
         self._tags = memoryview(self._map).cast("Q")  # even words; odd ones are expiries
         self._expiries = memoryview(self._map).cast("d")
         self._worker = worker
@@ -107,6 +109,14 @@ class PlacementTable:
 
     def unlock(self) -> None:
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def __enter__(self) -> bool:
+        self._locked = self.lock()
+        return self._locked
+
+    def __exit__(self, *exc: object) -> None:
+        if self._locked:
+            self.unlock()
 
     def known(self, names: Iterable[str]) -> None:
         """The fleet's backend names, the ones `held` looks for."""

@@ -150,15 +150,6 @@ class SharedDict:
 
     def __init__(self) -> None:
         self.placed: dict[int, tuple[str, list[int], float]] = {}
-        self.locked = False
-
-    def lock(self) -> bool:
-        assert not self.locked
-        self.locked = True
-        return True
-
-    def unlock(self) -> None:
-        self.locked = False
 
     def place(self, backend: str, keys, start: int, expires_at: float) -> None:
         self.placed[keys[start]] = (backend, list(keys[start:]), expires_at)
