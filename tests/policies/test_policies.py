@@ -5,28 +5,16 @@ from __future__ import annotations
 import ast
 import collections
 import pathlib
-from dataclasses import dataclass
 
 import pytest
 
 import policies
-from policies import FleetView, Reason, RouteRequest
+from policies import Reason, RouteRequest
 from policies.least_outstanding_requests import LeastOutstandingRequestsParams
 from policies.prefix_aware import PrefixAwareParams
 from policies.random import RandomParams
 from policies.round_robin import RoundRobinParams
-
-
-@dataclass
-class B:
-    name: str
-    inflight: int = 0
-    weight: int = 1
-
-
-def fleet(members: list[B], down: tuple[str, ...] = ()) -> FleetView:
-    candidates = tuple(b for b in members if b.name not in down)
-    return FleetView(tuple(members), candidates, frozenset(b.name for b in candidates))
+from tests.policies.plain import B, fleet
 
 
 def make(params, members: list[B]):

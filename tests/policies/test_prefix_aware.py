@@ -4,29 +4,17 @@ from __future__ import annotations
 
 import collections
 import math
-from dataclasses import dataclass
 
 import pytest
 
 import policies
-from policies import FleetView, Pick, Reason, RouteRequest
+from policies import Pick, Reason, RouteRequest
 from policies.prefix_aware import PrefixAwareParams, PrefixAwarePolicy
 from router.config import ConfigError, build
+from tests.policies.plain import B, fleet
 
 FP = 0x1234_5678_9ABC_DEF0
 ONE = [{"url": "http://127.0.0.1:9001"}]
-
-
-@dataclass
-class B:
-    name: str
-    inflight: int = 0
-    weight: int = 1
-
-
-def fleet(members: list[B], down: tuple[str, ...] = ()) -> FleetView:
-    candidates = tuple(b for b in members if b.name not in down)
-    return FleetView(tuple(members), candidates, frozenset(b.name for b in candidates))
 
 
 def make(members: list[B], **params) -> PrefixAwarePolicy:
