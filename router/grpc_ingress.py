@@ -155,7 +155,7 @@ class _Inference(pb_grpc.InferenceServicer):
             if reply is None:
                 raise KvrouteError.from_body(body, status)
         except KvrouteError as err:
-            await context.abort(*err.to_grpc(trailers))
+            await context.abort(*err.to_grpc(_blaming(trailers, err)))
         context.set_trailing_metadata(trailers)
         return reply
 
@@ -171,7 +171,7 @@ class _Inference(pb_grpc.InferenceServicer):
             if error is not None:
                 raise error
         except KvrouteError as err:
-            await context.abort(*err.to_grpc(trailers))
+            await context.abort(*err.to_grpc(_blaming(trailers, err)))
         context.set_trailing_metadata(trailers)
 
     async def _call(self, kind: Kind, request, context, stream: bool):
@@ -262,6 +262,16 @@ async def _relay(upstream: Upstream, context, convert: grpc_convert.Convert) -> 
                 continue
             await context.write(grpc_convert.build(convert, obj))
     return error
+
+
+def _blaming(trailers: list[tuple[str, str]], err: KvrouteError) -> list[tuple[str, str]]:
+    """The trailers, naming the backend an upstream failure blames when no answer from
+    it named one (as the HTTP path's x-kvroute-backend on a 502 or 504)."""
+    if not isinstance(err, UpstreamError) or err.backend is None:
+        return trailers
+    if any(key == BACKEND_KEY for key, _ in trailers):
+        return trailers
+    return [*trailers, (BACKEND_KEY, err.backend)]
 
 
 def _not_streamed(status: int, body: bytes) -> KvrouteError:

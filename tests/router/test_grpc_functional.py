@@ -335,11 +335,12 @@ async def test_admission_limit_is_resource_exhausted() -> None:
 async def test_backend_timeout_is_deadline_exceeded() -> None:
     async with grpc_router(timeouts={"first_byte": 0.3}) as rig:
         rig.stubs[0].behaviour.hang_before_headers = True
-        await expect_error(
+        err = await expect_error(
             rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT),
             grpc.StatusCode.DEADLINE_EXCEEDED,
             "did not answer in time",
         )
+        assert dict(err.trailing_metadata())["x-kvroute-backend"] == "b0"  # who failed
         await settle(rig.router)
 
 
@@ -365,11 +366,12 @@ async def test_backend_error_status(status: int, code: grpc.StatusCode, stream: 
 async def test_backend_unreachable_is_unavailable() -> None:
     async with grpc_router() as rig:
         await rig.stubs[0].stop()  # connection refused before the poller notices
-        await expect_error(
+        err = await expect_error(
             rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT),
             grpc.StatusCode.UNAVAILABLE,
             "connect",
         )
+        assert dict(err.trailing_metadata())["x-kvroute-backend"] == "b0"  # who failed
         await settle(rig.router)
 
 
