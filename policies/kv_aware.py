@@ -165,7 +165,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         if self._shared is not None:
             self._adopt_placement(req, scored)
         if not max(cached for _, cached, _ in scored):
-            ties, most = self._within_load(scored, pool), 0  # cached nowhere: see `_agreed`
+            ties, most = self._within_load(scored, pool), 0  # cached nowhere: bounded load
         else:
             best = min(cost for cost, _, _ in scored)
             margin = max(self.params.tie_seconds, best * self.params.tie_fraction)
@@ -194,13 +194,14 @@ class KvAwarePolicy(Policy[KvAwareParams]):
                 scored[i] = self._score(req, backend)
                 return
 
-    def _within_load(self, ties: list[_Scored], pool: list[BackendLike]) -> list[_Scored]:
-        """The ties under the bounded load (`load_cap_per_weight`), or all if none is."""
-        if self.params.load_factor is None or len(ties) < 2:
-            return ties
+    def _within_load(self, scored: list[_Scored], pool: list[BackendLike]) -> list[_Scored]:
+        """The candidates under the bounded load (`load_cap_per_weight`), or all of them
+        if none is (then only `concurrency_threshold` has held them back)."""
+        if self.params.load_factor is None or len(scored) < 2:
+            return scored
         per_weight = load_cap_per_weight(self.params.load_factor, pool)
-        light = [s for s in ties if s[2].inflight < per_weight * s[2].weight]
-        return light or ties
+        light = [s for s in scored if s[2].inflight < per_weight * s[2].weight]
+        return light or scored
 
     def _agreed(self, req: RouteRequest, ties: list[_Scored], cached: int) -> _Scored:
         """The rendezvous winner of the first block the ties do not hold: the same on
