@@ -11,8 +11,10 @@ Two kinds of data-plane token, both sent as `Authorization: Bearer <token>`:
   tenant caps and metrics); a client cannot choose it.
 
 Checks are constant-time (`hmac.compare_digest`): the presented token's SHA-256 digest
-is compared with every static token's digest, never stopping early, and a signature
-with the expected one. Tokens are never logged, and error messages never repeat them.
+is compared with every static token's digest, never stopping early, and a signature,
+as text, with the expected one's encoding. A token has exactly one valid spelling:
+strict base64url, no padding, no stray bits or characters, nothing after the MAC.
+Tokens are never logged, and error messages never repeat them.
 Secrets are read once per (re)load; `Authenticator.adopt` swaps them in one step.
 Cost per request: one SHA-256 and one comparison per static token, or one HMAC.
 """
@@ -39,6 +41,7 @@ MIN_KEY_BYTES = 32
 _PREFIX = "kvr1"
 _CLOCK_SKEW = 60
 _TENANT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 
 
 class _Claims(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,16 +70,30 @@ def read_secret(file: str | None, env: str | None, what: str) -> str:
     return value
 
 
+def _bytes(text: str) -> bytes:
+    """`text` as the bytes that came: a header's bytes that are not UTF-8 arrive as
+    surrogates (aiohttp's decoding), which plain `encode` refuses with a crash."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """The bytes `text` spells in strict unpadded base64url; ValueError for any other
+    spelling (padding, other characters, stray low bits): Python's decoder alone would
+    take several spellings of one value, and skip what follows a padding."""
+    if not _BASE64URL.fullmatch(text):
+        raise ValueError("not base64url")
+    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(raw) != text:
+        raise ValueError("not the canonical encoding")
+    return raw
 
 
 def _mac(key: bytes, claims: str) -> bytes:
-    return hmac.new(key, f"{_PREFIX}.{claims}".encode(), hashlib.sha256).digest()
+    return hmac.new(key, _bytes(f"{_PREFIX}.{claims}"), hashlib.sha256).digest()
 
 
 def issue(key: bytes, tenant: str, ttl: int, now: float | None = None) -> str:
@@ -96,15 +113,12 @@ def verify(key: bytes, token: str, now: float | None = None) -> str:
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != _PREFIX:
         raise Unauthorized("Invalid bearer token.")
-    try:
-        mac, raw = _unb64(parts[2]), _unb64(parts[1])
-    except ValueError:
-        raise Unauthorized("Invalid bearer token.") from None
-    if not hmac.compare_digest(mac, _mac(key, parts[1])):
+    # the MAC's one encoding, compared as bytes: no decoding of what the client sent
+    if not hmac.compare_digest(_bytes(parts[2]), _b64(_mac(key, parts[1])).encode()):
         raise Unauthorized("Invalid bearer token.")
     try:
-        claims = _DECODE_CLAIMS.decode(raw)
-    except msgspec.DecodeError:  # signed by our key, so ours, but malformed
+        claims = _DECODE_CLAIMS.decode(_unb64(parts[1]))
+    except (ValueError, msgspec.DecodeError):  # signed by our key, so ours, but malformed
         raise Unauthorized("Invalid bearer token.") from None
     now = time.time() if now is None else now
     if claims.exp - claims.iat > MAX_LIFETIME or claims.iat > now + _CLOCK_SKEW:
@@ -122,7 +136,7 @@ def _check_key(key: bytes) -> None:
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+    return hashlib.sha256(_bytes(token)).digest()
 
 
 def _static_tokens(cfg: AuthConfig) -> list[tuple[bytes, str | None]]:

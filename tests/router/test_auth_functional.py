@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
+import orjson
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
@@ -36,6 +37,24 @@ def _tampered() -> str:
     return token[:-3] + ("abc" if not token.endswith("abc") else "xyz")
 
 
+def _padded() -> str:
+    return issue(KEY.encode(), "acme", 600) + "="
+
+
+async def _raw(router, head: bytes, body: bytes = b"") -> tuple[int, dict]:
+    """One request as raw bytes on a new connection: the status and the JSON body."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+    try:
+        async with asyncio.timeout(5):
+            writer.write(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            status = int((await reader.readline()).split()[1])
+            headers = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+            length = int(headers.split("content-length:")[1].split("\r\n")[0])
+            return status, orjson.loads(await reader.readexactly(length))
+    finally:
+        writer.close()
+
+
 @pytest.mark.parametrize(
     ("headers", "message"),
     [
@@ -44,6 +63,7 @@ def _tampered() -> str:
         pytest.param({"Authorization": "Bearer nope"}, "Invalid bearer token", id="wrong"),
         pytest.param({"Authorization": f"Bearer {_expired()}"}, "expired", id="expired"),
         pytest.param({"Authorization": f"Bearer {_tampered()}"}, "Invalid", id="tampered"),
+        pytest.param({"Authorization": f"Bearer {_padded()}"}, "Invalid", id="padded"),
     ],
 )
 async def test_bad_tokens_get_an_openai_style_401(secrets, headers, message) -> None:
@@ -57,6 +77,24 @@ async def test_bad_tokens_get_an_openai_style_401(secrets, headers, message) -> 
         await tally.send(http, router.url + "/v1/models", expect=401, method="GET", headers=headers)
         assert stubs[0].received == []
         assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        pytest.param(b"POST", b"/v1/chat/completions", id="fast-path"),
+        pytest.param(b"GET", b"/v1/models", id="aiohttp"),
+    ],
+)
+async def test_a_token_that_is_not_utf8_is_a_401(secrets, method, path) -> None:
+    """Header bytes that are not UTF-8 reach the check as surrogates: still a 401."""
+    async with running(1, auth=secrets) as (router, stubs):
+        for token in (b"\xff\xfe", STATIC.encode() + b"\xff", b"kvr1.\xff.\xfe"):
+            head = b"%s %s HTTP/1.1\r\nHost: kvroute\r\n" % (method, path)
+            head += b"Authorization: Bearer %s\r\n" % token
+            status, body = await _raw(router, head, orjson.dumps(chat()["json"]))
+            assert (status, body["error"]["type"]) == (401, "AuthenticationError")
+        assert stubs[0].received == []
 
 
 async def test_valid_tokens_pass_and_set_the_tenant(secrets) -> None:
