@@ -17,6 +17,12 @@ strict base64url, no padding, no stray bits or characters, nothing after the MAC
 Tokens are never logged, and error messages never repeat them.
 Secrets are read once per (re)load; `Authenticator.adopt` swaps them in one step.
 Cost per request: one SHA-256 and one comparison per static token, or one HMAC.
+
+The request's tenant (`Authenticator.tenant`) with auth on is the token's; only for a
+token that names none, the `tenant_header`'s, and only if `auth.tenant_header_trusted`
+says a gateway in front sets that header. So a client cannot choose another tenant's
+concurrency cap, nor share its prefix namespace to time its cache. With auth off every
+client is trusted alike: the header is the client's word, as it always was.
 """
 
 from __future__ import annotations
@@ -170,16 +176,29 @@ def _signing_key(cfg: AuthConfig) -> bytes | None:
 class Authenticator:
     """The data plane's token check; `adopt` swaps in a reloaded one's secrets."""
 
-    __slots__ = ("_key", "_static", "enabled")
+    __slots__ = ("_key", "_static", "_trust_header", "enabled")
 
     def __init__(self, cfg: AuthConfig) -> None:
         """Read the secrets `cfg` names; ConfigError if one is missing or malformed."""
         self.enabled = cfg.enabled
         self._static = _static_tokens(cfg) if cfg.enabled else []
         self._key = _signing_key(cfg) if cfg.enabled else None
+        self._trust_header = cfg.tenant_header_trusted
 
     def adopt(self, other: Authenticator) -> None:
         self.enabled, self._static, self._key = other.enabled, other._static, other._key
+        self._trust_header = other._trust_header
+
+    def tenant(self, authorization: str | None, claimed: str | None) -> str | None:
+        """The request's tenant, given its Authorization header and the tenant it claims
+        (its `tenant_header`): see the module's docstring. Raises Unauthorized when auth
+        is on and the token is missing, malformed or invalid."""
+        if not self.enabled:
+            return claimed
+        tenant = self.authenticate(authorization)
+        if tenant is None and self._trust_header:
+            return claimed
+        return tenant
 
     def knows(self, token: str) -> bool:
         """Is `token` one of the static data-plane tokens? (The admin token must not be.)"""

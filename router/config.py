@@ -247,6 +247,10 @@ class AuthConfig(_Strict):
     tokens_env: str | None = None
     signing_key_file: str | None = None
     signing_key_env: str | None = None
+    #: a gateway in front sets `tenant_header` (and no client can): then a request whose
+    #: token names no tenant takes the header's. Otherwise, with auth on, the header is
+    #: ignored; a token's own tenant always wins
+    tenant_header_trusted: bool = False
 
     def __post_init__(self) -> None:
         sources = (self.tokens_file, self.tokens_env, self.signing_key_file, self.signing_key_env)
@@ -276,6 +280,7 @@ class Config(_Strict):
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
     #: request header whose value isolates tenants' fingerprints (cache_salt always does)
+    #: and keys max_concurrent_per_tenant; with auth on, only if auth.tenant_header_trusted
     tenant_header: str | None = None
     #: how often backends' /v1/models is polled, seconds
     models_refresh_interval: Seconds = 30.0
@@ -289,6 +294,8 @@ class Config(_Strict):
             raise ValueError(f"log_level {self.log_level!r} is not one of {levels}")
         if not self.backends and not self.discovery:
             raise ValueError("at least one backend (or a discovery source) is required")
+        if self.auth.tenant_header_trusted and self.tenant_header is None:
+            raise ValueError("auth.tenant_header_trusted needs a tenant_header to trust")
         seen: set[str] = set()
         for backend in self.backends:
             for key in {backend.key, str(URL(backend.url))}:

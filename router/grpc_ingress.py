@@ -210,16 +210,15 @@ class _Inference(pb_grpc.InferenceServicer):
     def _tenant(
         self, authorization: str | None, claimed: str | None, routing: pb.RoutingHints
     ) -> str | None:
-        """As over HTTP: the token's tenant when auth is on and it has one (a client cannot
-        choose it), else `routing.tenant`, else the tenant metadata. Raises Unauthorized."""
-        if routing.HasField("tenant"):
+        """As over HTTP (`Authenticator.tenant`), the tenant metadata being the claimed
+        tenant. `routing.tenant` overrides that metadata with auth off only: a gateway
+        can vouch for metadata it sets, not for a field of the message. Raises
+        Unauthorized."""
+        if routing.HasField("tenant") and not self._auth.enabled:
             claimed = routing.tenant
-        if not self._auth.enabled:
-            return claimed
-        tenant = self._auth.authenticate(authorization)
-        if tenant is None:
-            return claimed
-        self._metrics.tenant_requests.labels(tenant).inc()
+        tenant = self._auth.tenant(authorization, claimed)
+        if tenant is not None and self._auth.enabled:
+            self._metrics.tenant_requests.labels(tenant).inc()
         return tenant
 
     def _headers(

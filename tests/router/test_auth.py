@@ -188,6 +188,30 @@ def test_unusable_secrets_are_config_errors(cfg, env, message, monkeypatch) -> N
         Authenticator(AuthConfig(enabled=True, **cfg))
 
 
+@pytest.mark.parametrize(
+    ("trusted", "header", "claimed", "tenant"),
+    [
+        pytest.param(False, "Bearer alpha-token", "spoofed", "acme", id="token-tenant"),
+        pytest.param(True, "Bearer alpha-token", "spoofed", "acme", id="token-tenant-wins"),
+        pytest.param(False, "Bearer beta-token", "spoofed", None, id="untrusted-claim"),
+        pytest.param(True, "Bearer beta-token", "gateway", "gateway", id="trusted-claim"),
+        pytest.param(True, "Bearer beta-token", None, None, id="trusted-no-claim"),
+    ],
+)
+def test_the_tenant_is_the_tokens_or_a_trusted_claim(
+    tmp_path, trusted: bool, header: str, claimed: str | None, tenant: str | None
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alpha-token acme\nbeta-token\n")
+    cfg = AuthConfig(enabled=True, tokens_file=str(tokens), tenant_header_trusted=trusted)
+    assert Authenticator(cfg).tenant(header, claimed) == tenant
+
+
+def test_with_auth_off_the_claim_is_the_tenant() -> None:
+    auth = Authenticator(AuthConfig(enabled=False))
+    assert auth.tenant(None, "anyone") == "anyone" and auth.tenant(None, None) is None
+
+
 def test_disabled_auth_reads_nothing() -> None:
     auth = Authenticator(AuthConfig(enabled=False, tokens_env="KV_UNSET_TOO"))
     assert not auth.enabled

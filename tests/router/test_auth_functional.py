@@ -10,17 +10,19 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 
 from router.auth import issue
-from tests.router.chaos import MODEL, Tally, chat
+from tests.router.chaos import MODEL, Tally, chat, until
 from tests.router.conftest import running, settle
 
 KEY = "s" * 40
 STATIC = "static-token-for-tests"
+ANONYMOUS = "static-token-without-a-tenant"
+CHAT_PATH = "/v1/chat/completions"
 
 
 @pytest.fixture
 def secrets(monkeypatch) -> dict:
     monkeypatch.setenv("KV_TEST_KEY", KEY)
-    monkeypatch.setenv("KV_TEST_TOKENS", f"{STATIC} team-a")
+    monkeypatch.setenv("KV_TEST_TOKENS", f"{STATIC} team-a,{ANONYMOUS}")
     return {"enabled": True, "tokens_env": "KV_TEST_TOKENS", "signing_key_env": "KV_TEST_KEY"}
 
 
@@ -145,3 +147,79 @@ async def test_per_tenant_cap_uses_the_token_tenant(secrets) -> None:
         await first
         assert (tally.failed, tally.hung) == (0, 0)
         await settle(router)
+
+
+def _tenant_config(secrets: dict, auth: bool, trusted: bool) -> dict:
+    """A router whose tenants come from `X-Tenant` as far as `auth` and `trusted` let."""
+    trust = {"tenant_header_trusted": True} if trusted else {}  # untrusted by default
+    return {"auth": {**secrets, **trust} if auth else {}, "tenant_header": "X-Tenant"}
+
+
+def _as(token: str | None, tenant: str | None = None) -> dict[str, str]:
+    """The headers of a request with `token` (if any) claiming `tenant` (if any)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    return {**headers, "X-Tenant": tenant} if tenant else headers
+
+
+@pytest.mark.parametrize(
+    ("auth", "trusted", "victim_status"),
+    [
+        pytest.param(False, False, 429, id="auth-off-the-header-is-the-tenant"),
+        pytest.param(True, False, 200, id="untrusted-header-ignored"),
+        pytest.param(True, True, 429, id="trusted-header-is-the-tenant"),
+    ],
+)
+async def test_a_claimed_tenant_fills_its_cap_only_where_the_header_is_trusted(
+    secrets, auth: bool, trusted: bool, victim_status: int
+) -> None:
+    """A request that claims the victim's tenant by header (with a token that names no
+    tenant, when auth is on) is held at the backend; the victim's own next request fits
+    its cap of 1 unless the header is the tenant."""
+    config = _tenant_config(secrets, auth, trusted)
+    limits = {"max_concurrent_per_tenant": 1}
+    async with (
+        running(1, limits=limits, **config) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        stubs[0].behaviour.hang_before_headers = True
+        tally = Tally.new()
+        url = router.url + CHAT_PATH
+        spoofer = _as(ANONYMOUS if auth else None, "victim")
+        held = asyncio.create_task(tally.send(http, url, expect=None, headers=spoofer, **chat()))
+        await until(lambda: stubs[0].active == 1)
+        stubs[0].behaviour.hang_before_headers = False
+        victim = _as(issue(KEY.encode(), "victim", 600)) if auth else _as(None, "victim")
+        await tally.send(http, url, expect=victim_status, headers=victim, **chat())
+        held.cancel()
+        await asyncio.gather(held, return_exceptions=True)
+        await settle(router)
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize("trusted", [False, True], ids=["untrusted", "trusted"])
+async def test_the_prefix_namespace_is_the_authenticated_tenants(secrets, trusted) -> None:
+    """The tenant salts the fingerprint: a header claiming another tenant lands each prompt
+    where that tenant's prompts land only when the header is trusted; else where a
+    request without a tenant lands (no look into another tenant's cache)."""
+    routing = {"strategy": "PREFIX_AWARE", "concurrency_threshold": None}
+    config = _tenant_config(secrets, True, trusted)
+    async with (
+        running(4, routing, **config) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        tally = Tally.new()
+        url = router.url + CHAT_PATH
+
+        async def backend(headers: dict[str, str], prompt: str) -> str:
+            body = chat(messages=[{"role": "user", "content": prompt}])
+            return (await tally.send(http, url, headers=headers, **body)).headers[
+                "x-kvroute-backend"
+            ]
+
+        victim = _as(issue(KEY.encode(), "victim", 600))
+        for i in range(8):
+            prompt = f"the victim's document number {i}, " * 20
+            claimed = await backend(_as(ANONYMOUS, "victim"), prompt)
+            expected = victim if trusted else _as(ANONYMOUS)
+            assert claimed == await backend(expected, prompt), prompt
+        assert (tally.failed, tally.hung) == (0, 0)

@@ -82,6 +82,11 @@ def test_defaults_need_only_backends() -> None:
             "needs tokenizer.path",
             id="hf-without-path",
         ),
+        pytest.param(
+            {"backends": ONE, "auth": {"tenant_header_trusted": True}},
+            "auth.tenant_header_trusted needs a tenant_header to trust",
+            id="trusted-header-without-header",
+        ),
     ],
 )
 def test_bad_config_names_the_problem(data: dict, message: str) -> None:

@@ -425,6 +425,31 @@ async def test_auth_applies_to_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
         await settle(rig.router)
 
 
+@pytest.mark.parametrize(
+    ("trusted", "token", "tenant"),
+    [
+        pytest.param(False, "tok-b", None, id="untrusted-no-token-tenant"),
+        pytest.param(True, "tok-b", "from-metadata", id="trusted-no-token-tenant"),
+        pytest.param(True, "tok-a", "acme", id="trusted-token-tenant"),
+    ],
+)
+async def test_with_auth_the_tenant_is_the_tokens_or_trusted_metadata(
+    monkeypatch: pytest.MonkeyPatch, trusted: bool, token: str, tenant: str | None
+) -> None:
+    """With auth on, `routing.tenant` never counts (no gateway vouches for a message
+    field); the tenant metadata does only when trusted, and never over a token's own."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a acme,tok-b")
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
+    if trusted:
+        auth["tenant_header_trusted"] = True
+    async with grpc_router(auth=auth, tenant_header="X-Tenant-Id") as rig:
+        metadata = (("authorization", f"Bearer {token}"), ("x-tenant-id", "from-metadata"))
+        request = chat_request(routing=pb.RoutingHints(tenant="from-the-message"))
+        await rig.api.CreateChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+        assert rig.stubs[0].headers[-1].get("X-Tenant-Id") == tenant
+        await settle(rig.router)
+
+
 # ------------------------------------------------------------------ health, reflection
 
 
