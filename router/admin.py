@@ -17,6 +17,9 @@ also a data-plane token is refused at start and on reload.
   GET    /admin/config                 the effective config (it names where secrets
                                        are read from, never the secrets)
   POST   /admin/reload                 re-read the config file, as SIGHUP does
+  GET    /metrics                      with `metrics: {listen: admin}` only, and the one
+                                       route open without the token: the scraper's, the
+                                       same router-wide page the data port would show
 
 Add and remove edit the effective config and go through the same build, validate and
 swap as a reload (reload.py); a later reload from the file brings back the file's
@@ -48,7 +51,7 @@ from router.auth import bearer, read_secret
 from router.backends import Backend
 from router.config import AdminConfig, Config, ConfigError, build
 from router.errors import KvrouteError, Unauthorized
-from router.http_ingress import errors_middleware, server_limits
+from router.http_ingress import errors_middleware, metrics_page, server_limits
 
 if typing.TYPE_CHECKING:
     from router.app import Router
@@ -84,6 +87,8 @@ class AdminServer:
                 web.post("/admin/reload", self.reload),
             ]
         )
+        if self._router.config.metrics.listen == "admin":
+            app.add_routes([web.get("/metrics", self.metrics)])
         limits = server_limits(self._router.config.limits)
         self._runner = web.AppRunner(app, access_log=None, **limits)
         await self._runner.setup()
@@ -97,6 +102,8 @@ class AdminServer:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.match_info.handler == self.metrics:  # the scraper holds no admin token
+            return await handler(request)
         try:
             token = bearer(request.headers.get("Authorization"))
             digest = hashlib.sha256(token.encode()).digest()
@@ -108,6 +115,9 @@ class AdminServer:
             return await handler(request)
         except KvrouteError as err:
             return err.to_http()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return metrics_page(self._router.metrics)
 
     async def backends(self, request: web.Request) -> web.Response:
         fleet = self._router.fleet

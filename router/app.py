@@ -77,7 +77,9 @@ class Router:
         check_admin_token(self.admin, self.auth)
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.discovery = Discovery(self)  # backends from DNS names
-        self.metrics = Metrics(lambda: self.fleet.members, multiprocess=context is not None)
+        self.metrics = Metrics(
+            lambda: self.fleet.members, context is not None, config.metrics.tenants
+        )
         self.port = 0
         self._runner: web.AppRunner | None = None
         self.grpc: GrpcIngress | None = None  # gRPC ingress, when config.grpc.enabled

@@ -39,14 +39,14 @@ from pathlib import Path
 
 import msgspec
 
-from router.config import AuthConfig, ConfigError, load
+from router.config import TENANT_PATTERN, AuthConfig, ConfigError, load
 from router.errors import Unauthorized
 
 MAX_LIFETIME = 12 * 3600
 MIN_KEY_BYTES = 32
 _PREFIX = "kvr1"
 _CLOCK_SKEW = 60
-_TENANT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_TENANT = re.compile(TENANT_PATTERN)
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 
 
@@ -176,7 +176,7 @@ def _signing_key(cfg: AuthConfig) -> bytes | None:
 class Authenticator:
     """The data plane's token check; `adopt` swaps in a reloaded one's secrets."""
 
-    __slots__ = ("_key", "_static", "_trust_header", "enabled")
+    __slots__ = ("_key", "_static", "_trust_header", "enabled", "tenants")
 
     def __init__(self, cfg: AuthConfig) -> None:
         """Read the secrets `cfg` names; ConfigError if one is missing or malformed."""
@@ -184,10 +184,12 @@ class Authenticator:
         self._static = _static_tokens(cfg) if cfg.enabled else []
         self._key = _signing_key(cfg) if cfg.enabled else None
         self._trust_header = cfg.tenant_header_trusted
+        #: the tenants static tokens name: known ones, which metrics show by name
+        self.tenants = frozenset(tenant for _, tenant in self._static if tenant is not None)
 
     def adopt(self, other: Authenticator) -> None:
         self.enabled, self._static, self._key = other.enabled, other._static, other._key
-        self._trust_header = other._trust_header
+        self._trust_header, self.tenants = other._trust_header, other.tenants
 
     def tenant(self, authorization: str | None, claimed: str | None) -> str | None:
         """The request's tenant, given its Authorization header and the tenant it claims

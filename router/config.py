@@ -9,7 +9,7 @@ load the rest of the router trusts the config and never re-checks a value.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -25,6 +25,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_ROUTING = RandomParams()
 DEFAULT_STRATEGY: str = DEFAULT_ROUTING.__struct_config__.tag
 Port = Annotated[int, Meta(ge=0, le=65535)]
+#: what a tenant id may be (signed tokens, static token lines, metrics.tenants)
+TENANT_PATTERN = r"[A-Za-z0-9._:-]{1,64}"
+Tenant = Annotated[str, Meta(pattern=f"^{TENANT_PATTERN}$")]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -260,6 +263,17 @@ class AuthConfig(_Strict):
             raise ValueError("auth: give signing_key_file or signing_key_env, not both")
 
 
+class MetricsConfig(_Strict):
+    """The router's Prometheus page, `/metrics`."""
+
+    #: where it is served: "data" (the listen port, which every client reaches) or
+    #: "admin" (the admin listener only, with no token: the data port answers 404)
+    listen: Literal["data", "admin"] = "data"
+    #: tenants shown by name in kvroute_tenant_requests_total, beside the static tokens'
+    #: ones; any other tenant counts as `(other)`, so clients cannot add series
+    tenants: tuple[Tenant, ...] = ()
+
+
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: DNS names whose addresses are backends too, beside the static list
@@ -279,6 +293,7 @@ class Config(_Strict):
     admin: AdminConfig | None = None
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    metrics: MetricsConfig = MetricsConfig()
     #: request header whose value isolates tenants' fingerprints (cache_salt always does)
     #: and keys max_concurrent_per_tenant; with auth on, only if auth.tenant_header_trusted
     tenant_header: str | None = None
@@ -296,6 +311,8 @@ class Config(_Strict):
             raise ValueError("at least one backend (or a discovery source) is required")
         if self.auth.tenant_header_trusted and self.tenant_header is None:
             raise ValueError("auth.tenant_header_trusted needs a tenant_header to trust")
+        if self.metrics.listen == "admin" and self.admin is None:
+            raise ValueError("metrics.listen: admin needs an admin section")
         seen: set[str] = set()
         for backend in self.backends:
             for key in {backend.key, str(URL(backend.url))}:

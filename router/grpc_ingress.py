@@ -218,7 +218,7 @@ class _Inference(pb_grpc.InferenceServicer):
             claimed = routing.tenant
         tenant = self._auth.tenant(authorization, claimed)
         if tenant is not None and self._auth.enabled:
-            self._metrics.tenant_requests.labels(tenant).inc()
+            self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
     def _headers(

@@ -95,6 +95,7 @@ class HttpIngress:
         self._body_timeout = config.limits.body_timeout
         self._tenant_header = config.tenant_header
         self._auth = auth or Authenticator(config.auth)
+        self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
 
     def routes(self) -> list[web.RouteDef]:
         body = {"expect_handler": self.expect}  # routes whose body is read
@@ -105,9 +106,10 @@ class HttpIngress:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/ready", self.ready),
-            web.get("/metrics", self.metrics),
             web.get("/debug/routing", self.debug_routing),
         ]
+        if self._serves_metrics:
+            routed.append(web.get("/metrics", self.metrics))
         other = self._handler(Kind.OTHER)
         routed += [web.route("*", path, other, **body) for path in _PROXIED]
         return routed
@@ -229,7 +231,7 @@ class HttpIngress:
         claimed = headers.get(self._tenant_header) if self._tenant_header else None
         tenant = self._auth.tenant(headers.get("Authorization"), claimed)
         if tenant is not None and self._auth.enabled:
-            self._metrics.tenant_requests.labels(tenant).inc()
+            self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
     async def models(self, request: web.Request) -> web.Response:
@@ -258,7 +260,7 @@ class HttpIngress:
         return web.json_response({"status": "no usable backend"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return metrics_page(self._metrics)
 
     async def debug_routing(self, request: web.Request) -> web.Response:
         """The policy's last decisions with their scores, and each backend's state: load,
@@ -362,6 +364,11 @@ def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
 def request_id(headers: Mapping[str, str]) -> str:
     """The request's id for its answer and its backend: the client's, else a new one."""
     return headers.get(REQUEST_ID) or new_request_id()
+
+
+def metrics_page(metrics: Metrics) -> web.Response:
+    """/metrics, on the listener `metrics.listen` names (the admin API's, or this one)."""
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def _card(model: str) -> dict:

@@ -8,6 +8,7 @@ import aiohttp
 import orjson
 import pytest
 from openai import AsyncOpenAI, AuthenticationError
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.auth import issue
 from tests.router.chaos import MODEL, Tally, chat, until
@@ -100,7 +101,11 @@ async def test_a_token_that_is_not_utf8_is_a_401(secrets, method, path) -> None:
 
 
 async def test_valid_tokens_pass_and_set_the_tenant(secrets) -> None:
-    async with running(1, auth=secrets) as (router, stubs), aiohttp.ClientSession() as http:
+    metrics = {"tenants": ["acme"]}
+    async with (
+        running(1, auth=secrets, metrics=metrics) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
         tally = Tally.new()
         url = router.url + "/v1/chat/completions"
         signed = issue(KEY.encode(), "acme", 600)
@@ -222,4 +227,29 @@ async def test_the_prefix_namespace_is_the_authenticated_tenants(secrets, truste
             claimed = await backend(_as(ANONYMOUS, "victim"), prompt)
             expected = victim if trusted else _as(ANONYMOUS)
             assert claimed == await backend(expected, prompt), prompt
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_tenant_labels_are_bounded_to_known_tenants(secrets) -> None:
+    """Signed tokens can carry any tenant: only the static tokens' tenants and those
+    `metrics.tenants` lists get a series of their own; the rest share `(other)`."""
+    metrics = {"tenants": ["acme"]}
+    async with (
+        running(1, auth=secrets, metrics=metrics) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        tally = Tally.new()
+        url = router.url + CHAT_PATH
+        tenants = ["acme", *(f"made-up-{i}" for i in range(20))]
+        for tenant in tenants:
+            await tally.send(http, url, **_auth(issue(KEY.encode(), tenant, 600)), **chat())
+        await tally.send(http, url, **_auth(STATIC), **chat())
+        page = (await tally.send(http, router.url + "/metrics", method="GET")).body.decode()
+        counted = {
+            s.labels["tenant"]: s.value
+            for family in text_string_to_metric_families(page)
+            for s in family.samples
+            if s.name == "kvroute_tenant_requests_total"
+        }
+        assert counted == {"acme": 1.0, "team-a": 1.0, "(other)": 20.0}
         assert (tally.failed, tally.hung) == (0, 0)
