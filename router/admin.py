@@ -1,9 +1,11 @@
 """The admin API: its own aiohttp listener (loopback by default) and its own token.
 
 Every route needs `Authorization: Bearer <admin token>` (read from `admin.token_file`
-or `admin.token_env`, compared in constant time). Data-plane tokens never open it: they
-are checked against the admin token only, and a config in which the admin token is
-also a data-plane token is refused at start and on reload.
+or `admin.token_env`, compared in constant time; auth.py `AdminToken`), but the
+scraper's `/metrics`. Data-plane tokens never open it: they are checked against the
+admin token only, and a config in which the admin token is also a data-plane token is
+refused at start and on reload. With auth on, the same token opens the data port's
+`/debug/routing`.
 
   GET    /admin/backends               every backend: url, weight, models, state
                                        (active | draining | retiring), health check
@@ -37,8 +39,6 @@ changes nothing).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import os
 import signal
 import typing
@@ -47,7 +47,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from router.auth import bearer, read_secret
+from router.auth import AdminToken
 from router.backends import Backend
 from router.config import AdminConfig, Config, ConfigError, build
 from router.errors import KvrouteError, Unauthorized
@@ -60,11 +60,10 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
 
 
 class AdminServer:
-    def __init__(self, router: Router, cfg: AdminConfig) -> None:
+    def __init__(self, router: Router, cfg: AdminConfig, token: AdminToken) -> None:
         self._router = router
         self._cfg = cfg
-        self.token = read_secret(cfg.token_file, cfg.token_env, "admin token")
-        self._digest = hashlib.sha256(self.token.encode()).digest()
+        self._token = token
         self._runner: web.AppRunner | None = None
         self.port = 0
         #: with several workers: edits and reloads fan out to every worker
@@ -105,10 +104,7 @@ class AdminServer:
         if request.match_info.handler == self.metrics:  # the scraper holds no admin token
             return await handler(request)
         try:
-            token = bearer(request.headers.get("Authorization"))
-            digest = hashlib.sha256(token.encode()).digest()
-            if not hmac.compare_digest(digest, self._digest):
-                raise Unauthorized("Invalid admin token.")
+            self._token.check(request.headers.get("Authorization"))
         except Unauthorized as err:
             return err.to_http(_CHALLENGE)
         try:

@@ -39,7 +39,7 @@ from pathlib import Path
 
 import msgspec
 
-from router.config import TENANT_PATTERN, AuthConfig, ConfigError, load
+from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
 from router.errors import Unauthorized
 
 MAX_LIFETIME = 12 * 3600
@@ -226,6 +226,24 @@ class Authenticator:
             if hmac.compare_digest(digest, known):  # no early exit: same time for all
                 matched, found = True, tenant
         return matched, found
+
+
+class AdminToken:
+    """The admin API's bearer token: it opens the admin API and, with auth on,
+    /debug/routing, and no data-plane token opens them. Read once at start (the admin
+    section waits for a restart), in every worker, since each serves /debug/routing."""
+
+    __slots__ = ("_digest", "token")
+
+    def __init__(self, cfg: AdminConfig) -> None:
+        """Read the token `cfg` names; ConfigError if it cannot be read."""
+        self.token = read_secret(cfg.token_file, cfg.token_env, "admin token")
+        self._digest = _digest(self.token)
+
+    def check(self, authorization: str | None) -> None:
+        """Raises Unauthorized unless the `Authorization` header carries this token."""
+        if not hmac.compare_digest(_digest(bearer(authorization)), self._digest):
+            raise Unauthorized("Invalid admin token.")
 
 
 def bearer(authorization: str | None) -> str:

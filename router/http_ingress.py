@@ -33,7 +33,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 C
 from multidict import CIMultiDict
 
 from router import log
-from router.auth import Authenticator
+from router.auth import AdminToken, Authenticator
 from router.backends import Fleet
 from router.config import Config, LimitsConfig
 from router.dispatch import Call, Dispatcher, new_request_id
@@ -86,8 +86,10 @@ class HttpIngress:
         metrics: Metrics,
         auth: Authenticator | None = None,
         telemetry: Telemetry | None = None,
+        admin_token: AdminToken | None = None,
     ):
         self._fleet = fleet
+        self._admin_token = admin_token
         self._telemetry = telemetry
         self._dispatch = dispatcher
         self._metrics = metrics
@@ -234,13 +236,11 @@ class HttpIngress:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.StreamResponse:
         try:
             self._tenant(request.headers)
         except KvrouteError as err:
-            reply = AiohttpReply(request)
-            await _refuse(reply, err, {})
-            return reply.response
+            return await _refused(request, err)
         cards: dict[str, dict] = {}
         for backend in self._fleet.members:
             for card in backend.model_cards:
@@ -262,9 +262,14 @@ class HttpIngress:
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)
 
-    async def debug_routing(self, request: web.Request) -> web.Response:
+    async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
-        index (source and size) and its last scraped vLLM metrics."""
+        index (source and size) and its last scraped vLLM metrics. Those decisions show
+        every tenant's recent requests, so with auth on only the admin token opens it."""
+        try:
+            self._operator(request.headers.get("Authorization"))
+        except Unauthorized as err:
+            return await _refused(request, err)
         policy = self._fleet.policy
         index = getattr(policy, "index", None)
         events = getattr(policy, "event_backends", set())
@@ -282,6 +287,15 @@ class HttpIngress:
         }
         decisions = list(getattr(policy, "recent", ()))
         return web.json_response({"backends": backends, "decisions": decisions})
+
+    def _operator(self, authorization: str | None) -> None:
+        """With auth on, Unauthorized unless `authorization` carries the admin token;
+        without an admin section there is none, and nothing opens what needs it."""
+        if not self._auth.enabled:
+            return
+        if self._admin_token is None:
+            raise Unauthorized("This needs the admin token, and the router has no admin API.")
+        self._admin_token.check(authorization)
 
 
 class Reply(Protocol):
@@ -342,6 +356,13 @@ async def _end_stream_with(reply: Reply, err: KvrouteError) -> None:
         await reply.end()
     except ConnectionError:
         pass  # the client is gone too; nothing left to tell
+
+
+async def _refused(request: web.Request, err: KvrouteError) -> web.StreamResponse:
+    """The answer of an aiohttp handler that refuses `request` with `err`."""
+    reply = AiohttpReply(request)
+    await _refuse(reply, err, {})
+    return reply.response
 
 
 async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:

@@ -202,3 +202,33 @@ async def test_metrics_are_served_where_metrics_listen_says(config, listen: str)
             await admin("GET", "/metrics", 404)
         await admin("GET", "/admin/backends", 401, token=None)  # the rest stays closed
         assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_debug_routing_needs_the_admin_token_when_auth_is_on(config) -> None:
+    """It shows every tenant's recent requests: no data-plane token opens it."""
+    async with running(1, **config) as (router, _), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/debug/routing"
+        await tally.send(http, router.url + CHAT_PATH, **_data())  # a decision to show
+        for headers in ({}, _data()["headers"], {"Authorization": "Bearer wrong"}):
+            refused = await tally.send(http, url, method="GET", expect=401, headers=headers)
+            assert refused.json()["error"]["type"] == "AuthenticationError"
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        shown = await tally.send(http, url, method="GET", headers=admin)
+        assert set(shown.json()["backends"]) == {"b0"}
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize("auth", [True, False], ids=["auth-on-no-admin", "auth-off"])
+async def test_debug_routing_without_an_admin_section(config, auth: bool) -> None:
+    """Auth on and no admin API: no token opens it. Auth off: open, as it always was."""
+    settings = {"auth": config["auth"]} if auth else {}
+    async with running(1, **settings) as (router, _), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/debug/routing"
+        expect = 401 if auth else 200
+        for headers in ({}, _data()["headers"], {"Authorization": f"Bearer {ADMIN_TOKEN}"}):
+            reply = await tally.send(http, url, method="GET", expect=expect, headers=headers)
+            if auth:
+                assert "no admin API" in reply.json()["error"]["message"]
+        assert (tally.failed, tally.hung) == (0, 0)

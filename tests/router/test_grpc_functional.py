@@ -473,14 +473,20 @@ async def test_health_follows_backend_usability() -> None:
         )
 
 
-async def test_reflection_lists_the_service() -> None:
-    async with grpc_router() as rig:
+@pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on-with-a-token"])
+async def test_reflection_lists_the_service(monkeypatch: pytest.MonkeyPatch, auth: bool) -> None:
+    """With auth on, reflection answers a client with a data-plane token (grpcurl -H)."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-b")
+    config = {"auth": {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}} if auth else {}
+    async with grpc_router(**config) as rig:
         reflection = reflection_pb2_grpc.ServerReflectionStub(rig.channel)
         requests = [
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
         ]
-        replies = [r async for r in reflection.ServerReflectionInfo(iter(requests), timeout=5)]
+        metadata = (("authorization", "Bearer tok-b"),) if auth else ()
+        info = reflection.ServerReflectionInfo(iter(requests), timeout=5, metadata=metadata)
+        replies = [r async for r in info]
         names = {s.name for s in replies[0].list_services_response.service}
         assert {SERVICE, "grpc.health.v1.Health"} <= names
         files = replies[1].file_descriptor_response.file_descriptor_proto
