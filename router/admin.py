@@ -1,9 +1,11 @@
 """The admin API: its own aiohttp listener (loopback by default) and its own token.
 
 Every route needs `Authorization: Bearer <admin token>` (read from `admin.token_file`
-or `admin.token_env`, compared in constant time). Data-plane tokens never open it: they
-are checked against the admin token only, and a config in which the admin token is
-also a data-plane token is refused at start and on reload.
+or `admin.token_env`, compared in constant time; auth.py `AdminToken`), but the
+scraper's `/metrics`. Data-plane tokens never open it: they are checked against the
+admin token only, and a config in which the admin token is also a data-plane token is
+refused at start and on reload. With auth on, the same token opens the data port's
+`/debug/routing`.
 
   GET    /admin/backends               every backend: url, weight, models, state
                                        (active | draining | retiring), health check
@@ -17,6 +19,9 @@ also a data-plane token is refused at start and on reload.
   GET    /admin/config                 the effective config (it names where secrets
                                        are read from, never the secrets)
   POST   /admin/reload                 re-read the config file, as SIGHUP does
+  GET    /metrics                      with `metrics: {listen: admin}` only, and the one
+                                       route open without the token: the scraper's, the
+                                       same router-wide page the data port would show
 
 Add and remove edit the effective config and go through the same build, validate and
 swap as a reload (reload.py); a later reload from the file brings back the file's
@@ -34,8 +39,6 @@ changes nothing).
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import os
 import signal
 import typing
@@ -44,11 +47,11 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from router.auth import bearer, read_secret
+from router.auth import AdminToken
 from router.backends import Backend
 from router.config import AdminConfig, Config, ConfigError, build
 from router.errors import KvrouteError, Unauthorized
-from router.http_ingress import errors_middleware, server_limits
+from router.http_ingress import errors_middleware, metrics_page, server_limits
 
 if typing.TYPE_CHECKING:
     from router.app import Router
@@ -57,11 +60,10 @@ _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
 
 
 class AdminServer:
-    def __init__(self, router: Router, cfg: AdminConfig) -> None:
+    def __init__(self, router: Router, cfg: AdminConfig, token: AdminToken) -> None:
         self._router = router
         self._cfg = cfg
-        self.token = read_secret(cfg.token_file, cfg.token_env, "admin token")
-        self._digest = hashlib.sha256(self.token.encode()).digest()
+        self._token = token
         self._runner: web.AppRunner | None = None
         self.port = 0
         #: with several workers: edits and reloads fan out to every worker
@@ -84,6 +86,8 @@ class AdminServer:
                 web.post("/admin/reload", self.reload),
             ]
         )
+        if self._router.config.metrics.listen == "admin":
+            app.add_routes([web.get("/metrics", self.metrics)])
         limits = server_limits(self._router.config.limits)
         self._runner = web.AppRunner(app, access_log=None, **limits)
         await self._runner.setup()
@@ -97,17 +101,19 @@ class AdminServer:
 
     @web.middleware
     async def _authorize(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.match_info.handler == self.metrics:  # the scraper holds no admin token
+            return await handler(request)
         try:
-            token = bearer(request.headers.get("Authorization"))
-            digest = hashlib.sha256(token.encode()).digest()
-            if not hmac.compare_digest(digest, self._digest):
-                raise Unauthorized("Invalid admin token.")
+            self._token.check(request.headers.get("Authorization"))
         except Unauthorized as err:
             return err.to_http(_CHALLENGE)
         try:
             return await handler(request)
         except KvrouteError as err:
             return err.to_http()
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return metrics_page(self._router.metrics)
 
     async def backends(self, request: web.Request) -> web.Response:
         fleet = self._router.fleet

@@ -15,7 +15,7 @@ from aiohttp import web
 import policies
 from router import log
 from router.admin import AdminServer, apply_edit, discovered_edit, replay_edits
-from router.auth import Authenticator
+from router.auth import AdminToken, Authenticator
 from router.backends import Backend, Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
@@ -70,14 +70,17 @@ class Router:
         routing = policies.create(config.routing)
         self.fleet = Fleet(config.backends, routing, config.breaker, self.table, self.placements)
         self.auth = Authenticator(config.auth)
+        self.admin_token = None if config.admin is None else AdminToken(config.admin)
+        check_admin_token(self.admin_token, self.auth)
         serves_admin = context is None or context.index == 0
         self.admin = None
-        if config.admin is not None and serves_admin:
-            self.admin = AdminServer(self, config.admin)
-        check_admin_token(self.admin, self.auth)
+        if self.admin_token is not None and serves_admin:
+            self.admin = AdminServer(self, config.admin, self.admin_token)
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.discovery = Discovery(self)  # backends from DNS names
-        self.metrics = Metrics(lambda: self.fleet.members, multiprocess=context is not None)
+        self.metrics = Metrics(
+            lambda: self.fleet.members, context is not None, config.metrics.tenants
+        )
         self.port = 0
         self._runner: web.AppRunner | None = None
         self.grpc: GrpcIngress | None = None  # gRPC ingress, when config.grpc.enabled
@@ -156,7 +159,13 @@ class Router:
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
         ingress = HttpIngress(
-            cfg, self.fleet, self.dispatcher, self.metrics, self.auth, self.telemetry
+            cfg,
+            self.fleet,
+            self.dispatcher,
+            self.metrics,
+            self.auth,
+            self.telemetry,
+            self.admin_token,
         )
         app.add_routes(ingress.routes())
         self._runner = web.AppRunner(

@@ -11,10 +11,18 @@ Two kinds of data-plane token, both sent as `Authorization: Bearer <token>`:
   tenant caps and metrics); a client cannot choose it.
 
 Checks are constant-time (`hmac.compare_digest`): the presented token's SHA-256 digest
-is compared with every static token's digest, never stopping early, and a signature
-with the expected one. Tokens are never logged, and error messages never repeat them.
+is compared with every static token's digest, never stopping early, and a signature,
+as text, with the expected one's encoding. A token has exactly one valid spelling:
+strict base64url, no padding, no stray bits or characters, nothing after the MAC.
+Tokens are never logged, and error messages never repeat them.
 Secrets are read once per (re)load; `Authenticator.adopt` swaps them in one step.
 Cost per request: one SHA-256 and one comparison per static token, or one HMAC.
+
+The request's tenant (`Authenticator.tenant`) with auth on is the token's; only for a
+token that names none, the `tenant_header`'s, and only if `auth.tenant_header_trusted`
+says a gateway in front sets that header. So a client cannot choose another tenant's
+concurrency cap, nor share its prefix namespace to time its cache. With auth off every
+client is trusted alike: the header is the client's word, as it always was.
 """
 
 from __future__ import annotations
@@ -31,14 +39,15 @@ from pathlib import Path
 
 import msgspec
 
-from router.config import AuthConfig, ConfigError, load
+from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
 from router.errors import Unauthorized
 
 MAX_LIFETIME = 12 * 3600
 MIN_KEY_BYTES = 32
 _PREFIX = "kvr1"
 _CLOCK_SKEW = 60
-_TENANT = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_TENANT = re.compile(TENANT_PATTERN)
+_BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
 
 
 class _Claims(msgspec.Struct, forbid_unknown_fields=True):
@@ -67,16 +76,30 @@ def read_secret(file: str | None, env: str | None, what: str) -> str:
     return value
 
 
+def _bytes(text: str) -> bytes:
+    """`text` as the bytes that came: a header's bytes that are not UTF-8 arrive as
+    surrogates (aiohttp's decoding), which plain `encode` refuses with a crash."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
 
 
 def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    """The bytes `text` spells in strict unpadded base64url; ValueError for any other
+    spelling (padding, other characters, stray low bits): Python's decoder alone would
+    take several spellings of one value, and skip what follows a padding."""
+    if not _BASE64URL.fullmatch(text):
+        raise ValueError("not base64url")
+    raw = base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+    if _b64(raw) != text:
+        raise ValueError("not the canonical encoding")
+    return raw
 
 
 def _mac(key: bytes, claims: str) -> bytes:
-    return hmac.new(key, f"{_PREFIX}.{claims}".encode(), hashlib.sha256).digest()
+    return hmac.new(key, _bytes(f"{_PREFIX}.{claims}"), hashlib.sha256).digest()
 
 
 def issue(key: bytes, tenant: str, ttl: int, now: float | None = None) -> str:
@@ -96,15 +119,12 @@ def verify(key: bytes, token: str, now: float | None = None) -> str:
     parts = token.split(".")
     if len(parts) != 3 or parts[0] != _PREFIX:
         raise Unauthorized("Invalid bearer token.")
-    try:
-        mac, raw = _unb64(parts[2]), _unb64(parts[1])
-    except ValueError:
-        raise Unauthorized("Invalid bearer token.") from None
-    if not hmac.compare_digest(mac, _mac(key, parts[1])):
+    # the MAC's one encoding, compared as bytes: no decoding of what the client sent
+    if not hmac.compare_digest(_bytes(parts[2]), _b64(_mac(key, parts[1])).encode()):
         raise Unauthorized("Invalid bearer token.")
     try:
-        claims = _DECODE_CLAIMS.decode(raw)
-    except msgspec.DecodeError:  # signed by our key, so ours, but malformed
+        claims = _DECODE_CLAIMS.decode(_unb64(parts[1]))
+    except (ValueError, msgspec.DecodeError):  # signed by our key, so ours, but malformed
         raise Unauthorized("Invalid bearer token.") from None
     now = time.time() if now is None else now
     if claims.exp - claims.iat > MAX_LIFETIME or claims.iat > now + _CLOCK_SKEW:
@@ -122,7 +142,7 @@ def _check_key(key: bytes) -> None:
 
 
 def _digest(token: str) -> bytes:
-    return hashlib.sha256(token.encode()).digest()
+    return hashlib.sha256(_bytes(token)).digest()
 
 
 def _static_tokens(cfg: AuthConfig) -> list[tuple[bytes, str | None]]:
@@ -156,16 +176,31 @@ def _signing_key(cfg: AuthConfig) -> bytes | None:
 class Authenticator:
     """The data plane's token check; `adopt` swaps in a reloaded one's secrets."""
 
-    __slots__ = ("_key", "_static", "enabled")
+    __slots__ = ("_key", "_static", "_trust_header", "enabled", "tenants")
 
     def __init__(self, cfg: AuthConfig) -> None:
         """Read the secrets `cfg` names; ConfigError if one is missing or malformed."""
         self.enabled = cfg.enabled
         self._static = _static_tokens(cfg) if cfg.enabled else []
         self._key = _signing_key(cfg) if cfg.enabled else None
+        self._trust_header = cfg.tenant_header_trusted
+        #: the tenants static tokens name: known ones, which metrics show by name
+        self.tenants = frozenset(tenant for _, tenant in self._static if tenant is not None)
 
     def adopt(self, other: Authenticator) -> None:
         self.enabled, self._static, self._key = other.enabled, other._static, other._key
+        self._trust_header, self.tenants = other._trust_header, other.tenants
+
+    def tenant(self, authorization: str | None, claimed: str | None) -> str | None:
+        """The request's tenant, given its Authorization header and the tenant it claims
+        (its `tenant_header`): see the module's docstring. Raises Unauthorized when auth
+        is on and the token is missing, malformed or invalid."""
+        if not self.enabled:
+            return claimed
+        tenant = self.authenticate(authorization)
+        if tenant is None and self._trust_header:
+            return claimed
+        return tenant
 
     def knows(self, token: str) -> bool:
         """Is `token` one of the static data-plane tokens? (The admin token must not be.)"""
@@ -191,6 +226,24 @@ class Authenticator:
             if hmac.compare_digest(digest, known):  # no early exit: same time for all
                 matched, found = True, tenant
         return matched, found
+
+
+class AdminToken:
+    """The admin API's bearer token: it opens the admin API and, with auth on,
+    /debug/routing, and no data-plane token opens them. Read once at start (the admin
+    section waits for a restart), in every worker, since each serves /debug/routing."""
+
+    __slots__ = ("_digest", "token")
+
+    def __init__(self, cfg: AdminConfig) -> None:
+        """Read the token `cfg` names; ConfigError if it cannot be read."""
+        self.token = read_secret(cfg.token_file, cfg.token_env, "admin token")
+        self._digest = _digest(self.token)
+
+    def check(self, authorization: str | None) -> None:
+        """Raises Unauthorized unless the `Authorization` header carries this token."""
+        if not hmac.compare_digest(_digest(bearer(authorization)), self._digest):
+            raise Unauthorized("Invalid admin token.")
 
 
 def bearer(authorization: str | None) -> str:

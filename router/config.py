@@ -9,7 +9,7 @@ load the rest of the router trusts the config and never re-checks a value.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -25,6 +25,9 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 DEFAULT_ROUTING = RandomParams()
 DEFAULT_STRATEGY: str = DEFAULT_ROUTING.__struct_config__.tag
 Port = Annotated[int, Meta(ge=0, le=65535)]
+#: what a tenant id may be (signed tokens, static token lines, metrics.tenants)
+TENANT_PATTERN = r"[A-Za-z0-9._:-]{1,64}"
+Tenant = Annotated[str, Meta(pattern=f"^{TENANT_PATTERN}$")]
 
 
 class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -247,6 +250,10 @@ class AuthConfig(_Strict):
     tokens_env: str | None = None
     signing_key_file: str | None = None
     signing_key_env: str | None = None
+    #: a gateway in front sets `tenant_header` (and no client can): then a request whose
+    #: token names no tenant takes the header's. Otherwise, with auth on, the header is
+    #: ignored; a token's own tenant always wins
+    tenant_header_trusted: bool = False
 
     def __post_init__(self) -> None:
         sources = (self.tokens_file, self.tokens_env, self.signing_key_file, self.signing_key_env)
@@ -254,6 +261,17 @@ class AuthConfig(_Strict):
             raise ValueError("auth.enabled needs tokens_file, tokens_env or a signing key")
         if self.signing_key_file is not None and self.signing_key_env is not None:
             raise ValueError("auth: give signing_key_file or signing_key_env, not both")
+
+
+class MetricsConfig(_Strict):
+    """The router's Prometheus page, `/metrics`."""
+
+    #: where it is served: "data" (the listen port, which every client reaches) or
+    #: "admin" (the admin listener only, with no token: the data port answers 404)
+    listen: Literal["data", "admin"] = "data"
+    #: tenants shown by name in kvroute_tenant_requests_total, beside the static tokens'
+    #: ones; any other tenant counts as `(other)`, so clients cannot add series
+    tenants: tuple[Tenant, ...] = ()
 
 
 class Config(_Strict):
@@ -275,7 +293,9 @@ class Config(_Strict):
     admin: AdminConfig | None = None
     auth: AuthConfig = AuthConfig()
     telemetry: TelemetryConfig = TelemetryConfig()
+    metrics: MetricsConfig = MetricsConfig()
     #: request header whose value isolates tenants' fingerprints (cache_salt always does)
+    #: and keys max_concurrent_per_tenant; with auth on, only if auth.tenant_header_trusted
     tenant_header: str | None = None
     #: how often backends' /v1/models is polled, seconds
     models_refresh_interval: Seconds = 30.0
@@ -289,6 +309,10 @@ class Config(_Strict):
             raise ValueError(f"log_level {self.log_level!r} is not one of {levels}")
         if not self.backends and not self.discovery:
             raise ValueError("at least one backend (or a discovery source) is required")
+        if self.auth.tenant_header_trusted and self.tenant_header is None:
+            raise ValueError("auth.tenant_header_trusted needs a tenant_header to trust")
+        if self.metrics.listen == "admin" and self.admin is None:
+            raise ValueError("metrics.listen: admin needs an admin section")
         seen: set[str] = set()
         for backend in self.backends:
             for key in {backend.key, str(URL(backend.url))}:

@@ -21,7 +21,9 @@ handlers write with `context.write` (not by yielding), so the cancellation lands
 `exchange`, which closes the upstream connection and vLLM aborts the generation.
 
 Beside the service: grpc.health.v1 (SERVING iff at least one backend is usable; Check is
-exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection.
+exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection. With auth on,
+reflection (and any service but health and Inference) needs a data-plane token too
+(`_TokenGate`): only the probe answers a stranger.
 
 Cost per request beyond HTTP's: one orjson encode of the body, and one orjson decode
 plus one message build per answer or SSE event (HTTP passes those bytes through).
@@ -35,7 +37,7 @@ import contextlib
 import grpc
 import orjson
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2
 from multidict import CIMultiDict
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
@@ -45,12 +47,22 @@ from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config
 from router.dispatch import Call, Dispatcher, new_request_id
-from router.errors import KvrouteError, PayloadTooLarge, UpstreamError
+from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
 from router.metrics import Metrics
 from router.proxy import Upstream
 from router.request import Kind, parse
 
-SERVICE = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+#: every service the server registers and reflection lists (the route walk test calls
+#: each of their methods)
+SERVICES = (
+    pb.DESCRIPTOR.services_by_name["Inference"],
+    health_pb2.DESCRIPTOR.services_by_name["Health"],
+    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+)
+SERVICE = SERVICES[0].full_name
+#: services the token gate lets through: Inference's handlers check the token themselves
+#: (it gives the tenant), and health is a probe, as HTTP's /health
+_UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
 REQUEST_ID_KEY = "x-request-id"
 _HEALTH_POLL_SECONDS = 1.0
@@ -93,13 +105,14 @@ class GrpcIngress:
             ("grpc.so_reuseport", 1 if self._shared_port else 0),
             ("grpc.max_receive_message_length", max_message),
         ]
-        server = self._server = grpc.aio.server(options=options)
+        server = self._server = grpc.aio.server(
+            interceptors=[_TokenGate(self._auth)], options=options
+        )
         inference = _Inference(config, self._dispatcher, self._auth, self._metrics)
         pb_grpc.add_InferenceServicer_to_server(inference, server)
         self._health = _Health(self._fleet)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        names = (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME)
-        reflection.enable_server_reflection(names, server)
+        reflection.enable_server_reflection([s.full_name for s in SERVICES], server)
         host, port = config.grpc.host or config.listen.host, config.grpc.port
         self.port = server.add_insecure_port(
             f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -118,6 +131,51 @@ class GrpcIngress:
                 await self._follow
         if self._server is not None:
             await self._server.stop(_STOP_GRACE_SECONDS)
+
+
+class _TokenGate(grpc.aio.ServerInterceptor):
+    """With auth on, every RPC but those of `_UNGATED` needs a data-plane token, as every
+    HTTP route but the probes does: reflection, and any service added later, is closed
+    unless let through here on purpose."""
+
+    def __init__(self, auth: Authenticator) -> None:
+        self._auth = auth
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if handler is None or not self._auth.enabled:
+            return handler
+        if details.method.split("/")[1] in _UNGATED:  # the method is /package.Service/Name
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        try:
+            self._auth.authenticate(metadata.get("authorization"))
+        except Unauthorized as err:
+            return _refusing(handler, err)
+        return handler
+
+
+def _refusing(handler: grpc.RpcMethodHandler, err: KvrouteError) -> grpc.RpcMethodHandler:
+    """A handler of `handler`'s kind that answers every call with `err`."""
+
+    async def refuse(request, context) -> None:
+        await context.abort(*err.to_grpc())
+
+    make = _HANDLERS[handler.request_streaming, handler.response_streaming]
+    return make(
+        refuse,
+        request_deserializer=handler.request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+#: how a handler is made, by (request streaming, response streaming)
+_HANDLERS = {
+    (False, False): grpc.unary_unary_rpc_method_handler,
+    (False, True): grpc.unary_stream_rpc_method_handler,
+    (True, False): grpc.stream_unary_rpc_method_handler,
+    (True, True): grpc.stream_stream_rpc_method_handler,
+}
 
 
 class _Inference(pb_grpc.InferenceServicer):
@@ -210,16 +268,15 @@ class _Inference(pb_grpc.InferenceServicer):
     def _tenant(
         self, authorization: str | None, claimed: str | None, routing: pb.RoutingHints
     ) -> str | None:
-        """As over HTTP: the token's tenant when auth is on and it has one (a client cannot
-        choose it), else `routing.tenant`, else the tenant metadata. Raises Unauthorized."""
-        if routing.HasField("tenant"):
+        """As over HTTP (`Authenticator.tenant`), the tenant metadata being the claimed
+        tenant. `routing.tenant` overrides that metadata with auth off only: a gateway
+        can vouch for metadata it sets, not for a field of the message. Raises
+        Unauthorized."""
+        if routing.HasField("tenant") and not self._auth.enabled:
             claimed = routing.tenant
-        if not self._auth.enabled:
-            return claimed
-        tenant = self._auth.authenticate(authorization)
-        if tenant is None:
-            return claimed
-        self._metrics.tenant_requests.labels(tenant).inc()
+        tenant = self._auth.tenant(authorization, claimed)
+        if tenant is not None and self._auth.enabled:
+            self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
     def _headers(

@@ -33,7 +33,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 C
 from multidict import CIMultiDict
 
 from router import log
-from router.auth import Authenticator
+from router.auth import AdminToken, Authenticator
 from router.backends import Fleet
 from router.config import Config, LimitsConfig
 from router.dispatch import Call, Dispatcher, new_request_id
@@ -86,8 +86,10 @@ class HttpIngress:
         metrics: Metrics,
         auth: Authenticator | None = None,
         telemetry: Telemetry | None = None,
+        admin_token: AdminToken | None = None,
     ):
         self._fleet = fleet
+        self._admin_token = admin_token
         self._telemetry = telemetry
         self._dispatch = dispatcher
         self._metrics = metrics
@@ -95,6 +97,7 @@ class HttpIngress:
         self._body_timeout = config.limits.body_timeout
         self._tenant_header = config.tenant_header
         self._auth = auth or Authenticator(config.auth)
+        self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
 
     def routes(self) -> list[web.RouteDef]:
         body = {"expect_handler": self.expect}  # routes whose body is read
@@ -105,9 +108,10 @@ class HttpIngress:
             web.get("/v1/models", self.models),
             web.get("/health", self.health),
             web.get("/ready", self.ready),
-            web.get("/metrics", self.metrics),
             web.get("/debug/routing", self.debug_routing),
         ]
+        if self._serves_metrics:
+            routed.append(web.get("/metrics", self.metrics))
         other = self._handler(Kind.OTHER)
         routed += [web.route("*", path, other, **body) for path in _PROXIED]
         return routed
@@ -223,24 +227,20 @@ class HttpIngress:
         return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")
 
     def _tenant(self, headers: Mapping[str, str]) -> str | None:
-        """The request's tenant: its token's when auth is on and the token has one, else
-        the tenant header's. Raises Unauthorized for a missing or invalid token."""
-        header = headers.get(self._tenant_header) if self._tenant_header else None
-        if not self._auth.enabled:
-            return header
-        tenant = self._auth.authenticate(headers.get("Authorization"))
-        if tenant is None:
-            return header
-        self._metrics.tenant_requests.labels(tenant).inc()
+        """The request's tenant (`Authenticator.tenant`: with auth on, the token's, the
+        tenant header's only when trusted). Raises Unauthorized for a missing or invalid
+        token."""
+        claimed = headers.get(self._tenant_header) if self._tenant_header else None
+        tenant = self._auth.tenant(headers.get("Authorization"), claimed)
+        if tenant is not None and self._auth.enabled:
+            self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: web.Request) -> web.StreamResponse:
         try:
             self._tenant(request.headers)
         except KvrouteError as err:
-            reply = AiohttpReply(request)
-            await _refuse(reply, err, {})
-            return reply.response
+            return await _refused(request, err)
         cards: dict[str, dict] = {}
         for backend in self._fleet.members:
             for card in backend.model_cards:
@@ -260,11 +260,16 @@ class HttpIngress:
         return web.json_response({"status": "no usable backend"}, status=503)
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return web.Response(body=self._metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+        return metrics_page(self._metrics)
 
-    async def debug_routing(self, request: web.Request) -> web.Response:
+    async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
-        index (source and size) and its last scraped vLLM metrics."""
+        index (source and size) and its last scraped vLLM metrics. Those decisions show
+        every tenant's recent requests, so with auth on only the admin token opens it."""
+        try:
+            self._operator(request.headers.get("Authorization"))
+        except Unauthorized as err:
+            return await _refused(request, err)
         policy = self._fleet.policy
         index = getattr(policy, "index", None)
         events = getattr(policy, "event_backends", set())
@@ -282,6 +287,15 @@ class HttpIngress:
         }
         decisions = list(getattr(policy, "recent", ()))
         return web.json_response({"backends": backends, "decisions": decisions})
+
+    def _operator(self, authorization: str | None) -> None:
+        """With auth on, Unauthorized unless `authorization` carries the admin token;
+        without an admin section there is none, and nothing opens what needs it."""
+        if not self._auth.enabled:
+            return
+        if self._admin_token is None:
+            raise Unauthorized("This needs the admin token, and the router has no admin API.")
+        self._admin_token.check(authorization)
 
 
 class Reply(Protocol):
@@ -344,6 +358,13 @@ async def _end_stream_with(reply: Reply, err: KvrouteError) -> None:
         pass  # the client is gone too; nothing left to tell
 
 
+async def _refused(request: web.Request, err: KvrouteError) -> web.StreamResponse:
+    """The answer of an aiohttp handler that refuses `request` with `err`."""
+    reply = AiohttpReply(request)
+    await _refuse(reply, err, {})
+    return reply.response
+
+
 async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
     """Answer with `err` before anything of an answer was sent (refused, or failed)."""
     if isinstance(err, Unauthorized):
@@ -364,6 +385,11 @@ def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
 def request_id(headers: Mapping[str, str]) -> str:
     """The request's id for its answer and its backend: the client's, else a new one."""
     return headers.get(REQUEST_ID) or new_request_id()
+
+
+def metrics_page(metrics: Metrics) -> web.Response:
+    """/metrics, on the listener `metrics.listen` names (the admin API's, or this one)."""
+    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
 def _card(model: str) -> dict:

@@ -2,7 +2,9 @@
 
 Each router gets its own CollectorRegistry so several can live in one process (tests,
 the benchmark harness). Per-backend gauges are read from backend state at scrape time
-by a collector, so the request path pays nothing for them.
+by a collector, so the request path pays nothing for them. Label values come from the
+config and the router's own vocabularies, never from what a client sends: a tenant the
+config does not know is `(other)` (`tenant_request`).
 
 With several workers (router/workers.py) every process writes its counters and
 histograms to prometheus-client's multiprocess files and `render` sums them over all
@@ -18,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 from bisect import bisect_left
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Container, Iterable
 
 from prometheus_client import (
     CollectorRegistry,
@@ -45,6 +47,8 @@ _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LAG_INTERVAL = 0.25  # seconds between two looks at the event loop's lag
+#: the tenant label of every tenant the config does not name (not a valid tenant id)
+OTHER_TENANT = "(other)"
 
 # process-wide: multiprocess mode cannot export `_created` series, so neither mode does
 disable_created_metrics()
@@ -110,8 +114,13 @@ def _below_zero(histogram: Metric) -> bool:
 
 class Metrics:
     def __init__(
-        self, members: Callable[[], Iterable[Backend]], multiprocess: bool = False
+        self,
+        members: Callable[[], Iterable[Backend]],
+        multiprocess: bool = False,
+        tenants: Iterable[str] = (),
     ) -> None:
+        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones."""
+        self._tenants = frozenset(tenants)
         r = self.registry = CollectorRegistry()
         #: what /metrics shows: this registry, or with several workers every process's
         self._exported = CollectorRegistry() if multiprocess else r
@@ -184,9 +193,9 @@ class Metrics:
             ["backend", "reason"],
             registry=r,
         )
-        self.tenant_requests = Counter(
+        self._tenant_requests = Counter(
             "kvroute_tenant_requests",
-            "Requests authenticated by a token that carries a tenant, by tenant",
+            f"Requests of an authenticated tenant, by tenant ({OTHER_TENANT}: not a known one)",
             ["tenant"],
             registry=r,
         )
@@ -250,6 +259,14 @@ class Metrics:
             due = loop.time() + LAG_INTERVAL
             await asyncio.sleep(LAG_INTERVAL)
             observe(max(0.0, loop.time() - due))
+
+    def tenant_request(self, tenant: str, known: Container[str]) -> None:
+        """Count a request of an authenticated tenant: by name if `known` (the static
+        tokens' tenants) or the configured `metrics.tenants` has it, else as
+        OTHER_TENANT. A signed token or a gateway can carry any tenant, and each new
+        name would be one more series for every scrape to carry."""
+        named = tenant in self._tenants or tenant in known
+        self._tenant_requests.labels(tenant if named else OTHER_TENANT).inc()
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

@@ -37,11 +37,10 @@ import msgspec
 
 import policies
 from router import log
-from router.auth import Authenticator
+from router.auth import AdminToken, Authenticator
 from router.config import Config, ConfigError, load
 
 if typing.TYPE_CHECKING:
-    from router.admin import AdminServer
     from router.app import Router
 
 #: top-level sections a reload applies; every other one waits for a restart
@@ -119,7 +118,7 @@ class Reloader:
         fleet = router.fleet
         policy = fleet.policy if new.routing == old.routing else _policy(new)
         auth = Authenticator(new.auth)
-        check_admin_token(router.admin, auth)
+        check_admin_token(router.admin_token, auth)
         backends = fleet.prepare(new.backends, new.breaker)
         current = {id(b) for b in fleet.members}
         added = [b for b in backends if id(b) not in current]
@@ -162,7 +161,7 @@ def _policy(config: Config) -> policies.Policy:
         raise ConfigError(f"routing: {exc}") from exc
 
 
-def check_admin_token(admin: AdminServer | None, auth: Authenticator) -> None:
+def check_admin_token(admin: AdminToken | None, auth: Authenticator) -> None:
     """Refuse an admin token that is also a data-plane token (it would open both)."""
     if admin is not None and auth.knows(admin.token):
         raise ConfigError("the admin token must not also be a data-plane token")

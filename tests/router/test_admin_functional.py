@@ -7,6 +7,7 @@ import asyncio
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from router.app import Router
 from router.auth import issue
@@ -166,4 +167,68 @@ async def test_add_and_remove_without_losing_requests(config) -> None:
         await admin("DELETE", "/admin/backends/b1", 400)  # the last one stays
         await admin("POST", "/admin/reload", 400)  # this router has no file to re-read
         assert [b.name for b in router.fleet.members] == ["b1"]
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize("listen", ["data", "admin"])
+async def test_metrics_are_served_where_metrics_listen_says(config, listen: str) -> None:
+    """`metrics: {listen: admin}`: the admin listener serves /metrics with no token (the
+    scraper's), the data port answers 404; by default the data port serves it and the
+    admin listener has no such route."""
+    async with (
+        running(1, metrics={"listen": listen}, **config) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        tally = Tally.new()
+        admin = Admin(router, http, tally)
+        await tally.send(http, router.url + CHAT_PATH, **_data())
+        await settle(router)  # accounted once the exchange is over
+        here, there = router.admin.url, router.url
+        if listen == "data":
+            here, there = there, here
+        page = await tally.send(http, here + "/metrics", method="GET")
+        assert page.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        served = [
+            s.value
+            for family in text_string_to_metric_families(page.body.decode())
+            for s in family.samples
+            if s.name == "kvroute_requests_total"
+        ]
+        assert served == [1.0]
+        gone = 401 if listen == "data" else 404  # the admin listener wants its token first
+        missing = await tally.send(http, there + "/metrics", method="GET", expect=gone)
+        assert missing.json()["error"]["code"] == gone
+        if listen == "data":
+            await admin("GET", "/metrics", 404)
+        await admin("GET", "/admin/backends", 401, token=None)  # the rest stays closed
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+async def test_debug_routing_needs_the_admin_token_when_auth_is_on(config) -> None:
+    """It shows every tenant's recent requests: no data-plane token opens it."""
+    async with running(1, **config) as (router, _), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/debug/routing"
+        await tally.send(http, router.url + CHAT_PATH, **_data())  # a decision to show
+        for headers in ({}, _data()["headers"], {"Authorization": "Bearer wrong"}):
+            refused = await tally.send(http, url, method="GET", expect=401, headers=headers)
+            assert refused.json()["error"]["type"] == "AuthenticationError"
+        admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        shown = await tally.send(http, url, method="GET", headers=admin)
+        assert set(shown.json()["backends"]) == {"b0"}
+        assert (tally.failed, tally.hung) == (0, 0)
+
+
+@pytest.mark.parametrize("auth", [True, False], ids=["auth-on-no-admin", "auth-off"])
+async def test_debug_routing_without_an_admin_section(config, auth: bool) -> None:
+    """Auth on and no admin API: no token opens it. Auth off: open, as it always was."""
+    settings = {"auth": config["auth"]} if auth else {}
+    async with running(1, **settings) as (router, _), aiohttp.ClientSession() as http:
+        tally = Tally.new()
+        url = router.url + "/debug/routing"
+        expect = 401 if auth else 200
+        for headers in ({}, _data()["headers"], {"Authorization": f"Bearer {ADMIN_TOKEN}"}):
+            reply = await tally.send(http, url, method="GET", expect=expect, headers=headers)
+            if auth:
+                assert "no admin API" in reply.json()["error"]["message"]
         assert (tally.failed, tally.hung) == (0, 0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import string
 
 import orjson
 import pytest
@@ -34,6 +35,21 @@ def _tamper_claims(token: str) -> str:
 
 
 VALID = issue(KEY, "acme", 3600, now=NOW)
+ALPHABET = string.ascii_letters + string.digits + "-_"
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def _same_mac_other_spelling(token: str) -> str:
+    """`token` with its MAC's last character changed in the bits base64 leaves unused:
+    a lenient decoder reads the same MAC."""
+    mac = token.rsplit(".", 1)[1]
+    for c in ALPHABET:
+        if c != mac[-1] and _unb64(mac[:-1] + c) == _unb64(mac):
+            return token[:-1] + c
+    raise AssertionError("a 32-byte MAC has unused bits in its last character")
 
 
 @pytest.mark.parametrize(
@@ -61,6 +77,13 @@ VALID = issue(KEY, "acme", 3600, now=NOW)
         pytest.param("kvr1.abc", NOW, "Invalid", id="two-parts"),
         pytest.param("kvr2." + VALID[5:], NOW, "Invalid", id="wrong-version"),
         pytest.param("kvr1.!!!.???", NOW, "Invalid", id="not-base64"),
+        pytest.param(VALID + "=", NOW, "Invalid", id="padded-mac"),
+        pytest.param(VALID + "==", NOW, "Invalid", id="padded-twice"),
+        pytest.param(VALID + "=junk", NOW, "Invalid", id="junk-after-padding"),
+        pytest.param(VALID + "!", NOW, "Invalid", id="junk-after-mac"),
+        pytest.param(_same_mac_other_spelling(VALID), NOW, "Invalid", id="stray-bits"),
+        pytest.param(VALID + "\udcff", NOW, "Invalid", id="not-utf8-after-mac"),
+        pytest.param("kvr1.\udcff." + VALID.split(".")[2], NOW, "Invalid", id="not-utf8-claims"),
     ],
 )
 def test_bad_signed_tokens_are_refused(token: str, now: int, message: str) -> None:
@@ -68,6 +91,20 @@ def test_bad_signed_tokens_are_refused(token: str, now: int, message: str) -> No
         verify(KEY, token, now=now)
     assert info.value.status == 401
     assert token not in info.value.message  # tokens are never echoed
+
+
+def test_a_signed_token_has_exactly_one_valid_spelling() -> None:
+    """Every one-character change, insertion or appendix of a valid token is refused."""
+    spellings = {
+        VALID[:i] + c + VALID[j:]
+        for i in range(len(VALID) + 1)
+        for j in (i, i + 1)
+        for c in ALPHABET + "=.~ "
+    }
+    spellings.discard(VALID)
+    for token in spellings:
+        with pytest.raises(Unauthorized):
+            verify(KEY, token, now=NOW)
 
 
 def test_a_valid_signed_token_carries_its_tenant() -> None:
@@ -149,6 +186,30 @@ def test_unusable_secrets_are_config_errors(cfg, env, message, monkeypatch) -> N
         monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=message):
         Authenticator(AuthConfig(enabled=True, **cfg))
+
+
+@pytest.mark.parametrize(
+    ("trusted", "header", "claimed", "tenant"),
+    [
+        pytest.param(False, "Bearer alpha-token", "spoofed", "acme", id="token-tenant"),
+        pytest.param(True, "Bearer alpha-token", "spoofed", "acme", id="token-tenant-wins"),
+        pytest.param(False, "Bearer beta-token", "spoofed", None, id="untrusted-claim"),
+        pytest.param(True, "Bearer beta-token", "gateway", "gateway", id="trusted-claim"),
+        pytest.param(True, "Bearer beta-token", None, None, id="trusted-no-claim"),
+    ],
+)
+def test_the_tenant_is_the_tokens_or_a_trusted_claim(
+    tmp_path, trusted: bool, header: str, claimed: str | None, tenant: str | None
+) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alpha-token acme\nbeta-token\n")
+    cfg = AuthConfig(enabled=True, tokens_file=str(tokens), tenant_header_trusted=trusted)
+    assert Authenticator(cfg).tenant(header, claimed) == tenant
+
+
+def test_with_auth_off_the_claim_is_the_tenant() -> None:
+    auth = Authenticator(AuthConfig(enabled=False))
+    assert auth.tenant(None, "anyone") == "anyone" and auth.tenant(None, None) is None
 
 
 def test_disabled_auth_reads_nothing() -> None:

@@ -82,6 +82,21 @@ def test_defaults_need_only_backends() -> None:
             "needs tokenizer.path",
             id="hf-without-path",
         ),
+        pytest.param(
+            {"backends": ONE, "auth": {"tenant_header_trusted": True}},
+            "auth.tenant_header_trusted needs a tenant_header to trust",
+            id="trusted-header-without-header",
+        ),
+        pytest.param(
+            {"backends": ONE, "metrics": {"listen": "admin"}},
+            "metrics.listen: admin needs an admin section",
+            id="metrics-on-a-missing-admin-listener",
+        ),
+        pytest.param(
+            {"backends": ONE, "metrics": {"tenants": ["not one"]}},
+            "at `$.metrics.tenants[0]`",
+            id="metrics-tenant-not-a-tenant-id",
+        ),
     ],
 )
 def test_bad_config_names_the_problem(data: dict, message: str) -> None:

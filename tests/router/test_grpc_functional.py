@@ -425,6 +425,31 @@ async def test_auth_applies_to_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
         await settle(rig.router)
 
 
+@pytest.mark.parametrize(
+    ("trusted", "token", "tenant"),
+    [
+        pytest.param(False, "tok-b", None, id="untrusted-no-token-tenant"),
+        pytest.param(True, "tok-b", "from-metadata", id="trusted-no-token-tenant"),
+        pytest.param(True, "tok-a", "acme", id="trusted-token-tenant"),
+    ],
+)
+async def test_with_auth_the_tenant_is_the_tokens_or_trusted_metadata(
+    monkeypatch: pytest.MonkeyPatch, trusted: bool, token: str, tenant: str | None
+) -> None:
+    """With auth on, `routing.tenant` never counts (no gateway vouches for a message
+    field); the tenant metadata does only when trusted, and never over a token's own."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a acme,tok-b")
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
+    if trusted:
+        auth["tenant_header_trusted"] = True
+    async with grpc_router(auth=auth, tenant_header="X-Tenant-Id") as rig:
+        metadata = (("authorization", f"Bearer {token}"), ("x-tenant-id", "from-metadata"))
+        request = chat_request(routing=pb.RoutingHints(tenant="from-the-message"))
+        await rig.api.CreateChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+        assert rig.stubs[0].headers[-1].get("X-Tenant-Id") == tenant
+        await settle(rig.router)
+
+
 # ------------------------------------------------------------------ health, reflection
 
 
@@ -448,14 +473,20 @@ async def test_health_follows_backend_usability() -> None:
         )
 
 
-async def test_reflection_lists_the_service() -> None:
-    async with grpc_router() as rig:
+@pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on-with-a-token"])
+async def test_reflection_lists_the_service(monkeypatch: pytest.MonkeyPatch, auth: bool) -> None:
+    """With auth on, reflection answers a client with a data-plane token (grpcurl -H)."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-b")
+    config = {"auth": {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}} if auth else {}
+    async with grpc_router(**config) as rig:
         reflection = reflection_pb2_grpc.ServerReflectionStub(rig.channel)
         requests = [
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
         ]
-        replies = [r async for r in reflection.ServerReflectionInfo(iter(requests), timeout=5)]
+        metadata = (("authorization", "Bearer tok-b"),) if auth else ()
+        info = reflection.ServerReflectionInfo(iter(requests), timeout=5, metadata=metadata)
+        replies = [r async for r in info]
         names = {s.name for s in replies[0].list_services_response.service}
         assert {SERVICE, "grpc.health.v1.Health"} <= names
         files = replies[1].file_descriptor_response.file_descriptor_proto

@@ -232,6 +232,32 @@ async def test_metrics_sum_every_worker(tmp_path) -> None:
             await s.stop()
 
 
+async def test_metrics_on_the_admin_listener_sum_every_worker(tmp_path) -> None:
+    """With `metrics: {listen: admin}` the admin listener (worker 0's) shows the same
+    router-wide page the data port did; the data port answers 404 in every worker."""
+    servers = await stubs(2)
+    token = tmp_path / "admin.token"
+    token.write_text("admin-secret-token-0123456789")
+    admin = {"port": free_port(), "token_file": str(token)}
+    config = {"backends": backends(servers), "admin": admin, "metrics": {"listen": "admin"}}
+    try:
+        async with multi_router(tmp_path, config) as r, aiohttp.ClientSession() as scraper:
+            w0, w1 = [await r.pinned(pid) for pid in r.workers()]
+            for session, n in ((w0, 3), (w1, 5)):
+                for i in range(n):
+                    async with session.post(r.url + CHAT, json=chat(f"x{i}")) as resp:
+                        assert resp.status == 200
+            for session in (w0, w1):
+                async with session.get(r.url + "/metrics") as resp:
+                    assert resp.status == 404
+            url = f"http://127.0.0.1:{admin['port']}"
+            total = functools.partial(metric, scraper, url, "kvroute_requests_total")
+            await until(lambda: _holds(total(), lambda v: v == 8), 10, "8 on the admin /metrics")
+    finally:
+        for s in servers:
+            await s.stop()
+
+
 async def test_killed_worker_loses_only_its_requests_and_counters_recover(tmp_path) -> None:
     servers = await stubs(2, Behaviour(chunks=4, pace=0.75))
     try:
