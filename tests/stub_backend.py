@@ -94,7 +94,10 @@ class StubBackend:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        tokens = list(range(len(str(body.get("prompt", ""))) // 4))
+        prompt = body.get("prompt", "")
+        if not isinstance(prompt, str | list):  # as vLLM's /tokenize can: a client's 500
+            raise web.HTTPInternalServerError(text="Internal Server Error")
+        tokens = list(range(len(str(prompt)) // 4))
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _embeddings(self, request: web.Request) -> web.Response:
