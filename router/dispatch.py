@@ -42,6 +42,7 @@ from router.backends import Backend, Fleet
 from router.breaker import Outcome, outcome
 from router.config import Config, TimeoutsConfig
 from router.errors import (
+    BackendsFailed,
     BadRequest,
     KvrouteError,
     ModelNotFound,
@@ -144,7 +145,7 @@ class Dispatcher:
         if pick.reason in SPILL_REASONS:
             self._spillovers(pick.reason).inc()
         if pick.backend is None:
-            raise _unavailable(model)
+            raise NoBackendAvailable(_unavailable(model), retry_after=1)
         return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
 
     @asynccontextmanager
@@ -247,9 +248,7 @@ class Dispatcher:
         except KvrouteError:  # no other candidate
             return None
 
-    def _gave_up(
-        self, call: Call, error: UpstreamError, tried: list[Backend]
-    ) -> UpstreamError | NoBackendAvailable:
+    def _gave_up(self, call: Call, error: UpstreamError, tried: list[Backend]) -> UpstreamError:
         """What to answer when no attempt got an answer: the 503 once every candidate
         failed (after the refused ones were marked down, often none is left), else the
         last failure. O(candidates), on this failure path only."""
@@ -257,7 +256,8 @@ class Dispatcher:
         names = {b.name for b in tried}
         if any(b.name not in names for b in self.fleet.view(model).candidates):
             return error
-        return _unavailable(model, f" Every one tried failed, the last so: {error.message}")
+        why = f"{_unavailable(model)} Every backend tried failed; last: {error.message}"
+        return _blame(BackendsFailed(why, retry_after=1), tried[-1])
 
     def _finish(self, attempt: _Attempt, ok: bool, retried: bool = False) -> None:
         """Release the attempt; account the request if this was its last attempt."""
@@ -440,12 +440,10 @@ class Routed(NamedTuple):
     predicted_cached: int = 0
 
 
-def _unavailable(model: str, detail: str = "") -> NoBackendAvailable:
-    """The 503 for `model` (Retry-After: 1), `detail` added to its message."""
+def _unavailable(model: str) -> str:
+    """The message of a 503 for `model`."""
     which = f" for model `{model}`" if model else " (the request named no model)"
-    return NoBackendAvailable(
-        f"No backend is available{which}; retry shortly.{detail}", retry_after=1
-    )
+    return f"No backend is available{which}; retry shortly."
 
 
 def _blame(err: UpstreamError, backend: Backend) -> UpstreamError:
