@@ -156,7 +156,7 @@ class Fleet:
         self.retired: tuple[Backend, ...] = ()
         self.policy = policy
         #: the breakers' settings: the ejection cap and the panic threshold are the fleet's
-        self.breaker = breaker
+        self.breaker_cfg = breaker
         self._views: dict[str, FleetView] = {}
         self._attach(policy, self.members)
 
@@ -234,7 +234,7 @@ class Fleet:
         """Are more members ejected (breaker not closed) than `max_ejection_percent`?
         O(fleet), only when a breaker opens."""
         ejected = sum(b.breaker.state is not BreakerState.CLOSED for b in self.members)
-        return ejected * 100 > self.breaker.max_ejection_percent * len(self.members)
+        return ejected * 100 > self.breaker_cfg.max_ejection_percent * len(self.members)
 
     def prepare(self, configs: Iterable[BackendConfig], breaker: BreakerConfig) -> list[Backend]:
         """The backends `configs` describe: the current object where name and URL are
@@ -262,7 +262,7 @@ class Fleet:
         for backend, cfg in zip(backends, configs, strict=True):
             backend.reconfigure(cfg)
             backend.breaker.cfg = breaker
-        self.breaker = breaker
+        self.breaker_cfg = breaker
         members = tuple(backends)
         self._attach(policy, members)
         stayed = {id(b) for b in members}
@@ -290,7 +290,7 @@ class Fleet:
     def any_usable(self) -> bool:
         """Can requests be routed: a usable member, or (panic on) one that passes health
         checks, whatever its breaker says (with none usable, every view is in panic)."""
-        panic = self.breaker.panic_threshold_percent > 0
+        panic = self.breaker_cfg.panic_threshold_percent > 0
         return any(b.usable or (panic and _alive(b)) for b in self.members)
 
     def find(self, name: str) -> Backend | None:
@@ -311,7 +311,7 @@ class Fleet:
         """The usable backends serving `model`; in panic, every one passing checks."""
         serving = tuple(b for b in self.members if not b.draining and b.serves(model))
         candidates = usable = tuple(b for b in serving if b.usable)
-        if len(usable) * 100 < self.breaker.panic_threshold_percent * len(serving):
+        if len(usable) * 100 < self.breaker_cfg.panic_threshold_percent * len(serving):
             candidates = tuple(b for b in serving if _alive(b))
         panic = len(candidates) > len(usable)  # in panic only if it adds a backend
         return FleetView(self.members, candidates, frozenset(b.name for b in candidates), panic)

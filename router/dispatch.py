@@ -16,7 +16,7 @@ backend aborts the generation). Each attempt's outcome feeds the backend's break
 a refused connection (nothing listens) marks the backend down at once (`on_refused`).
 
 When no answer came and every candidate was tried, the client gets a 503 with
-`Retry-After` (NoBackendAvailable) at once: a 502 would invite it to retry at once on a
+`Retry-After` (BackendsFailed) at once: a 502 would invite it to retry at once on a
 fleet that is down. With candidates left untried (the retry budget ran out), the last
 failure is the answer (a 502).
 """

@@ -220,7 +220,7 @@ async def test_no_panic_when_its_threshold_is_zero() -> None:
     for b in fleet.members:
         fleet.attempt_verdict(b, Outcome.FAILURE, False)
     assert _names(fleet) == [] and not fleet.any_usable()
-    fleet.breaker = BreakerConfig(panic_threshold_percent=50)
+    fleet.breaker_cfg = BreakerConfig(panic_threshold_percent=50)
     fleet.changed()
     assert _names(fleet) == ["b0", "b1"] and fleet.any_usable()
 

@@ -100,8 +100,8 @@ async def fleet(n: int, **config) -> AsyncIterator[tuple[Router, list[Sim]]]:
 
 
 def ask(stream: bool = False) -> dict:
-    return {"json": {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                     "max_tokens": 4, "stream": stream}}  # fmt: skip
+    messages = [{"role": "user", "content": "hi"}]
+    return {"json": {"model": MODEL, "messages": messages, "max_tokens": 4, "stream": stream}}
 
 
 async def post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
