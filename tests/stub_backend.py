@@ -27,6 +27,8 @@ class Behaviour:
     delay: float = 0.0
     health_status: int = 200
     health_delay: float = 0.0
+    #: what /tokenize answers: vLLM has answered 500 to a malformed body
+    tokenize_status: int = 200
 
 
 @dataclass
@@ -94,10 +96,9 @@ class StubBackend:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
-        prompt = body.get("prompt", "")
-        if not isinstance(prompt, str | list):  # as vLLM's /tokenize can: a client's 500
-            raise web.HTTPInternalServerError(text="Internal Server Error")
-        tokens = list(range(len(str(prompt)) // 4))
+        if self.behaviour.tokenize_status != 200:
+            return _error(self.behaviour.tokenize_status, "stub tokenize failure")
+        tokens = list(range(len(str(body.get("prompt", ""))) // 4))
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 
     async def _embeddings(self, request: web.Request) -> web.Response:

@@ -91,6 +91,8 @@ async def test_500s_a_client_provokes_do_not_eject_a_healthy_backend() -> None:
         running(2, {"strategy": "ROUND_ROBIN"}, **config) as (router, stubs),
         aiohttp.ClientSession() as http,
     ):
+        for stub in stubs:
+            stub.behaviour.tokenize_status = 500  # what the malformed body below provokes
         tally = Tally.new()
         malformed = {"json": {"model": "stub-model", "prompt": {"not": "a prompt"}}}
         for _ in range(8):  # four to each backend, twice failure_threshold
