@@ -92,12 +92,14 @@ class FleetView:
     is built over it so that health flaps do not reshuffle prefixes); `candidates` is
     the subset that is healthy and serves the requested model; `candidate_names`
     makes membership checks O(1). The router caches one view per model and rebuilds
-    it only when membership or health changes.
+    it only when membership or health changes. `panic`: too few were usable, so the
+    candidates include backends only their circuit breaker kept out (router/backends.py).
     """
 
     members: tuple[BackendLike, ...]
     candidates: tuple[BackendLike, ...]
     candidate_names: frozenset[str]
+    panic: bool = False
 
 
 class Pick(NamedTuple):

@@ -28,9 +28,11 @@ Beside the path, never on it:
   health.py         active /health checks with thresholds; /v1/models discovery
   telemetry.py      /metrics scraping (waiting, KV usage, block counts) and, per backend,
   kv_events.py      the vLLM KV event subscription (ZMQ, replay) feeding the prefix index
-  breaker.py        per-backend circuit breaker fed by request outcomes (passive)
+  breaker.py        per-backend circuit breaker fed by request outcomes (passive; only
+                    what a client cannot cause counts fully)
   backends.py       backend state (health, breaker, drain, in-flight) and cached
-                    FleetView snapshots (rebuilt on change)
+                    FleetView snapshots (rebuilt on change), with Envoy's ejection cap
+                    and panic mode
   shared_load.py    with several workers: in-flight counts in shared memory, summed
   workers.py        `serve --workers N`: supervisor, SO_REUSEPORT workers, the collector
                     (telemetry.py gathers once there and feeds the workers)

@@ -23,7 +23,7 @@ from router.dispatch import Dispatcher
 from router.errors import listening
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
-from router.health import HealthChecker, ModelPoller, Verdicts
+from router.health import REFUSED, HealthChecker, ModelPoller, Verdicts
 from router.http_ingress import (
     HttpIngress,
     connection_handler,
@@ -96,6 +96,12 @@ class Router:
         if self.telemetry is not None:
             self.telemetry.push_nowait(payload)
 
+    def _refused(self, backend: Backend) -> None:
+        """A connection to `backend` was refused: down here at once, and with several
+        workers in the collector too, which tells every worker (router/health.py)."""
+        if self.health.refused(backend) and self.telemetry is not None:
+            self.telemetry.push_nowait(REFUSED + backend.name.encode())
+
     def _kv_events(self) -> dict[str, KvEventsConfig]:
         """Each backend's KV event endpoints in the current (possibly reloaded) config."""
         return {b.key: b.kv_events for b in self.config.backends if b.kv_events is not None}
@@ -153,7 +159,7 @@ class Router:
             return
         self.fleet.changed()
         cfg = self.config  # replayed edits may have changed it
-        self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
+        self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session, self._refused)
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]

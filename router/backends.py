@@ -9,9 +9,19 @@ write here; the request path only reads and counts.
 
 Usable = passes active health checks (`healthy`), its circuit breaker admits attempts,
 and it is not draining. Three writers, each beside the path: the health checker
-(`set_healthy`), the request outcomes (`attempt_begins` / `attempt_verdict`, which
-drive the breaker) and the operator (`set_draining`, `update` on reload). Every change
-of usability drops the cached views and counts a transition (exported at scrape time).
+(`set_healthy`; dispatch too, when nothing listens), the request outcomes
+(`attempt_begins` / `attempt_verdict`, which drive the breaker) and the operator
+(`set_draining`, `update` on reload). Every change of usability drops the cached views
+and counts a transition (exported at scrape time).
+
+Envoy's two guards keep passive ejection from emptying a fleet that is up. The ejection
+cap: a breaker may open only while at most `max_ejection_percent` of the members have
+theirs open or half-open, counting it; past that `attempt_verdict` refuses the opening.
+Each worker has its own breakers, so the cap holds per worker. Panic: when fewer than
+`panic_threshold_percent` of a model's backends (not draining) are usable, its view
+takes every one that passes health checks, breaker open or not, rather than answer 503.
+Both are judged off the request path: the cap when a breaker would open, panic when a
+view is built.
 
 `update` swaps membership in one step with no await: unchanged backends keep their
 object (in-flight count, health, breaker), so nothing in flight is lost; removed ones
@@ -29,7 +39,7 @@ from yarl import URL
 
 from policies import FleetView, Policy
 from router import log
-from router.breaker import Breaker, BreakerState
+from router.breaker import Breaker, BreakerState, Outcome
 from router.config import BackendConfig, BreakerConfig
 from router.placements import PlacementTable
 from router.shared_load import LoadTable
@@ -145,6 +155,8 @@ class Fleet:
         self.members: tuple[Backend, ...] = tuple(Backend(c, breaker, table) for c in configs)
         self.retired: tuple[Backend, ...] = ()
         self.policy = policy
+        #: the breakers' settings: the ejection cap and the panic threshold are the fleet's
+        self.breaker_cfg = breaker
         self._views: dict[str, FleetView] = {}
         self._attach(policy, self.members)
 
@@ -197,11 +209,18 @@ class Fleet:
             self.changed()  # no other attempt until the trial's verdict
         return trial
 
-    def attempt_verdict(self, backend: Backend, ok: bool | None, trial: bool) -> None:
-        """Feed an attempt's outcome to the breaker (None: ended without a verdict)."""
+    def attempt_verdict(self, backend: Backend, verdict: Outcome | None, trial: bool) -> bool:
+        """Feed an attempt's outcome to the breaker (None: ended without a verdict).
+
+        True when the breaker would have opened but the ejection cap kept it closed.
+        """
         breaker = backend.breaker
-        admitted = breaker.admits
-        state = breaker.record(ok, trial)
+        admitted, before = breaker.admits, breaker.state
+        state = breaker.record(verdict, trial)
+        refused = state is BreakerState.OPEN and before is BreakerState.CLOSED and self._capped()
+        if refused:
+            breaker.refuse()
+            state = None
         if state is BreakerState.OPEN:
             loop = asyncio.get_running_loop()
             loop.call_later(breaker.cfg.open_seconds, self._half_open, backend)
@@ -209,6 +228,13 @@ class Fleet:
             self._transition(backend, state.value)
         elif breaker.admits != admitted:
             self.changed()
+        return refused
+
+    def _capped(self) -> bool:
+        """Are more members ejected (breaker not closed) than `max_ejection_percent`?
+        O(fleet), only when a breaker opens."""
+        ejected = sum(b.breaker.state is not BreakerState.CLOSED for b in self.members)
+        return ejected * 100 > self.breaker_cfg.max_ejection_percent * len(self.members)
 
     def prepare(self, configs: Iterable[BackendConfig], breaker: BreakerConfig) -> list[Backend]:
         """The backends `configs` describe: the current object where name and URL are
@@ -236,6 +262,7 @@ class Fleet:
         for backend, cfg in zip(backends, configs, strict=True):
             backend.reconfigure(cfg)
             backend.breaker.cfg = breaker
+        self.breaker_cfg = breaker
         members = tuple(backends)
         self._attach(policy, members)
         stayed = {id(b) for b in members}
@@ -261,7 +288,10 @@ class Fleet:
             self.changed()
 
     def any_usable(self) -> bool:
-        return any(b.usable for b in self.members)
+        """Can requests be routed: a usable member, or (panic on) one that passes health
+        checks, whatever its breaker says (with none usable, every view is in panic)."""
+        panic = self.breaker_cfg.panic_threshold_percent > 0
+        return any(b.usable or (panic and _alive(b)) for b in self.members)
 
     def find(self, name: str) -> Backend | None:
         return next((b for b in self.members if b.name == name), None)
@@ -278,5 +308,15 @@ class Fleet:
         self.changed()
 
     def _build_view(self, model: str) -> FleetView:
-        candidates = tuple(b for b in self.members if b.usable and b.serves(model))
-        return FleetView(self.members, candidates, frozenset(b.name for b in candidates))
+        """The usable backends serving `model`; in panic, every one passing checks."""
+        serving = tuple(b for b in self.members if not b.draining and b.serves(model))
+        candidates = usable = tuple(b for b in serving if b.usable)
+        if len(usable) * 100 < self.breaker_cfg.panic_threshold_percent * len(serving):
+            candidates = tuple(b for b in serving if _alive(b))
+        panic = len(candidates) > len(usable)  # in panic only if it adds a backend
+        return FleetView(self.members, candidates, frozenset(b.name for b in candidates), panic)
+
+
+def _alive(backend: Backend) -> bool:
+    """Passes active checks and is not draining: routable in panic, breaker or not."""
+    return backend.healthy and not backend.draining

@@ -1,13 +1,24 @@
 """A circuit breaker per backend: passive ejection from the request path's own outcomes.
 
+What counts (`outcome`): a client must not be able to eject a healthy backend, so only
+what the backend cannot blame on the request is a FAILURE: a connection error, a
+timeout, a stream it cut, a 502, 503 or 504. A 500 (and any other 5xx but 501 and 505)
+is a SERVER_ERROR: a malformed body can provoke one from a healthy vLLM, so it counts
+as `server_error_weight` of a failure (0.1: ten in a row weigh one failure). Any other
+answer is a SUCCESS: 4xx (the client's), 501 and 505 (what the request asks for).
+
 States and moves (`BreakerConfig` gives the numbers):
 
-  CLOSED    every attempt's verdict counts; `failure_threshold` consecutive failures
-            (connection error, timeout, 5xx, a stream cut by the backend) → OPEN.
-            Any success resets the count, so a slow but answering backend stays in.
+  CLOSED    every attempt's verdict counts; failures and weighted server errors in a
+            row weighing `failure_threshold` → OPEN. Any success resets the count, so a
+            slow but answering backend stays in.
   OPEN      no new attempts; after `open_seconds` the owner calls `half_open()`.
   HALF_OPEN one trial attempt at a time is admitted; only the trial's verdict counts:
-            `half_open_successes` consecutive successes → CLOSED, a failure → OPEN.
+            `half_open_successes` consecutive successes → CLOSED, trial verdicts that
+            weigh one failure (a failure, or 1 / weight server errors) → OPEN.
+
+The owner may refuse an opening (`refuse`: Envoy's maximum ejection percent, which
+needs the whole fleet's states): the breaker stays CLOSED with its count reset.
 
 Invariants: a verdict is applied at most once per attempt (the caller keeps the trial
 flag `begin()` returned and passes it back); verdicts of attempts that started in an
@@ -21,9 +32,14 @@ timer and rebuilds the routing views whenever `admits` may have changed. Cost: O
 
 from __future__ import annotations
 
-from enum import StrEnum
+from enum import Enum, StrEnum
 
 from router.config import BreakerConfig
+
+#: statuses of a backend that is there but cannot serve: overloaded, or a gateway's
+_UNAVAILABLE = frozenset({502, 503, 504})
+#: 5xx that say what the request asks for is not served (method, HTTP version): no fault
+_UNSUPPORTED = frozenset({501, 505})
 
 
 class BreakerState(StrEnum):
@@ -32,13 +48,29 @@ class BreakerState(StrEnum):
     HALF_OPEN = "half_open"
 
 
+class Outcome(Enum):
+    """One attempt's verdict, as the breaker weighs it."""
+
+    SUCCESS = "success"
+    FAILURE = "failure"
+    SERVER_ERROR = "server_error"
+
+
+def outcome(status: int) -> Outcome:
+    """The verdict of an answer with HTTP `status` (see the module docstring)."""
+    if status < 500 or status in _UNSUPPORTED:
+        return Outcome.SUCCESS
+    return Outcome.FAILURE if status in _UNAVAILABLE else Outcome.SERVER_ERROR
+
+
 class Breaker:
-    __slots__ = ("cfg", "failures", "state", "successes", "trial_busy")
+    __slots__ = ("cfg", "failures", "server_errors", "state", "successes", "trial_busy")
 
     def __init__(self, cfg: BreakerConfig) -> None:
         self.cfg = cfg
         self.state = BreakerState.CLOSED
         self.failures = 0
+        self.server_errors = 0
         self.successes = 0
         self.trial_busy = False
 
@@ -57,19 +89,19 @@ class Breaker:
             return True
         return False
 
-    def record(self, ok: bool | None, trial: bool) -> BreakerState | None:
+    def record(self, verdict: Outcome | None, trial: bool) -> BreakerState | None:
         """Apply one attempt's verdict (None: it ended without one).
 
         Returns the new state when it changed, else None.
         """
         if trial:
             self.trial_busy = False
-        if ok is None or not self.cfg.enabled:
+        if verdict is None or not self.cfg.enabled:
             return None
         if self.state is BreakerState.CLOSED:
-            return self._closed(ok)
+            return self._closed(verdict)
         if self.state is BreakerState.HALF_OPEN and trial:
-            return self._half_open(ok)
+            return self._half_open(verdict)
         return None
 
     def half_open(self) -> BreakerState | None:
@@ -79,22 +111,42 @@ class Breaker:
         self.state, self.successes, self.trial_busy = BreakerState.HALF_OPEN, 0, False
         return self.state
 
-    def _closed(self, ok: bool) -> BreakerState | None:
-        if ok:
-            self.failures = 0
-            return None
-        self.failures += 1
-        return self._open() if self.failures >= self.cfg.failure_threshold else None
+    def refuse(self) -> None:
+        """The owner refuses the opening `record` just made (the ejection cap): CLOSED
+        again with the count reset, so another `failure_threshold` asks again."""
+        self._reset(BreakerState.CLOSED)
 
-    def _half_open(self, ok: bool) -> BreakerState | None:
-        if not ok:
-            return self._open()
+    def _closed(self, verdict: Outcome) -> BreakerState | None:
+        if verdict is Outcome.SUCCESS:
+            self.failures = self.server_errors = 0
+            return None
+        self._count(verdict)
+        return self._open() if self._weighs(self.cfg.failure_threshold) else None
+
+    def _half_open(self, verdict: Outcome) -> BreakerState | None:
+        if verdict is not Outcome.SUCCESS:
+            self._count(verdict)
+            return self._open() if self._weighs(1) else None
         self.successes += 1
         if self.successes < self.cfg.half_open_successes:
             return None
-        self.state, self.failures = BreakerState.CLOSED, 0
+        self._reset(BreakerState.CLOSED)
         return self.state
 
+    def _count(self, verdict: Outcome) -> None:
+        if verdict is Outcome.FAILURE:
+            self.failures += 1
+        else:
+            self.server_errors += 1
+
+    def _weighs(self, threshold: int) -> bool:
+        """Do the failures counted weigh `threshold`? (Integers until the one product,
+        so ten server errors of weight 0.1 weigh exactly one failure.)"""
+        return self.failures + self.server_errors * self.cfg.server_error_weight >= threshold
+
     def _open(self) -> BreakerState:
-        self.state, self.failures, self.successes = BreakerState.OPEN, 0, 0
+        self._reset(BreakerState.OPEN)
         return self.state
+
+    def _reset(self, state: BreakerState) -> None:
+        self.state, self.failures, self.server_errors, self.successes = state, 0, 0, 0

@@ -188,11 +188,22 @@ class HealthConfig(_Strict):
 
 
 class BreakerConfig(_Strict):
-    """Passive ejection: a circuit breaker per backend fed by the request path."""
+    """Passive ejection: a circuit breaker per backend fed by the request path (the
+    module docstring of router/breaker.py says what counts), and Envoy's two guards."""
 
     enabled: bool = True
-    #: consecutive failed attempts (connection error, timeout, 5xx, cut stream) that open it
+    #: consecutive failed attempts that open it: connection errors, timeouts, cut streams
+    #: and 502/503/504, which a client cannot cause; 4xx, 501 and 505 never count
     failure_threshold: Annotated[int, Meta(ge=1)] = 5
+    #: how much of a failure another 5xx (a 500) is: a client can make a healthy backend
+    #: answer 500 (a malformed body), so it takes 1 / weight of them in a row (0: never)
+    server_error_weight: Annotated[float, Meta(ge=0, le=1)] = 0.1
+    #: the most of the fleet (percent of backends) breakers may hold open at once; an
+    #: opening past it is refused, so passive signals alone never eject a whole fleet
+    max_ejection_percent: Annotated[float, Meta(ge=0, le=100)] = 50.0
+    #: panic: below this share (percent) of a model's backends usable, its requests go
+    #: to those whose breaker is open too, while they pass health checks (0: never)
+    panic_threshold_percent: Annotated[float, Meta(ge=0, le=100)] = 50.0
     #: how long it stays open before one trial request is let through, seconds
     open_seconds: Seconds = 10.0
     #: consecutive trial successes that close it again

@@ -12,7 +12,13 @@ Accounting survives every ending: each attempt takes its backend's in-flight slo
 the breaker's trial slot) with no `await` before the `try` whose `finally` gives it
 back, whether the attempt is retried, succeeds, fails upstream, times out, or the
 client disconnects (which cancels this task and closes the upstream connection, so the
-backend aborts the generation). Each attempt's outcome feeds the backend's breaker.
+backend aborts the generation). Each attempt's outcome feeds the backend's breaker, and
+a refused connection (nothing listens) marks the backend down at once (`on_refused`).
+
+When no answer came and every candidate was tried, the client gets a 503 with
+`Retry-After` (BackendsFailed) at once: a 502 would invite it to retry at once on a
+fleet that is down. With candidates left untried (the retry budget ran out), the last
+failure is the answer (a 502).
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import AsyncIterator, Collection
+from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -33,8 +39,10 @@ from hashing.fingerprint import Fingerprinter
 from policies import SPILL_REASONS, Policy, RouteRequest
 from router.admission import Admission
 from router.backends import Backend, Fleet
+from router.breaker import Outcome, outcome
 from router.config import Config, TimeoutsConfig
 from router.errors import (
+    BackendsFailed,
     BadRequest,
     KvrouteError,
     ModelNotFound,
@@ -72,9 +80,18 @@ def new_request_id() -> str:
 
 
 class Dispatcher:
-    def __init__(self, config: Config, fleet: Fleet, metrics: Metrics, session) -> None:
+    def __init__(
+        self,
+        config: Config,
+        fleet: Fleet,
+        metrics: Metrics,
+        session,
+        on_refused: Callable[[Backend], None] | None = None,
+    ) -> None:
         self.fleet = fleet
         self.metrics = metrics
+        #: hears each backend that refused a connection (the health checker's `refused`)
+        self.on_refused = on_refused
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
         self.admission = Admission(config.limits)
@@ -123,13 +140,12 @@ class Dispatcher:
         pick = policy.pick(route_req, excluding(view, tried) if tried else view)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         self._decisions(self.strategy, pick.reason).inc()
+        if view.panic:
+            self.metrics.panic_routing.inc()
         if pick.reason in SPILL_REASONS:
             self._spillovers(pick.reason).inc()
         if pick.backend is None:
-            which = f" for model `{model}`" if model else " (the request named no model)"
-            raise NoBackendAvailable(
-                f"No backend is available{which}; retry shortly.", retry_after=1
-            )
+            raise NoBackendAvailable(_unavailable(model), retry_after=1)
         return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
 
     @asynccontextmanager
@@ -199,9 +215,12 @@ class Dispatcher:
             routed = self._retry_target(call, tried)
             if routed is None and upstream is not None:
                 return attempt
-            self._finish(attempt, False, retried=routed is not None)
             if routed is None:
-                raise attempt.error
+                error = self._gave_up(call, attempt.error, tried)
+                attempt.status = str(error.status)
+                self._finish(attempt, False)
+                raise error
+            self._finish(attempt, False, retried=True)
             room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
             deadline.reschedule(None)  # the backoff is bounded by `room`
             await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
@@ -228,6 +247,17 @@ class Dispatcher:
             return self.route(call, [b.name for b in tried])
         except KvrouteError:  # no other candidate
             return None
+
+    def _gave_up(self, call: Call, error: UpstreamError, tried: list[Backend]) -> UpstreamError:
+        """What to answer when no attempt got an answer: the 503 once every candidate
+        failed (after the refused ones were marked down, often none is left), else the
+        last failure. O(candidates), on this failure path only."""
+        model = call.req.model or ""
+        names = {b.name for b in tried}
+        if any(b.name not in names for b in self.fleet.view(model).candidates):
+            return error
+        why = f"{_unavailable(model)} Every backend tried failed; last: {error.message}"
+        return _blame(BackendsFailed(why, retry_after=1), tried[-1])
 
     def _finish(self, attempt: _Attempt, ok: bool, retried: bool = False) -> None:
         """Release the attempt; account the request if this was its last attempt."""
@@ -282,16 +312,20 @@ class _Attempt:
 
     Construction takes the backend's in-flight slot (and the breaker's half-open trial
     slot, when this is the trial); `release` gives them back, once. The breaker hears
-    at most one verdict per attempt: at the response headers (a 5xx fails), or when the
-    attempt fails (connection, timeout, cut stream); a client that leaves gives none.
+    at most one verdict per attempt: at the response headers for a 5xx (breaker.py
+    weighs which), when the attempt fails (connection, timeout, cut stream), or else a
+    success once the answer was relayed whole, so a stream the backend cuts counts as
+    the failure it is; a client that leaves gives none.
     `with attempt:` notes how the attempt ends if an exception ends it.
     """
 
     __slots__ = (
         "_fleet",
         "_itl",
+        "_judged",
         "_metrics",
         "_queued",
+        "_refused",
         "_timeout",
         "_trial",
         "backend",
@@ -307,6 +341,7 @@ class _Attempt:
     ) -> None:
         self._fleet = fleet = dispatcher.fleet
         self._metrics = dispatcher.metrics
+        self._refused = dispatcher.on_refused
         self.routed = routed
         self.backend = backend = routed.backend
         self._itl = dispatcher._itl(backend.name)
@@ -314,6 +349,7 @@ class _Attempt:
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)
+        self._judged = False  # the breaker heard this attempt's verdict
         self.status = "error"
         #: the exchange's timeout: this attempt sets it and hears when it expires
         self._timeout = timeout
@@ -346,7 +382,9 @@ class _Attempt:
         upstream.backend_name = backend.name
         self.upstream = upstream
         self.status = str(upstream.status)
-        self._verdict(upstream.status < 500)
+        verdict = outcome(upstream.status)
+        if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
+            self._verdict(verdict)
 
     def __enter__(self) -> _Attempt:
         return self
@@ -365,10 +403,12 @@ class _Attempt:
         self._queued = 0
 
     def release(self, clean: bool) -> None:
+        """Give the slots back; an answer relayed whole (`clean`) not judged yet is a
+        success, and a trial ending without a verdict frees the trial slot."""
         self.backend.count(-1, -self._queued)
         self._queued = 0
-        if self._trial:  # the trial ended without a verdict: free the slot
-            self._verdict(None)
+        if not self._judged and (clean or self._trial):
+            self._verdict(Outcome.SUCCESS if clean else None)
         if self.upstream is not None:
             self.upstream.finish(clean)
 
@@ -377,13 +417,19 @@ class _Attempt:
             _blame(exc, self.backend)
             self.error, self.status = exc, str(exc.status)
             self._metrics.upstream_errors.labels(self.backend.name, exc.kind).inc()
-            self._verdict(False)
+            self._verdict(Outcome.FAILURE)
+            if self._refused is not None and isinstance(exc.__cause__, ConnectionRefusedError):
+                self._refused(self.backend)  # proxy raises it from the OSError
         elif isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
             self.status = "499"  # nginx's "client closed request"
             self._metrics.client_disconnects.labels(self.backend.name).inc()
 
-    def _verdict(self, ok: bool | None) -> None:
-        self._fleet.attempt_verdict(self.backend, ok, self._trial)
+    def _verdict(self, verdict: Outcome | None) -> None:
+        if self._judged:
+            return
+        self._judged = verdict is not None
+        if self._fleet.attempt_verdict(self.backend, verdict, self._trial):
+            self._metrics.ejections_refused.labels(self.backend.name).inc()
         self._trial = False
 
 
@@ -392,6 +438,12 @@ class Routed(NamedTuple):
     #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
     prompt_tokens: int = 0
     predicted_cached: int = 0
+
+
+def _unavailable(model: str) -> str:
+    """The message of a 503 for `model`."""
+    which = f" for model `{model}`" if model else " (the request named no model)"
+    return f"No backend is available{which}; retry shortly."
 
 
 def _blame(err: UpstreamError, backend: Backend) -> UpstreamError:

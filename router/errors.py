@@ -207,6 +207,13 @@ class UpstreamTimeout(UpstreamError, TimeoutError):
     kind = "timeout"
 
 
+class BackendsFailed(NoBackendAvailable, UpstreamError):
+    """Every candidate was tried and none answered: a 503 with Retry-After, since an
+    instant retry would meet the same fleet, naming the last one tried as a 502 does."""
+
+    status = 503
+
+
 # --- gRPC: the HTTP status → gRPC code table used by to_grpc() --------------
 
 

@@ -8,7 +8,11 @@ Hysteresis: `unhealthy_threshold` consecutive failures mark the backend down and
 `healthy_threshold` consecutive passes mark it up again, so one lost probe never flaps
 routing and a busy backend that answers late but in time is never ejected (peers.md §4,
 item 11). The verdict is written with `Fleet.set_healthy`; the request path's own
-outcomes feed the circuit breaker (breaker.py), the other half of ejection.
+outcomes feed the circuit breaker (breaker.py), the other half of ejection. One outcome
+is as sure as the checks: a refused connection (nothing listens), which dispatch reports
+to `refused`. That marks the backend down at once, as `unhealthy_threshold` failed
+checks would, and `healthy_threshold` passes bring it back (with checks off it is left
+to the breaker: nothing would bring it back).
 
 `ModelPoller` fetches each backend's `/v1/models` every `models_refresh_interval`: the
 cards feed `/v1/models` and the per-model candidate lists. A failed fetch keeps what
@@ -16,7 +20,10 @@ was known; reachability is the health checker's job.
 
 With several workers (router/workers.py) only the collector probes: `Verdicts` encodes
 its health verdicts and model cards after every round, and each worker adopts them, so
-a fleet is probed once per interval, not once per worker.
+a fleet is probed once per interval, not once per worker. A worker that finds a backend
+refusing connections marks it down itself and tells the collector (`REFUSED` + its
+name), which marks it down too and publishes its verdicts at once: every worker stops
+sending there, and the next round's verdict cannot bring it back up unchecked.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import orjson
 
 from router.backends import Backend, Fleet
 from router.config import HealthConfig
+
+#: a worker's word to the collector, before a backend's name: it refused a connection
+REFUSED = b"R"
 
 
 class HealthChecker:
@@ -75,6 +85,15 @@ class HealthChecker:
         if resp.status >= 500:
             return False
         self.last_pass[backend.name] = asyncio.get_running_loop().time()
+        return True
+
+    def refused(self, backend: Backend) -> bool:
+        """Nothing listens at `backend`: down at once, as after `unhealthy_threshold`
+        failed checks. False (nothing done) while checks are off."""
+        if not self.cfg.enabled:
+            return False
+        backend.check_streak = min(backend.check_streak, -self.cfg.unhealthy_threshold)
+        self._fleet.set_healthy(backend, False)
         return True
 
     def judge(self, backend: Backend, passed: bool) -> None:
@@ -163,6 +182,12 @@ class Verdicts:
             for b in self._fleet.members
         ]
         return msgspec.msgpack.encode(verdicts)
+
+    def refused(self, payload: bytes) -> bool:
+        """The collector: a worker's `REFUSED` message; True if a backend was marked down
+        (the verdicts are worth publishing)."""
+        backend = self._fleet.find(payload.removeprefix(REFUSED).decode())
+        return backend is not None and self._health.refused(backend)
 
     def adopt(self, payload: bytes) -> None:
         """Take the collector's verdicts. Those on backends this worker has not added yet

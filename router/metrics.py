@@ -193,6 +193,18 @@ class Metrics:
             ["backend", "reason"],
             registry=r,
         )
+        self.ejections_refused = Counter(
+            "kvroute_breaker_ejections_refused",
+            "Breaker openings refused by max_ejection_percent, by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.panic_routing = Counter(
+            "kvroute_panic_routing",
+            "Routing decisions in panic: too few backends usable, so those only their "
+            "breaker kept out were candidates too",
+            registry=r,
+        )
         self._tenant_requests = Counter(
             "kvroute_tenant_requests",
             f"Requests of an authenticated tenant, by tenant ({OTHER_TENANT}: not a known one)",

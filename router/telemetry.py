@@ -23,7 +23,8 @@ too.
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
 probe round, after backends joined its fleet, and to every worker that says hello;
-router/health.py `Verdicts`: only the collector probes), the admin API's runtime edits
+router/health.py `Verdicts`: only the collector probes; a worker's `REFUSED` message
+marks a backend down there and publishes them at once), the admin API's runtime edits
 (worker 0 pushes an edit to the collector's PULL socket, `broadcast`; the collector
 applies it too, so it scrapes, subscribes to and probes an added backend, and publishes
 it, `a`) and the collector's own edits (`announce`: the discovered backends, `a` too);
@@ -56,7 +57,7 @@ from hashing.prefix_index import PrefixIndex
 from router import log
 from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
-from router.health import Verdicts
+from router.health import REFUSED, Verdicts
 from router.kv_events import EventApplier, EventSubscriber, run_forever
 from router.metrics import Metrics
 from router.placements import LEARNED, decode_learned
@@ -434,6 +435,10 @@ class Telemetry:
                 payload = await pull.recv()
                 if payload.startswith(LEARNED):  # a worker's placements: to the others
                     self._publish([b"l", b"", payload])
+                    continue
+                if payload.startswith(REFUSED):  # nothing listens: down for every worker
+                    if self._verdicts.refused(payload):
+                        self.verdicts_changed()
                     continue
                 if not payload.startswith(_HELLO):
                     self._publish([b"a", b"", payload])

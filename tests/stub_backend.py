@@ -27,6 +27,8 @@ class Behaviour:
     delay: float = 0.0
     health_status: int = 200
     health_delay: float = 0.0
+    #: what /tokenize answers: vLLM has answered 500 to a malformed body
+    tokenize_status: int = 200
 
 
 @dataclass
@@ -94,6 +96,8 @@ class StubBackend:
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())
+        if self.behaviour.tokenize_status != 200:
+            return _error(self.behaviour.tokenize_status, "stub tokenize failure")
         tokens = list(range(len(str(body.get("prompt", ""))) // 4))
         return web.json_response({"count": len(tokens), "max_model_len": 4096, "tokens": tokens})
 

@@ -53,11 +53,11 @@ async def test_consecutive_5xx_open_the_breaker_and_trials_close_it() -> None:
         aiohttp.ClientSession() as http,
     ):
         b0 = router.fleet.members[0]
-        stubs[0].behaviour.status = 500  # passed through: 500 is not retried by default
+        stubs[0].behaviour.status = 502  # passed through: no retries
         tally = Tally.new()
         url = router.url + "/v1/chat/completions"
         for _ in range(6):
-            await tally.send(http, url, expect={200, 500}, **chat())
+            await tally.send(http, url, expect={200, 502}, **chat())
         assert b0.breaker.state is BreakerState.OPEN
         assert len(stubs[0].received) == 3  # nothing more after it opened
         for _ in range(4):
@@ -81,8 +81,43 @@ async def test_consecutive_5xx_open_the_breaker_and_trials_close_it() -> None:
         assert (tally.failed, tally.hung) == (0, 0)
 
 
+async def test_500s_a_client_provokes_do_not_eject_a_healthy_backend() -> None:
+    """A malformed /tokenize body makes a healthy backend answer 500: ten in a row weigh
+    one failure, so twice the threshold's worth keeps every breaker closed. The 502s a
+    client cannot provoke still open it."""
+    breaker = {"failure_threshold": 2, "open_seconds": 60}
+    config = {"health": NO_CHECKS, "breaker": breaker, "retries": {"max_retries": 0}}
+    async with (
+        running(2, {"strategy": "ROUND_ROBIN"}, **config) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        for stub in stubs:
+            stub.behaviour.tokenize_status = 500  # what the malformed body below provokes
+        tally = Tally.new()
+        malformed = {"json": {"model": "stub-model", "prompt": {"not": "a prompt"}}}
+        for _ in range(8):  # four to each backend, twice failure_threshold
+            await tally.send(http, router.url + "/tokenize", expect=500, **malformed)
+        assert [b.breaker.state for b in router.fleet.members] == [BreakerState.CLOSED] * 2
+        url = router.url + "/v1/chat/completions"
+        served = {(await tally.send(http, url, **chat())).headers["x-kvroute-backend"]}
+        served.add((await tally.send(http, url, **chat())).headers["x-kvroute-backend"])
+        assert served == {"b0", "b1"}
+        stubs[0].behaviour.status = 502
+        for _ in range(4):
+            await tally.send(http, url, expect={200, 502}, **chat())
+        assert router.fleet.members[0].breaker.state is BreakerState.OPEN
+        assert (tally.failed, tally.hung) == (0, 0)
+        await settle(router)
+
+
 async def test_a_failed_trial_reopens_the_breaker() -> None:
-    breaker = {"failure_threshold": 1, "open_seconds": 0.2, "half_open_successes": 1}
+    breaker = {
+        "failure_threshold": 1,
+        "open_seconds": 0.2,
+        "half_open_successes": 1,
+        "max_ejection_percent": 100,  # a lone backend may be ejected
+        "panic_threshold_percent": 0,  # and then nothing is tried
+    }
     config = {"health": NO_CHECKS, "breaker": breaker, "retries": {"max_retries": 0}}
     async with running(1, **config) as (router, stubs), aiohttp.ClientSession() as http:
         b0 = router.fleet.members[0]

@@ -264,12 +264,16 @@ async def test_backend_errors() -> None:
         assert headers["x-kvroute-backend"] == "b0"
         await settle(router)
 
-        await stubs[0].stop()  # connection refused before the poller notices
+        await stubs[0].stop()  # connection refused: the only candidate failed, a 503
         code, headers, body = await _status(router.url + url_path, **payload)
-        assert code == 502 and body["error"]["message"] == f"{b0} refused the connection."
-        assert headers["x-kvroute-backend"] == "b0"
+        assert code == 503 and headers["Retry-After"] == "1"
+        assert body["error"]["message"] == (
+            f"No backend is available for model `{MODEL}`; retry shortly. "
+            f"Every backend tried failed; last: {b0} refused the connection."
+        )
+        assert headers["x-kvroute-backend"] == "b0"  # who failed, as in a 502
+        assert not router.fleet.members[0].healthy  # down at once: not tried again
 
-        router.fleet.set_healthy(router.fleet.members[0], False)
         code, headers, body = await _status(router.url + url_path, **payload)
         assert code == 503 and headers["Retry-After"] == "1"
         no_model = {"json": {"messages": CHAT}}
@@ -281,20 +285,22 @@ async def test_backend_errors() -> None:
 
 
 async def test_a_502_after_retries_names_the_last_backend_tried() -> None:
-    async with running(2, health={"enabled": False}) as (router, stubs):
+    """The retry budget (one) ran out with a backend left untried: the last failure."""
+    config = {"health": {"enabled": False}, "retries": {"max_retries": 1}}
+    async with running(3, **config) as (router, stubs):
         for stub in stubs:
             await stub.stop()
         url = router.url + "/v1/chat/completions"
         code, headers, body = await _status(url, json={"model": MODEL, "messages": CHAT})
         assert code == 502
         last = headers["x-kvroute-backend"]
-        (first,) = {"b0", "b1"} - {last}
         port = stubs[int(last[1])].port
         assert (
             body["error"]["message"] == f"Backend {last} (127.0.0.1:{port}) refused the connection."
         )
         retried = _retries(router.metrics.render())
-        assert retried == {(first, "connect"): 1.0}  # the first was tried, then the last
+        ((first, _),) = retried  # one retry: the first was tried, then the last
+        assert first != last and retried == {(first, "connect"): 1.0}
 
 
 def _retries(text: bytes) -> dict[tuple[str, str], float]:

@@ -105,7 +105,7 @@ async def test_retry_budget_is_bounded_and_the_last_answer_passes_through() -> N
         await settle(router)
 
 
-async def test_one_backend_refusing_is_a_502_and_a_timeout_is_never_retried() -> None:
+async def test_a_timeout_is_never_retried_and_a_lone_refusing_backend_is_a_503() -> None:
     config = {**FAST, "timeouts": {"first_byte": 0.3}}
     async with running(2, {"strategy": "ROUND_ROBIN"}, **config) as (router, stubs):
         tally = Tally.new()
@@ -117,8 +117,10 @@ async def test_one_backend_refusing_is_a_502_and_a_timeout_is_never_retried() ->
         await settle(router)
     async with running(1, **FAST) as (router, stubs), aiohttp.ClientSession() as http:
         await stubs[0].kill()
-        reply = await tally.send(http, router.url + CHAT_PATH, expect=502, **chat())
-        assert "connect" in reply.json()["error"]["message"]
+        reply = await tally.send(http, router.url + CHAT_PATH, expect=503, **chat())
+        assert "b0" in reply.json()["error"]["message"]  # every candidate failed: wait, retry
+        assert "refused the connection" in reply.json()["error"]["message"]
+        assert reply.headers["Retry-After"] == "1"
         await settle(router)
     assert (tally.failed, tally.hung) == (0, 0)
 
