@@ -19,7 +19,7 @@ from router.auth import Authenticator
 from router.backends import Backend, Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
-from router.dispatch import Dispatcher
+from router.dispatch import CUT_GRACE_SECONDS, Dispatcher
 from router.errors import listening
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
@@ -163,7 +163,8 @@ class Router:
             app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=cfg.shutdown.drain_seconds,  # in-flight requests' grace
+            # the dispatcher cuts what is left at drain_seconds: this outlasts its ending
+            shutdown_timeout=cfg.shutdown.drain_seconds + CUT_GRACE_SECONDS,
             **server_limits(cfg.limits),
         )
         await self._runner.setup()
@@ -205,8 +206,7 @@ class Router:
         )
 
     async def stop(self) -> None:
-        if self.grpc is not None:  # gRPC ingress: started last, stopped first
-            await self.grpc.stop()
+        await self._drain()
         if self.telemetry is not None:
             await self.telemetry.stop()
         if self.admin is not None:
@@ -214,8 +214,6 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections
         if self._session is not None:
@@ -224,6 +222,21 @@ class Router:
             self.table.close()
         if self.placements is not None:
             self.placements.close()
+
+    async def _drain(self) -> None:
+        """Both listeners stop taking connections and RPCs at once; the requests in
+        flight on either get `shutdown.drain_seconds` to end together, then the
+        dispatcher ends each one left with a "shutting down" error, and the servers
+        close what remains."""
+        drain = self.config.shutdown.drain_seconds
+        steps = []
+        if self.grpc is not None:
+            steps.append(self.grpc.stop(drain + CUT_GRACE_SECONDS))
+        if self._runner is not None:
+            steps.append(self._runner.cleanup())
+        if self.dispatcher is not None:
+            steps.append(self.dispatcher.drain(drain))
+        await asyncio.gather(*steps)
 
     async def _probe(self, after: Callable[[], None] | None) -> None:
         """One model poll and one health check before serving, so /ready and the first
@@ -285,7 +298,8 @@ class Router:
 
     async def shutdown(self) -> None:
         """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the
-        listeners close, and requests in flight get `shutdown.drain_seconds` to end."""
+        listeners close, and requests in flight get `shutdown.drain_seconds` to end;
+        those still open then end with a "shutting down" error (`_drain`)."""
         if self.dispatcher is not None:  # the collector serves nothing: it just stops
             self.dispatcher.draining = True
             await asyncio.sleep(self.config.shutdown.unready_seconds)
