@@ -41,6 +41,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from router.workers import sweep_stale
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -259,6 +260,62 @@ async def test_killed_worker_loses_only_its_requests_and_counters_recover(tmp_pa
             (replacement,) = set(r.workers()) - {survivor}
             fresh = await r.pinned(replacement)
             async with fresh.post(r.url + CHAT, json=chat("after")) as resp:
+                assert resp.status == 200
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+def _rundir(r: MultiRouter) -> Path:
+    """The router's run directory (its children's Prometheus directory is in it)."""
+    child = psutil.Process(r.workers()[0])
+    return Path(child.environ()["PROMETHEUS_MULTIPROC_DIR"]).parent
+
+
+def _serving(children: list[psutil.Process]) -> list[psutil.Process]:
+    """The router's children (multiprocessing's resource tracker aside) still alive."""
+    alive = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in child.cmdline()[-2]:
+                alive.append(child)
+    return alive
+
+
+async def test_a_killed_routers_run_directory_is_removed_by_the_next_start(tmp_path) -> None:
+    """A supervisor killed with SIGKILL leaves its run directory (shared tables, metric
+    files) in /dev/shm; the next router's start removes it, once no process of the dead
+    router is left: a worker still draining its stream keeps it. A live router's
+    directory is never touched."""
+    servers = await stubs(1, Behaviour(chunks=2, pace=60.0))
+    config = {"backends": backends(servers), "shutdown": {"drain_seconds": 60}}
+    try:
+        async with multi_router(tmp_path, config) as killed:
+            stale = _rundir(killed)
+            session = await killed.pinned(killed.workers()[0])
+            stream = await session.post(killed.url + CHAT, json=chat("held", stream=True))
+            assert stream.status == 200
+            children = psutil.Process(killed.proc.pid).children()
+            killed.proc.kill()
+            await asyncio.to_thread(killed.proc.wait, 10)
+            # its children were told to stop: the worker with the stream drains it
+            await until(lambda: len(_serving(children)) == 1, 20, "the one left draining")
+            sweep_stale(stale.parent)
+            assert (stale / "load").exists()
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
+            assert alive == []
+            stream.close()
+        assert stale.exists()
+        async with multi_router(tmp_path, config) as live:
+            assert not stale.exists()  # removed when the supervisor started
+            mine = _rundir(live)
+            sweep_stale(mine.parent)
+            assert (mine / "load").exists()
+            session = await live.pinned(live.workers()[0])
+            async with session.post(live.url + CHAT, json=chat("after")) as resp:
                 assert resp.status == 200
     finally:
         for s in servers:
