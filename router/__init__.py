@@ -32,6 +32,7 @@ Beside the path, never on it:
   backends.py       backend state (health, breaker, drain, in-flight) and cached
                     FleetView snapshots (rebuilt on change)
   shared_load.py    with several workers: in-flight counts in shared memory, summed
+  shared_admission.py  with several workers: admission's counts, router-wide caps
   workers.py        `serve --workers N`: supervisor, SO_REUSEPORT workers, the collector
                     (telemetry.py gathers once there and feeds the workers)
   reload.py         SIGHUP / admin reload: build, validate, swap

@@ -35,6 +35,7 @@ from router.metrics import Metrics
 from router.placements import PlacementTable
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
+from router.shared_admission import AdmissionTable
 from router.shared_load import LoadTable
 from router.telemetry import Telemetry
 from router.workers import WorkerContext
@@ -63,10 +64,12 @@ class Router:
         self.context = context
         self.table = None
         self.placements = None
+        self.admission_counts = None
         if context is not None and not context.collector:
             ctx = context
             self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
             self.placements = PlacementTable(ctx.placements_path, ctx.index, self._share)
+            self.admission_counts = AdmissionTable(ctx.admission_path, ctx.workers, ctx.index)
         routing = policies.create(config.routing)
         self.fleet = Fleet(config.backends, routing, config.breaker, self.table, self.placements)
         self.auth = Authenticator(config.auth)
@@ -150,7 +153,9 @@ class Router:
             return
         self.fleet.changed()
         cfg = self.config  # replayed edits may have changed it
-        self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session)
+        self.dispatcher = Dispatcher(
+            cfg, self.fleet, self.metrics, self._session, self.admission_counts
+        )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
@@ -222,6 +227,8 @@ class Router:
             self.table.close()
         if self.placements is not None:
             self.placements.close()
+        if self.admission_counts is not None:
+            self.admission_counts.close()
 
     async def _drain(self) -> None:
         """Both listeners stop taking connections and RPCs at once; the requests in

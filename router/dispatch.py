@@ -39,7 +39,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
 from policies import SPILL_REASONS, Policy, RouteRequest
-from router.admission import Admission
+from router.admission import Admission, Counts
 from router.backends import Backend, Fleet
 from router.config import Config, TimeoutsConfig
 from router.errors import (
@@ -86,12 +86,16 @@ def new_request_id() -> str:
 
 
 class Dispatcher:
-    def __init__(self, config: Config, fleet: Fleet, metrics: Metrics, session) -> None:
+    def __init__(
+        self, config: Config, fleet: Fleet, metrics: Metrics, session, counts: Counts | None = None
+    ) -> None:
+        """`counts`: what admission counts against its caps (with several workers, the
+        shared admission table); by default this process's own."""
         self.fleet = fleet
         self.metrics = metrics
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits)
+        self.admission = Admission(config.limits, counts)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         # the labelled metrics every request records
         self._requests = _Labelled(metrics.requests)

@@ -6,7 +6,9 @@ Process model (all children are spawned, not forked, so none inherits a running 
   circuit breakers) on their own uvloop, listening on the same port with SO_REUSEPORT:
   the kernel spreads connections over them. In-flight counts go through the shared
   `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
-  `concurrency_threshold` see the router's whole load, not one worker's.
+  `concurrency_threshold` see the router's whole load, not one worker's; admission's
+  counts through the shared `AdmissionTable` (router/shared_admission.py), so
+  `max_concurrent_requests` and `max_concurrent_per_tenant` cap the whole router.
 - **the collector** scrapes every backend's /metrics, holds the KV event
   subscriptions, runs the health checks and model polls (admission checks of added
   backends included) and the discovery sources once for the router, and publishes
@@ -58,6 +60,7 @@ from prometheus_client import multiprocess
 from router import log
 from router.config import Config
 from router.errors import listening
+from router.shared_admission import AdmissionTable
 from router.shared_load import LoadTable
 
 #: backends the shared load table tells apart at once (freed slots are reused), at least
@@ -105,6 +108,10 @@ class WorkerContext:
     @property
     def placements_path(self) -> str:
         return f"{self.rundir}/placements"
+
+    @property
+    def admission_path(self) -> str:
+        return f"{self.rundir}/admission"
 
     @property
     def name(self) -> str:
@@ -202,6 +209,7 @@ class Supervisor:
         self.port = overrides["listen.port"]
         slots = max(_MIN_SLOTS, 8 * len(config.backends))
         self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
+        self.admission = AdmissionTable(f"{self.rundir}/admission", self.workers, None)
         self._mp = multiprocessing.get_context("spawn")
         self._children = [
             _Child(WorkerContext(i, self.workers, str(self.rundir), slots, config_path, overrides))
@@ -226,6 +234,7 @@ class Supervisor:
             self._stop_all()
         finally:
             self.table.close()
+            self.admission.close()
             for sock in self._sockets:
                 sock.close()
             shutil.rmtree(self.rundir, ignore_errors=True)
@@ -266,6 +275,7 @@ class Supervisor:
         multiprocess.mark_process_dead(process.pid)
         if not child.ctx.collector:
             self.table.clear_worker(child.ctx.index)
+            self.admission.clear_worker(child.ctx.index)
         young = now - child.started < _YOUNG_SECONDS
         child.deaths = child.deaths + 1 if young else 0
         delay = min(_MAX_RESTART_DELAY, 0.5 * 2**child.deaths) if young else 0.0
