@@ -34,6 +34,7 @@ Beside the path, never on it:
                     FleetView snapshots (rebuilt on change), with Envoy's ejection cap
                     and panic mode
   shared_load.py    with several workers: in-flight counts in shared memory, summed
+  shared_admission.py  with several workers: admission's counts, router-wide caps
   workers.py        `serve --workers N`: supervisor, SO_REUSEPORT workers, the collector
                     (telemetry.py gathers once there and feeds the workers)
   reload.py         SIGHUP / admin reload: build, validate, swap

@@ -7,29 +7,84 @@ beyond that it waits in a FIFO queue of at most `queue_size` requests for up to
 fast instead of piling up. A tenant at `max_concurrent_per_tenant` (admitted and
 queued together) is refused at once: one tenant can never fill the queue.
 
-Invariants: `active` counts admitted requests exactly. A freed slot is handed straight
-to the oldest waiter (so `active` does not dip and a newcomer cannot barge past the
-queue); a waiter that gives up (timeout, client gone) after its slot was handed over
-passes it on. `enter` returns what `leave` must give back, so a reload that changes
-the caps in between cannot unbalance the per-tenant counts. Cost: O(1) per request,
-O(queue) only when a waiter gives up.
+The counts both caps are checked against are `Counts`: this process's own (a router
+of one process), or with several workers the shared admission table
+(router/shared_admission.py), so both caps hold for the whole router. The wait queue
+stays per worker (`queue_size` waiters in each): a slot freed in this worker goes
+straight to its oldest waiter; one freed in another worker is found by a poll every
+`_POLL_SECONDS`, armed only while this worker has waiters. So the queue is FIFO within
+a worker; across workers a freed slot goes to whichever asks first.
+
+Invariants: `active` counts this worker's admitted requests exactly, as the counts'
+total does. A freed slot is handed straight to the oldest waiter (so the count does
+not dip and a newcomer cannot barge past the queue); a waiter that gives up (timeout,
+client gone) after its slot was handed over passes it on. `enter` returns what `leave`
+must give back, so a reload that changes the caps in between cannot unbalance the
+per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Hashable
+from typing import Protocol
 
 from router.config import LimitsConfig
 from router.errors import Overloaded
+from router.shared_admission import TOTAL
+
+#: how often a worker with waiters looks for a slot freed in another worker
+_POLL_SECONDS = 0.01
+
+
+class Counts(Protocol):
+    """Requests counted per key (TOTAL, or a tenant's key), each against a cap."""
+
+    shared: bool  # other processes change the counts too
+
+    def key(self, tenant: str) -> Hashable:
+        """What `tenant` is counted under."""
+
+    def take(self, key: Hashable, cap: int) -> bool:
+        """Count one more under `key` if that stays within `cap`."""
+
+    def give(self, key: Hashable) -> None: ...
+
+
+class LocalCounts:
+    """One process's counts: the whole router's when it is the only worker."""
+
+    shared = False
+
+    def __init__(self) -> None:
+        self._counts: dict[Hashable, int] = {}
+
+    def key(self, tenant: str) -> str:
+        return tenant
+
+    def take(self, key: Hashable, cap: int) -> bool:
+        count = self._counts.get(key, 0)
+        if count >= cap:
+            return False
+        self._counts[key] = count + 1
+        return True
+
+    def give(self, key: Hashable) -> None:
+        count = self._counts[key] - 1
+        if count:
+            self._counts[key] = count
+        else:
+            del self._counts[key]  # bounded: only keys with requests in flight
 
 
 class Admission:
-    def __init__(self, limits: LimitsConfig) -> None:
+    def __init__(self, limits: LimitsConfig, counts: Counts | None = None) -> None:
         self.limits = limits
         self.active = 0
+        self._counts = counts or LocalCounts()
         self._waiters: deque[asyncio.Future[None]] = deque()
-        self._tenants: dict[str, int] = {}
+        self._poll: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
@@ -38,10 +93,9 @@ class Admission:
     def configure(self, limits: LimitsConfig) -> None:
         """New limits (reload); waiters that now fit are admitted."""
         self.limits = limits
-        while self.active < limits.max_concurrent_requests and self._wake():
-            self.active += 1
+        self._admit_waiters()
 
-    async def enter(self, tenant: str | None) -> str | None:
+    async def enter(self, tenant: str | None) -> Hashable | None:
         """Take a slot (waiting if need be) or raise Overloaded; returns the tenant key held."""
         held = self._take_tenant(tenant)
         try:
@@ -51,10 +105,10 @@ class Admission:
             raise
         return held
 
-    def leave(self, held: str | None) -> None:
+    def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
-        if not self._wake():  # else the slot changed hands and `active` stays
-            self.active -= 1
+        if not self._wake():  # else the slot changed hands and the count stays
+            self._give_slot()
 
     def _wake(self) -> bool:
         """Hand a slot to the oldest live waiter; False if there is none."""
@@ -65,15 +119,32 @@ class Admission:
                 return True
         return False
 
+    def _admit_waiters(self) -> None:
+        """Hand the slots free now to the waiters, oldest first."""
+        while self._waiters and self._free_slot():
+            if not self._wake():  # only cancelled ones were left
+                self._give_slot()
+                return
+
+    def _free_slot(self) -> bool:
+        if not self._counts.take(TOTAL, self.limits.max_concurrent_requests):
+            return False
+        self.active += 1
+        return True
+
+    def _give_slot(self) -> None:
+        self.active -= 1
+        self._counts.give(TOTAL)
+
     async def _take_slot(self) -> None:
-        limits = self.limits
-        if self.active < limits.max_concurrent_requests and not self._waiters:
-            self.active += 1
+        if not self._waiters and self._free_slot():
             return
+        limits = self.limits
         if len(self._waiters) >= limits.queue_size:
             raise Overloaded("The router is at its concurrent request limit.", retry_after=1)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        self._poll_soon()
         try:
             async with asyncio.timeout(limits.queue_timeout):
                 await waiter
@@ -89,23 +160,28 @@ class Admission:
                 ) from None
             raise
 
-    def _take_tenant(self, tenant: str | None) -> str | None:
+    def _poll_soon(self) -> None:
+        """With shared counts, look again soon for a slot another worker freed."""
+        if self._counts.shared and self._poll is None:
+            self._poll = asyncio.get_running_loop().call_later(_POLL_SECONDS, self._polled)
+
+    def _polled(self) -> None:
+        self._poll = None
+        self._admit_waiters()
+        if self._waiters:
+            self._poll_soon()
+
+    def _take_tenant(self, tenant: str | None) -> Hashable | None:
         cap = self.limits.max_concurrent_per_tenant
         if tenant is None or cap is None:
             return None
-        count = self._tenants.get(tenant, 0)
-        if count >= cap:
+        key = self._counts.key(tenant)
+        if not self._counts.take(key, cap):
             raise Overloaded(
                 f"Tenant `{tenant}` is at its limit of {cap} concurrent requests.", retry_after=1
             )
-        self._tenants[tenant] = count + 1
-        return tenant
+        return key
 
-    def _give_tenant(self, held: str | None) -> None:
-        if held is None:
-            return
-        count = self._tenants[held] - 1
-        if count:
-            self._tenants[held] = count
-        else:
-            del self._tenants[held]  # bounded: only tenants with requests in flight
+    def _give_tenant(self, held: Hashable | None) -> None:
+        if held is not None:
+            self._counts.give(held)

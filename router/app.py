@@ -19,7 +19,7 @@ from router.auth import AdminToken, Authenticator
 from router.backends import Backend, Fleet
 from router.config import Config, ConfigError, KvEventsConfig
 from router.discovery import Discovery
-from router.dispatch import Dispatcher
+from router.dispatch import CUT_GRACE_SECONDS, Dispatcher
 from router.errors import listening
 from router.fast_ingress import FastConnections, FastSite
 from router.grpc_ingress import GrpcIngress
@@ -35,6 +35,7 @@ from router.metrics import Metrics
 from router.placements import PlacementTable
 from router.proxy import make_session
 from router.reload import ConfigSource, Reloader, check_admin_token
+from router.shared_admission import AdmissionTable
 from router.shared_load import LoadTable
 from router.telemetry import Telemetry
 from router.workers import WorkerContext
@@ -63,10 +64,12 @@ class Router:
         self.context = context
         self.table = None
         self.placements = None
+        self.admission_counts = None
         if context is not None and not context.collector:
             ctx = context
             self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
             self.placements = PlacementTable(ctx.placements_path, ctx.index, self._share)
+            self.admission_counts = AdmissionTable(ctx.admission_path, ctx.workers, ctx.index)
         routing = policies.create(config.routing)
         self.fleet = Fleet(config.backends, routing, config.breaker, self.table, self.placements)
         self.auth = Authenticator(config.auth)
@@ -159,7 +162,9 @@ class Router:
             return
         self.fleet.changed()
         cfg = self.config  # replayed edits may have changed it
-        self.dispatcher = Dispatcher(cfg, self.fleet, self.metrics, self._session, self._refused)
+        self.dispatcher = Dispatcher(
+            cfg, self.fleet, self.metrics, self._session, self._refused, self.admission_counts
+        )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
@@ -178,7 +183,8 @@ class Router:
             app,
             handler_cancellation=True,
             access_log=None,
-            shutdown_timeout=cfg.shutdown.drain_seconds,  # in-flight requests' grace
+            # the dispatcher cuts what is left at drain_seconds: this outlasts its ending
+            shutdown_timeout=cfg.shutdown.drain_seconds + CUT_GRACE_SECONDS,
             **server_limits(cfg.limits),
         )
         await self._runner.setup()
@@ -220,8 +226,7 @@ class Router:
         )
 
     async def stop(self) -> None:
-        if self.grpc is not None:  # gRPC ingress: started last, stopped first
-            await self.grpc.stop()
+        await self._drain()
         if self.telemetry is not None:
             await self.telemetry.stop()
         if self.admin is not None:
@@ -229,8 +234,6 @@ class Router:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections
         if self._session is not None:
@@ -239,6 +242,23 @@ class Router:
             self.table.close()
         if self.placements is not None:
             self.placements.close()
+        if self.admission_counts is not None:
+            self.admission_counts.close()
+
+    async def _drain(self) -> None:
+        """Both listeners stop taking connections and RPCs at once; the requests in
+        flight on either get `shutdown.drain_seconds` to end together, then the
+        dispatcher ends each one left with a "shutting down" error, and the servers
+        close what remains."""
+        drain = self.config.shutdown.drain_seconds
+        steps = []
+        if self.grpc is not None:
+            steps.append(self.grpc.stop(drain + CUT_GRACE_SECONDS))
+        if self._runner is not None:
+            steps.append(self._runner.cleanup())
+        if self.dispatcher is not None:
+            steps.append(self.dispatcher.drain(drain))
+        await asyncio.gather(*steps)
 
     async def _probe(self, after: Callable[[], None] | None) -> None:
         """One model poll and one health check before serving, so /ready and the first
@@ -300,7 +320,8 @@ class Router:
 
     async def shutdown(self) -> None:
         """Graceful stop: /ready turns 503 first; after `shutdown.unready_seconds` the
-        listeners close, and requests in flight get `shutdown.drain_seconds` to end."""
+        listeners close, and requests in flight get `shutdown.drain_seconds` to end;
+        those still open then end with a "shutting down" error (`_drain`)."""
         if self.dispatcher is not None:  # the collector serves nothing: it just stops
             self.dispatcher.draining = True
             await asyncio.sleep(self.config.shutdown.unready_seconds)

@@ -153,12 +153,15 @@ class LimitsConfig(_Strict):
     """Client-side limits: sizes, read timeouts (slowloris), admission."""
 
     max_body_bytes: Annotated[int, Meta(ge=1024)] = 16 * 1024 * 1024
+    #: requests in flight at once in the whole router (every worker's together)
     max_concurrent_requests: Annotated[int, Meta(ge=1)] = 10_000
-    #: requests that may wait for a slot beyond max_concurrent_requests (then 429)
+    #: requests that may wait for a slot beyond max_concurrent_requests, in each
+    #: worker (then 429)
     queue_size: Annotated[int, Meta(ge=0)] = 256
     #: longest wait for a slot in that queue, seconds (then 429)
     queue_timeout: Seconds = 5.0
-    #: in-flight cap per tenant (token or tenant_header), None = no cap
+    #: in-flight cap per tenant (token or tenant_header) in the whole router, None = no
+    #: cap; with several workers, tenants hashed to one slot share it (shared_admission.py)
     max_concurrent_per_tenant: Annotated[int, Meta(ge=1)] | None = None
     #: longest request line or header line, bytes
     max_header_bytes: Annotated[int, Meta(ge=1024, le=1 << 20)] = 16 * 1024

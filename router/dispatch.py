@@ -19,11 +19,19 @@ When no answer came and every candidate was tried, the client gets a 503 with
 `Retry-After` (BackendsFailed) at once: a 502 would invite it to retry at once on a
 fleet that is down. With candidates left untried (the retry budget ran out), the last
 failure is the answer (a 502).
+
+Shutdown (`drain`): the exchanges in flight, whichever ingress opened them, get
+`shutdown.drain_seconds` to end; then each one left is cut where it is (its task is
+cancelled, and the cancellation comes out of `exchange` as ShuttingDown), so its
+ingress ends the answer as it ends any failure: a 503, or an SSE error event and
+`[DONE]` after a stream began, or a gRPC status. Cost per request: the task goes into
+a set and out of it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Collection
@@ -37,7 +45,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
 from policies import SPILL_REASONS, Policy, RouteRequest
-from router.admission import Admission
+from router.admission import Admission, Counts
 from router.backends import Backend, Fleet
 from router.breaker import Outcome, outcome
 from router.config import Config, TimeoutsConfig
@@ -47,6 +55,7 @@ from router.errors import (
     KvrouteError,
     ModelNotFound,
     NoBackendAvailable,
+    ShuttingDown,
     UpstreamError,
     UpstreamTimeout,
 )
@@ -55,6 +64,11 @@ from router.proxy import Upstream, Upstreams, open_upstream
 from router.request import Kind
 from router.retry import RetryPolicy, excluding
 from router.tokenize import RemoteTokenizer
+
+#: how long the answers cut at the drain deadline get to write their ending (a client
+#: that does not read it is then cut off by its server)
+CUT_GRACE_SECONDS = 1.0
+_SHUTTING_DOWN = "The router is shutting down; retry the request."
 
 
 @dataclass(slots=True)
@@ -87,14 +101,17 @@ class Dispatcher:
         metrics: Metrics,
         session,
         on_refused: Callable[[Backend], None] | None = None,
+        counts: Counts | None = None,
     ) -> None:
+        """`counts`: what admission counts against its caps (with several workers, the
+        shared admission table); by default this process's own."""
         self.fleet = fleet
         self.metrics = metrics
         #: hears each backend that refused a connection (the health checker's `refused`)
         self.on_refused = on_refused
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits)
+        self.admission = Admission(config.limits, counts)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         # the labelled metrics every request records
         self._requests = _Labelled(metrics.requests)
@@ -105,6 +122,10 @@ class Dispatcher:
         self._itl = _Labelled(metrics.itl)
         #: shutting down: readiness is false (requests in flight still finish)
         self.draining = False
+        #: the tasks whose exchange is open (what `drain` waits for, then cuts)
+        self._open: set[asyncio.Task] = set()
+        self._idle: asyncio.Future[None] | None = None  # `drain` waits: set when none is open
+        self._cut = False  # `drain` cut the exchanges left: new ones are refused
         self.configure(config)
 
     def configure(self, config: Config) -> None:
@@ -157,30 +178,72 @@ class Dispatcher:
         deadline, which bounds the body too (a stream's chunks push it on), and it
         expires as an UpstreamTimeout (a 504) naming the backend tried last.
         """
+        task = self._opened()
         try:
-            held = await self.admission.enter(call.tenant)
-        except KvrouteError as err:
-            self.rejected(err)
-            raise
-        tried: list[Backend] = []
-        try:
-            async with asyncio.timeout(None) as deadline:
-                attempt = await self._connect(call, deadline, tried)
-                ok = False
-                try:  # no await since _connect returned: the attempt is released below
-                    with attempt:
-                        attempt.upstream.watch(deadline)
-                        yield attempt.upstream
-                    ok = True
-                finally:
-                    self._finish(attempt, ok)
-        except TimeoutError as exc:
-            if not deadline.expired():
+            try:
+                held = await self.admission.enter(call.tenant)
+            except KvrouteError as err:
+                self.rejected(err)
                 raise
-            # only an attempt sets the deadline: one was made
-            raise _blame(UpstreamTimeout("The backend did not answer in time."), tried[-1]) from exc
+            tried: list[Backend] = []
+            try:
+                async with asyncio.timeout(None) as deadline:
+                    attempt = await self._connect(call, deadline, tried)
+                    ok = False
+                    try:  # no await since _connect returned: the attempt is released below
+                        with attempt:
+                            attempt.upstream.watch(deadline)
+                            yield attempt.upstream
+                        ok = True
+                    finally:
+                        self._finish(attempt, ok)
+            except TimeoutError as exc:
+                if not deadline.expired():
+                    raise
+                # only an attempt sets the deadline: one was made
+                timeout = UpstreamTimeout("The backend did not answer in time.")
+                raise _blame(timeout, tried[-1]) from exc
+            finally:
+                self.admission.leave(held)
+        except asyncio.CancelledError:
+            # the drain's cut, unless the client left too (then it was cancelled twice)
+            if not self._cut or task.uncancel():
+                raise
+            raise ShuttingDown(_SHUTTING_DOWN, retry_after=1) from None
         finally:
-            self.admission.leave(held)
+            self._closed(task)
+
+    def _opened(self) -> asyncio.Task:
+        """Note the exchange of the current task; ShuttingDown once the drain cut."""
+        if self._cut:
+            err = ShuttingDown(_SHUTTING_DOWN, retry_after=1)
+            self.rejected(err)
+            raise err
+        task = asyncio.current_task()
+        self._open.add(task)
+        return task
+
+    def _closed(self, task: asyncio.Task) -> None:
+        self._open.discard(task)
+        idle = self._idle
+        if idle is not None and not self._open and not idle.done():
+            idle.set_result(None)
+
+    async def drain(self, timeout: float) -> None:
+        """Let the exchanges in flight end within `timeout` seconds, then cut the ones
+        left (each raises ShuttingDown in its task) and refuse new ones; return once the
+        cut ones have ended, or after CUT_GRACE_SECONDS."""
+        self.draining = True
+        if self._open:
+            self._idle = asyncio.get_running_loop().create_future()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._idle, timeout)
+        self._cut = True
+        cut = set(self._open)
+        for task in cut:
+            task.cancel()
+        if cut:
+            await asyncio.wait(cut, timeout=CUT_GRACE_SECONDS)
 
     async def _connect(
         self, call: Call, deadline: asyncio.Timeout, tried: list[Backend]

@@ -175,6 +175,13 @@ class NoBackendAvailable(KvrouteError):
     status = 503
 
 
+class ShuttingDown(KvrouteError):
+    """The router stopped while the request was in flight (`shutdown.drain_seconds` ran
+    out): the client learns it should retry elsewhere, not that the network failed."""
+
+    status = 503
+
+
 class UpstreamError(KvrouteError, ConnectionError):
     """A backend failed before or while answering. The message says what it did, as
     "The backend ..."; `blame` names which backend once dispatch knows it."""

@@ -66,8 +66,6 @@ _UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
 REQUEST_ID_KEY = "x-request-id"
 _HEALTH_POLL_SECONDS = 1.0
-#: in-flight RPCs get this long to finish when the router stops
-_STOP_GRACE_SECONDS = 5.0
 _PATHS = {Kind.CHAT: "/v1/chat/completions", Kind.COMPLETION: "/v1/completions"}
 
 
@@ -122,7 +120,9 @@ class GrpcIngress:
         self._follow = asyncio.create_task(self._health.follow(), name="kvroute-grpc-health")
         return self.port
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float) -> None:
+        """Take no new RPCs; the ones in flight get `grace` seconds, then are cancelled
+        (the router's drain has ended each one with a status before that)."""
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self._follow is not None:
@@ -130,7 +130,7 @@ class GrpcIngress:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._follow
         if self._server is not None:
-            await self._server.stop(_STOP_GRACE_SECONDS)
+            await self._server.stop(grace)
 
 
 class _TokenGate(grpc.aio.ServerInterceptor):

@@ -48,7 +48,7 @@ from pathlib import Path
 import msgspec
 
 from hashing.rendezvous import name_hash
-from router.shared_load import map_shared
+from router.shared_load import lock_within, map_shared
 
 __all__ = ["LEARNED", "PlacementTable", "decode_learned"]
 
@@ -97,15 +97,7 @@ class PlacementTable:
         system calls). A worker holding it may be descheduled on a busy machine, and a
         blocking wait would stall this worker's every stream meanwhile: past the wait the
         pick goes ahead unlocked (False), risking only the split it guards against."""
-        deadline = time.perf_counter() + _LOCK_WAIT_S
-        while True:
-            try:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except BlockingIOError:
-                if time.perf_counter() > deadline:
-                    return False
-                os.sched_yield()  # the holder may be waiting for this core
+        return lock_within(self._lock_fd, _LOCK_WAIT_S)
 
     def unlock(self) -> None:
         fcntl.flock(self._lock_fd, fcntl.LOCK_UN)

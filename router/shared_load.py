@@ -29,6 +29,7 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
+import time
 from pathlib import Path
 
 import xxhash
@@ -51,6 +52,22 @@ def map_shared(path: str | Path, size: int) -> mmap.mmap:
         return mmap.mmap(fd, size)
     finally:
         os.close(fd)
+
+
+def lock_within(fd: int, seconds: float) -> bool:
+    """Take an exclusive `flock` on `fd` if it comes within `seconds` (uncontended: one
+    system call), yielding the core meanwhile: the holder may be waiting for it. A
+    holder descheduled on a busy machine must not stall this worker's event loop longer,
+    so past that the caller goes ahead without the lock (False)."""
+    deadline = time.perf_counter() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.perf_counter() > deadline:
+                return False
+            os.sched_yield()
 
 
 class LoadTable:

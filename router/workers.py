@@ -6,7 +6,9 @@ Process model (all children are spawned, not forked, so none inherits a running 
   circuit breakers) on their own uvloop, listening on the same port with SO_REUSEPORT:
   the kernel spreads connections over them. In-flight counts go through the shared
   `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
-  `concurrency_threshold` see the router's whole load, not one worker's.
+  `concurrency_threshold` see the router's whole load, not one worker's; admission's
+  counts through the shared `AdmissionTable` (router/shared_admission.py), so
+  `max_concurrent_requests` and `max_concurrent_per_tenant` cap the whole router.
 - **the collector** scrapes every backend's /metrics, holds the KV event
   subscriptions, runs the health checks and model polls (admission checks of added
   backends included) and the discovery sources once for the router, and publishes
@@ -14,7 +16,8 @@ Process model (all children are spawned, not forked, so none inherits a running 
   workers over a ZMQ IPC socket (router/telemetry.py), so 100 backends are scraped and
   probed 100 times per interval, not 100 times N.
 - **the supervisor** (this module, no event loop) reserves the ports, creates the run
-  directory (shared load table, Prometheus multiprocess files, the IPC socket),
+  directory (shared load table, Prometheus multiprocess files, the IPC socket; see
+  "Run directories" below),
   restarts a child that dies (zeroing a dead worker's counters first, with a backoff
   when a child keeps dying young), forwards SIGHUP to every child (each re-reads the
   file) and turns SIGTERM/SIGINT into a graceful stop of every child.
@@ -23,12 +26,22 @@ Process model (all children are spawned, not forked, so none inherits a running 
 (prometheus-client's multiprocess mode); the per-backend gauges are read from the
 answering worker, with in-flight counts from the shared table. The admin API listens
 in worker 0 only (see router/admin.py for what it can do with several workers).
+
+Run directories (`kvroute-*` in /dev/shm): the supervisor removes its own when it
+stops, but one killed with SIGKILL cannot. So each holds a shared `flock` on the
+`owner.lock` file in it for its whole life, as does every child (a worker left
+draining by a dead supervisor still uses the tables). An exclusive lock that can be
+taken means no live process uses the directory, whatever its PIDs became since: each
+supervisor removes such stale directories when it starts (`sweep_stale`). The lock
+file appears under its name already locked (a rename), so a directory being created is
+never mistaken for a stale one; one without a lock file is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import math
 import multiprocessing
 import multiprocessing.connection
@@ -47,6 +60,7 @@ from prometheus_client import multiprocess
 from router import log
 from router.config import Config
 from router.errors import listening
+from router.shared_admission import AdmissionTable
 from router.shared_load import LoadTable
 
 #: backends the shared load table tells apart at once (freed slots are reused), at least
@@ -57,6 +71,9 @@ _MAX_RESTART_DELAY = 30.0
 _POLL_SECONDS = 0.2
 COLLECTOR = -1
 _PR_SET_PDEATHSIG = 1
+RUNDIR_PREFIX = "kvroute-"
+#: the run directory's lock: held shared by every live process of its router
+OWNER_LOCK = "owner.lock"
 
 
 @dataclass(frozen=True)
@@ -91,6 +108,10 @@ class WorkerContext:
     @property
     def placements_path(self) -> str:
         return f"{self.rundir}/placements"
+
+    @property
+    def admission_path(self) -> str:
+        return f"{self.rundir}/admission"
 
     @property
     def name(self) -> str:
@@ -150,6 +171,7 @@ def _die_with_parent(parent: int) -> None:
 def _child_main(ctx: WorkerContext, parent: int) -> None:
     """Entry point of every child: build the config and run the router's loop."""
     _die_with_parent(parent)
+    _hold(Path(ctx.rundir) / OWNER_LOCK)  # until this process exits
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before serve() is a no-op
     import uvloop
 
@@ -174,7 +196,7 @@ class _Child:
 class Supervisor:
     def __init__(self, config: Config, config_path: str | None, overrides: dict) -> None:
         self.workers = worker_count(config)
-        self.rundir = Path(tempfile.mkdtemp(prefix="kvroute-", dir=_tmpfs()))
+        self.rundir, self._owner = _new_rundir(_tmpfs())
         metrics_dir = self.rundir / "metrics"
         metrics_dir.mkdir()
         os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
@@ -187,6 +209,7 @@ class Supervisor:
         self.port = overrides["listen.port"]
         slots = max(_MIN_SLOTS, 8 * len(config.backends))
         self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
+        self.admission = AdmissionTable(f"{self.rundir}/admission", self.workers, None)
         self._mp = multiprocessing.get_context("spawn")
         self._children = [
             _Child(WorkerContext(i, self.workers, str(self.rundir), slots, config_path, overrides))
@@ -211,9 +234,11 @@ class Supervisor:
             self._stop_all()
         finally:
             self.table.close()
+            self.admission.close()
             for sock in self._sockets:
                 sock.close()
             shutil.rmtree(self.rundir, ignore_errors=True)
+            os.close(self._owner)
         log.server.info("kvroute supervisor %d stopped", os.getpid())
         return 0
 
@@ -250,6 +275,7 @@ class Supervisor:
         multiprocess.mark_process_dead(process.pid)
         if not child.ctx.collector:
             self.table.clear_worker(child.ctx.index)
+            self.admission.clear_worker(child.ctx.index)
         young = now - child.started < _YOUNG_SECONDS
         child.deaths = child.deaths + 1 if young else 0
         delay = min(_MAX_RESTART_DELAY, 0.5 * 2**child.deaths) if young else 0.0
@@ -282,6 +308,45 @@ class Supervisor:
                     child.process.join()
 
 
-def _tmpfs() -> str | None:
+def _tmpfs() -> str:
     """/dev/shm when there is one: the load table and metric files stay in memory."""
-    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+def _new_rundir(parent: str) -> tuple[Path, int]:
+    """Remove the stale run directories in `parent`, then make this router's; returns
+    it and the descriptor holding its lock (shared, like its children's)."""
+    sweep_stale(parent)
+    rundir = Path(tempfile.mkdtemp(prefix=RUNDIR_PREFIX, dir=parent))
+    fd, unnamed = tempfile.mkstemp(dir=rundir)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    os.rename(unnamed, rundir / OWNER_LOCK)  # named only once locked
+    return rundir, fd
+
+
+def _hold(lock: Path) -> int:
+    """Take a shared hold of a run directory's lock; it lasts while the descriptor is
+    open (to the process's exit, if never closed)."""
+    fd = os.open(lock, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    return fd
+
+
+def sweep_stale(parent: str | Path) -> None:
+    """Remove every run directory in `parent` that no live process holds (its router was
+    killed): the shared tables and metric files would stay in memory until reboot."""
+    for rundir in Path(parent).glob(RUNDIR_PREFIX + "*"):
+        try:
+            fd = os.open(rundir / OWNER_LOCK, os.O_RDONLY)
+        except OSError:  # no lock file (being made, or not ours), or another user's
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a live router's
+            os.close(fd)
+            continue
+        try:
+            shutil.rmtree(rundir, ignore_errors=True)
+            log.server.info("removed the run directory %s of a router that was killed", rundir)
+        finally:
+            os.close(fd)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
+from router.admission import Admission, LocalCounts
 from router.config import LimitsConfig
 from router.errors import Overloaded
 
@@ -65,7 +65,8 @@ async def test_a_waiter_that_gives_up_leaks_nothing(handed_first: bool) -> None:
 
 
 async def test_tenant_cap_refuses_at_once_and_is_given_back() -> None:
-    adm = Admission(_limits(max_concurrent_requests=10, max_concurrent_per_tenant=1))
+    counts = LocalCounts()
+    adm = Admission(_limits(max_concurrent_requests=10, max_concurrent_per_tenant=1), counts)
     held = await adm.enter("acme")
     with pytest.raises(Overloaded, match="acme"):
         await adm.enter("acme")
@@ -74,15 +75,16 @@ async def test_tenant_cap_refuses_at_once_and_is_given_back() -> None:
     adm.leave(held)
     adm.leave(await adm.enter("acme"))
     adm.leave(other)
-    assert adm.active == 0 and adm._tenants == {}
+    assert adm.active == 0 and counts._counts == {}
 
 
 async def test_a_cap_set_by_reload_in_between_does_not_unbalance() -> None:
-    adm = Admission(_limits(max_concurrent_requests=10))
+    counts = LocalCounts()
+    adm = Admission(_limits(max_concurrent_requests=10), counts)
     held = await adm.enter("acme")  # no cap: nothing held
     adm.configure(_limits(max_concurrent_requests=10, max_concurrent_per_tenant=1))
     adm.leave(held)
-    assert adm._tenants == {} and adm.active == 0
+    assert counts._counts == {} and adm.active == 0
 
 
 async def test_raising_the_limit_admits_waiters() -> None:

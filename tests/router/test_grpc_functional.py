@@ -407,6 +407,20 @@ async def test_stream_cut_by_backend_is_unavailable_after_messages() -> None:
         await settle(rig.router)
 
 
+async def test_stream_open_at_the_drain_deadline_ends_unavailable() -> None:
+    """A stream that outlives `shutdown.drain_seconds` ends with UNAVAILABLE, saying the
+    router is shutting down (with a retry-after), after the messages sent so far."""
+    async with grpc_router(shutdown={"drain_seconds": 0.3}) as rig:
+        rig.stubs[0].behaviour.chunks, rig.stubs[0].behaviour.pace = 50, 0.2
+        call = rig.api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)
+        assert (await call.read()).choices[0].delta.content == "tok0 "
+        shutdown = asyncio.create_task(rig.router.shutdown())
+        err = await expect_error(call, grpc.StatusCode.UNAVAILABLE, "shutting down")
+        assert dict(err.trailing_metadata())["retry-after"] == "1"
+        await shutdown
+        await wait_for(lambda: rig.stubs[0].aborted == 1)
+
+
 async def test_auth_applies_to_grpc(monkeypatch: pytest.MonkeyPatch) -> None:
     """With auth on, gRPC checks the same bearer tokens; the token's tenant wins."""
     monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a acme,tok-b")

@@ -6,18 +6,15 @@ import asyncio
 import re
 import signal
 import sys
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
-import pytest
+import orjson
 import yaml
 
-from router.app import Router
-from router.config import build
-from tests.router.chaos import Tally, chat, until
+from tests.router.chaos import Reply, Tally, chat, until
 from tests.stub_backend import StubBackend
 
 CHAT_PATH = "/v1/chat/completions"
@@ -136,28 +133,57 @@ async def test_sighup_reloads_and_a_bad_file_keeps_the_old_config(tmp_path: Path
             await stub.stop()
 
 
-async def test_streams_that_outlive_the_drain_deadline_are_cut() -> None:
+async def test_streams_open_at_the_drain_deadline_end_with_an_error_event(tmp_path) -> None:
+    """SIGTERM while streams outlive `drain_seconds`: at the deadline each one, whichever
+    server relays it (the fast path's, or aiohttp's after a hand-over: `Expect:
+    100-continue`), ends with a "shutting down" error event, `[DONE]` and the chunked
+    terminator, so its client can tell a shutdown from a network fault; the backend
+    stops generating."""
     stub = await StubBackend().start()
-    stub.behaviour.chunks, stub.behaviour.pace = 100, 0.05  # a 5 s stream
-    data = {
-        "listen": {"host": "127.0.0.1", "port": 0},
-        "backends": [{"url": stub.url}],
-        "shutdown": {"drain_seconds": 0.3},
-    }
-    router = Router(build(data))
-    await router.start()
+    stub.behaviour.chunks, stub.behaviour.pace = 1000, 0.05  # a 50 s stream
+    path = tmp_path / "router.yaml"
+    _write(path, [stub], [0], shutdown={"drain_seconds": 0.5})
     tally = Tally.new()
     try:
-        async with aiohttp.ClientSession() as http:
+        async with kvroute(path) as served, aiohttp.ClientSession() as http:
+            host, port = served.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = orjson.dumps(chat(stream=True)["json"])
+            head = f"POST {CHAT_PATH} HTTP/1.1\r\nHost: kvroute\r\nContent-Length: {len(body)}"
+            writer.write(head.encode() + b"\r\n\r\n" + body)
             tally.add("sent")
-            resp = await http.post(router.url + CHAT_PATH, **chat(stream=True))
-            await resp.content.readline()  # streaming
-            t0 = time.monotonic()
-            await router.shutdown()
-            assert time.monotonic() - t0 < 2.0  # the deadline, not the stream, ended it
-            with pytest.raises(aiohttp.ClientPayloadError):
-                await resp.read()  # cut: the client sees an incomplete body, not a hang
-        await until(lambda: stub.aborted == 1)  # and the backend stopped generating
+            handed = await http.post(served.url + CHAT_PATH, expect100=True, **chat(stream=True))
+            tally.add("sent")
+            assert handed.status == 200
+            await until(lambda: stub.active == 2)
+            served.proc.send_signal(signal.SIGTERM)
+            async with asyncio.timeout(10):
+                raw = await reader.read()  # to EOF: the router closes the connection
+                relayed = await handed.read()  # no ClientPayloadError: a whole chunked body
+            writer.close()
+            assert raw.startswith(b"HTTP/1.1 200 ") and b"Transfer-Encoding: chunked" in raw
+            assert raw.endswith(b"\r\n0\r\n\r\n")  # the chunked terminator
+            for streamed in (_unchunked(raw), relayed):
+                events = Reply(200, {}, streamed).events()
+                assert 1 < len(events) < 1000  # cut mid-stream
+                assert events[-1] == b"[DONE]"
+                error = orjson.loads(events[-2])["error"]
+                assert (error["code"], error["type"]) == (503, "ServiceUnavailableError")
+                assert "shutting down" in error["message"]
+            assert await asyncio.wait_for(served.proc.wait(), 10) == 0
+        await until(lambda: stub.aborted == 2)  # and the backend stopped generating
     finally:
         await stub.stop()
     assert tally.hung == 0
+
+
+def _unchunked(raw: bytes) -> bytes:
+    """The body of one chunked HTTP/1.1 answer, `raw` from its status line to its end."""
+    rest = raw.partition(b"\r\n\r\n")[2]
+    body = b""
+    while True:
+        size, _, rest = rest.partition(b"\r\n")
+        if not int(size, 16):
+            return body
+        body += rest[: int(size, 16)]
+        rest = rest[int(size, 16) + 2 :]

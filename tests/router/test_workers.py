@@ -41,6 +41,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from router.workers import sweep_stale
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -285,6 +286,114 @@ async def test_killed_worker_loses_only_its_requests_and_counters_recover(tmp_pa
             (replacement,) = set(r.workers()) - {survivor}
             fresh = await r.pinned(replacement)
             async with fresh.post(r.url + CHAT, json=chat("after")) as resp:
+                assert resp.status == 200
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+async def test_admission_caps_count_every_workers_requests(tmp_path) -> None:
+    """`max_concurrent_per_tenant` and `max_concurrent_requests` cap the router, not each
+    worker: one tenant's requests sent through both workers in turn get exactly its cap
+    admitted; a request waiting in one worker's queue takes the slot freed in the other;
+    a killed worker's slots come back."""
+    servers = await stubs(2, Behaviour(chunks=2, pace=60.0))
+    limits = {
+        "max_concurrent_per_tenant": 2,
+        "max_concurrent_requests": 3,
+        "queue_size": 1,
+        "queue_timeout": 30,
+    }
+    config = {"backends": backends(servers), "tenant_header": "X-Tenant", "limits": limits}
+    held: list[aiohttp.ClientResponse] = []
+
+    async def send(session: aiohttp.ClientSession | int, tenant: str) -> int:
+        """A stream of `tenant`'s on `session`, or on a new connection to that worker."""
+        if isinstance(session, int):
+            session = await r.pinned(session)  # one connection: one stream at a time
+        resp = await session.post(
+            r.url + CHAT, json=chat(tenant, stream=True), headers={"X-Tenant": tenant}
+        )
+        if resp.status == 200:
+            held.append(resp)  # streaming for a minute: it keeps its slots
+        else:
+            resp.release()
+        return resp.status
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = r.workers()
+            assert [await send(w, "acme") for w in (w0, w1, w0, w1)] == [200, 200, 429, 429]
+            assert await send(w0, "globex") == 200  # the router's third: at the cap
+            on1 = [await r.pinned(w1) for _ in range(2)]
+            racing = [asyncio.create_task(send(session, "globex")) for session in on1]
+            done, (queued,) = await asyncio.wait(racing, return_when=asyncio.FIRST_COMPLETED)
+            assert [t.result() for t in done] == [429]  # worker 1's queue holds the other
+            assert sum(s.active for s in servers) == 3
+            held.pop(0).close()  # acme's request in worker 0 ends: the queued one goes
+            assert await asyncio.wait_for(queued, 10) == 200
+            # worker 1 dies holding acme's second slot and the queued one's
+            os.kill(w1, signal.SIGKILL)
+            await until(lambda: w1 not in r.workers(), 10, "the worker to die")
+            await until(lambda: len(r.workers()) == WORKERS, 30, "the restarted worker")
+            assert [await send(w0, "acme") for _ in range(3)] == [200, 200, 429]
+    finally:
+        for resp in held:
+            resp.close()
+        for s in servers:
+            await s.stop()
+
+
+def _rundir(r: MultiRouter) -> Path:
+    """The router's run directory (its children's Prometheus directory is in it)."""
+    child = psutil.Process(r.workers()[0])
+    return Path(child.environ()["PROMETHEUS_MULTIPROC_DIR"]).parent
+
+
+def _serving(children: list[psutil.Process]) -> list[psutil.Process]:
+    """The router's children (multiprocessing's resource tracker aside) still alive."""
+    alive = []
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in child.cmdline()[-2]:
+                alive.append(child)
+    return alive
+
+
+async def test_a_killed_routers_run_directory_is_removed_by_the_next_start(tmp_path) -> None:
+    """A supervisor killed with SIGKILL leaves its run directory (shared tables, metric
+    files) in /dev/shm; the next router's start removes it, once no process of the dead
+    router is left: a worker still draining its stream keeps it. A live router's
+    directory is never touched."""
+    servers = await stubs(1, Behaviour(chunks=2, pace=60.0))
+    config = {"backends": backends(servers), "shutdown": {"drain_seconds": 60}}
+    try:
+        async with multi_router(tmp_path, config) as killed:
+            stale = _rundir(killed)
+            session = await killed.pinned(killed.workers()[0])
+            stream = await session.post(killed.url + CHAT, json=chat("held", stream=True))
+            assert stream.status == 200
+            children = psutil.Process(killed.proc.pid).children()
+            killed.proc.kill()
+            await asyncio.to_thread(killed.proc.wait, 10)
+            # its children were told to stop: the worker with the stream drains it
+            await until(lambda: len(_serving(children)) == 1, 20, "the one left draining")
+            sweep_stale(stale.parent)
+            assert (stale / "load").exists()
+            for child in children:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.kill()
+            _, alive = await asyncio.to_thread(psutil.wait_procs, children, 10)
+            assert alive == []
+            stream.close()
+        assert stale.exists()
+        async with multi_router(tmp_path, config) as live:
+            assert not stale.exists()  # removed when the supervisor started
+            mine = _rundir(live)
+            sweep_stale(mine.parent)
+            assert (mine / "load").exists()
+            session = await live.pinned(live.workers()[0])
+            async with session.post(live.url + CHAT, json=chat("after")) as resp:
                 assert resp.status == 200
     finally:
         for s in servers:

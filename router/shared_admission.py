@@ -1,0 +1,96 @@
+"""Router-wide admission counts shared by the worker processes (`serve --workers N`).
+
+`max_concurrent_requests` and `max_concurrent_per_tenant` cap the router, not each
+worker: the counts they are checked against live in one file in the supervisor's run
+directory, mapped by every worker. Layout: rows of one int64 per worker, the way the
+load table keeps its columns (router/shared_load.py):
+
+    [row 0: requests admitted, w0..wN-1] [row 1..S: one tenant slot's requests, w0..wN-1]
+
+A worker writes only its own cells; a row's sum is the router's count. Tenants are an
+open set, so a tenant is counted in slot ``1 + xxh3(tenant) mod S`` of a fixed table.
+Collisions: two tenants hashed to one slot share its cap, so a collision can refuse a
+tenant early, never admit one past its cap; with k tenants active at once, a tenant
+shares its slot with probability about k / S (S = 16384). The slot's cells are never
+freed or claimed: a count that drops to zero leaves nothing behind.
+
+`take` adds one to this worker's cell first, then reads the row's sum; over the cap it
+gives the one back. Far below the cap it decides without a lock: a worker runs one check
+at a time with no await in it, and a store reaches the other cores within nanoseconds,
+so a read can miss at most one count of each other worker (`workers - 1`). Closer to
+the cap it holds an `flock` on the file while it reads and, if over, gives back: the
+checks near the cap go one at a time, so of two requests racing for the last slot one
+is admitted, never both, never neither. A holder descheduled mid-check is waited for
+5 ms at most, then the check goes ahead unlocked: it may refuse needlessly, never admit
+past the cap (the count is taken before the sum is read). A worker that dies holding
+the lock lets go with its file; the supervisor zeroes a dead worker's column, so the
+slots its requests held come back at once.
+
+Cost per request: a hash of the tenant, per row one store and one C-level sum of N
+int64s, and two `flock` calls only near a cap; `give` one store.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import xxhash
+
+from router.shared_load import lock_within, map_shared
+
+#: the row of requests admitted (per-tenant rows follow)
+TOTAL = 0
+TENANT_SLOTS = 1 << 14
+_INT64 = 8
+_LOCK_WAIT_S = 0.005
+
+
+class AdmissionTable:
+    """A mapped view of the shared admission counts; `worker` is the column this
+    process writes (None: the supervisor, which only zeroes a dead worker's)."""
+
+    #: other processes change these counts too: a waiting request polls for a slot
+    shared = True
+
+    def __init__(self, path: str | Path, workers: int, worker: int | None) -> None:
+        self.workers, self.worker = workers, worker
+        self._rows = 1 + TENANT_SLOTS
+        self._map = map_shared(path, self._rows * workers * _INT64)
+        self._words = memoryview(self._map).cast("q")
+        self._lock_fd = os.open(path, os.O_RDONLY)  # flock is per open file
+
+    def key(self, tenant: str) -> int:
+        """The row `tenant` is counted in."""
+        return 1 + xxhash.xxh3_64_intdigest(tenant.encode()) % TENANT_SLOTS
+
+    def take(self, row: int, cap: int) -> bool:
+        """Count one more request in `row` if the router-wide count stays within `cap`."""
+        words, workers = self._words, self.workers
+        start = row * workers
+        own = start + self.worker
+        words[own] += 1
+        if sum(words[start : start + workers]) + workers - 1 <= cap:
+            return True
+        locked = lock_within(self._lock_fd, _LOCK_WAIT_S)
+        try:
+            if sum(words[start : start + workers]) <= cap:
+                return True
+            words[own] -= 1
+            return False
+        finally:
+            if locked:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def give(self, row: int) -> None:
+        self._words[row * self.workers + self.worker] -= 1
+
+    def clear_worker(self, worker: int) -> None:
+        """Zero a dead worker's column: its requests ended with it."""
+        self._words[worker :: self.workers] = memoryview(bytes(self._rows * _INT64)).cast("q")
+
+    def close(self) -> None:
+        self._words.release()
+        self._map.close()
+        os.close(self._lock_fd)

@@ -1,0 +1,71 @@
+"""The shared admission table: a cap held across workers' columns, counts given back,
+tenants sharing a slot sharing its cap, a dead worker's column zeroed; and Admission
+over it (several tables on one file stand for the workers)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from router.admission import Admission
+from router.config import LimitsConfig
+from router.errors import Overloaded
+from router.shared_admission import TENANT_SLOTS, TOTAL, AdmissionTable
+
+
+def tables(tmp_path, workers: int = 3) -> list[AdmissionTable]:
+    return [AdmissionTable(tmp_path / "admission", workers, w) for w in range(workers)]
+
+
+def test_a_cap_holds_across_every_workers_column(tmp_path) -> None:
+    t0, t1, t2 = tables(tmp_path)
+    assert [t.take(TOTAL, 4) for t in (t0, t1, t2, t0)] == [True] * 4
+    assert not t1.take(TOTAL, 4) and not t2.take(TOTAL, 4)  # refused: nothing kept
+    t0.give(TOTAL)
+    assert t2.take(TOTAL, 4)
+    assert not t0.take(TOTAL, 4)
+
+
+def test_tenants_are_counted_apart_and_a_shared_slot_shares_its_cap(tmp_path) -> None:
+    t0, t1, _ = tables(tmp_path)
+    a, b = t0.key("tenant-a"), t1.key("tenant-b")
+    assert a == t1.key("tenant-a") and a != b and 1 <= a <= TENANT_SLOTS
+    assert t0.take(a, 1) and t1.take(b, 1)
+    assert not t1.take(a, 1)
+    twin = next(f"t{i}" for i in range(10 * TENANT_SLOTS) if t0.key(f"t{i}") == a)
+    assert not t1.take(t1.key(twin), 1)  # a collision refuses early, never admits more
+    t0.give(a)
+    assert t1.take(t1.key(twin), 1)
+
+
+def test_a_dead_workers_column_is_zeroed(tmp_path) -> None:
+    t0, t1, _ = tables(tmp_path)
+    supervisor = AdmissionTable(tmp_path / "admission", 3, None)
+    tenant = t0.key("tenant-a")
+    assert t0.take(TOTAL, 2) and t0.take(TOTAL, 2) and t0.take(tenant, 1)
+    assert not t1.take(TOTAL, 2) and not t1.take(tenant, 1)
+    supervisor.clear_worker(0)
+    assert t1.take(TOTAL, 2) and t1.take(tenant, 1)
+
+
+def _limits(**kw) -> LimitsConfig:
+    return LimitsConfig(**{"max_concurrent_requests": 1, "queue_size": 1, **kw})
+
+
+async def test_a_waiter_takes_a_slot_freed_in_another_worker(tmp_path) -> None:
+    t0, t1, _ = tables(tmp_path)
+    first, second = Admission(_limits(), t0), Admission(_limits(), t1)
+    await first.enter(None)
+    waiting = asyncio.create_task(second.enter(None))
+    await asyncio.sleep(0)
+    assert second.queued == 1
+    first.leave(None)  # no waiter in its own worker: the slot goes back to the table
+    await asyncio.wait_for(waiting, 5)  # found by the waiter's poll
+    assert (first.active, second.active) == (0, 1)
+    with pytest.raises(Overloaded, match="Tenant `t` is at its limit of 1"):
+        per_tenant = _limits(max_concurrent_requests=10, max_concurrent_per_tenant=1)
+        first.configure(per_tenant)
+        second.configure(per_tenant)
+        await second.enter("t")
+        await first.enter("t")
