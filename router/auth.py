@@ -40,7 +40,7 @@ from pathlib import Path
 import msgspec
 
 from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
-from router.errors import Unauthorized
+from router.errors import BadRequest, Unauthorized
 
 MAX_LIFETIME = 12 * 3600
 MIN_KEY_BYTES = 32
@@ -194,12 +194,13 @@ class Authenticator:
     def tenant(self, authorization: str | None, claimed: str | None) -> str | None:
         """The request's tenant, given its Authorization header and the tenant it claims
         (its `tenant_header`): see the module's docstring. Raises Unauthorized when auth
-        is on and the token is missing, malformed or invalid."""
+        is on and the token is missing, malformed or invalid, BadRequest when the claim
+        counts and is not a tenant id."""
         if not self.enabled:
-            return claimed
+            return _claim(claimed)
         tenant = self.authenticate(authorization)
         if tenant is None and self._trust_header:
-            return claimed
+            return _claim(claimed)
         return tenant
 
     def knows(self, token: str) -> bool:
@@ -244,6 +245,15 @@ class AdminToken:
         """Raises Unauthorized unless the `Authorization` header carries this token."""
         if not hmac.compare_digest(_digest(bearer(authorization)), self._digest):
             raise Unauthorized("Invalid admin token.")
+
+
+def _claim(claimed: str | None) -> str | None:
+    """A claimed tenant, which must be a tenant id as a token's is: it names admission
+    slots, salts fingerprints and labels metrics, so any bytes a client sends (non-UTF-8,
+    unbounded) are refused."""
+    if claimed is None or _TENANT.fullmatch(claimed):
+        return claimed
+    raise BadRequest("The tenant must be 1-64 characters of A-Z a-z 0-9 . _ : -.")
 
 
 def bearer(authorization: str | None) -> str:

@@ -12,7 +12,7 @@ import pytest
 
 from router.auth import MAX_LIFETIME, Authenticator, bearer, issue, verify
 from router.config import AuthConfig, ConfigError
-from router.errors import Unauthorized
+from router.errors import BadRequest, Unauthorized
 
 KEY = b"k" * 32
 NOW = 1_800_000_000
@@ -205,6 +205,16 @@ def test_the_tenant_is_the_tokens_or_a_trusted_claim(
     tokens.write_text("alpha-token acme\nbeta-token\n")
     cfg = AuthConfig(enabled=True, tokens_file=str(tokens), tenant_header_trusted=trusted)
     assert Authenticator(cfg).tenant(header, claimed) == tenant
+
+
+@pytest.mark.parametrize("claimed", ["a\udcff", "t" * 65, "", "two words"])
+def test_a_claim_that_is_not_a_tenant_id_is_refused(tmp_path, claimed: str) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("beta-token\n")
+    trusting = AuthConfig(enabled=True, tokens_file=str(tokens), tenant_header_trusted=True)
+    for auth in (Authenticator(AuthConfig()), Authenticator(trusting)):
+        with pytest.raises(BadRequest):
+            auth.tenant("Bearer beta-token", claimed)
 
 
 def test_with_auth_off_the_claim_is_the_tenant() -> None:

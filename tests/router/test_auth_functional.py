@@ -100,6 +100,29 @@ async def test_a_token_that_is_not_utf8_is_a_401(secrets, method, path) -> None:
         assert stubs[0].received == []
 
 
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        pytest.param(b"POST", b"/v1/chat/completions", id="fast-path"),
+        pytest.param(b"GET", b"/v1/models", id="aiohttp"),
+    ],
+)
+async def test_a_tenant_header_that_is_not_a_tenant_id_is_a_400(method, path) -> None:
+    """With auth off the tenant header is the tenant: bytes that are no tenant id (not
+    UTF-8, too long) are refused before they salt a fingerprint or name a slot."""
+    routing = {"strategy": "PREFIX_AWARE"}  # its fingerprint is salted with the tenant
+    async with running(1, routing, tenant_header="X-Tenant-Id") as (router, stubs):
+        for tenant in (b"a\xff\xfe", b"t" * 65, b"two words"):
+            head = b"%s %s HTTP/1.1\r\nHost: kvroute\r\n" % (method, path)
+            head += b"X-Tenant-Id: %s\r\n" % tenant
+            status, body = await _raw(router, head, orjson.dumps(chat()["json"]))
+            assert (status, body["error"]["type"]) == (400, "BadRequestError")
+        assert stubs[0].received == []
+        head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: kvroute\r\nX-Tenant-Id: acme\r\n"
+        status, _ = await _raw(router, head, orjson.dumps(chat()["json"]))
+        assert status == 200
+
+
 async def test_valid_tokens_pass_and_set_the_tenant(secrets) -> None:
     metrics = {"tenants": ["acme"]}
     async with (
