@@ -196,10 +196,7 @@ class _Child:
 class Supervisor:
     def __init__(self, config: Config, config_path: str | None, overrides: dict) -> None:
         self.workers = worker_count(config)
-        self.rundir, self._owner = _new_rundir(_tmpfs())
-        metrics_dir = self.rundir / "metrics"
-        metrics_dir.mkdir()
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
+        # the ports first: a router that cannot listen leaves no run directory behind
         self._sockets = [_reserve("HTTP", config.listen.host, config.listen.port)]
         overrides = {**overrides, "listen.port": self._sockets[0].getsockname()[1]}
         if config.grpc.enabled:
@@ -207,6 +204,10 @@ class Supervisor:
             self._sockets.append(_reserve("gRPC", grpc_host, config.grpc.port))
             overrides["grpc.port"] = self._sockets[1].getsockname()[1]
         self.port = overrides["listen.port"]
+        self.rundir, self._owner = _new_rundir(_tmpfs())
+        metrics_dir = self.rundir / "metrics"
+        metrics_dir.mkdir()
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = str(metrics_dir)
         slots = max(_MIN_SLOTS, 8 * len(config.backends))
         self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
         self.admission = AdmissionTable(f"{self.rundir}/admission", self.workers, None)

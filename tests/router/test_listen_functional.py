@@ -6,10 +6,12 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench.overhead import free_port
+from router.workers import RUNDIR_PREFIX, _tmpfs
 
 
 @pytest.fixture
@@ -28,6 +30,7 @@ def test_a_busy_port_is_one_clear_line(held_port: int, workers: str, listener: s
     if listener == "gRPC":
         ports += ["--grpc-port", str(held_port)]
     cmd = [sys.executable, "-m", "router", "serve", "--backend", "http://127.0.0.1:1"]
+    before = run_directories()
     done = subprocess.run(
         [*cmd, *ports, "--workers", workers], capture_output=True, text=True, timeout=60
     )
@@ -35,3 +38,9 @@ def test_a_busy_port_is_one_clear_line(held_port: int, workers: str, listener: s
     expected = f"kvroute: cannot listen on 127.0.0.1:{held_port} for {listener}: "
     assert expected in done.stderr
     assert "Traceback" not in done.stderr
+    assert run_directories() <= before  # it left no run directory behind
+
+
+def run_directories() -> set[Path]:
+    """The routers' run directories on this machine, live or stale."""
+    return set(Path(_tmpfs()).glob(RUNDIR_PREFIX + "*"))
