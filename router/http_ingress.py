@@ -36,7 +36,7 @@ from router import log
 from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config, LimitsConfig
-from router.dispatch import Call, Dispatcher, new_request_id
+from router.dispatch import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
     BadRequest,
@@ -50,6 +50,7 @@ from router.errors import (
 from router.metrics import CONTENT_TYPE, Metrics
 from router.proxy import Sink, Upstream, forward_headers
 from router.request import Kind, parse
+from router.targets import origin_form
 from router.telemetry import Telemetry
 
 BACKEND_HEADER = "x-kvroute-backend"
@@ -117,8 +118,13 @@ class HttpIngress:
 
     async def _proxy(self, kind: Kind, request: web.Request) -> web.StreamResponse:
         reply = AiohttpReply(request)
+        try:
+            path = origin_form(request.raw_path, _route_prefix(request))
+        except BadRequest as err:
+            await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)})
+            return reply.response
         body = functools.partial(self._read_body, request)
-        await self.serve(kind, request.method, request.raw_path, request.headers, body, reply)
+        await self.serve(kind, request.method, path, request.headers, body, reply)
         return reply.response
 
     async def serve(
@@ -143,8 +149,7 @@ class HttpIngress:
             req = parse(kind, body)
             call = Call(kind, req, method, path, body, headers, started, tenant)
         except KvrouteError as err:
-            self._dispatch.rejected(err)
-            await _refuse(reply, err, extra)
+            await self._refuse(reply, err, extra)
             return
         if self._auth.enabled:
             headers.popall("Authorization", None)  # the router's token stays here
@@ -174,6 +179,11 @@ class HttpIngress:
             if not reply.started:
                 raise
             # the client left mid-stream: a 499, and no traceback to log
+
+    async def _refuse(self, reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
+        """Refuse a request before it reached dispatch, and count it."""
+        self._dispatch.rejected(err)
+        await _refuse(reply, err, extra)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """Refuse a declared body over the limit before a `100 Continue` invites it: a
@@ -362,8 +372,14 @@ def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The request's id for its answer and its backend: the client's, else a new one."""
-    return headers.get(REQUEST_ID) or new_request_id()
+    """The request's id for its answer and its backend: the client's if it is a bounded
+    token (passable_request_id), else a new one."""
+    return passable_request_id(headers.get(REQUEST_ID))
+
+
+def _route_prefix(request: web.Request) -> str:
+    """What every path of the request's route starts with: `/v2/` for `/v2/{tail}`."""
+    return request.match_info.route.resource.canonical.partition("{")[0]
 
 
 def _card(model: str) -> dict:

@@ -49,6 +49,8 @@ _TAIL_MIN = 32  # bytes: shorter chunks (`data: [DONE]`, framed or not) hold no 
 _READ_LIMIT = 2**16  # body bytes buffered before the socket pauses (aiohttp's default)
 KEEPALIVE_SECONDS = 60.0  # an idle connection is closed after this long
 
+#: RFC 9110 §7.6.1's hop-by-hop fields, plus what the router makes itself for the next
+#: hop (Host, the framing) and Expect, which it answered (the body goes whole)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -62,20 +64,26 @@ HOP_BY_HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "expect",
     }
 )
 
 
 def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    """Headers safe to pass across the proxy (end-to-end ones only).
+    """Headers safe to pass across the proxy (end-to-end ones only): the hop-by-hop
+    ones, and those the Connection header names as such (RFC 9110 §7.6.1).
 
     A C-level copy, then a lookup per hop-by-hop name: a third of the cost of testing
     each header in Python, which runs twice per request.
     """
     out = CIMultiDict(headers)
+    named = out.getall("Connection", ())
     for name in HOP_BY_HOP:
         if name in out:
             del out[name]
+    for value in named:
+        for option in value.split(","):
+            out.popall(option.strip(), None)
     return out
 
 
