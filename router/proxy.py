@@ -34,6 +34,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import Histogram
 from yarl import URL
 
+from router import log
 from router.chunked import ChunkedBody, ChunkError
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
 from router.metrics import Tally
@@ -356,9 +357,10 @@ async def open_upstream(
             backend, _head(method, target, backend, headers, body), body, method, connect_timeout
         )
     except _Malformed as exc:
-        raise UpstreamError("The backend answered with malformed HTTP.") from exc
+        raise UpstreamError(_logged("The backend answered with malformed HTTP.", exc)) from exc
     except aiohttp.ClientError as exc:  # closed or reset
-        raise UpstreamError("The backend closed the connection before answering.") from exc
+        told = "The backend closed the connection before answering."
+        raise UpstreamError(_logged(told, exc)) from exc
     return Upstream(conn, message, payload, idle, end, itl, on_first)
 
 
@@ -369,8 +371,15 @@ class _Malformed(aiohttp.ClientPayloadError):
 def _broke(exc: aiohttp.ClientError, what: str) -> str:
     """How the backend failed the `what` it was sending, in the client's terms."""
     if isinstance(exc, _Malformed):
-        return f"The backend sent a malformed {what}."
-    return f"The backend broke off the {what}."
+        return _logged(f"The backend sent a malformed {what}.", exc)
+    return _logged(f"The backend broke off the {what}.", exc)
+
+
+def _logged(told: str, exc: BaseException) -> str:
+    """`told`, what the client hears of a backend failure; aiohttp's own words for it
+    (library internals) go to the log, at debug, on this error path only."""
+    log.backends.debug("%s (%r)", told, exc)
+    return told
 
 
 def _unreachable(exc: OSError) -> str:
