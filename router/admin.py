@@ -51,7 +51,13 @@ from router.auth import AdminToken
 from router.backends import Backend
 from router.config import AdminConfig, Config, ConfigError, build
 from router.errors import KvrouteError, Unauthorized
-from router.http_ingress import errors_middleware, metrics_page, server_limits
+from router.http_ingress import (
+    IngressSite,
+    errors_middleware,
+    metrics_page,
+    no_server_header,
+    server_limits,
+)
 
 if typing.TYPE_CHECKING:
     from router.app import Router
@@ -88,10 +94,13 @@ class AdminServer:
         )
         if self._router.config.metrics.listen == "admin":
             app.add_routes([web.get("/metrics", self.metrics)])
-        limits = server_limits(self._router.config.limits)
-        self._runner = web.AppRunner(app, access_log=None, **limits)
+        app.on_response_prepare.append(no_server_header)
+        limits = self._router.config.limits
+        self._runner = web.AppRunner(app, access_log=None, **server_limits(limits))
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self._cfg.host, self._cfg.port, reuse_address=True)
+        site = IngressSite(
+            self._runner, limits, host=self._cfg.host, port=self._cfg.port, reuse_address=True
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
 

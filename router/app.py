@@ -28,6 +28,7 @@ from router.http_ingress import (
     HttpIngress,
     connection_handler,
     errors_middleware,
+    no_server_header,
     parser_limits,
     server_limits,
 )
@@ -169,6 +170,7 @@ class Router:
         app = web.Application(
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
+        app.on_response_prepare.append(no_server_header)
         ingress = HttpIngress(
             cfg,
             self.fleet,

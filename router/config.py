@@ -171,6 +171,15 @@ class LimitsConfig(_Strict):
     header_timeout: Seconds = 30.0
     #: the whole request body must arrive within this, seconds (else 408)
     body_timeout: Seconds = 60.0
+    #: request bodies the router holds at once (arriving, or held by their request until
+    #: it ends), bytes; beyond it a request is refused 503 + Retry-After before its body
+    #: is read. Split evenly over the worker processes, each holding at least one
+    #: max_body_bytes body (read at start).
+    max_buffered_body_bytes: Annotated[int, Meta(ge=1024)] = 512 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if self.max_buffered_body_bytes < self.max_body_bytes:
+            raise ValueError("limits.max_buffered_body_bytes must be at least max_body_bytes")
 
 
 class HealthConfig(_Strict):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import re
 import time
 from collections.abc import AsyncIterator, Callable, Collection
 from contextlib import asynccontextmanager
@@ -91,6 +92,20 @@ def new_request_id() -> str:
     """128 random bits in hex: unique enough for tracing, and no system call per request
     (`random` is seeded from the OS, and reseeded in a forked child)."""
     return random.getrandbits(128).to_bytes(16, "big").hex()
+
+
+#: a client's request id the router passes on: RFC 9110 token characters, so it can
+#: neither break a header line nor fail to encode, and at most 128 of them
+_PASSABLE_ID = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}")
+
+
+def passable_request_id(sent: str | None) -> str:
+    """The client's request id when it is a bounded token, else a new one: anything
+    else is replaced, not refused (the id only serves tracing, and any client can send
+    it before authenticating)."""
+    if sent is not None and _PASSABLE_ID.fullmatch(sent):
+        return sent
+    return new_request_id()
 
 
 class Dispatcher:

@@ -182,6 +182,13 @@ class ShuttingDown(KvrouteError):
     status = 503
 
 
+class BodyBudgetFull(KvrouteError):
+    """The request bodies held at once would pass `max_buffered_body_bytes`: the body
+    is not read (the connection closes), and the client may retry shortly."""
+
+    status = 503
+
+
 class UpstreamError(KvrouteError, ConnectionError):
     """A backend failed before or while answering. The message says what it did, as
     "The backend ..."; `blame` names which backend once dispatch knows it."""

@@ -46,7 +46,7 @@ from router import grpc_convert, log
 from router.auth import Authenticator
 from router.backends import Fleet
 from router.config import Config
-from router.dispatch import Call, Dispatcher, new_request_id
+from router.dispatch import Call, Dispatcher, passable_request_id
 from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
 from router.metrics import Metrics
 from router.proxy import Upstream
@@ -254,7 +254,8 @@ class _Inference(pb_grpc.InferenceServicer):
         return trailers, Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant)
 
     def _metadata(self, metadata) -> tuple[str, str | None, str | None]:
-        """The request id (made up if absent), the authorization and the tenant metadata."""
+        """The request id (made up if absent or not a bounded token), the authorization
+        and the tenant metadata."""
         request_id = authorization = tenant = None
         for key, value in metadata:
             if key == REQUEST_ID_KEY:
@@ -263,7 +264,7 @@ class _Inference(pb_grpc.InferenceServicer):
                 authorization = value
             elif key == self._tenant_key:
                 tenant = value
-        return request_id or new_request_id(), authorization, tenant
+        return passable_request_id(request_id), authorization, tenant
 
     def _tenant(
         self, authorization: str | None, claimed: str | None, routing: pb.RoutingHints

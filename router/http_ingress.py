@@ -28,7 +28,8 @@ from http import HTTPStatus
 from typing import Any, Protocol
 
 from aiohttp import web
-from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
+from aiohttp.hdrs import CONTENT_ENCODING, SERVER
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 Continue
 from multidict import CIMultiDict
 
@@ -36,7 +37,7 @@ from router import log
 from router.auth import AdminToken, Authenticator
 from router.backends import Fleet
 from router.config import Config, LimitsConfig
-from router.dispatch import Call, Dispatcher, new_request_id
+from router.dispatch import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
     BadRequest,
@@ -50,6 +51,7 @@ from router.errors import (
 from router.metrics import CONTENT_TYPE, Metrics
 from router.proxy import Sink, Upstream, forward_headers
 from router.request import Kind, parse
+from router.targets import origin_form
 from router.telemetry import Telemetry
 
 BACKEND_HEADER = "x-kvroute-backend"
@@ -121,8 +123,13 @@ class HttpIngress:
 
     async def _proxy(self, kind: Kind, request: web.Request) -> web.StreamResponse:
         reply = AiohttpReply(request)
+        try:
+            path = origin_form(request.raw_path, _route_prefix(request))
+        except BadRequest as err:
+            await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)})
+            return reply.response
         body = functools.partial(self._read_body, request)
-        await self.serve(kind, request.method, request.raw_path, request.headers, body, reply)
+        await self.serve(kind, request.method, path, request.headers, body, reply)
         return reply.response
 
     async def serve(
@@ -147,8 +154,7 @@ class HttpIngress:
             req = parse(kind, body)
             call = Call(kind, req, method, path, body, headers, started, tenant)
         except KvrouteError as err:
-            self._dispatch.rejected(err)
-            await _refuse(reply, err, extra)
+            await self._refuse(reply, err, extra)
             return
         if self._auth.enabled:
             headers.popall("Authorization", None)  # the router's token stays here
@@ -178,6 +184,11 @@ class HttpIngress:
             if not reply.started:
                 raise
             # the client left mid-stream: a 499, and no traceback to log
+
+    async def _refuse(self, reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
+        """Refuse a request before it reached dispatch, and count it."""
+        self._dispatch.rejected(err)
+        await _refuse(reply, err, extra)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """Refuse a declared body over the limit before a `100 Continue` invites it: a
@@ -210,7 +221,7 @@ class HttpIngress:
         except TimeoutError:
             raise self.body_late() from None
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
-            raise BadRequest(f"The request body could not be read: {exc}") from None
+            raise _unreadable(request, exc) from None
         if len(body) > self._max_body:  # e.g. chunked, or inflated from gzip, and read at once
             raise self._too_large()
         return body
@@ -378,13 +389,32 @@ async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> Non
 
 def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
     headers = forward_headers(upstream.headers)
+    headers.popall(SERVER, None)  # the backend's software is not the client's business
     headers.update(extra)
     return headers
 
 
 def request_id(headers: Mapping[str, str]) -> str:
-    """The request's id for its answer and its backend: the client's, else a new one."""
-    return headers.get(REQUEST_ID) or new_request_id()
+    """The request's id for its answer and its backend: the client's if it is a bounded
+    token (passable_request_id), else a new one."""
+    return passable_request_id(headers.get(REQUEST_ID))
+
+
+def _unreadable(request: web.Request, exc: web.RequestPayloadError) -> BadRequest:
+    """What the client hears of a body aiohttp could not read; aiohttp's own words go to
+    the log (at debug: a client's fault, on an error path only)."""
+    log.http.debug("request body unreadable: %r, caused by %r", exc, exc.__cause__)
+    if isinstance(exc.__cause__, ContentEncodingError):
+        encoding = request.headers.get(CONTENT_ENCODING, "")
+        return BadRequest(
+            f"The request body is not valid {encoding}, as its Content-Encoding says."
+        )
+    return BadRequest("The request body does not match its framing (chunks or length).")
+
+
+def _route_prefix(request: web.Request) -> str:
+    """What every path of the request's route starts with: `/v2/` for `/v2/{tail}`."""
+    return request.match_info.route.resource.canonical.partition("{")[0]
 
 
 def metrics_page(metrics: Metrics) -> web.Response:
@@ -397,13 +427,15 @@ def _card(model: str) -> dict:
 
 
 class _NoClientFaults(logging.Filter):
-    """Drop aiohttp's traceback for a malformed or oversized request: the client got its
-    400 or 431, and a flood of them must not flood the log (no logging per request). Our
-    own failures, which aiohttp reports the same way, still get through."""
+    """Drop aiohttp's traceback for a malformed or oversized request, or a body that is
+    not what its framing or Content-Encoding claims (aiohttp meets that again while it
+    drains the body after the answer): the client got its 400 or 431, and a flood of
+    them must not flood the log (no logging per request). Our own failures, which
+    aiohttp reports the same way, still get through."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, HttpProcessingError)
+        return not isinstance(exc, (HttpProcessingError, web.RequestPayloadError))
 
 
 log.http.addFilter(_NoClientFaults())
@@ -469,9 +501,45 @@ class IngressHandler(web.RequestHandler):
         # aiohttp's: it logs, and raises if an answer already started
         super().handle_error(request, status, exc, message)
         err = _server_refusal(status, exc, self._limits)
-        response = err.to_http({REQUEST_ID: request_id(request.headers)})
+        headers, body = err.http_answer({REQUEST_ID: request_id(request.headers)})
+        response = _Refusal(status=err.status, body=body, headers=headers)
         response.force_close()
         return response
+
+
+class _Refusal(web.Response):
+    """An answer to a request aiohttp's server refused by itself. No app runs for such
+    a request, so `no_server_header` never sees it: it drops the header itself."""
+
+    async def _prepare_headers(self) -> None:
+        await super()._prepare_headers()
+        self.headers.popall(SERVER, None)
+
+
+async def no_server_header(request: web.Request, response: web.StreamResponse) -> None:
+    """on_response_prepare: drop the `Server: Python/… aiohttp/…` aiohttp adds to every
+    answer (it names the versions to attack)."""
+    response.headers.popall(SERVER, None)
+
+
+class IngressSite(web.TCPSite):
+    """aiohttp's TCP site with IngressHandler on every connection (the admin listener;
+    the data listener's FastSite hands its connections to the same handler)."""
+
+    def __init__(self, runner: web.AppRunner, limits: LimitsConfig, **kwargs: Any) -> None:
+        super().__init__(runner, **kwargs)
+        self._limits = limits
+
+    async def start(self) -> None:
+        self._runner._reg_site(self)
+        self._server = await asyncio.get_running_loop().create_server(
+            connection_handler(self._runner.server, self._limits),
+            self._host,
+            self._port,
+            backlog=self._backlog,
+            reuse_address=self._reuse_address,
+            reuse_port=self._reuse_port,
+        )
 
 
 def _server_refusal(status: int, exc: BaseException | None, limits: LimitsConfig) -> KvrouteError:

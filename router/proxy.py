@@ -34,6 +34,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from prometheus_client import Histogram
 from yarl import URL
 
+from router import log
 from router.chunked import ChunkedBody, ChunkError
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
 from router.metrics import Tally
@@ -49,6 +50,8 @@ _TAIL_MIN = 32  # bytes: shorter chunks (`data: [DONE]`, framed or not) hold no 
 _READ_LIMIT = 2**16  # body bytes buffered before the socket pauses (aiohttp's default)
 KEEPALIVE_SECONDS = 60.0  # an idle connection is closed after this long
 
+#: RFC 9110 §7.6.1's hop-by-hop fields, plus what the router makes itself for the next
+#: hop (Host, the framing) and Expect, which it answered (the body goes whole)
 HOP_BY_HOP = frozenset(
     {
         "connection",
@@ -62,20 +65,26 @@ HOP_BY_HOP = frozenset(
         "upgrade",
         "host",
         "content-length",
+        "expect",
     }
 )
 
 
 def forward_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
-    """Headers safe to pass across the proxy (end-to-end ones only).
+    """Headers safe to pass across the proxy (end-to-end ones only): the hop-by-hop
+    ones, and those the Connection header names as such (RFC 9110 §7.6.1).
 
     A C-level copy, then a lookup per hop-by-hop name: a third of the cost of testing
     each header in Python, which runs twice per request.
     """
     out = CIMultiDict(headers)
+    named = out.getall("Connection", ())
     for name in HOP_BY_HOP:
         if name in out:
             del out[name]
+    for value in named:
+        for option in value.split(","):
+            out.popall(option.strip(), None)
     return out
 
 
@@ -348,9 +357,10 @@ async def open_upstream(
             backend, _head(method, target, backend, headers, body), body, method, connect_timeout
         )
     except _Malformed as exc:
-        raise UpstreamError("The backend answered with malformed HTTP.") from exc
+        raise UpstreamError(_logged("The backend answered with malformed HTTP.", exc)) from exc
     except aiohttp.ClientError as exc:  # closed or reset
-        raise UpstreamError("The backend closed the connection before answering.") from exc
+        told = "The backend closed the connection before answering."
+        raise UpstreamError(_logged(told, exc)) from exc
     return Upstream(conn, message, payload, idle, end, itl, on_first)
 
 
@@ -361,8 +371,15 @@ class _Malformed(aiohttp.ClientPayloadError):
 def _broke(exc: aiohttp.ClientError, what: str) -> str:
     """How the backend failed the `what` it was sending, in the client's terms."""
     if isinstance(exc, _Malformed):
-        return f"The backend sent a malformed {what}."
-    return f"The backend broke off the {what}."
+        return _logged(f"The backend sent a malformed {what}.", exc)
+    return _logged(f"The backend broke off the {what}.", exc)
+
+
+def _logged(told: str, exc: BaseException) -> str:
+    """`told`, what the client hears of a backend failure; aiohttp's own words for it
+    (library internals) go to the log, at debug, on this error path only."""
+    log.backends.debug("%s (%r)", told, exc)
+    return told
 
 
 def _unreachable(exc: OSError) -> str:
