@@ -87,6 +87,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.telemetry: Telemetry | None = None
         self.dispatcher: Dispatcher | None = None  # none in the collector
+        self.ingress: HttpIngress | None = None  # the HTTP ingress (none in the collector)
         self._edits: set[asyncio.Task] = set()  # admin edits broadcast by worker 0
 
     def _share(self, payload: bytes) -> None:
@@ -157,8 +158,9 @@ class Router:
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
         app.on_response_prepare.append(no_server_header)
-        ingress = HttpIngress(
-            cfg, self.fleet, self.dispatcher, self.metrics, self.auth, self.telemetry
+        workers = ctx.workers if ctx is not None else 1
+        self.ingress = ingress = HttpIngress(
+            cfg, self.fleet, self.dispatcher, self.metrics, self.auth, self.telemetry, workers
         )
         app.add_routes(ingress.routes())
         self._runner = web.AppRunner(
