@@ -93,6 +93,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self.telemetry: Telemetry | None = None
         self.dispatcher: Dispatcher | None = None  # none in the collector
+        self.ingress: HttpIngress | None = None  # the HTTP ingress (none in the collector)
         self._edits: set[asyncio.Task] = set()  # admin edits broadcast by worker 0
 
     def _share(self, payload: bytes) -> None:
@@ -171,7 +172,8 @@ class Router:
             client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
         )
         app.on_response_prepare.append(no_server_header)
-        ingress = HttpIngress(
+        workers = ctx.workers if ctx is not None else 1
+        self.ingress = ingress = HttpIngress(
             cfg,
             self.fleet,
             self.dispatcher,
@@ -179,6 +181,7 @@ class Router:
             self.auth,
             self.telemetry,
             self.admin_token,
+            workers,
         )
         app.add_routes(ingress.routes())
         self._runner = web.AppRunner(

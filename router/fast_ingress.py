@@ -5,15 +5,22 @@ router resolution, middlewares, response object, per-connection task wake-ups), 
 the added latency. Each connection starts here. A request's bytes go through aiohttp's
 own C parser (llhttp, with the configured header limits); a common request - POST to
 /v1/chat/completions, /v1/completions or /v1/embeddings, HTTP/1.1, whose head came in
-one read, with a Content-Length body within `max_body_bytes` (waited for up to
-`body_timeout`, then a 408 and the connection closes), no Content-Encoding, Expect or
-Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's handlers.
-Anything else (another path, a head split over reads, chunked or gzip bodies, a
-malformed request or one over the header limits, a body declared over the limit,
-pipelined requests) hands the connection, with every byte of that request, to aiohttp's
-RequestHandler (http_ingress.IngressHandler) for the rest of its life: its limits (431),
-slowloris timeouts, `Expect: 100-continue` (a 413 instead for a body declared over the
-limit), lingering close and OpenAI-style errors apply exactly as before.
+one read, with a Content-Length body within `max_body_bytes`, no Content-Encoding,
+Expect or Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's
+handlers. Anything else (another path, a head split over reads, chunked or gzip bodies,
+a malformed request or one over the header limits, a body declared over the limit,
+requests pipelined in one read) hands the connection, with every byte of that request,
+to aiohttp's RequestHandler (http_ingress.IngressHandler) for the rest of its life: its
+limits (431), slowloris timeouts, `Expect: 100-continue` (a 413 instead for a body
+declared over the limit), lingering close and OpenAI-style errors apply as before.
+
+`serve` starts once the head is in. A body still coming then is not read until `serve`
+asks for it (`_BodyReceiver`), after the token check and with its size reserved in the
+body budget: a refused request (401, 503) has nothing of its body buffered, its answer
+says `Connection: close`, and what still comes of the body is dropped for a moment
+before the close, as aiohttp's lingering close does. Once asked for, the body must
+arrive within `body_timeout` (else 408). Bytes after it (a pipelined request) wait for
+the answer. A client that half-closes after its request still gets its answer.
 
 Answers are written with one `transport.write` per message (head and body together;
 one per SSE chunk, chunked-encoded). A stream is relayed from the backend connection's
@@ -31,17 +38,22 @@ import contextlib
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from typing import NamedTuple
 
 from aiohttp import web
 from aiohttp.base_protocol import BaseProtocol
 from aiohttp.http import HttpRequestParser, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError
-from aiohttp.streams import StreamReader
 
 from router import log
+from router.body_budget import BodyBudget
 from router.errors import INTERNAL, KvrouteError
-from router.http_ingress import REQUEST_ID, HttpIngress, request_id
+from router.http_ingress import (
+    LINGER_SECONDS,
+    REQUEST_ID,
+    HttpIngress,
+    request_id,
+    watch_half_closed,
+)
 from router.proxy import Sink, header_lines
 from router.request import Kind
 
@@ -72,6 +84,7 @@ class FastConnections:
         self.max_body = max_body
         self.body_timeout = body_timeout
         self.keepalive = keepalive
+        self.linger = min(LINGER_SECONDS, body_timeout)  # as aiohttp's lingering_time
         self.parser_limits = dict(parser_limits)
         self.open: set[FastConnection] = set()
         self.closing = False
@@ -110,6 +123,7 @@ class FastConnection(BaseProtocol):
         "_owner",
         "_pending",
         "_receiving",
+        "_reply",
         "on_resume",
         "task",
     )
@@ -119,7 +133,8 @@ class FastConnection(BaseProtocol):
         self._owner = owner
         self.task: asyncio.Task | None = None
         self._pending = b""  # bytes that came while a request was being answered
-        self._receiving: _Receiving | None = None  # a request whose body is still coming
+        self._receiving: _BodyReceiver | None = None  # a body still coming, or lingering
+        self._reply: FastReply | None = None  # the answer of the request being served
         self._closing = False  # close once the current answer is out
         self._idle_at = 0.0
         self._idle_timer: asyncio.TimerHandle | None = None
@@ -149,16 +164,32 @@ class FastConnection(BaseProtocol):
         if self.transport is not None:
             self.transport.close()
 
+    def eof_received(self) -> bool:
+        """The client shut its sending side, as HTTP allows once its request is out:
+        answer that request, then close (True keeps the transport open to write it),
+        while `watch_half_closed` notices a client that in fact went away. With no
+        whole request in, there is nothing to answer: close now."""
+        self._closing = True
+        if self.task is None or self._receiving is not None:
+            return False
+        watch_half_closed(self.transport, self._unanswered)
+        return True
+
+    def _unanswered(self) -> bool:
+        reply = self._reply
+        return reply is not None and not reply.started
+
     def data_received(self, data: bytes) -> None:
         if not data:
             return
+        if self._receiving is not None:  # the body, and anything sent after it
+            data = self._receiving.feed(data)
+            if not data:
+                return
         if self.task is not None:  # the client did not wait for the answer
             self._pending += data
             if len(self._pending) > self._owner.max_body:
                 self._pause_reading_for_buffer()  # until this answer is out
-            return
-        if self._receiving is not None:
-            self._receive(data)
             return
         self._process(data)
 
@@ -182,55 +213,28 @@ class FastConnection(BaseProtocol):
             return
         # the request's bytes; more in this read would be a pipelined request, which the
         # parser keeps to itself: aiohttp serves those
-        size = data.find(b"\r\n\r\n") + 4 + int(message.headers.get("Content-Length", 0))
-        if len(data) > size:
+        length = int(message.headers.get("Content-Length", 0))
+        if len(data) > data.find(b"\r\n\r\n") + 4 + length:
             self._hand_over(data)
-        elif payload.is_eof():
-            self._start(kind, message, payload)
-        else:  # the body is still coming (e.g. a client that writes head and body apart)
-            self._parser = parser
-            timer = self._loop.call_later(owner.body_timeout, self._body_late)
-            self._receiving = _Receiving(kind, message, payload, bytearray(data), size, timer)
-
-    def _receive(self, data: bytes) -> None:
-        """More of a body: start the request once it is whole; anything odd (a second
-        request, bytes past the declared length, a parse error) goes to aiohttp."""
-        receiving = self._receiving
-        receiving.raw.extend(data)
-        try:
-            messages, upgraded, tail = self._parser.feed_data(data)
-        except HttpProcessingError:
-            messages, upgraded, tail = (None,), False, b""
-        if messages or upgraded or tail or len(receiving.raw) > receiving.size:
-            self._stop_receiving()
-            self._hand_over(bytes(receiving.raw))
-        elif receiving.payload.is_eof():
-            self._stop_receiving()
-            self._start(receiving.kind, receiving.message, receiving.payload)
-
-    def _start(self, kind: Kind, message: RawRequestMessage, payload: StreamReader) -> None:
-        body = payload.read_nowait(-1)
+            return
+        arrived = payload.read_nowait(-1)
+        if payload.is_eof():
+            body: Callable[[], Awaitable[bytes]] = _Body(arrived, owner.ingress.bodies)
+        else:  # still coming (e.g. a client that writes head and body apart): read on demand
+            body = self._receiving = _BodyReceiver(self, arrived, length)
+            self._pause_reading_for_buffer()
         self._closing = message.should_close
-        self.task = self._loop.create_task(self._serve(kind, message, _Body(body)))
-
-    def _body_late(self) -> None:
-        """The body did not come within `body_timeout`: answer 408 and close."""
-        receiving = self._receiving
-        self._stop_receiving()
-        self._closing = True
-        late = _Body(self._owner.ingress.body_late())
-        self.task = self._loop.create_task(self._serve(receiving.kind, receiving.message, late))
+        self.task = self._loop.create_task(self._serve(kind, message, body))
 
     def _stop_receiving(self) -> None:
         if self._receiving is not None:
-            self._receiving.timer.cancel()
+            self._receiving.stop()
         self._receiving = None
-        self._parser = None
 
     async def _serve(
         self, kind: Kind, message: RawRequestMessage, read_body: Callable[[], Awaitable[bytes]]
     ) -> None:
-        reply = FastReply(self)
+        reply = self._reply = FastReply(self)
         try:
             await self._owner.ingress.serve(
                 kind, message.method, message.path, message.headers, read_body, reply
@@ -245,10 +249,13 @@ class FastConnection(BaseProtocol):
                 with contextlib.suppress(ConnectionError):
                     await reply.whole(500, *_INTERNAL.http_answer(extra))
         finally:
-            self.task = None
+            self.task = self._reply = None
             self._after_answer()
 
     def _after_answer(self) -> None:
+        if self._receiving is not None:  # refused, or late: its body was not read whole
+            self._receiving.linger()
+            return
         if self._closing or self._owner.closing or self.transport is None:
             self.close()
             return
@@ -293,28 +300,86 @@ class FastConnection(BaseProtocol):
             self.close()
 
 
-class _Receiving(NamedTuple):
-    kind: Kind
-    message: RawRequestMessage
-    payload: StreamReader
-    raw: bytearray  # every byte of the request so far, for a hand-over
-    size: int  # head and body
-    timer: asyncio.TimerHandle  # body_timeout
-
-
 class _Body:
-    """The request's body as `HttpIngress.serve` reads it: the bytes, or the error that
-    reading it raises (a 408 when it did not arrive in time)."""
+    """A body that came whole with its head, as `HttpIngress.serve` reads it: its
+    bytes reserved in the body budget."""
 
-    __slots__ = ("_outcome",)
+    __slots__ = ("_bodies", "_body")
 
-    def __init__(self, outcome: bytes | KvrouteError) -> None:
-        self._outcome = outcome
+    def __init__(self, body: bytes, bodies: BodyBudget) -> None:
+        self._body = body
+        self._bodies = bodies
 
     async def __call__(self) -> bytes:
-        if isinstance(self._outcome, KvrouteError):
-            raise self._outcome
-        return self._outcome
+        self._bodies.take(len(self._body))
+        return self._body
+
+
+class _BodyReceiver:
+    """A Content-Length body still coming when its head was served. The connection
+    reads none of it until `HttpIngress.serve` asks for it, which it does after the
+    token check and once its size is reserved in the body budget: so a refused request
+    (401, 503) costs no more than the one read its head came in. Once asked, the body
+    must be whole within `body_timeout` (else 408).
+
+    After an answer that left it unread, `linger` drops what still comes of it, then
+    closes: the client reads its answer instead of a reset."""
+
+    __slots__ = ("_body", "_chunks", "_conn", "_got", "_size", "_timer")
+
+    def __init__(self, conn: FastConnection, arrived: bytes, size: int) -> None:
+        self._conn = conn
+        self._size = size
+        self._got = len(arrived)
+        self._chunks: list[bytes] | None = [arrived]  # None: dropping them (lingering)
+        self._body: asyncio.Future[bytes] = conn._loop.create_future()
+        self._timer: asyncio.TimerHandle | None = None
+
+    async def __call__(self) -> bytes:
+        conn, owner = self._conn, self._conn._owner
+        owner.ingress.bodies.take(self._size)
+        self._timer = conn._loop.call_later(owner.body_timeout, self._late)
+        conn._resume_reading_for_buffer()
+        try:
+            return await self._body
+        except BaseException:
+            owner.ingress.bodies.give(self._size)
+            raise
+
+    def feed(self, data: bytes) -> bytes:
+        """Take the body's part of `data`; return what came after it."""
+        need = self._size - self._got
+        if len(data) > need:
+            data, rest = data[:need], data[need:]
+        else:
+            rest = b""
+        self._got += len(data)
+        whole = self._got == self._size
+        if self._chunks is None:  # lingering
+            if whole:
+                self._conn.close()
+            return b""
+        self._chunks.append(data)
+        if whole:
+            self._body.set_result(b"".join(self._chunks))
+            self._conn._stop_receiving()
+        return rest
+
+    def linger(self) -> None:
+        conn = self._conn
+        self.stop()
+        self._chunks = None
+        self._timer = conn._loop.call_later(conn._owner.linger, conn.close)
+        conn._resume_reading_for_buffer()
+
+    def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if not self._body.done():
+            self._body.cancel()
+
+    def _late(self) -> None:
+        self._body.set_exception(self._conn._owner.ingress.body_late())
 
 
 def _plain(message: RawRequestMessage, max_body: int) -> bool:
@@ -349,7 +414,8 @@ class FastReply:
 
     def _head(self, status: int, headers: Mapping[str, str], framing: str) -> bytes:
         conn = self._conn
-        close = conn._closing or conn._owner.closing
+        # a body left unread (a refusal before it) is not worth the connection
+        close = conn._closing or conn._owner.closing or conn._receiving is not None
         connection = "Connection: close\r\n" if close else ""
         reason = _REASONS.get(status, "")
         return (

@@ -7,10 +7,12 @@ byte reaches the client a failure is an OpenAI-style JSON error; after it, an er
 event and `[DONE]` end the stream.
 
 Hostile clients are refused before any work: the bearer token is checked before the
-body is read (auth.py, 401); the body must arrive within `body_timeout` (408) and stop
-at `max_body_bytes` (413, read no further; one declared larger is refused before a
-`100 Continue` invites it); aiohttp enforces the header limits (431) and the header
-timeout (`server_limits`). A refusal never reaches dispatch or a backend.
+body is read (auth.py, 401); the body must arrive within `body_timeout` (408), stop at
+`max_body_bytes` (413, read no further; one declared larger is refused before a
+`100 Continue` invites it) and fit in the bodies' budget (body_budget.py, 503); aiohttp
+enforces the header limits (431) and the header timeout (`server_limits`). A refusal
+never reaches dispatch or a backend. Proxied routes forward the path in origin-form,
+dot segments resolved (targets.py).
 
 Every answer carries X-Request-Id (the client's, else a new one), including the errors
 aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`); an answer from
@@ -29,18 +31,22 @@ from typing import Any, Protocol
 
 from aiohttp import web
 from aiohttp.hdrs import CONTENT_ENCODING, SERVER
+from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.streams import StreamReader
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 Continue
 from multidict import CIMultiDict
 
 from router import log
 from router.auth import AdminToken, Authenticator
 from router.backends import Fleet
+from router.body_budget import BodyBudget, worker_share
 from router.config import Config, LimitsConfig
 from router.dispatch import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
     BadRequest,
+    BodyBudgetFull,
     HeadersTooLarge,
     KvrouteError,
     PayloadTooLarge,
@@ -56,9 +62,12 @@ from router.telemetry import Telemetry
 
 BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
-_LINGER_SECONDS = 2.0  # aiohttp's default, 10 s, lets a slow sender hold a connection
+LINGER_SECONDS = 2.0  # aiohttp's default, 10 s, lets a slow sender hold a connection
 #: aiohttp's message for too many headers (both parsers): it has no exception class
 _TOO_MANY_HEADERS = "Too many headers received"
+#: how often a client that half-closed is asked whether it still listens, seconds
+_PROBE_SECONDS = 0.25
+_STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: vLLM OpenAI-surface paths that are proxied but not fingerprinted
 _PROXIED = (
@@ -89,17 +98,23 @@ class HttpIngress:
         auth: Authenticator | None = None,
         telemetry: Telemetry | None = None,
         admin_token: AdminToken | None = None,
+        workers: int = 1,
     ):
+        limits = config.limits
         self._fleet = fleet
         self._admin_token = admin_token
         self._telemetry = telemetry
         self._dispatch = dispatcher
         self._metrics = metrics
-        self._max_body = config.limits.max_body_bytes
-        self._body_timeout = config.limits.body_timeout
+        self._max_body = limits.max_body_bytes
+        self._body_timeout = limits.body_timeout
         self._tenant_header = config.tenant_header
         self._auth = auth or Authenticator(config.auth)
         self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
+        #: request bodies held at once: this worker's share of the router's budget
+        self.bodies = BodyBudget(
+            worker_share(limits.max_buffered_body_bytes, workers, limits.max_body_bytes)
+        )
 
     def routes(self) -> list[web.RouteDef]:
         body = {"expect_handler": self.expect}  # routes whose body is read
@@ -142,20 +157,30 @@ class HttpIngress:
         reply: Reply,
     ) -> None:
         """Answer one proxied request on `reply`, whichever server read it (aiohttp's, or
-        the fast path's: router/fast_ingress.py)."""
+        the fast path's: router/fast_ingress.py). `read_body` reserves the body's bytes
+        in `bodies`; they are given back here once the answer is out."""
         started = asyncio.get_running_loop().time()
         headers = forward_headers(client_headers)
         rid = request_id(headers)
         headers[REQUEST_ID] = rid
         extra = {REQUEST_ID: rid}
+        body = b""
         try:
-            tenant = self._tenant(client_headers)  # before the body: no work for strangers
-            body = await read_body()
-            req = parse(kind, body)
-            call = Call(kind, req, method, path, body, headers, started, tenant)
-        except KvrouteError as err:
-            await self._refuse(reply, err, extra)
-            return
+            try:
+                tenant = self._tenant(client_headers)  # before the body: no work for strangers
+                body = await read_body()
+                req = parse(kind, body)
+                call = Call(kind, req, method, path, body, headers, started, tenant)
+            except KvrouteError as err:
+                await self._refuse(reply, err, extra)
+                return
+            await self._relay(call, reply, extra)
+        finally:
+            self.bodies.give(len(body))
+
+    async def _relay(self, call: Call, reply: Reply, extra: dict[str, str]) -> None:
+        """Hand `call` to dispatch and relay the backend's answer (or the failure)."""
+        headers = call.headers
         if self._auth.enabled:
             headers.popall("Authorization", None)  # the router's token stays here
         headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
@@ -208,23 +233,45 @@ class HttpIngress:
         return response
 
     async def _read_body(self, request: web.Request) -> bytes:
-        if request.content_length is not None and request.content_length > self._max_body:
-            raise self._declared_too_large(request.content_length)
+        """The body within the limits; its bytes stay reserved in `bodies` (`serve`
+        gives them back)."""
+        length = request.content_length
+        if length is not None and length > self._max_body:
+            raise self._declared_too_large(length)
+        content = request.content
+        if content.is_eof():  # it all came with the headers: no timer, no copy
+            body = content.read_nowait()
+            self.bodies.take(len(body))
+            return body
         try:
-            if request.content.is_eof():  # it all came with the headers: no timer, no copy
-                body = request.content.read_nowait()
-            else:
-                async with asyncio.timeout(self._body_timeout):
-                    body = await request.read()  # stops at client_max_size (= max_body)
-        except web.HTTPRequestEntityTooLarge:
-            raise self._too_large() from None
+            async with asyncio.timeout(self._body_timeout):
+                return await self._receive(content, length or 0)
         except TimeoutError:
             raise self.body_late() from None
         except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
             raise _unreadable(request, exc) from None
-        if len(body) > self._max_body:  # e.g. chunked, or inflated from gzip, and read at once
-            raise self._too_large()
-        return body
+
+    async def _receive(self, content: StreamReader, declared: int) -> bytes:
+        """Read a body as it comes, its bytes reserved in `bodies` before they are held:
+        the declared length at once, what a chunked or decoded body brings beyond it as
+        it comes. All of it is given back if reading fails."""
+        bodies = self.bodies
+        bodies.take(declared)
+        reserved, size, chunks = declared, 0, []
+        try:
+            while chunk := await content.readany():
+                size += len(chunk)
+                if size > self._max_body:  # e.g. chunked, or inflated from gzip
+                    raise self._too_large()
+                if size > reserved:
+                    bodies.take(size - reserved)
+                    reserved = size
+                chunks.append(chunk)
+        except BaseException:
+            bodies.give(reserved)
+            raise
+        bodies.give(reserved - size)
+        return b"".join(chunks)
 
     def body_late(self) -> RequestTimeout:
         return RequestTimeout(f"The request body did not arrive within {self._body_timeout:g} s.")
@@ -383,8 +430,10 @@ async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> Non
     elif isinstance(err, UpstreamError) and err.backend is not None:
         extra = {**extra, BACKEND_HEADER: err.backend}  # the one that failed, tried last
     headers, body = err.http_answer(extra)
-    # after a 413 or a 408 the rest of the body is not worth the connection
-    await reply.whole(err.status, headers, body, isinstance(err, (PayloadTooLarge, RequestTimeout)))
+    # refused before its body was read whole (a 401 on the head, a 413, a 408, a full
+    # body budget): the rest of the body is not worth the connection
+    unread = isinstance(err, (Unauthorized, PayloadTooLarge, RequestTimeout, BodyBudgetFull))
+    await reply.whole(err.status, headers, body, unread)
 
 
 def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
@@ -441,6 +490,27 @@ class _NoClientFaults(logging.Filter):
 log.http.addFilter(_NoClientFaults())
 
 
+def watch_half_closed(transport: asyncio.Transport, waiting: Callable[[], bool]) -> None:
+    """Keep asking a client that shut its sending side whether it still listens, while
+    `waiting()` (its answer has not begun).
+
+    Why: a half-close and a client that went away look the same (a FIN) until something
+    is written to it, and an answer that takes a while (a generation not streamed) would
+    run on for a client long gone. A `100 Continue`, which an HTTP/1.1 client must read
+    and skip, goes out every `_PROBE_SECONDS`: a closed socket answers one with a reset,
+    and writing the next fails, which closes the connection and cancels the request (the
+    backend aborts) within twice that. An answer that starts sooner is sent alone.
+    """
+    loop = asyncio.get_running_loop()
+
+    def probe() -> None:
+        if not transport.is_closing() and waiting():
+            transport.write(_STILL_THERE)
+            loop.call_later(_PROBE_SECONDS, probe)
+
+    loop.call_later(_PROBE_SECONDS, probe)
+
+
 def server_limits(limits: LimitsConfig) -> dict[str, object]:
     """aiohttp server settings for the client-side limits.
 
@@ -455,7 +525,7 @@ def server_limits(limits: LimitsConfig) -> dict[str, object]:
     return {
         "logger": log.http,
         "keepalive_timeout": limits.header_timeout,
-        "lingering_time": min(_LINGER_SECONDS, limits.body_timeout),
+        "lingering_time": min(LINGER_SECONDS, limits.body_timeout),
         **parser_limits(limits),
     }
 
@@ -483,13 +553,45 @@ class IngressHandler(web.RequestHandler):
     """aiohttp's connection handler, answering what aiohttp's server refuses by itself
     (a head over the limits: 431; a malformed request: 400; a handler's crash: 500) as
     the router answers everything: an OpenAI-style JSON error with X-Request-Id, where
-    aiohttp's own answer is text/plain and quotes the client's bytes back."""
+    aiohttp's own answer is text/plain and quotes the client's bytes back. A client
+    that half-closes after its request still gets the answer (`eof_received`)."""
 
-    __slots__ = ("_limits",)
+    __slots__ = ("_last_body", "_limits")
 
     def __init__(self, manager: web.Server, *, limits: LimitsConfig, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._limits = limits
+        #: the body of the last request whose head came: is it whole?
+        self._last_body: StreamReader | None = None
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self._messages:  # heads parsed just now, queued for `start`
+            self._last_body = self._messages[-1][1]
+
+    def eof_received(self) -> bool:
+        """The client shut its sending side, which HTTP allows once a request is out:
+        requests whose bytes all came are answered, then the connection closes (True
+        keeps it open for writing), and `watch_half_closed` notices a client that in
+        fact went away. Idle, or with a body cut short, it closes now. aiohttp's own
+        closes the connection at once, dropping the answer."""
+        waiter = self._waiter
+        idle = waiter is not None and not waiter.done()  # `start` waits for a request
+        body = self._last_body
+        if idle or body is None or not body.is_eof():
+            return False
+        self.close()  # no more requests: close once the answers are out
+        watch_half_closed(self.transport, self._unanswered)
+        return True
+
+    def _unanswered(self) -> bool:
+        """An HTTP/1.1 request runs and nothing of its answer was written yet."""
+        request = self._current_request
+        return (
+            request is not None
+            and request.version >= HttpVersion11
+            and request.writer.output_size == 0
+        )
 
     def handle_error(
         self,

@@ -1,6 +1,6 @@
 """What clients are answered, over raw sockets: every error in OpenAI-style JSON with
-nothing of the client's bytes or the router's libraries in it, and no `Server` header
-on any listener."""
+nothing of the client's bytes or the router's libraries in it, no `Server` header on
+any listener, and an answer for a client that half-closed after its request."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from tests.router.conftest import running, settle
-from tests.router.test_fast_ingress_functional import STREAM, post, read_response
+from tests.router.test_fast_ingress_functional import ANSWER, BODY, STREAM, post, read_response
 
 ADMIN_TOKEN = "admin-token-for-answers"
 GZIP_LIE = post(b"not gzip at all", extra="Content-Encoding: gzip\r\n")
@@ -110,3 +110,70 @@ async def test_a_backend_that_breaks_off_is_told_in_plain_words_and_logged_in_fu
         await settle(router)
     details = [r.getMessage() for r in caplog.records if r.name == "kvroute.backends"]
     assert any("TransferEncodingError" in d for d in details), details
+
+
+HALF_CLOSED = [
+    pytest.param(post(), b'"content": "tok0 tok1 tok2 "', id="fast-path"),
+    pytest.param(post(STREAM), b"data: [DONE]\n\n", id="fast-path-stream"),
+    pytest.param(b"GET /v1/models HTTP/1.1\r\nHost: k\r\n\r\n", b'"stub-model"', id="aiohttp"),
+    pytest.param(
+        post(STREAM, path="/v1/chat/completions?s=1"), b"data: [DONE]\n\n", id="aiohttp-stream"
+    ),
+]
+
+
+@pytest.mark.parametrize(("request_", "expected"), HALF_CLOSED)
+async def test_a_client_that_half_closes_after_its_request_gets_the_answer(
+    request_: bytes, expected: bytes
+) -> None:
+    """HTTP lets a client shut its sending side once the request is out: the router
+    answers it, then closes."""
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.pace = 0.05  # the stream is still going when the EOF comes
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            async with asyncio.timeout(10):
+                writer.write(request_)
+                writer.write_eof()
+                status, _, body = await read_response(reader)
+                assert await reader.read() == b""  # then the router closed
+        finally:
+            writer.close()
+        assert status == 200 and expected in body
+        await settle(router)
+
+
+async def test_a_half_close_before_the_body_is_whole_is_not_answered_as_a_request() -> None:
+    async with running(1) as (router, stubs):
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            async with asyncio.timeout(10):
+                writer.write(post()[: -len(BODY) // 2])
+                writer.write_eof()
+                assert await reader.read() == b""
+        finally:
+            writer.close()
+        assert stubs[0].received == []
+
+
+async def test_a_half_closed_client_waiting_long_is_asked_if_it_still_listens() -> None:
+    """While a slow answer is prepared, the client that half-closed hears `100 Continue`
+    now and then (a client that went away answers one with a reset, and its request is
+    dropped); then the answer, and the close."""
+    async with running(1) as (router, stubs):
+        stubs[0].behaviour.delay = 1.0
+        reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
+        try:
+            async with asyncio.timeout(10):
+                writer.write(post())
+                writer.write_eof()
+                interim = 0
+                while (head := await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 100 "):
+                    interim += 1
+                assert head.startswith(b"HTTP/1.1 200 ")
+                assert b"Connection: close" in head
+                assert ANSWER in await reader.read()
+        finally:
+            writer.close()
+        assert interim >= 1
+        assert stubs[0].completed == 1
