@@ -168,9 +168,12 @@ class FastConnection(BaseProtocol):
         """The client shut its sending side, as HTTP allows once its request is out:
         answer that request, then close (True keeps the transport open to write it),
         while `watch_half_closed` notices a client that in fact went away. With no
-        whole request in, there is nothing to answer: close now."""
+        whole request in, there is nothing to answer: close now. Once the answer has
+        begun, a FIN is the client leaving, as before: nothing tells the two apart
+        without writing, and a stream may pause for seconds (queued, a long prefill)
+        while a client that left must not hold the backend."""
         self._closing = True
-        if self.task is None or self._receiving is not None:
+        if self.task is None or self._receiving is not None or not self._unanswered():
             return False
         watch_half_closed(self.transport, self._unanswered)
         return True

@@ -573,12 +573,14 @@ class IngressHandler(web.RequestHandler):
         """The client shut its sending side, which HTTP allows once a request is out:
         requests whose bytes all came are answered, then the connection closes (True
         keeps it open for writing), and `watch_half_closed` notices a client that in
-        fact went away. Idle, or with a body cut short, it closes now. aiohttp's own
-        closes the connection at once, dropping the answer."""
+        fact went away. Idle, with a body cut short, or once the answer has begun (a
+        stream may pause for seconds while a client that left must not hold the
+        backend), it closes now, as aiohttp's own does."""
         waiter = self._waiter
         idle = waiter is not None and not waiter.done()  # `start` waits for a request
-        body = self._last_body
-        if idle or body is None or not body.is_eof():
+        body, request = self._last_body, self._current_request
+        begun = request is not None and request.writer.output_size > 0
+        if idle or begun or body is None or not body.is_eof():
             return False
         self.close()  # no more requests: close once the answers are out
         watch_half_closed(self.transport, self._unanswered)

@@ -100,12 +100,18 @@ def _samples(text: bytes, family: str) -> dict[tuple[str, str | None], float]:
     return {(s.name[len(family) :], s.labels.get("le")): s.value for s in found.samples}
 
 
-@pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
-async def test_client_disconnect_aborts_upstream(stream: bool) -> None:
+@pytest.mark.parametrize(
+    ("stream", "pace"),
+    [(True, 0.2), (True, 60.0), (False, 0.0)],
+    ids=["stream", "stream-paused", "non-stream"],
+)
+async def test_client_disconnect_aborts_upstream(stream: bool, pace: float) -> None:
+    """The backend is let go at once, also while a begun stream pauses (nothing is
+    written that could find the client gone: its FIN is taken as leaving)."""
     async with running(1) as (router, stubs):
         b = stubs[0].behaviour
         if stream:
-            b.chunks, b.pace = 50, 0.2
+            b.chunks, b.pace = 50, pace
         else:
             b.delay = 30
         payload = {"model": MODEL, "messages": CHAT, "stream": stream}
