@@ -11,21 +11,11 @@ import orjson
 import pytest
 
 from tests.router.conftest import running, settle
-from tests.router.test_fast_ingress_functional import ANSWER, BODY, STREAM, post, read_response
+from tests.router.test_fast_ingress_functional import ANSWER, BODY, STREAM, ask, post, read_response
 
 ADMIN_TOKEN = "admin-token-for-answers"
 GZIP_LIE = post(b"not gzip at all", extra="Content-Encoding: gzip\r\n")
 MALFORMED = b"GET /v1/models HTTP/1.1\r\nHost: k\r\nBad Header\x01: <script>\r\n\r\n"
-
-
-async def answer(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    try:
-        async with asyncio.timeout(10):
-            writer.write(request)
-            return await read_response(reader)
-    finally:
-        writer.close()
 
 
 @pytest.fixture
@@ -69,7 +59,7 @@ async def test_no_answer_names_the_server_software_and_errors_are_json(
 ) -> None:
     async with running(1, admin=admin) as (router, _):
         port = router.admin.port if request_.startswith(b"GET /admin/") else router.port
-        got, headers, body = await answer(port, request_)
+        got, headers, body = await ask(port, request_)
         assert got == status
         assert "server" not in headers
         if status >= 400:
@@ -84,7 +74,7 @@ async def test_a_body_that_is_not_its_content_encoding_is_a_plain_400_not_a_trac
 ) -> None:
     caplog.set_level(logging.DEBUG)
     async with running(1) as (router, stubs):
-        status, _, body = await answer(router.port, GZIP_LIE)
+        status, _, body = await ask(router.port, GZIP_LIE)
         assert status == 400
         message = orjson.loads(body)["error"]["message"]
         assert message == "The request body is not valid gzip, as its Content-Encoding says."
@@ -102,7 +92,7 @@ async def test_a_backend_that_breaks_off_is_told_in_plain_words_and_logged_in_fu
     caplog.set_level(logging.DEBUG, logger="kvroute")
     async with running(1) as (router, stubs):
         stubs[0].behaviour.chunks, stubs[0].behaviour.cut_after_chunks = 5, 2
-        status, _, body = await answer(router.port, post(STREAM))
+        status, _, body = await ask(router.port, post(STREAM))
         assert status == 200
         events = [e for e in body.split(b"\n\n") if e.startswith(b"data: {")]
         error = orjson.loads(events[-1][6:])["error"]

@@ -54,6 +54,17 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[str, st
     return status, headers, await reader.readexactly(int(headers.get("content-length", 0)))
 
 
+async def ask(port: int, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """One request on its own connection, and its answer."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        async with asyncio.timeout(10):
+            writer.write(request)
+            return await read_response(reader)
+    finally:
+        writer.close()
+
+
 async def exchange(url: str, *writes: bytes, answers: int = 1, pause: float = 0.05) -> list:
     """Send `writes` (pausing between them) on one connection and read `answers` answers."""
     host, port = url.removeprefix("http://").split(":")

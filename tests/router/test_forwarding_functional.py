@@ -16,7 +16,7 @@ import pytest
 from router.app import Router
 from router.config import build
 from tests.raw_backend import RawBackend, json_answer
-from tests.router.test_fast_ingress_functional import BODY, read_response
+from tests.router.test_fast_ingress_functional import BODY, ask, read_response
 from tests.router.test_grpc_functional import TIMEOUT, chat_request, grpc_router
 
 FRESH_ID = re.compile(r"[0-9a-f]{32}")
@@ -42,17 +42,6 @@ async def routed(
         await backend.stop()
 
 
-async def ask(router: Router, request: bytes) -> tuple[int, dict[str, str], bytes]:
-    """One request on its own connection, and its answer."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", router.port)
-    try:
-        async with asyncio.timeout(10):
-            writer.write(request)
-            return await read_response(reader)
-    finally:
-        writer.close()
-
-
 def raw_post(target: str, extra: str = "", body: bytes = BODY) -> bytes:
     head = f"POST {target} HTTP/1.1\r\nHost: kvroute\r\nContent-Type: application/json\r\n"
     return f"{head}{extra}Content-Length: {len(body)}\r\n\r\n".encode() + body
@@ -74,7 +63,7 @@ def raw_post(target: str, extra: str = "", body: bytes = BODY) -> bytes:
 )
 async def test_the_backend_gets_the_normalised_origin_form(target: str, forwarded: str) -> None:
     async with routed() as (router, backend):
-        status, _, _ = await ask(router, raw_post(target))
+        status, _, _ = await ask(router.port, raw_post(target))
         assert status == 200
         (received,) = backend.proxied()
         assert received.target == forwarded.encode()
@@ -93,7 +82,7 @@ async def test_the_backend_gets_the_normalised_origin_form(target: str, forwarde
 )
 async def test_a_path_that_escapes_its_route_is_refused(target: str, says: str) -> None:
     async with routed() as (router, backend):
-        status, headers, body = await ask(router, raw_post(target))
+        status, headers, body = await ask(router.port, raw_post(target))
         assert status == 400 and headers["content-type"] == "application/json"
         assert says in orjson.loads(body)["error"]["message"]
         assert backend.proxied() == []
@@ -111,7 +100,7 @@ async def test_hop_by_hop_headers_stop_at_the_router(target: str) -> None:
             "Authorization: Bearer for-the-router\r\nX-Hop: 1\r\nX-Kept: 2\r\n"
             "Connection: keep-alive, Authorization\r\nConnection: x-hop\r\n"
         )
-        status, headers, _ = await ask(router, raw_post(target, extra))
+        status, headers, _ = await ask(router.port, raw_post(target, extra))
         assert status == 200
         assert "x-backend-secret" not in headers
         expecting = raw_post(target, "Expect: 100-continue\r\n")
@@ -150,7 +139,7 @@ async def test_a_request_id_that_is_not_a_bounded_token_is_replaced(
 ) -> None:
     async with routed() as (router, backend):
         request = raw_post(target).replace(b"\r\n\r\n", b"\r\nX-Request-Id: %s\r\n\r\n" % sent)
-        status, headers, _ = await ask(router, request)
+        status, headers, _ = await ask(router.port, request)
         assert status == 200
         assert FRESH_ID.fullmatch(headers["x-request-id"])
         (received,) = backend.proxied()
@@ -161,7 +150,7 @@ async def test_a_token_request_id_is_kept() -> None:
     async with routed() as (router, backend):
         rid = "Trace-1.2_3~!#$%&'*+^`|" + "x" * 105  # every token char kind, 128 long
         status, headers, _ = await ask(
-            router, raw_post("/v1/chat/completions", f"X-Request-Id: {rid}\r\n")
+            router.port, raw_post("/v1/chat/completions", f"X-Request-Id: {rid}\r\n")
         )
         assert status == 200 and headers["x-request-id"] == rid
         assert backend.proxied()[0].named(b"x-request-id") == [rid.encode()]
