@@ -277,11 +277,13 @@ class _Handlers:
         resp = web.StreamResponse(headers={**_SSE_HEADERS, "X-Request-Id": req.request_id})
         await resp.prepare(request)
         out = _SSEWriter(resp, cut_after)
+        opening = responder.fmt.first_choice()
         try:
-            if (first := responder.fmt.first_choice()) is not None:
-                await out.send(responder.chunk([first]))
             sent = 0
             async for n in updates(req):
+                if opening is not None:  # as vLLM: with the first token, once prefilled
+                    await out.send(responder.chunk([opening]))
+                    opening = None
                 await out.send(responder.token_chunk(sent, n, continuous))
                 sent = n
             if req.dropped:

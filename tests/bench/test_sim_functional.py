@@ -129,6 +129,23 @@ async def test_openai_sdk_chat_reports_cached_tokens_on_repeat(fleet: SimFleet) 
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected_hit
 
 
+async def test_a_stream_opens_with_its_first_token_as_vllm_does(
+    http: aiohttp.ClientSession,
+) -> None:
+    # vLLM sends the role chunk with the first output, once the prompt is prefilled: a
+    # router that takes the first chunk for the end of the prefill must not be misled
+    async with await start_fleet(1, msgspec.structs.replace(FAST, time_scale=1.0)) as fleet:
+        stats = fleet.backends[0].stats
+        body = {"model": MODEL, "messages": MESSAGES, "max_tokens": 2, "stream": True}
+        async with http.post(f"{fleet.urls[0]}/v1/chat/completions", json=body) as r:
+            first = await r.content.readline()
+            sampled_by_then = stats.generation_tokens
+            rest = await _sse(r)
+    assert orjson.loads(first[6:])["choices"][0]["delta"]["role"] == "assistant"
+    assert sampled_by_then >= 1
+    assert rest[-1] == "[DONE]"
+
+
 async def test_completions_stream_framing(fleet: SimFleet, http: aiohttp.ClientSession) -> None:
     body = {"prompt": "a" * 100, "stream": True, "stream_options": {"include_usage": True}}
     async with http.post(f"{fleet.urls[1]}/v1/completions", json=body) as r:
