@@ -8,30 +8,33 @@ For each candidate b, in seconds:
 
 - uncached(b) = prompt tokens minus the longest prefix b holds, in blocks, from the prefix
   index (fed by b's KV events, or learned from our own routing when b publishes none);
-- queued_tokens(b) = uncached prompt tokens the router has sent to b and not seen
-  finish (this router's, every worker's, exact: the fast signal);
+- queued_tokens(b) = uncached prompt tokens the router has sent to b whose first token
+  has not come back yet (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
   replica; 0 when stale);
 - inflight(b) = this router's in-flight requests, all workers (their decode steps slow
   b down).
 
-The minimum wins. Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among
-them the one holding the longest prefix wins (a hit saves the fleet a prefill even when
-the TTFT is the same), and equal holders go to the rendezvous-hash winner of the
-prompt's first block that none of them holds (hashing/rendezvous.py).
+The choice is made on the estimate plus what a miss costs the rest of the fleet:
+`miss_penalty` x uncached(b) / prefill_tokens_per_s more (1.0: a backend that would
+prefill a prompt another holds must save this request more than the prefill it adds,
+because every request queued behind that prefill waits for it too). The minimum wins.
+Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among them the one holding
+the longest prefix wins (a hit saves the fleet a prefill even when the TTFT is the same),
+and equal holders go to the rendezvous-hash winner of the prompt's first block that none
+of them holds (hashing/rendezvous.py).
 
-A prompt cached nowhere is placed by bounded-load rendezvous instead of by its cost:
-the rendezvous winner of its first block among the backends under `load_factor` x the
-mean in-flight requests + 1 (its prefill is one long engine step that stalls every
-request running there: often a hot prefix's holder). Every worker and every replica
-sends the same new prefix to the same backend while that backend is under the bound in
-their views, with no shared state; costs would differ between replicas, whose queues
-are their own, and agree less often (measured: 52.5% against 59.8% KV hit rate with two
-replicas on long-prefix). Different new prefixes spread over the fleet in proportion to
-weight. A hot prefix spreads by itself: once its holders' queues cost
-clearly more than a cold backend's full prefill, the next request goes to another
-backend, which then holds the prefix too (the speculative insert keeps a burst together
-there until its KV events confirm it), so the holder set grows only as demand needs.
+A prompt cached nowhere goes where its prefill starts soonest: the lowest estimate, tied
+only within `tie_seconds` (every gap between cold candidates is queueing, so a wider tie
+would send it behind another prefill), and exact ties to the rendezvous winner of its
+first block. Every worker sees the same load table and placements, so the workers of one
+router place a new prefix alike; replicas place it alike while their estimates tie (an
+idle or evenly loaded fleet) and otherwise each by its own queues: with KV events on,
+every replica then learns where the others put it from the backends themselves.
+A hot prefix spreads by itself: once its holders' queues cost clearly more than a cold
+backend's full prefill plus the miss penalty, the next request goes to another backend,
+which then holds the prefix too (the speculative insert keeps a burst together there
+until its KV events confirm it), so the holder set grows only as demand needs.
 `concurrency_threshold` is a hard cap: backends at it are skipped unless all are (then
 the least loaded, ties at random).
 
@@ -49,10 +52,9 @@ one shared-placement probe and one rendezvous rank per tied candidate.
 Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
 chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
-(0.05), tie_fraction (0.1), tie_seconds (0.005), load_factor (1.25, null: no bound on
-where a cold prompt goes), concurrency_threshold (null),
-speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s (600, when
-it does not), index_capacity (1_000_000 keys per backend), seed.
+(0.05), miss_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold
+(null), speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s
+(600, when it does not), index_capacity (1_000_000 keys per backend), seed.
 YAML:
   routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000}
 """
@@ -79,7 +81,6 @@ from policies.base import (
     PolicyParams,
     Reason,
     RouteRequest,
-    load_cap_per_weight,
 )
 from policies.least_outstanding_requests import least_loaded
 from policies.registry import register
@@ -108,9 +109,9 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     prefill_tokens_per_s: Positive = 10000.0
     decode_s_per_request: NonNegative = 0.002
     waiting_s_per_request: NonNegative = 0.05
+    miss_penalty: NonNegative = 1.0
     tie_fraction: NonNegative = 0.1
     tie_seconds: NonNegative = 0.005
-    load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.25
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = None
     speculative_ttl_s: Positive = 2.0
     approximate_ttl_s: Positive = 600.0
@@ -164,19 +165,24 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         scored = [self._score(req, b) for b in pool]
         if self._shared is not None:
             self._adopt_placement(req, scored)
-        if not max(cached for _, cached, _ in scored):
-            ties, most = self._within_load(scored, pool), 0  # cached nowhere: bounded load
-        else:
-            best = min(cost for cost, _, _ in scored)
-            margin = max(self.params.tie_seconds, best * self.params.tie_fraction)
-            ties = [s for s in scored if s[0] <= best + margin]
-            most = max(cached for _, cached, _ in ties)
-            ties = [s for s in ties if s[1] == most]
-        _, cached, backend = self._agreed(req, ties, most)
+        _, cached, backend = self._agreed(req, self._ties(req, scored))
         self._learn(req, backend, cached)
         self._record(req, backend, scored)
         reason = Reason.KV_HIT if cached else Reason.KV_COLD
         return Pick(backend, reason, cached)
+
+    def _ties(self, req: RouteRequest, scored: list[_Scored]) -> list[_Scored]:
+        """The candidates tied for the lowest estimate plus miss penalty, narrowed to
+        those of them holding the longest prefix."""
+        p = self.params
+        penalty = p.miss_penalty / p.prefill_tokens_per_s
+        judged = [(cost + penalty * (req.prompt_tokens - k), k, b) for cost, k, b in scored]
+        best = min(cost for cost, _, _ in judged)
+        warm = any(k for _, k, _ in judged)
+        margin = max(p.tie_seconds, best * p.tie_fraction) if warm else p.tie_seconds
+        ties = [s for s in judged if s[0] <= best + margin]
+        most = max(k for _, k, _ in ties)
+        return [s for s in ties if s[1] == most]
 
     def _adopt_placement(self, req: RouteRequest, scored: list[_Scored]) -> None:
         """Take another worker's recent placement of the blocks no candidate holds here:
@@ -194,21 +200,12 @@ class KvAwarePolicy(Policy[KvAwareParams]):
                 scored[i] = self._score(req, backend)
                 return
 
-    def _within_load(self, scored: list[_Scored], pool: list[BackendLike]) -> list[_Scored]:
-        """The candidates under the bounded load (`load_cap_per_weight`), or all of them
-        if none is (then only `concurrency_threshold` has held them back)."""
-        if self.params.load_factor is None or len(scored) < 2:
-            return scored
-        per_weight = load_cap_per_weight(self.params.load_factor, pool)
-        light = [s for s in scored if s[2].inflight < per_weight * s[2].weight]
-        return light or scored
-
-    def _agreed(self, req: RouteRequest, ties: list[_Scored], cached: int) -> _Scored:
+    def _agreed(self, req: RouteRequest, ties: list[_Scored]) -> _Scored:
         """The rendezvous winner of the first block the ties do not hold: the same on
         every worker and replica; a prompt without such a block draws at random."""
         if len(ties) == 1:
             return ties[0]
-        first_new = cached // self.params.block_size
+        first_new = ties[0][1] // self.params.block_size
         if first_new >= len(req.blocks):
             return ties[self._rng.randrange(len(ties))]
         key = req.blocks[first_new]
