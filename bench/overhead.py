@@ -6,6 +6,9 @@ same machine noise, sequentially and at a fixed concurrency. The figure that mat
 the difference of the two distributions (router - direct), not either alone.
 
     python -m bench.overhead --requests 2000 --concurrency 64
+
+The router runs as `kvroute serve` starts by default (its strategy, a worker per core);
+`--strategy` and `--workers` measure others.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from collections.abc import Iterator
 
 import aiohttp
 import orjson
+
+from router.config import DEFAULT_STRATEGY
 
 _BODY = orjson.dumps(
     {"model": "instant", "messages": [{"role": "user", "content": "ping " * 50}], "max_tokens": 1}
@@ -138,14 +143,21 @@ def parser_for(doc: str, concurrency: int) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="per path and mode")
     parser.add_argument("--concurrency", type=int, default=concurrency)
-    parser.add_argument("--strategy", default="PREFIX_AWARE")
+    parser.add_argument(
+        "--strategy", default=DEFAULT_STRATEGY, help=f"router strategy (default {DEFAULT_STRATEGY})"
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = parser_for(__doc__, 64)
-    parser.add_argument("--workers", type=int, default=1, help="router processes (0: one per core)")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=0,
+        help="router processes (default 0: one per core, as kvroute serve starts)",
+    )
     args = parser.parse_args(argv)
     results = {}
     with backend_and_router(args.strategy, args.workers) as (direct, routed):

@@ -11,7 +11,7 @@ import uvloop
 
 import policies
 from router import log
-from router.config import DEFAULT_STRATEGY, LOG_LEVELS, ConfigError, load
+from router.config import DEFAULT_STRATEGY, LOG_LEVELS, ConfigError, advice, load
 from router.errors import ListenError
 
 
@@ -107,12 +107,16 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         return 2
     if args.check:
         strategy = config.routing.__struct_config__.tag
+        for warning in advice(config):
+            print(f"kvroute: warning: {warning}", file=sys.stderr)
         print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
         return 0
     from router.reload import ConfigSource
     from router.workers import Supervisor, worker_count
 
     log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
+    for warning in advice(config):
+        log.server.warning("%s", warning)
     try:
         if worker_count(config) > 1:
             return Supervisor(config, args.config, overrides).run()

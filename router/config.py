@@ -17,12 +17,12 @@ from msgspec import Meta
 from yarl import URL
 
 import policies
-from policies.random import RandomParams
+from policies.kv_aware import KvAwareParams
 
 Seconds = Annotated[float, Meta(gt=0)]
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: the strategy of a `routing:` section that names none, and of a file with no section
-DEFAULT_ROUTING = RandomParams()
+DEFAULT_ROUTING = KvAwareParams()
 DEFAULT_STRATEGY: str = DEFAULT_ROUTING.__struct_config__.tag
 Port = Annotated[int, Meta(ge=0, le=65535)]
 #: what a tenant id may be (signed tokens, static token lines, metrics.tenants)
@@ -424,6 +424,22 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
 def _strategy_fields(strategy: str) -> set[str]:
     name = policies.canonical(strategy)
     return set(policies.policy_class(name).params_type.__struct_fields__) if name else set()
+
+
+def advice(config: Config) -> list[str]:
+    """What in a valid config will not do what its author likely means, worded as the
+    start-up warning that says so."""
+    routing = config.routing
+    if not isinstance(routing, KvAwareParams) or routing.tokenizer.kind != "chatml4":
+        return []
+    discovered = any(d.kv_events_port is not None for d in config.discovery)
+    if not discovered and not any(b.kv_events for b in config.backends):
+        return []
+    return [
+        "KV events are matched by token ids, and routing.tokenizer is chatml4 (kvroute "
+        "sim's): in front of vLLM no prompt will match them; set routing.tokenizer to "
+        "{kind: backend} or {kind: hf, path: DIR}"
+    ]
 
 
 def load(path: str | Path | None, overrides: dict[str, Any] | None = None) -> Config:

@@ -15,7 +15,7 @@ ONE = [{"url": "http://127.0.0.1:9001"}]
 
 def test_defaults_need_only_backends() -> None:
     cfg = build({"backends": ONE})
-    assert cfg.routing.__struct_config__.tag == "RANDOM"
+    assert cfg.routing.__struct_config__.tag == "KV_AWARE"
     assert cfg.listen.port == 8000
     assert cfg.limits.max_body_bytes > 0
     assert cfg.backends[0].key == "127.0.0.1:9001"
@@ -58,7 +58,7 @@ def test_defaults_need_only_backends() -> None:
         ),
         pytest.param(
             {"backends": ONE, "routing": {"prefix_length": 128}},
-            "`prefix_length` is a parameter of PREFIX_AWARE, not of RANDOM (the default "
+            "`prefix_length` is a parameter of PREFIX_AWARE, not of KV_AWARE (the default "
             "strategy): set `routing.strategy` (--strategy) - at `$.routing`",
             id="param-without-strategy",
         ),
@@ -108,9 +108,9 @@ def test_bad_config_names_the_problem(data: dict, message: str) -> None:
 @pytest.mark.parametrize(
     ("routing", "strategy"),
     [
-        pytest.param({}, "RANDOM", id="empty-section"),
-        pytest.param({"seed": 7}, "RANDOM", id="default-strategy-params"),
-        pytest.param({"strategy": "kv_aware"}, "KV_AWARE", id="lower-case"),
+        pytest.param({}, "KV_AWARE", id="empty-section"),
+        pytest.param({"miss_penalty": 2.0}, "KV_AWARE", id="default-strategy-params"),
+        pytest.param({"strategy": "random"}, "RANDOM", id="lower-case"),
         pytest.param({"strategy": "Prefix_Aware", "prefix_length": 64}, "PREFIX_AWARE", id="mixed"),
     ],
 )
@@ -178,8 +178,8 @@ def test_check_command(tmp_path) -> None:
 @pytest.mark.parametrize(
     ("args", "out"),
     [
-        pytest.param(("--strategy", "kv_aware"), "strategy KV_AWARE", id="strategy-any-case"),
-        pytest.param(("--log-level", "WARNING"), "strategy RANDOM", id="log-level-any-case"),
+        pytest.param(("--strategy", "random"), "strategy RANDOM", id="strategy-any-case"),
+        pytest.param(("--log-level", "WARNING"), "strategy KV_AWARE", id="log-level-any-case"),
     ],
 )
 def test_check_command_takes_names_in_any_case(args: tuple[str, ...], out: str) -> None:
@@ -208,3 +208,24 @@ def test_check_catches_what_start_up_rejects(tmp_path) -> None:
     assert res.returncode == 2
     assert "log_level 'verbose' is not one of debug, info, warning, error" in res.stderr
     assert "Traceback" not in res.stderr
+
+
+@pytest.mark.parametrize(
+    ("routing", "warned"),
+    [
+        pytest.param("{}", True, id="default-tokenizer"),
+        pytest.param("{tokenizer: {kind: backend}}", False, id="backend-tokenizer"),
+        pytest.param("{strategy: PREFIX_AWARE}", False, id="no-kv-index"),
+    ],
+)
+def test_check_warns_when_kv_events_cannot_match_the_tokenizer(
+    tmp_path, routing: str, warned: bool
+) -> None:
+    path = tmp_path / "events.yaml"
+    path.write_text(
+        "backends: [{url: http://127.0.0.1:1, kv_events: {endpoint: 'tcp://127.0.0.1:2'}}]\n"
+        f"routing: {routing}\n"
+    )
+    res = _kvroute("serve", "--check", "-c", str(path))
+    assert res.returncode == 0, res.stderr
+    assert ("no prompt will match them" in res.stderr) is warned
