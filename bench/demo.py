@@ -1,11 +1,12 @@
-"""`kvroute demo`: what prefix-aware routing buys, in under a minute, from `pip install -e .`.
+"""`kvroute demo`: what cache-aware routing buys, in about a minute, from `pip install -e .`.
 
 It is `kvroute bench` with fixed arguments: 4 simulated vLLM servers (Llama-70B-class cost
 model, 4x faster than real time), the long-prefix workload (16 documents of 8,000 tokens,
 6 questions of ~100 tokens on each, Poisson arrivals at 3.5 requests per simulated
 second, which keeps RANDOM's fleet busy but not saturated), and RANDOM,
-LEAST_OUTSTANDING_REQUESTS and PREFIX_AWARE, each on a fresh, cold fleet with a router in
-front. It prints the table, a plain-language reading, and stops everything it started.
+LEAST_OUTSTANDING_REQUESTS, PREFIX_AWARE and KV_AWARE (the default), each on a fresh,
+cold fleet with a router in front, started as `kvroute serve` starts it. It prints the
+table, a plain-language reading, and stops everything it started.
 
 Why the numbers differ: with 6 requests per document spread at random over 4 backends,
 each document is prefilled on about 4 * (1 - (3/4)**6) = 3.3 backends, so about 45% of
@@ -32,7 +33,7 @@ def demo_argv(backends: int, groups: int, time_scale: float) -> list[str]:
     """The `kvroute bench` arguments of the demo."""
     rate = 3.5 * backends / 4  # the same load per backend for any fleet size
     return [
-        "--strategies=RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE",
+        "--strategies=RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE,KV_AWARE",
         "--workload=long-prefix",
         f"--backends={backends}",
         f"--groups={groups}",
@@ -60,8 +61,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = harness.main(bench_argv)
     if code == 0:
         print(
-            "Why: a cached 8,000-token prefix saves ~0.8 s of prefill; PREFIX_AWARE sends each "
-            f"document to one backend, the others spread it over several. "
+            "Why: a cached 8,000-token prefix saves ~0.8 s of prefill; PREFIX_AWARE and KV_AWARE "
+            "send each document to one backend, the others spread it over several; KV_AWARE "
+            "also sends a new document where no other prefill is queued. "
             f"({time.monotonic() - started:.0f} s)"
         )
     return code

@@ -157,7 +157,7 @@ _TOOLS = {
     "token": ("router.auth", "issue a signed data-plane token (kvroute token issue -h)"),
     "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
     "bench": ("bench.harness", "compare routing strategies on one workload (kvroute bench -h)"),
-    "demo": ("bench.demo", "4 simulated backends, 3 strategies, one table, in about a minute"),
+    "demo": ("bench.demo", "4 simulated backends, 4 strategies, one table, in about a minute"),
 }
 
 

@@ -164,11 +164,12 @@ def test_seed_means_average_each_row_and_keep_na():
     assert reading([summaries[0], summaries[2]]) == []  # nothing measured to compare with
 
 
-def test_demo_runs_three_strategies_and_explains(capsys):
+def test_demo_runs_four_strategies_and_explains(capsys):
     assert demo.main(["--backends=2", "--groups=2", "--time-scale=0.05"]) == 0
     out = capsys.readouterr().out
-    assert set(_rows(out)) == {"RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE"}
-    assert "PREFIX_AWARE vs RANDOM" in out and "Why:" in out
+    rows = {"RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "KV_AWARE"}
+    assert set(_rows(out)) == rows
+    assert "KV_AWARE vs RANDOM" in out and "Why:" in out
 
 
 def test_bad_arguments_exit_2(capsys):
