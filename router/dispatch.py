@@ -163,17 +163,26 @@ class Dispatcher:
         """Pick the backend for `call`, none named in `tried`; raise the client-facing
         error if there is none."""
         t0 = time.perf_counter()
+        return self.pick(self.describe(call), t0, tried)
+
+    def describe(self, call: Call) -> RouteRequest:
+        """What the policy reads of `call`; raise the client-facing error for an unknown
+        model or a prompt it cannot read. Apart from `pick`, so that the prompt is
+        tokenized outside the workers' pick lock."""
         fleet = self.fleet
         model = call.req.model or ""
-        view = fleet.view(model)  # cached per model; a candidate serves the model
-        if not view.candidates and not fleet.known_model(model):  # O(fleet): only then
+        if not fleet.view(model).candidates and not fleet.known_model(model):  # O(fleet)
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
-        policy = fleet.policy
         try:
-            route_req = _describe(policy, call, model)
+            return _describe(fleet.policy, call, model)
         except ValueError as exc:  # e.g. a prompt mixing texts and token ids
             raise BadRequest(f"Invalid prompt: {exc}", param="prompt") from None
-        pick = policy.pick(route_req, excluding(view, tried) if tried else view)
+
+    def pick(self, route_req: RouteRequest, t0: float, tried: Collection[str] = ()) -> Routed:
+        """The policy's pick for a described request; `t0`: when its decision began."""
+        fleet = self.fleet
+        view = fleet.view(route_req.model)  # cached per model
+        pick = fleet.policy.pick(route_req, excluding(view, tried) if tried else view)
         self.metrics.decision_seconds.observe(time.perf_counter() - t0)
         self._decisions(self.strategy, pick.reason).inc()
         if view.panic:
@@ -181,7 +190,7 @@ class Dispatcher:
         if pick.reason in SPILL_REASONS:
             self._spillovers(pick.reason).inc()
         if pick.backend is None:
-            raise NoBackendAvailable(_unavailable(model), retry_after=1)
+            raise NoBackendAvailable(_unavailable(route_req.model), retry_after=1)
         return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
 
     @asynccontextmanager
@@ -273,9 +282,12 @@ class Dispatcher:
         try:
             if block_keys is not None and (block_keys.remote or block_keys.offload):
                 call.token_ids = await self._token_ids(call, block_keys)
+            t0 = time.perf_counter()
+            route_req = self.describe(call)
             # counted in the shared load before another worker picks (see Fleet.picking)
             with self.fleet.picking():
-                attempt = _Attempt(self, self.route(call), call.started, deadline)
+                routed = self.pick(route_req, t0)
+                attempt = _Attempt(self, routed, call.started, deadline)
         except KvrouteError as err:
             self.rejected(err)
             raise
