@@ -150,7 +150,8 @@ class Metrics:
         )
         self.decision_seconds = Histogram(
             "kvroute_routing_decision_seconds",
-            "Time to parse, fingerprint and pick (microsecond buckets)",
+            "Time to describe the prompt and pick, with any wait for the workers' pick lock "
+            "(microsecond buckets)",
             buckets=_DECISION_BUCKETS,
             registry=r,
         )
