@@ -49,6 +49,12 @@ def _add_arguments(parser) -> None:
     group.add_argument("--question-tokens", type=int, default=100)
     group.add_argument("--max-tokens", type=int, default=100, help="output tokens")
     group.add_argument("--zipf-s", type=float, default=1.1, help="hot-prefix Zipf exponent")
+    group.add_argument(
+        "--system-prompt",
+        choices=["shared", "per-conversation"],
+        default="shared",
+        help="multi-turn: one system prompt for every conversation, or one each",
+    )
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--model", default="", help="default: the host's first model")
 
@@ -88,6 +94,7 @@ def _load_workload(environment: Environment, **_: object) -> None:
         question_tokens=o.question_tokens,
         max_tokens=o.max_tokens,
         zipf_s=o.zipf_s,
+        system_prompt=o.system_prompt,
         seed=o.seed,
     )
     _workload = _Workload(generate(spec), o.model or _first_model(environment.host or ""))

@@ -40,6 +40,7 @@ async def test_headless_run_replays_the_workload(tmp_path):
             cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless"]
             cmd += ["--host", router.url, "--json-file", str(tmp_path / "run"), "--skip-log"]
             cmd += ["--users=2", "--spawn-rate=2", "--run-time=30s", "--requests=6"]
+            cmd += ["--workload=multi-turn", "--system-prompt=per-conversation"]
             cmd += ["--groups=2", "--prefix-tokens=300", "--max-tokens=4"]
             proc = await asyncio.create_subprocess_exec(
                 *cmd, cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
