@@ -59,7 +59,7 @@ from bench.throughput import (
     peer_cmd,
     start_routers,
 )
-from router.workers import usable_cores
+from router.control.supervisor import usable_cores
 
 
 @dataclass

@@ -81,7 +81,7 @@ from bench.report import (
 from bench.throughput import PEERS_VENV, ensure_peers, peer_cmd
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import Config, build
-from router.workers import worker_count
+from router.control.supervisor import worker_count
 
 __all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
 

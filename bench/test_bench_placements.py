@@ -15,7 +15,7 @@ import itertools
 from hashing.blocks import chain, root_key
 from policies import FleetView, RouteRequest, create
 from policies.kv_aware import KvAwareParams
-from router.placements import PlacementTable
+from router.fleet.placements import PlacementTable
 
 ROOT = root_key("m", None)
 ROUNDS = 200

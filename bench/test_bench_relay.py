@@ -16,7 +16,7 @@ from aiohttp.http import HttpResponseParser
 from prometheus_client import CollectorRegistry, Histogram
 from yarl import URL
 
-from router.proxy import Upstream, Upstreams, _Connection
+from router.upstream.proxy import Upstream, Upstreams, _Connection
 
 EVENT = (
     b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m",'

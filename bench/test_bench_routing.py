@@ -12,9 +12,9 @@ import orjson
 import pytest
 from multidict import CIMultiDict
 
-from router.app import Router
 from router.config import build
-from router.dispatch import Call, Dispatcher
+from router.control.worker import Router
+from router.dispatch.dispatcher import Call, Dispatcher
 from router.request import Kind, parse
 
 SENTENCE = "Route each prompt to the backend that already holds its prefix in KV cache. "

@@ -58,7 +58,7 @@ from bench.instant_backend import MODEL, SLOW_MODEL
 from bench.overhead import free_port, parser_for, process, wait_ready, write_json
 from bench.procstat import rss_mb, tree_cpu_seconds
 from bench.streams import Board, Stream, open_streams
-from router.workers import usable_cores
+from router.control.supervisor import usable_cores
 
 WRK_HINT = "wrk is not installed: `apt-get install -y wrk` (Debian/Ubuntu) adds it"
 PEERS_VENV = Path.home() / ".cache" / "kvroute-bench" / "peers-venv"

@@ -23,7 +23,7 @@ if typing.TYPE_CHECKING:
 
 
 class BackendLike(Protocol):
-    """What a policy may read of a backend (router/backends.py provides it)."""
+    """What a policy may read of a backend (router/fleet/backends.py provides it)."""
 
     @property
     def name(self) -> str: ...
@@ -36,7 +36,7 @@ class BackendLike(Protocol):
 
 
 class Placements(Protocol):
-    """Where this router's other worker processes just sent prompts (router/placements.py).
+    """Where this router's other worker processes just sent prompts (router/fleet/placements.py).
 
     A policy that learns from its own decisions writes each one here, with no await, and
     reads the others' before it decides (the router holds a lock around both), so that a
@@ -93,7 +93,7 @@ class FleetView:
     the subset that is healthy and serves the requested model; `candidate_names`
     makes membership checks O(1). The router caches one view per model and rebuilds
     it only when membership or health changes. `panic`: too few were usable, so the
-    candidates include backends only their circuit breaker kept out (router/backends.py).
+    candidates include backends only their circuit breaker kept out (router/fleet/backends.py).
     """
 
     members: tuple[BackendLike, ...]

@@ -39,7 +39,7 @@ until its KV events confirm it), so the holder set grows only as demand needs.
 the least loaded, ties at random).
 
 With several worker processes, each decision is also written to the router's shared
-placements (`share`, router/placements.py) before `pick` returns, and each pick first
+placements (`share`, router/fleet/placements.py) before `pick` returns, and each pick first
 reads there whether another worker just sent this prompt's uncached blocks somewhere,
 the router holding a router-wide lock around the pick and its load count: a burst of
 one new prefix that the kernel spread over the workers stays on one backend, as it

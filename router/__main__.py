@@ -96,7 +96,8 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
-    from router.app import Router, serve
+    from router.control.serve import serve
+    from router.control.worker import Router
 
     try:
         config = load(args.config, overrides)
@@ -111,8 +112,8 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             print(f"kvroute: warning: {warning}", file=sys.stderr)
         print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
         return 0
-    from router.reload import ConfigSource
-    from router.workers import Supervisor, worker_count
+    from router.control.reload import ConfigSource
+    from router.control.supervisor import Supervisor, worker_count
 
     log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
     for warning in advice(config):
@@ -154,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 #: subcommands implemented elsewhere, each with its own `main(argv)` and --help
 _TOOLS = {
-    "token": ("router.auth", "issue a signed data-plane token (kvroute token issue -h)"),
+    "token": ("router.ingress.auth", "issue a signed data-plane token (kvroute token issue -h)"),
     "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
     "bench": ("bench.harness", "compare routing strategies on one workload (kvroute bench -h)"),
     "demo": ("bench.demo", "4 simulated backends, 4 strategies, one table, in about a minute"),

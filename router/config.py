@@ -201,7 +201,7 @@ class HealthConfig(_Strict):
 
 class BreakerConfig(_Strict):
     """Passive ejection: a circuit breaker per backend fed by the request path (the
-    module docstring of router/breaker.py says what counts), and Envoy's two guards."""
+    module docstring of router/fleet/breaker.py says what counts), and Envoy's two guards."""
 
     enabled: bool = True
     #: consecutive failed attempts that open it: connection errors, timeouts, cut streams

@@ -6,7 +6,7 @@ by a collector, so the request path pays nothing for them. Label values come fro
 config and the router's own vocabularies, never from what a client sends: a tenant the
 config does not know is `(other)` (`tenant_request`).
 
-With several workers (router/workers.py) every process writes its counters and
+With several workers (router/control/supervisor.py) every process writes its counters and
 histograms to prometheus-client's multiprocess files and `render` sums them over all
 processes, dead ones included (counters never go back); gauges are "livemax" (a dead
 process's gauge disappears). The per-backend gauges come from the answering worker;
@@ -35,8 +35,8 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from router.backends import Backend
-from router.breaker import BreakerState
+from router.fleet.backends import Backend
+from router.fleet.breaker import BreakerState
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench import fairness
-from router.workers import usable_cores
+from router.control.supervisor import usable_cores
 
 pytestmark = pytest.mark.timeout(180)
 

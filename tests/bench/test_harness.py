@@ -26,8 +26,8 @@ from bench.report import (
 )
 from bench.sim import SimParams, start_fleet
 from bench.workloads import WorkloadSpec, generate
-from router.app import Router
-from router.workers import usable_cores
+from router.control.supervisor import usable_cores
+from router.control.worker import Router
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).parents[2]

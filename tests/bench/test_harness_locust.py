@@ -12,7 +12,7 @@ import pytest
 
 from bench.harness import router_config
 from bench.sim import SimParams, start_fleet
-from router.app import Router
+from router.control.worker import Router
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).parents[2]

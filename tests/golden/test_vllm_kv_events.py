@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from hashing.blocks import chain, root_key
 from hashing.prefix_index import PrefixIndex
-from router.kv_events import EventApplier, EventSubscriber
+from router.telemetry.kv_events import EventApplier, EventSubscriber
 
 VLLM_VERSION = "0.33.0"
 MODEL = "meta-llama/Llama-3.1-8B"

@@ -162,7 +162,7 @@ def test_every_process_places_new_prefixes_alike() -> None:
 
 
 class SharedDict:
-    """Placements in one process: what router/placements.py shares between workers."""
+    """Placements in one process: what router/fleet/placements.py shares between workers."""
 
     def __init__(self) -> None:
         self.placed: dict[int, tuple[str, list[int], float]] = {}

@@ -7,8 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-from router.app import Router
 from router.config import build
+from router.control.worker import Router
 from tests.stub_backend import StubBackend
 
 

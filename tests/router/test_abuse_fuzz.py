@@ -21,8 +21,8 @@ import uvloop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from router.app import Router
 from router.config import build
+from router.control.worker import Router
 from tests.router.chaos import MODEL, TALLY
 from tests.stub_backend import StubBackend
 

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import Router
-from router.auth import issue
 from router.config import ConfigError, build
+from router.control.worker import Router
+from router.ingress.auth import issue
 from tests.router.chaos import Tally, chat, until
 from tests.router.conftest import running, settle
 from tests.stub_backend import StubBackend

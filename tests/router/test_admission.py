@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission, LocalCounts
 from router.config import LimitsConfig
+from router.dispatch.admission import Admission, LocalCounts
 from router.errors import Overloaded
 
 

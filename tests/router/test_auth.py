@@ -10,9 +10,9 @@ import string
 import orjson
 import pytest
 
-from router.auth import MAX_LIFETIME, Authenticator, bearer, issue, verify
 from router.config import AuthConfig, ConfigError
 from router.errors import BadRequest, Unauthorized
+from router.ingress.auth import MAX_LIFETIME, Authenticator, bearer, issue, verify
 
 KEY = b"k" * 32
 NOW = 1_800_000_000

@@ -10,7 +10,7 @@ import pytest
 from openai import AsyncOpenAI, AuthenticationError
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.auth import issue
+from router.ingress.auth import issue
 from tests.router.chaos import MODEL, Tally, chat, until
 from tests.router.conftest import running, settle
 

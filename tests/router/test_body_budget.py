@@ -1,13 +1,13 @@
-"""router/body_budget.py: a worker's share of the budget, reservations, and the config
+"""router/ingress/body_budget.py: a worker's share of the budget, reservations, and the config
 rule that keeps one max-size body within it."""
 
 from __future__ import annotations
 
 import pytest
 
-from router.body_budget import BodyBudget, worker_share
 from router.config import ConfigError, build
 from router.errors import BodyBudgetFull
+from router.ingress.body_budget import BodyBudget, worker_share
 
 
 @pytest.mark.parametrize(

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 import policies
-from router.backends import Fleet
-from router.breaker import Breaker, BreakerState, Outcome, outcome
 from router.config import BackendConfig, BreakerConfig, HealthConfig
-from router.health import HealthChecker
+from router.fleet.backends import Fleet
+from router.fleet.breaker import Breaker, BreakerState, Outcome, outcome
+from router.fleet.health import HealthChecker
 
 CLOSED, OPEN, HALF = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 CFG = BreakerConfig(failure_threshold=3, open_seconds=1, half_open_successes=2)

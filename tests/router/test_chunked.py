@@ -1,4 +1,4 @@
-"""router.chunked: a chunked body decoded read by read, with reads of whole chunks passed
+"""router.upstream.chunked: a chunked body decoded read by read, with reads of whole chunks passed
 on as they came."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import itertools
 
 import pytest
 
-from router.chunked import ChunkedBody, ChunkError
+from router.upstream.chunked import ChunkedBody, ChunkError
 
 EVENTS = [b"data: one\n\n", b"data: " + b"x" * 300 + b"\n\n", b"data: [DONE]\n\n"]
 BODY = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in EVENTS) + b"0\r\n\r\n"

@@ -8,9 +8,9 @@ import asyncio
 import aiohttp
 import pytest
 
-from router.app import Router
 from router.config import build
-from router.discovery import Discovery, system_resolver
+from router.control.worker import Router
+from router.fleet.discovery import Discovery, system_resolver
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import StubBackend, stubs_on
 

@@ -1,4 +1,4 @@
-"""The fast path (router/fast_ingress.py) and its hand-over to aiohttp, on raw sockets.
+"""The fast path (router/ingress/fast.py) and its hand-over to aiohttp, on raw sockets.
 
 Every request below must get the same answer whichever server reads it: complete common
 POSTs are answered by the fast path, anything else (split heads, late bodies, chunked or
@@ -16,8 +16,8 @@ import socket
 import orjson
 import pytest
 
-from router.fast_ingress import FastConnection
-from router.proxy import _Connection
+from router.ingress.fast import FastConnection
+from router.upstream.proxy import _Connection
 from tests.router.conftest import running, settle
 
 BODY = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]})

@@ -22,9 +22,9 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.overhead import free_port
-from router.app import Router
-from router.breaker import BreakerState
 from router.config import build
+from router.control.worker import Router
+from router.fleet.breaker import BreakerState
 from tests.router.chaos import Tally, until
 from tests.router.conftest import settle
 

@@ -13,8 +13,8 @@ from typing import Any
 import orjson
 import pytest
 
-from router.app import Router
 from router.config import build
+from router.control.worker import Router
 from tests.raw_backend import RawBackend, json_answer
 from tests.router.test_fast_ingress_functional import BODY, ask, read_response
 from tests.router.test_grpc_functional import TIMEOUT, chat_request, grpc_router

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from router.app import Router
+from router.control.worker import Router
 from tests.router.conftest import running, settle
 from tests.stub_backend import StubBackend
 

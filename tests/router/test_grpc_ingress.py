@@ -20,7 +20,7 @@ from router.errors import (
     UpstreamTimeout,
     grpc_code,
 )
-from router.grpc_convert import SseEvents, body_of, chat_chunk, chat_completion, completion
+from router.ingress.grpc_convert import SseEvents, body_of, chat_chunk, chat_completion, completion
 from router.request import Kind, parse
 
 USER = pb.ChatMessage(role="user", content="hi")

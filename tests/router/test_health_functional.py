@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.breaker import BreakerState
+from router.fleet.breaker import BreakerState
 from tests.router.chaos import Tally, chat, until
 from tests.router.conftest import running, settle
 

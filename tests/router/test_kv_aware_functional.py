@@ -14,8 +14,8 @@ from openai import AsyncOpenAI
 
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
-from router.app import Router
 from router.config import build
+from router.control.worker import Router
 
 MODEL = "sim-llama-70b"
 
@@ -183,7 +183,7 @@ async def test_hf_tokenizer_runs_off_the_loop_and_template_errors_are_400(tmp_pa
 async def test_a_reload_that_adds_kv_events_starts_the_subscription(tmp_path) -> None:
     import yaml
 
-    from router.reload import ConfigSource
+    from router.control.reload import ConfigSource
 
     fleet = await start_fleet(1, SimParams(kv_events=True, time_scale=0.01))
     backend = {"url": fleet.urls[0], "name": "sim0"}

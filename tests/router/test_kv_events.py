@@ -7,7 +7,7 @@ import pytest
 
 from hashing.blocks import chain, root_key
 from hashing.prefix_index import PrefixIndex
-from router.kv_events import EventApplier, as_uint64
+from router.telemetry.kv_events import EventApplier, as_uint64
 
 MODEL = "m"
 IDS = list(range(32))

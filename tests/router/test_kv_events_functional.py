@@ -13,7 +13,7 @@ from bench.sim.params import SimParams
 from hashing.canonical import Message
 from hashing.chat_tokens import PromptBlocks
 from hashing.prefix_index import PrefixIndex
-from router.kv_events import EventApplier, EventSubscriber
+from router.telemetry.kv_events import EventApplier, EventSubscriber
 
 MODEL = "sim-llama-70b"
 DOC = "".join(f"clause {i}: the tenant shall keep the premises in good order. " for i in range(60))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.overhead import free_port
-from router.workers import RUNDIR_PREFIX, _tmpfs
+from router.control.supervisor import RUNDIR_PREFIX, _tmpfs
 
 
 @pytest.fixture

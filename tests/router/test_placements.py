@@ -1,4 +1,4 @@
-"""router/placements.py: two workers' mappings of one table, and the broadcast batch."""
+"""router/fleet/placements.py: two workers' mappings of one table, and the broadcast batch."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 
 from hashing.blocks import chain, root_key
-from router.placements import PlacementTable, decode_learned
+from router.fleet.placements import PlacementTable, decode_learned
 
 ROOT = root_key("m", None)
 DOC = chain(ROOT, list(range(3200)), 16)  # 200 blocks

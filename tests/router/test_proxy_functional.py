@@ -17,8 +17,8 @@ import pytest
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.app import Router
 from router.config import build
+from router.control.worker import Router
 from tests.router.conftest import running, settle
 
 MODEL = "stub-model"

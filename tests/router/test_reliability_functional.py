@@ -12,7 +12,7 @@ import random
 import aiohttp
 import orjson
 
-from router.breaker import BreakerState
+from router.fleet.breaker import BreakerState
 from tests.router.chaos import Tally, chat, until
 from tests.router.conftest import running, settle
 

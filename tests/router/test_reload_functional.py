@@ -15,9 +15,9 @@ import pytest
 import yaml
 
 from policies import RouteRequest
-from router.app import Router
 from router.config import ConfigError
-from router.reload import ConfigSource
+from router.control.reload import ConfigSource
+from router.control.worker import Router
 from tests.router.chaos import MODEL, Tally, chat, until
 from tests.router.conftest import settle
 from tests.stub_backend import StubBackend

@@ -8,7 +8,7 @@ import pytest
 
 from policies import FleetView
 from router.config import RetryConfig
-from router.retry import RetryPolicy, excluding
+from router.upstream.retry import RetryPolicy, excluding
 
 
 @pytest.mark.parametrize(

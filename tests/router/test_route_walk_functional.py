@@ -1,7 +1,7 @@
 """With auth on, what a stranger gets from every route the router serves: a 401.
 
 The routes are read from the running router itself - the data listener's aiohttp app,
-the fast path's routes (router/fast_ingress.py answers those before aiohttp sees them),
+the fast path's routes (router/ingress/fast.py answers those before aiohttp sees them),
 the admin listener's app, and every method of every gRPC service it registers - and each
 is called over a real socket with no token (admin: no admin token). Only the probes and
 the scraper's page answer: `/health`, `/ready`, `/metrics`, and gRPC health. So a route
@@ -19,9 +19,9 @@ import pytest
 from aiohttp import web
 from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 
-from router import fast_ingress
-from router.app import Router
-from router.grpc_ingress import SERVICES
+from router.control.worker import Router
+from router.ingress import fast as fast_ingress
+from router.ingress.grpc_service import SERVICES
 from tests.router.chaos import Tally, chat
 from tests.router.conftest import running
 

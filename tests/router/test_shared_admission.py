@@ -8,10 +8,10 @@ import asyncio
 
 import pytest
 
-from router.admission import Admission
 from router.config import LimitsConfig
+from router.dispatch.admission import Admission
+from router.dispatch.shared_admission import TENANT_SLOTS, TOTAL, AdmissionTable
 from router.errors import Overloaded
-from router.shared_admission import TENANT_SLOTS, TOTAL, AdmissionTable
 
 
 def tables(tmp_path, workers: int = 3) -> list[AdmissionTable]:

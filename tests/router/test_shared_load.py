@@ -5,9 +5,9 @@ reused once no worker holds their backend."""
 from __future__ import annotations
 
 from policies.round_robin import RoundRobinParams, RoundRobinPolicy
-from router.backends import Backend, Fleet
 from router.config import BackendConfig, BreakerConfig
-from router.shared_load import LoadTable
+from router.fleet.backends import Backend, Fleet
+from router.fleet.shared_load import LoadTable
 
 
 def tables(tmp_path, workers: int = 3, slots: int = 16) -> list[LoadTable]:

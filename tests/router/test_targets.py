@@ -1,11 +1,11 @@
-"""router/targets.py: RFC 3986 §5.2.4's examples, and what a proxied route forwards."""
+"""router/ingress/targets.py: RFC 3986 §5.2.4's examples, and what a proxied route forwards."""
 
 from __future__ import annotations
 
 import pytest
 
 from router.errors import BadRequest
-from router.targets import origin_form, remove_dot_segments
+from router.ingress.targets import origin_form, remove_dot_segments
 
 
 @pytest.mark.parametrize(

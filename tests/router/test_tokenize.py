@@ -6,7 +6,7 @@ import orjson
 import pytest
 
 from router.request import Kind
-from router.tokenize import tokenize_body
+from router.telemetry.tokenize import tokenize_body
 
 CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi \\u00e9"}],"tools":[{"x":1}]}'
 

@@ -13,9 +13,9 @@ from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Histogram
 from yarl import URL
 
-from router import proxy
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
-from router.proxy import Upstream, Upstreams, open_upstream
+from router.upstream import proxy
+from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 

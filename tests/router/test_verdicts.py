@@ -1,4 +1,4 @@
-"""A worker's side of the collector's health verdicts (router/health.py `Verdicts`).
+"""A worker's side of the collector's health verdicts (router/fleet/health.py `Verdicts`).
 
 The message goes over the collector's feed in tests/router/test_workers.py; here both
 ends live in one process, so the timing of a reload against the message is the test's:
@@ -13,9 +13,9 @@ import asyncio
 
 import policies
 from policies.random import RandomParams
-from router.backends import Backend, Fleet
 from router.config import BackendConfig, BreakerConfig, HealthConfig
-from router.health import HealthChecker, Verdicts
+from router.fleet.backends import Backend, Fleet
+from router.fleet.health import HealthChecker, Verdicts
 
 
 def _configs(names: tuple[str, ...]) -> list[BackendConfig]:

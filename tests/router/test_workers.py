@@ -41,7 +41,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from router.workers import sweep_stale
+from router.control.supervisor import sweep_stale
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 

@@ -20,7 +20,7 @@ import msgspec
 import orjson
 import xxhash
 
-from router.backends import Fleet
+from router.fleet.backends import Fleet
 from router.metrics import Metrics
 from router.request import Kind
 

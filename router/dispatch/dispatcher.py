@@ -46,10 +46,8 @@ from prometheus_client.metrics import MetricWrapperBase
 from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
 from policies import SPILL_REASONS, Policy, RouteRequest
-from router.admission import Admission, Counts
-from router.backends import Backend, Fleet
-from router.breaker import Outcome, outcome
 from router.config import Config, TimeoutsConfig
+from router.dispatch.admission import Admission, Counts
 from router.errors import (
     BackendsFailed,
     BadRequest,
@@ -60,11 +58,13 @@ from router.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
+from router.fleet.backends import Backend, Fleet
+from router.fleet.breaker import Outcome, outcome
 from router.metrics import Metrics
-from router.proxy import Upstream, Upstreams, open_upstream
 from router.request import Kind
-from router.retry import RetryPolicy, excluding
-from router.tokenize import RemoteTokenizer
+from router.telemetry.tokenize import RemoteTokenizer
+from router.upstream.proxy import Upstream, Upstreams, open_upstream
+from router.upstream.retry import RetryPolicy, excluding
 
 #: how long the answers cut at the drain deadline get to write their ending (a client
 #: that does not read it is then cut off by its server)

@@ -27,7 +27,7 @@ Add and remove edit the effective config and go through the same build, validate
 swap as a reload (reload.py); a later reload from the file brings back the file's
 list. Drain is runtime state: it survives reloads while the backend stays configured.
 
-With several workers (router/workers.py) the admin API listens in worker 0 only. Its
+With several workers (router/control/supervisor.py) the admin API listens in worker 0 only. Its
 reads describe worker 0's view (in-flight counts are router-wide); `reload` reloads
 worker 0 and, when the file was valid, asks the supervisor to reload every process.
 Add, remove, drain and undrain are applied in worker 0 first (so a bad edit answers
@@ -41,39 +41,54 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import typing
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import msgspec
 import orjson
 from aiohttp import web
 
-from router.auth import AdminToken
-from router.backends import Backend
 from router.config import AdminConfig, Config, ConfigError, build
+from router.control.reload import Reloader
 from router.errors import KvrouteError, Unauthorized
-from router.http_ingress import (
+from router.fleet.backends import Backend, Fleet
+from router.fleet.discovery import Discovery
+from router.fleet.health import HealthChecker
+from router.ingress.auth import AdminToken
+from router.ingress.web import (
     IngressSite,
     errors_middleware,
     metrics_page,
     no_server_header,
     server_limits,
 )
-
-if typing.TYPE_CHECKING:
-    from router.app import Router
+from router.metrics import Metrics
 
 _CHALLENGE = {"WWW-Authenticate": 'Bearer realm="kvroute-admin"'}
 
 
+class AdminHost(Protocol):
+    """What the admin API reads and edits of the router process it runs in."""
+
+    config: Config
+    fleet: Fleet
+    metrics: Metrics
+    health: HealthChecker
+    reloader: Reloader
+    discovery: Discovery
+
+    @property
+    def fan_out(self) -> Callable[[bytes], Awaitable[None]] | None:
+        """Sends an edit to every worker (this one too); None in a single process."""
+
+
 class AdminServer:
-    def __init__(self, router: Router, cfg: AdminConfig, token: AdminToken) -> None:
+    def __init__(self, router: AdminHost, cfg: AdminConfig, token: AdminToken) -> None:
         self._router = router
         self._cfg = cfg
         self._token = token
         self._runner: web.AppRunner | None = None
         self.port = 0
-        #: with several workers: edits and reloads fan out to every worker
-        self._workers = router.context is not None
 
     @property
     def url(self) -> str:
@@ -159,7 +174,7 @@ class AdminServer:
             report = await self._router.reloader.reload()
         except ConfigError as exc:
             raise KvrouteError(f"Reload rejected: {exc}", status=400) from None
-        if self._workers:
+        if self._router.fan_out is not None:
             os.kill(os.getppid(), signal.SIGHUP)  # the supervisor reloads every process
         return _json(report)
 
@@ -173,9 +188,9 @@ class AdminServer:
     async def _edit(self, edit: dict) -> dict[str, list[str]]:
         """Apply here (errors reach the caller, nothing changed), then in every worker."""
         report = await apply_edit(self._router, edit)
-        if self._workers:
+        if (fan_out := self._router.fan_out) is not None:
             try:
-                await self._router.telemetry.broadcast(orjson.dumps(edit))
+                await fan_out(orjson.dumps(edit))
             except TimeoutError:
                 raise KvrouteError(
                     "Applied in worker 0, but the other workers could not be reached; "
@@ -211,7 +226,9 @@ class AdminServer:
         }
 
 
-async def apply_edit(router: Router, edit: dict, everywhere: bool = False) -> dict[str, list[str]]:
+async def apply_edit(
+    router: AdminHost, edit: dict, everywhere: bool = False
+) -> dict[str, list[str]]:
     """Apply a runtime edit (`{"op": "drain", "name", "draining"}`, `{"op": "backends",
     "backends": [entries]}`, or the collector's `{"op": "discovered", "found": {source:
     [entries]}}`) to `router`: the admin API's own, or one broadcast (`everywhere`: the
@@ -232,12 +249,12 @@ async def apply_edit(router: Router, edit: dict, everywhere: bool = False) -> di
     return await router.reloader.apply(build(data, "admin"), everywhere)
 
 
-def discovered_edit(router: Router) -> bytes:
+def discovered_edit(router: AdminHost) -> bytes:
     """The collector's discovered backends, as the edit that gives them to a worker."""
     return orjson.dumps({"op": "discovered", "found": router.discovery.entries()})
 
 
-def replay_edits(router: Router) -> list[bytes]:
+def replay_edits(router: AdminHost) -> list[bytes]:
     """The edits that bring a (re)started worker, which read the file, to the router's
     runtime view: the discovered backends, the backend list as edited since, and the
     drained backends. The collector, which applies every edit too, sends them to each

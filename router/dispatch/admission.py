@@ -9,7 +9,7 @@ queued together) is refused at once: one tenant can never fill the queue.
 
 The counts both caps are checked against are `Counts`: this process's own (a router
 of one process), or with several workers the shared admission table
-(router/shared_admission.py), so both caps hold for the whole router. The wait queue
+(router/dispatch/shared_admission.py), so both caps hold for the whole router. The wait queue
 stays per worker (`queue_size` waiters in each): a slot freed in this worker goes
 straight to its oldest waiter; one freed in another worker is found by a poll every
 `_POLL_SECONDS`, armed only while this worker has waiters. So the queue is FIFO within
@@ -31,8 +31,8 @@ from collections.abc import Hashable
 from typing import Protocol
 
 from router.config import LimitsConfig
+from router.dispatch.shared_admission import TOTAL
 from router.errors import Overloaded
-from router.shared_admission import TOTAL
 
 #: how often a worker with waiters looks for a slot freed in another worker
 _POLL_SECONDS = 0.01

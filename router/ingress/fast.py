@@ -45,17 +45,17 @@ from aiohttp.http import HttpRequestParser, HttpVersion11, RawRequestMessage
 from aiohttp.http_exceptions import HttpProcessingError
 
 from router import log
-from router.body_budget import BodyBudget
 from router.errors import INTERNAL, KvrouteError
-from router.http_ingress import (
+from router.ingress.body_budget import BodyBudget
+from router.ingress.web import (
     LINGER_SECONDS,
     REQUEST_ID,
     HttpIngress,
     request_id,
     watch_half_closed,
 )
-from router.proxy import Sink, header_lines
 from router.request import Kind
+from router.upstream.proxy import Sink, header_lines
 
 ROUTES = {
     "/v1/chat/completions": Kind.CHAT,
@@ -95,7 +95,7 @@ class FastConnections:
     async def drain(self, timeout: float) -> None:
         """Close idle connections now; let requests in flight finish within `timeout`,
         then cut what is left. Their answers say `Connection: close`. The dispatcher's
-        drain deadline comes first (router/app.py): by this one, what is left is an
+        drain deadline comes first (router/control/worker.py): by this one, what is left is an
         answer ended with a "shutting down" error that its client does not read."""
         self.closing = True
         busy = []

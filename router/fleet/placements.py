@@ -13,7 +13,7 @@ one fast and lossy, one exact and a few milliseconds late:
   pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
   first uncached block (one probe per backend), then how many of the following blocks
   it holds by binary search, as the prefix index does (holdings are prefix-closed).
-- **The lock** (`with table:`, router/dispatch.py): a pick reads the table, decides,
+- **The lock** (`with table:`, router/dispatch/dispatcher.py): a pick reads the table, decides,
   writes its placement and counts its request in the shared load table holding an
   `flock` on the table's file, so two workers' picks of one new prefix at the same
   instant go one after the other, the second finding the first's placement and load. It is held
@@ -22,7 +22,7 @@ one fast and lossy, one exact and a few milliseconds late:
   busy machine must not stall this worker's streams longer), and a worker that dies
   holding it lets go with its file.
 - **The broadcast**: the same placements, batched per loop turn, go to the collector's
-  control socket and from there to every worker's index (router/telemetry.py, topic
+  control socket and from there to every worker's index (router/telemetry/feed.py, topic
   `l`), exactly and for their whole TTL, however many the table has overwritten since.
 
 Concurrency: each slot word is an aligned 8-byte store, so no value tears. Two workers
@@ -48,7 +48,7 @@ from pathlib import Path
 import msgspec
 
 from hashing.rendezvous import name_hash
-from router.shared_load import lock_within, map_shared
+from router.fleet.shared_load import lock_within, map_shared
 
 __all__ = ["LEARNED", "PlacementTable", "decode_learned"]
 

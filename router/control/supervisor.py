@@ -5,15 +5,15 @@ Process model (all children are spawned, not forked, so none inherits a running 
 - **workers** 0..N-1 each run the whole request path (HTTP and gRPC ingress, dispatch,
   circuit breakers) on their own uvloop, listening on the same port with SO_REUSEPORT:
   the kernel spreads connections over them. In-flight counts go through the shared
-  `LoadTable` (router/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
+  `LoadTable` (router/fleet/shared_load.py), so LEAST_OUTSTANDING_REQUESTS, KV_AWARE and
   `concurrency_threshold` see the router's whole load, not one worker's; admission's
-  counts through the shared `AdmissionTable` (router/shared_admission.py), so
+  counts through the shared `AdmissionTable` (router/dispatch/shared_admission.py), so
   `max_concurrent_requests` and `max_concurrent_per_tenant` cap the whole router.
 - **the collector** scrapes every backend's /metrics, holds the KV event
   subscriptions, runs the health checks and model polls (admission checks of added
   backends included) and the discovery sources once for the router, and publishes
   snapshots, in-order event batches, health verdicts and discovered backends to the
-  workers over a ZMQ IPC socket (router/telemetry.py), so 100 backends are scraped and
+  workers over a ZMQ IPC socket (router/telemetry/feed.py), so 100 backends are scraped and
   probed 100 times per interval, not 100 times N.
 - **the supervisor** (this module, no event loop) reserves the ports, creates the run
   directory (shared load table, Prometheus multiprocess files, the IPC socket; see
@@ -25,7 +25,7 @@ Process model (all children are spawned, not forked, so none inherits a running 
 /metrics on any worker aggregates every process's counters and histograms
 (prometheus-client's multiprocess mode); the per-backend gauges are read from the
 answering worker, with in-flight counts from the shared table. The admin API listens
-in worker 0 only (see router/admin.py for what it can do with several workers).
+in worker 0 only (see router/control/admin.py for what it can do with several workers).
 
 Run directories (`kvroute-*` in /dev/shm): the supervisor removes its own when it
 stops, but one killed with SIGKILL cannot. So each holds a shared `flock` on the
@@ -51,17 +51,17 @@ import signal
 import socket
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from prometheus_client import multiprocess
 
 from router import log
 from router.config import Config
+from router.context import COLLECTOR, WorkerContext
+from router.dispatch.shared_admission import AdmissionTable
 from router.errors import listening
-from router.shared_admission import AdmissionTable
-from router.shared_load import LoadTable
+from router.fleet.shared_load import LoadTable
 
 #: backends the shared load table tells apart at once (freed slots are reused), at least
 _MIN_SLOTS = 4096
@@ -69,53 +69,10 @@ _MIN_SLOTS = 4096
 _YOUNG_SECONDS = 10.0
 _MAX_RESTART_DELAY = 30.0
 _POLL_SECONDS = 0.2
-COLLECTOR = -1
 _PR_SET_PDEATHSIG = 1
 RUNDIR_PREFIX = "kvroute-"
 #: the run directory's lock: held shared by every live process of its router
 OWNER_LOCK = "owner.lock"
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What a child needs to know about its place in the router (pickled to it)."""
-
-    index: int  # the worker's column in the load table; COLLECTOR for the collector
-    workers: int
-    rundir: str
-    slots: int
-    config_path: str | None = None
-    overrides: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def collector(self) -> bool:
-        return self.index == COLLECTOR
-
-    @property
-    def feed(self) -> str:
-        """The collector's telemetry PUB socket."""
-        return f"ipc://{self.rundir}/telemetry.sock"
-
-    @property
-    def control(self) -> str:
-        """The collector's PULL socket: what a worker sends there reaches every worker."""
-        return f"ipc://{self.rundir}/control.sock"
-
-    @property
-    def table_path(self) -> str:
-        return f"{self.rundir}/load"
-
-    @property
-    def placements_path(self) -> str:
-        return f"{self.rundir}/placements"
-
-    @property
-    def admission_path(self) -> str:
-        return f"{self.rundir}/admission"
-
-    @property
-    def name(self) -> str:
-        return "collector" if self.collector else f"worker {self.index}"
 
 
 def usable_cores() -> int:
@@ -175,9 +132,9 @@ def _child_main(ctx: WorkerContext, parent: int) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before serve() is a no-op
     import uvloop
 
-    from router.app import serve
     from router.config import load
-    from router.reload import ConfigSource
+    from router.control.reload import ConfigSource
+    from router.control.serve import serve
 
     config = load(ctx.config_path, ctx.overrides)
     log.setup(config.log_level, ctx.name)

@@ -18,7 +18,7 @@ to the breaker: nothing would bring it back).
 cards feed `/v1/models` and the per-model candidate lists. A failed fetch keeps what
 was known; reachability is the health checker's job.
 
-With several workers (router/workers.py) only the collector probes: `Verdicts` encodes
+With several workers (router/control/supervisor.py) only the collector probes: `Verdicts` encodes
 its health verdicts and model cards after every round, and each worker adopts them, so
 a fleet is probed once per interval, not once per worker. A worker that finds a backend
 refusing connections marks it down itself and tells the collector (`REFUSED` + its
@@ -36,8 +36,8 @@ import aiohttp
 import msgspec
 import orjson
 
-from router.backends import Backend, Fleet
 from router.config import HealthConfig
+from router.fleet.backends import Backend, Fleet
 
 #: a worker's word to the collector, before a backend's name: it refused a connection
 REFUSED = b"R"

@@ -2,7 +2,7 @@
 
 A `Backend` holds what routing needs: identity, weight, the models it serves, whether it
 is usable, and the router-wide in-flight count (summed over the workers through
-router/shared_load.py when there are several; dispatch's accounting keeps it exact).
+router/fleet/shared_load.py when there are several; dispatch's accounting keeps it exact).
 `Fleet` caches one `FleetView` per model and rebuilds the cache only when membership,
 health or model lists change, so per-request work is a dict lookup. Telemetry loops
 write here; the request path only reads and counts.
@@ -39,10 +39,10 @@ from yarl import URL
 
 from policies import FleetView, Policy
 from router import log
-from router.breaker import Breaker, BreakerState, Outcome
 from router.config import BackendConfig, BreakerConfig
-from router.placements import PlacementTable
-from router.shared_load import LoadTable
+from router.fleet.breaker import Breaker, BreakerState, Outcome
+from router.fleet.placements import PlacementTable
+from router.fleet.shared_load import LoadTable
 
 _MAX_CACHED_VIEWS = 1024
 _DEFAULT_BREAKER = BreakerConfig()

@@ -9,11 +9,11 @@ size and block count (the index capacity). Old names (`gpu_cache_usage_perc`,
 backend's `waiting` drops to 0 and a labelled fallback counter says why.
 
 For backends with `kv_events` configured it starts a subscriber feeding the KV-aware
-policy's prefix index (router/kv_events.py); the others stay in approximate mode, where
+policy's prefix index (router/telemetry/kv_events.py); the others stay in approximate mode, where
 the index learns from the router's own decisions. Which mode each backend is in is the
 `kvroute_backend_index_mode` gauge.
 
-With several workers (router/workers.py) the work is done once: the collector process
+With several workers (router/control/supervisor.py) the work is done once: the collector process
 scrapes and subscribes, and publishes on a ZMQ PUB socket (IPC) each snapshot
 (`s`, backend, msgpack snapshot), each KV batch in sequence order after its gap checks
 and replays (`k`, backend, payload as the backend sent it) and each index reset
@@ -23,7 +23,7 @@ too.
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
 probe round, after backends joined its fleet, and to every worker that says hello;
-router/health.py `Verdicts`: only the collector probes; a worker's `REFUSED` message
+router/fleet/health.py `Verdicts`: only the collector probes; a worker's `REFUSED` message
 marks a backend down there and publishes them at once), the admin API's runtime edits
 (worker 0 pushes an edit to the collector's PULL socket, `broadcast`; the collector
 applies it too, so it scrapes, subscribes to and probes an added backend, and publishes
@@ -55,13 +55,13 @@ import zmq.asyncio
 
 from hashing.prefix_index import PrefixIndex
 from router import log
-from router.backends import Backend, Fleet
 from router.config import KvEventsConfig, TelemetryConfig
-from router.health import REFUSED, Verdicts
-from router.kv_events import EventApplier, EventSubscriber, run_forever
+from router.context import WorkerContext
+from router.fleet.backends import Backend, Fleet
+from router.fleet.health import REFUSED, Verdicts
+from router.fleet.placements import LEARNED, decode_learned
 from router.metrics import Metrics
-from router.placements import LEARNED, decode_learned
-from router.workers import WorkerContext
+from router.telemetry.kv_events import EventApplier, EventSubscriber, run_forever
 
 _SUMMED = {
     "vllm:num_requests_running": "running",
@@ -253,7 +253,7 @@ class Telemetry:
     """Starts and stops every telemetry loop of one router; never on the request path.
 
     `link` is None for a single-process router, else this process's place among the
-    workers (router/workers.py).
+    workers (router/control/supervisor.py).
     """
 
     def __init__(

@@ -7,13 +7,13 @@ Sources (`discovery:` in the YAML, each with `kind`):
   watched through the API server with the pod's service-account token; a broken watch
   (or a 410 Gone) lists again.
 Whenever a source's address set changes, the current config with the discovered backends
-swapped in goes through the reload path (router/reload.py: build, validate, swap), so new
+swapped in goes through the reload path (router/control/reload.py: build, validate, swap), so new
 backends get a health check first and vanished ones drain like removed ones. The
 discovered backends are merged into every applied config, a SIGHUP reload of the file
 included. A failing source keeps its last good list, logs, and counts
 `kvroute_discovery_errors_total{source}`. With several workers only the collector runs
 the sources (one resolver, one watch on the API server) and hands each change to the
-workers as an edit (`Router.discovered`), so every worker routes over the same fleet and
+workers as an edit (the collector's `rediscover`), so every worker routes over the same fleet and
 takes the collector's health checks of the new backends.
 """
 
@@ -27,7 +27,7 @@ import socket
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import aiohttp
 import msgspec
@@ -44,12 +44,28 @@ from router.config import (
     KvEventsConfig,
 )
 
-if TYPE_CHECKING:
-    from router.app import Router
-
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _RETRY_S = 1.0
+
+
+class _Counters(Protocol):
+    discovered_backends: Any  # prometheus Gauge, labelled by source
+    discovery_errors: Any  # prometheus Counter, labelled by source
+
+
+class DiscoveryHost(Protocol):
+    """What discovery needs of the router it feeds: the sources, where to count, and a
+    way to apply the config with the newly discovered backends (`rediscover`)."""
+
+    @property
+    def config(self) -> Config: ...
+
+    @property
+    def metrics(self) -> _Counters: ...
+
+    async def rediscover(self) -> None:
+        """Apply the current config again (merged with `found`); ConfigError if refused."""
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -86,8 +102,8 @@ def ready_addresses(slices: Iterable[dict[str, Any]]) -> set[str]:
 
 
 class Discovery:
-    def __init__(self, router: Router, resolver: Resolver = system_resolver) -> None:
-        self._router = router
+    def __init__(self, host: DiscoveryHost, resolver: Resolver = system_resolver) -> None:
+        self._host = host
         self._resolver = resolver
         #: the last good backends of each source, by source label
         self.found: dict[str, list[BackendConfig]] = {}
@@ -116,7 +132,7 @@ class Discovery:
         self.found = msgspec.convert(entries, dict[str, list[BackendConfig]])
 
     async def run(self) -> None:
-        sources = self._router.config.discovery
+        sources = self._host.config.discovery
         if not sources:
             return
         watchers = [asyncio.create_task(self._watch(s), name=f"kvroute-{s.label}") for s in sources]
@@ -126,8 +142,7 @@ class Discovery:
                 self._changed.clear()
                 # a rejected config is logged by the reloader; the old fleet keeps serving
                 with contextlib.suppress(ConfigError):
-                    await self._router.reloader.apply(self._router.config)
-                    self._router.discovered()
+                    await self._host.rediscover()
         finally:
             for task in watchers:
                 task.cancel()
@@ -171,13 +186,13 @@ class Discovery:
 
     def _update(self, source, addresses: Iterable[str]) -> None:
         backends = backend_configs(source, addresses)
-        self._router.metrics.discovered_backends.labels(source.label).set(len(backends))
+        self._host.metrics.discovered_backends.labels(source.label).set(len(backends))
         if backends != self.found.get(source.label):
             self.found[source.label] = backends
             self._changed.set()
 
     def _failed(self, label: str, exc: BaseException) -> None:
-        self._router.metrics.discovery_errors.labels(label).inc()
+        self._host.metrics.discovery_errors.labels(label).inc()
         log.backends.warning("discovery from %s failed, keeping the last list: %s", label, exc)
 
 

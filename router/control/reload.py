@@ -29,19 +29,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
 import policies
 from router import log
-from router.auth import AdminToken, Authenticator
 from router.config import Config, ConfigError, load
-
-if typing.TYPE_CHECKING:
-    from router.app import Router
+from router.fleet.backends import Backend, Fleet
+from router.fleet.discovery import Discovery
+from router.fleet.health import HealthChecker
+from router.ingress.auth import AdminToken, Authenticator
 
 #: top-level sections a reload applies; every other one waits for a restart
 _LIVE = frozenset(
@@ -68,8 +67,29 @@ class ConfigSource:
         return load(self.path, self.overrides)
 
 
+class Reloadable(Protocol):
+    """What a reload swaps in a router process: its config, fleet, health and auth
+    settings, and (`configure`) whatever its request path reads of the config."""
+
+    config: Config
+    fleet: Fleet
+    discovery: Discovery
+    health: HealthChecker
+    auth: Authenticator
+    admin_token: AdminToken | None
+
+    async def admit(self, added: list[Backend], everywhere: bool) -> None:
+        """Health and models of backends about to join."""
+
+    def configure(self, config: Config) -> None:
+        """The request path takes `config` (the swap: never awaits)."""
+
+    def admitted(self) -> None:
+        """Backends joined the fleet."""
+
+
 class Reloader:
-    def __init__(self, router: Router, source: ConfigSource | None) -> None:
+    def __init__(self, router: Reloadable, source: ConfigSource | None) -> None:
         self._router = router
         self._source = source
         self._lock = asyncio.Lock()
@@ -132,8 +152,7 @@ class Reloader:
         kept = {id(b) for b in backends}
         removed = [b.name for b in fleet.members if id(b) not in kept]
         fleet.update(new.backends, backends, policy, new.breaker)
-        if router.dispatcher is not None:  # the collector of several workers has none
-            router.dispatcher.configure(new)
+        router.configure(new)
         router.health.cfg = new.health
         router.auth.adopt(auth)
         router.config = new

@@ -38,11 +38,8 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 C
 from multidict import CIMultiDict
 
 from router import log
-from router.auth import AdminToken, Authenticator
-from router.backends import Fleet
-from router.body_budget import BodyBudget, worker_share
 from router.config import Config, LimitsConfig
-from router.dispatch import Call, Dispatcher, passable_request_id
+from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
     BadRequest,
@@ -54,11 +51,14 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
+from router.fleet.backends import Fleet
+from router.ingress.auth import AdminToken, Authenticator
+from router.ingress.body_budget import BodyBudget, worker_share
+from router.ingress.targets import origin_form
 from router.metrics import CONTENT_TYPE, Metrics
-from router.proxy import Sink, Upstream, forward_headers
 from router.request import Kind, parse
-from router.targets import origin_form
-from router.telemetry import Telemetry
+from router.telemetry.feed import Telemetry
+from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
@@ -157,7 +157,7 @@ class HttpIngress:
         reply: Reply,
     ) -> None:
         """Answer one proxied request on `reply`, whichever server read it (aiohttp's, or
-        the fast path's: router/fast_ingress.py). `read_body` reserves the body's bytes
+        the fast path's: router/ingress/fast.py). `read_body` reserves the body's bytes
         in `bodies`; they are given back here once the answer is out."""
         started = asyncio.get_running_loop().time()
         headers = forward_headers(client_headers)

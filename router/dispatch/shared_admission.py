@@ -3,7 +3,7 @@
 `max_concurrent_requests` and `max_concurrent_per_tenant` cap the router, not each
 worker: the counts they are checked against live in one file in the supervisor's run
 directory, mapped by every worker. Layout: rows of one int64 per worker, the way the
-load table keeps its columns (router/shared_load.py):
+load table keeps its columns (router/fleet/shared_load.py):
 
     [row 0: requests admitted, w0..wN-1] [row 1..S: one tenant slot's requests, w0..wN-1]
 
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import xxhash
 
-from router.shared_load import lock_within, map_shared
+from router.fleet.shared_load import lock_within, map_shared
 
 #: the row of requests admitted (per-tenant rows follow)
 TOTAL = 0

@@ -42,15 +42,16 @@ from multidict import CIMultiDict
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from router import grpc_convert, log
-from router.auth import Authenticator
-from router.backends import Fleet
+from router import log
 from router.config import Config
-from router.dispatch import Call, Dispatcher, passable_request_id
+from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
+from router.fleet.backends import Fleet
+from router.ingress import grpc_convert
+from router.ingress.auth import Authenticator
 from router.metrics import Metrics
-from router.proxy import Upstream
 from router.request import Kind, parse
+from router.upstream.proxy import Upstream
 
 #: every service the server registers and reflection lists (the route walk test calls
 #: each of their methods)
@@ -97,7 +98,7 @@ class GrpcIngress:
         """Bind and serve (on the running loop); return the bound port."""
         config = self._config
         max_message = config.limits.max_body_bytes
-        # so_reuseport only between the workers of one router (router/workers.py checks
+        # so_reuseport only between the workers of one router (router/control/supervisor.py checks
         # the port is free first): a second router on the same port must fail
         options = [
             ("grpc.so_reuseport", 1 if self._shared_port else 0),

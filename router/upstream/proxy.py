@@ -13,7 +13,7 @@ trace hooks - about 30% of the router's CPU per request in the profile, to write
 bytes we already have. `Upstreams` writes the request head and body in one call and
 parses the answer with aiohttp's own C parser into aiohttp's own StreamReader, exactly
 as aiohttp's client does underneath; a chunked body is decoded by `ChunkedBody`
-(router/chunked.py) instead, so a relay can pass reads of whole chunks on as they came.
+(router/upstream/chunked.py) instead, so a relay can pass reads of whole chunks on as they came.
 Health checks, telemetry and /tokenize keep the aiohttp session (`make_session`).
 """
 
@@ -35,9 +35,9 @@ from prometheus_client import Histogram
 from yarl import URL
 
 from router import log
-from router.chunked import ChunkedBody, ChunkError
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
 from router.metrics import Tally
+from router.upstream.chunked import ChunkedBody, ChunkError
 
 _CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 #: methods that send no Content-Length when they have no body (as aiohttp's client)

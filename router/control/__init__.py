@@ -1,0 +1,14 @@
+"""Control: the processes, their roles, and how the config changes while they run.
+
+  serve.py       run one process until SIGTERM (drain) or SIGINT; SIGHUP reloads
+  worker.py      `Router`: a process that serves (listeners, dispatcher, shared tables);
+                 alone it is the whole router, telemetry in-process
+  collector.py   `Collector`: the process of several that faces the backends and feeds
+                 the workers
+  node.py        `Node`: the parts both roles are composed of
+  supervisor.py  `serve --workers N`: ports, run directory, children, restarts, signals
+  reload.py      SIGHUP and admin reloads: build, validate, swap
+  admin.py       the admin API, on its own listener and token
+
+May import every stage. Nothing imports it but router/__main__.py (the CLI).
+"""

@@ -1,0 +1,46 @@
+"""The collector: the one process of a multi-process router that faces the backends.
+
+It scrapes every backend's /metrics, holds the KV event subscriptions, runs the health
+checks, model polls and discovery sources once for the router, and publishes all of it
+to the workers (router/telemetry/feed.py). It has no listener and serves no request.
+"""
+
+from __future__ import annotations
+
+from router.config import Config
+from router.context import WorkerContext
+from router.control.admin import discovered_edit
+from router.control.node import Node
+from router.control.reload import ConfigSource
+
+
+class Collector(Node):
+    def __init__(self, config: Config, source: ConfigSource | None, context: WorkerContext) -> None:
+        super().__init__(config, source, context)
+
+    async def start(self) -> None:
+        """Start in order; on any failure, stop what started and re-raise."""
+        try:
+            self.start_parts()
+            self.run_discovery()
+            await self.probe(self.telemetry.publish_verdicts)
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def stop(self) -> None:
+        await self.stop_parts()
+
+    async def shutdown(self) -> None:
+        """It serves nothing: it just stops."""
+        await self.stop()
+
+    def admitted(self) -> None:
+        """Backends joined: the workers get their verdicts."""
+        self.telemetry.verdicts_changed()
+
+    async def rediscover(self) -> None:
+        """Apply the discovered backends here, then hand them to the workers (discovery
+        runs once for the router, so every worker routes over one fleet)."""
+        await super().rediscover()
+        self.telemetry.announce(discovered_edit(self))

@@ -1,0 +1,41 @@
+"""Run one router process until it is told to stop."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import signal
+
+from router import log
+from router.config import Config
+from router.context import WorkerContext
+from router.control.collector import Collector
+from router.control.reload import ConfigSource
+from router.control.worker import Router
+
+
+async def serve(
+    config: Config, source: ConfigSource | None = None, context: WorkerContext | None = None
+) -> None:
+    """Run until SIGINT or SIGTERM, then drain (`shutdown`); SIGHUP reloads. With a
+    `context`, this process is the collector or one worker of several."""
+    if context is not None and context.collector:
+        node: Router | Collector = Collector(config, source, context)
+    else:
+        node = Router(config, source, context)
+    await node.start()
+    # what start-up built lives until exit: keep it out of the collector's scans, and
+    # collect the young generation less often (GC was ~10% of CPU at concurrency 64)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGHUP, node.reloader.reload_soon)
+    try:
+        await stop.wait()
+    finally:
+        log.server.info("shutting down: draining for up to %gs", config.shutdown.drain_seconds)
+        await node.shutdown()

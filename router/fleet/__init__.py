@@ -1,0 +1,14 @@
+"""Fleet: the backends and what the router knows of them, beside the request path.
+
+  backends.py     a backend's state (health, breaker, drain, in-flight) and the cached
+                  per-model views the policies pick from, with Envoy's ejection cap and
+                  panic mode
+  breaker.py      the per-backend circuit breaker, fed by request outcomes
+  health.py       active /health checks with thresholds, /v1/models polls, and the
+                  collector's verdicts as the workers adopt them
+  shared_load.py  in-flight counts and queued prompt tokens in shared memory (workers)
+  placements.py   recent placements shared between workers (approximate prefix mode)
+  discovery.py    backends from DNS names and Kubernetes EndpointSlices
+
+May import: the vocabulary (config, context, errors, log, request), policies, hashing.
+"""

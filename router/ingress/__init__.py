@@ -1,0 +1,18 @@
+"""Ingress: where a request enters, and everything checked before it is routed.
+
+  fast.py           every connection starts here: a complete common POST to a generation
+                    endpoint is read and answered without aiohttp's web layer; anything
+                    else hands the connection to aiohttp's server for good
+  web.py            aiohttp routes and `HttpIngress.serve`, which both servers call: the
+                    token (auth.py, 401), the body (413 above the limit, 408 too slow,
+                    body_budget.py), the routing fields (router/request.py, 400 on bad
+                    JSON), a `Call` for the dispatcher, the answer relayed back
+  grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages
+  grpc_convert.py   the conversions both ways
+  auth.py           data-plane bearer tokens (static, signed), the admin token,
+                    `kvroute token issue`
+  body_budget.py    the worker's share of the router-wide budget for request bodies
+  targets.py        the request target, normalised (origin form, dot segments)
+
+May import: router.dispatch and everything below it; never router.control.
+"""
