@@ -6,6 +6,7 @@
   collector.py   `Collector`: the process of several that faces the backends and feeds
                  the workers
   node.py        `Node`: the parts both roles are composed of
+  listeners.py   a worker's HTTP (fast path first), admin and gRPC listeners
   supervisor.py  `serve --workers N`: ports, run directory, children, restarts, signals
   reload.py      SIGHUP and admin reloads: build, validate, swap
   admin.py       the admin API, on its own listener and token

@@ -7,16 +7,29 @@ to the workers (router/telemetry/feed.py). It has no listener and serves no requ
 
 from __future__ import annotations
 
+import aiohttp
+
 from router.config import Config
-from router.context import WorkerContext
-from router.control.admin import discovered_edit
+from router.control.admin import discovered_edit, replay_edits
 from router.control.node import Node
-from router.control.reload import ConfigSource
+from router.telemetry.collector_feed import CollectorTelemetry
 
 
 class Collector(Node):
-    def __init__(self, config: Config, source: ConfigSource | None, context: WorkerContext) -> None:
-        super().__init__(config, source, context)
+    telemetry: CollectorTelemetry
+
+    def _telemetry(self, session: aiohttp.ClientSession) -> CollectorTelemetry:
+        return CollectorTelemetry(
+            self.fleet,
+            session,
+            self.metrics,
+            self.config.telemetry,
+            self._kv_events,
+            self.context,
+            self._edited,
+            self.verdicts,
+            lambda: replay_edits(self),
+        )
 
     async def start(self) -> None:
         """Start in order; on any failure, stop what started and re-raise."""
@@ -34,6 +47,9 @@ class Collector(Node):
     async def shutdown(self) -> None:
         """It serves nothing: it just stops."""
         await self.stop()
+
+    def configure(self, config: Config) -> None:
+        """No request path here: a reload changes nothing more."""
 
     def admitted(self) -> None:
         """Backends joined: the workers get their verdicts."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 
 import aiohttp
@@ -21,7 +22,7 @@ import policies
 from router import log
 from router.config import Config, ConfigError, KvEventsConfig
 from router.context import WorkerContext
-from router.control.admin import apply_edit, replay_edits
+from router.control.admin import apply_edit
 from router.control.reload import ConfigSource, Reloader, check_admin_token
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
@@ -30,13 +31,13 @@ from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
 from router.ingress.auth import AdminToken, Authenticator
 from router.metrics import Metrics
-from router.telemetry.feed import Telemetry
+from router.telemetry.loops import Telemetry
 from router.upstream.proxy import make_session
 
 STARTUP_POLL_SECONDS = 3.0
 
 
-class Node:
+class Node(ABC):
     """The parts both roles are composed of; `start_parts` starts them, `stop_parts`
     stops them (the role stops its own parts first)."""
 
@@ -80,18 +81,12 @@ class Node:
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
         self.verdicts = Verdicts(self.fleet, self.health)
-        self.telemetry = Telemetry(
-            self.fleet,
-            self._session,
-            self.metrics,
-            cfg.telemetry,
-            self._kv_events,
-            self.context,
-            self._edited,
-            self.verdicts,
-            lambda: replay_edits(self),
-        )
+        self.telemetry = self._telemetry(self._session)
         self.telemetry.start()
+
+    @abstractmethod
+    def _telemetry(self, session: aiohttp.ClientSession) -> Telemetry:
+        """This role's telemetry loops (see router/telemetry/loops.py)."""
 
     def run_discovery(self) -> None:
         """The discovery sources, run once for the router (here)."""
@@ -124,11 +119,13 @@ class Node:
         checked here."""
         await asyncio.gather(self.health.admit(added), self.poller.poll(added))
 
+    @abstractmethod
     def configure(self, config: Config) -> None:
-        """A reload's swap: nothing of the request path here (`Router` has one)."""
+        """A reload's swap: the request path takes `config` (never awaits)."""
 
+    @abstractmethod
     def admitted(self) -> None:
-        """Backends joined the fleet (the collector tells the workers)."""
+        """Backends joined the fleet."""
 
     async def rediscover(self) -> None:
         """The discovered backends changed: apply the config with them."""

@@ -14,31 +14,27 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 from aiohttp import web
 
 from router import log
 from router.config import Config
 from router.context import WorkerContext
 from router.control.admin import AdminServer
+from router.control.listeners import Listeners
 from router.control.node import STARTUP_POLL_SECONDS, Node
 from router.control.reload import ConfigSource
-from router.dispatch.dispatcher import CUT_GRACE_SECONDS, Dispatcher
+from router.dispatch.dispatcher import Dispatcher
 from router.dispatch.shared_admission import AdmissionTable
-from router.errors import listening
 from router.fleet.backends import Backend
 from router.fleet.health import REFUSED
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
-from router.ingress.fast import FastConnections, FastSite
-from router.ingress.grpc_service import GrpcIngress
 from router.ingress.web import (
     HttpIngress,
-    connection_handler,
-    errors_middleware,
-    no_server_header,
-    parser_limits,
-    server_limits,
 )
+from router.telemetry.loops import LocalTelemetry, Telemetry
+from router.telemetry.worker_feed import WorkerTelemetry
 
 _FEED_JOIN_SECONDS = 10.0  # a worker waits this long for the collector's feed to be live
 _VERDICT_GRACE = 1.0  # beyond the collector's own admission checks, before checking itself
@@ -63,12 +59,20 @@ class Router(Node):
         self.admin = None
         if self.admin_token is not None and (context is None or context.index == 0):
             self.admin = AdminServer(self, config.admin, self.admin_token)
-        self.port = 0
-        self._runner: web.AppRunner | None = None
-        self.grpc: GrpcIngress | None = None  # gRPC ingress, when config.grpc.enabled
-        self.grpc_port = 0
+        self.listeners = Listeners(context, self.admin)
         self.dispatcher: Dispatcher | None = None
         self.ingress: HttpIngress | None = None
+        self.port = self.grpc_port = 0
+        self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
+
+    def _telemetry(self, session: aiohttp.ClientSession) -> Telemetry:
+        """Alone: telemetry in-process; one of several: the collector's feed."""
+        cfg, args = self.config, (self.fleet, session, self.metrics)
+        if self.context is None:
+            return LocalTelemetry(*args, cfg.telemetry, self._kv_events)
+        return WorkerTelemetry(
+            *args, cfg.telemetry, self._kv_events, self.context, self._edited, self.verdicts
+        )
 
     @property
     def url(self) -> str:
@@ -96,8 +100,7 @@ class Router(Node):
             self.start_parts()
             await (self._own_upkeep() if self.context is None else self._join_collector())
             self.fleet.changed()
-            self._start_dispatcher()
-            await self._listen()
+            await self._serve()
         except BaseException:
             await self.stop()
             raise
@@ -124,34 +127,15 @@ class Router(Node):
         if self._edits:  # applied before serving (not cancelled if slow)
             await asyncio.wait(self._edits, timeout=STARTUP_POLL_SECONDS)
 
-    def _start_dispatcher(self) -> None:
-        cfg = self.config  # replayed edits may have changed it
+    async def _serve(self) -> None:
+        """The dispatcher, on the config replayed edits may have changed, then the
+        listeners over it."""
+        cfg, lst = self.config, self.listeners
         self.dispatcher = Dispatcher(
             cfg, self.fleet, self.metrics, self._session, self._refused, self.admission_counts
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
-
-    async def _listen(self) -> None:
-        """HTTP (its fast path first), then the admin API and gRPC."""
-        cfg = self.config
-        await self._listen_http(cfg)
-        if self.admin is not None:
-            with listening("the admin API", cfg.admin.host, cfg.admin.port):
-                await self.admin.start()
-        if cfg.grpc.enabled:  # same loop, same dispatcher, its own port
-            self.grpc = GrpcIngress(
-                cfg, self.fleet, self.dispatcher, self.metrics, self.auth, self.context is not None
-            )
-            with listening("gRPC", cfg.grpc.host or cfg.listen.host, cfg.grpc.port):
-                self.grpc_port = await self.grpc.start()
-
-    async def _listen_http(self, cfg: Config) -> None:
-        app = web.Application(
-            client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
-        )
-        app.on_response_prepare.append(no_server_header)
-        workers = self.context.workers if self.context is not None else 1
-        self.ingress = ingress = HttpIngress(
+        await lst.start(
             cfg,
             self.fleet,
             self.dispatcher,
@@ -159,43 +143,13 @@ class Router(Node):
             self.auth,
             self.telemetry,
             self.admin_token,
-            workers,
         )
-        app.add_routes(ingress.routes())
-        self._runner = web.AppRunner(
-            app,
-            handler_cancellation=True,
-            access_log=None,
-            # the dispatcher cuts what is left at drain_seconds: this outlasts its ending
-            shutdown_timeout=cfg.shutdown.drain_seconds + CUT_GRACE_SECONDS,
-            **server_limits(cfg.limits),
-        )
-        await self._runner.setup()
-        fast = FastConnections(
-            ingress,
-            connection_handler(self._runner.server, cfg.limits),
-            cfg.limits.max_body_bytes,
-            cfg.limits.body_timeout,
-            cfg.limits.header_timeout,
-            parser_limits(cfg.limits),
-        )
-        site = FastSite(
-            self._runner,
-            fast,
-            host=cfg.listen.host,
-            port=cfg.listen.port,
-            reuse_address=True,
-            reuse_port=self.context is not None,  # the workers share the port
-            backlog=cfg.listen.backlog,
-        )
-        with listening("HTTP", cfg.listen.host, cfg.listen.port):
-            await site.start()
-        self.port = self._runner.addresses[0][1]
+        self.ingress, self._runner = lst.ingress, lst.runner
+        self.port, self.grpc_port = lst.port, lst.grpc_port
 
     async def stop(self) -> None:
         await self._drain()
-        if self.admin is not None:
-            await self.admin.stop()
+        await self.listeners.stop_admin()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections
         await self.stop_parts()
@@ -209,11 +163,7 @@ class Router(Node):
         dispatcher ends each one left with a "shutting down" error, and the servers
         close what remains."""
         drain = self.config.shutdown.drain_seconds
-        steps = []
-        if self.grpc is not None:
-            steps.append(self.grpc.stop(drain + CUT_GRACE_SECONDS))
-        if self._runner is not None:
-            steps.append(self._runner.cleanup())
+        steps = self.listeners.closing(drain)
         if self.dispatcher is not None:
             steps.append(self.dispatcher.drain(drain))
         await asyncio.gather(*steps)
@@ -240,6 +190,9 @@ class Router(Node):
             added = await self.verdicts.take(added, wait)
         if added:
             await super().admit(added, everywhere)
+
+    def admitted(self) -> None:
+        """Nothing to tell: only the collector feeds other processes."""
 
     def configure(self, config: Config) -> None:
         """A reload's swap: the dispatcher takes the new timeouts, limits and retries."""

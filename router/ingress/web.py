@@ -57,7 +57,7 @@ from router.ingress.body_budget import BodyBudget, worker_share
 from router.ingress.targets import origin_form
 from router.metrics import CONTENT_TYPE, Metrics
 from router.request import Kind, parse
-from router.telemetry.feed import Telemetry
+from router.telemetry.loops import Telemetry
 from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"

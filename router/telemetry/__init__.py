@@ -1,9 +1,15 @@
 """Telemetry: what the backends say of themselves, feeding the policies.
 
-  feed.py       the telemetry loops of one process: /metrics scraping, KV event
-                subscriptions, and with several workers the collector's feed to them
-  kv_events.py  one backend's vLLM KV event stream (ZMQ, replay) into the prefix index
-  tokenize.py   exact token ids from a backend's /tokenize, for KV_AWARE
+  loops.py           `Telemetry`: the loops of one process, in one form per role:
+                     `LocalTelemetry` (a router alone watches the backends itself)
+  collector_feed.py  `CollectorTelemetry`: the collector watches them for several
+                     workers and feeds them
+  worker_feed.py     `WorkerTelemetry`: a worker of several follows that feed
+  feed.py            the feed's sockets, topics and messages
+  scrape.py          /metrics scraping: the vLLM series routing reads
+  index_upkeep.py    the prefix index's event sources following the fleet; aging, size
+  kv_events.py       one backend's vLLM KV event stream (ZMQ, replay) into the index
+  tokenize.py        exact token ids from a backend's /tokenize, for KV_AWARE
 
 May import: router.metrics, router.fleet and the vocabulary.
 """

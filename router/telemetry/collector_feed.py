@@ -1,0 +1,156 @@
+"""The collector's telemetry: it watches the backends once and feeds every worker.
+
+Besides scraping and subscribing like a router alone, it publishes what it learns on
+the feed (router/telemetry/feed.py: snapshots, KV batches in order, index resets,
+verdicts, edits), relays what workers push to its control socket (placements, refused
+connections, admin edits, hellos), and welcomes each joining worker with what it
+missed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+import zmq
+
+from hashing.prefix_index import PrefixIndex
+from router.config import KvEventsConfig, TelemetryConfig
+from router.context import WorkerContext
+from router.fleet.backends import Backend, Fleet
+from router.fleet.health import REFUSED, Verdicts
+from router.fleet.placements import LEARNED
+from router.metrics import Metrics
+from router.telemetry.feed import FEED_HWM, HELLO, worker_topic
+from router.telemetry.index_upkeep import Held, Sink, subscribe
+from router.telemetry.kv_events import EventApplier
+from router.telemetry.loops import Telemetry
+from router.telemetry.scrape import VllmSnapshot
+
+
+class _Forwarder:
+    """The collector's EventApplier: in-order batches go to the workers, and to the
+    collector's own index (the snapshot a late worker starts from)."""
+
+    def __init__(
+        self, applier: EventApplier, backend: str, publish: Callable[[list[bytes]], None]
+    ) -> None:
+        self._applier = applier
+        self._name = backend.encode()
+        self._publish = publish
+        self.stats = applier.stats
+
+    def apply_payload(self, payload: bytes) -> None:
+        self._publish([b"k", self._name, payload])
+        self._applier.apply_payload(payload)
+
+
+class CollectorTelemetry(Telemetry):
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        config: TelemetryConfig,
+        kv_events: Callable[[], dict[str, KvEventsConfig]],
+        link: WorkerContext,
+        on_broadcast: Callable[[bytes], None],
+        verdicts: Verdicts,
+        replay: Callable[[], list[bytes]],
+    ) -> None:
+        super().__init__(fleet, session, metrics, config, kv_events)
+        self._link = link
+        self._on_broadcast = on_broadcast
+        self._verdicts = verdicts
+        self._replay = replay  # the edits that bring a joining worker up to date
+        self._verdicts_ready = False  # its first probe round is done
+        self._pub = self._context().socket(zmq.PUB)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._pub.setsockopt(zmq.SNDHWM, FEED_HWM)
+        self._pub.bind(link.feed)
+
+    def _role_tasks(self) -> list[asyncio.Task]:
+        return [asyncio.create_task(self._relay(), name="kvroute-control")]
+
+    def _publish(self, frames: list[bytes]) -> None:
+        """Never blocks: a worker too slow to keep up loses messages, not the collector."""
+        self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
+
+    def _scraped(self, backend: str, snap: VllmSnapshot) -> None:
+        self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
+
+    def sink(self, applier: EventApplier, backend: str) -> Sink:
+        """A subscription's batches: to the workers, then to this index."""
+        return _Forwarder(applier, backend, self._publish)
+
+    def cleared(self, backend: str) -> None:
+        """A subscription's index reset: the workers clear theirs too."""
+        self._publish([b"c", backend.encode()])
+
+    def _source(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> Held:
+        """The backend's KV events, subscribed to here and relayed to the workers."""
+        return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, self)
+
+    def publish_verdicts(self) -> None:
+        """Send the health verdicts and model lists to every worker."""
+        self._verdicts_ready = True
+        self._publish([b"p", b"", self._verdicts.encode()])
+
+    def verdicts_changed(self) -> None:
+        """Publish the verdicts again, once the first probe round is done (e.g. backends
+        a reload or edit added joined with their admission check)."""
+        if self._verdicts_ready:
+            self.publish_verdicts()
+
+    def announce(self, payload: bytes) -> None:
+        """An edit of the collector's own (the discovered backends) to every worker."""
+        self._publish([b"a", b"", payload])
+
+    async def _relay(self) -> None:
+        """What workers push to the control socket goes to every worker.
+
+        An admin edit is applied here too (the collector scrapes, subscribes and probes
+        the backends it adds); a hello is answered, with the verdicts once known.
+        """
+        pull = self._context().socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.bind(self._link.control)
+        try:
+            while True:
+                payload = await pull.recv()
+                if payload.startswith(LEARNED):  # a worker's placements: to the others
+                    self._publish([b"l", b"", payload])
+                elif payload.startswith(REFUSED):  # nothing listens: down for every worker
+                    if self._verdicts.refused(payload):
+                        self.verdicts_changed()
+                elif payload.startswith(HELLO):
+                    await self._welcome(worker_topic(payload[len(HELLO) :]))
+                else:
+                    self._publish([b"a", b"", payload])
+                    self._on_broadcast(payload)
+        finally:
+            pull.close()
+
+    async def _welcome(self, topic: bytes) -> None:
+        """The answer to a worker's hello, on that worker's topic: `j` (its feed is
+        live), the runtime edits the file does not know (`e`), the index of every
+        backend with events (`i`, ordered with the batches, so the worker goes on from
+        there); and the verdicts, to everyone.
+
+        The index goes one backend at a time, the loop free in between: a large fleet's
+        index takes seconds to encode, and meanwhile the KV subscribers must keep draining
+        their sockets (a backend drops events past its send queue). A batch forwarded in
+        between is in the snapshots taken after it, and a worker's restore replaces that
+        backend's keys whole, so it ends where the collector is."""
+        self._publish([topic, b"j"])
+        for edit in self._replay():
+            self._publish([topic, b"e", edit])
+        self.verdicts_changed()
+        index = self._upkeep.index
+        if index is not None:
+            for name in list(self._upkeep.held):
+                pairs = msgspec.msgpack.encode(index.snapshot(name))
+                self._publish([topic, b"i", name.encode(), pairs])
+                await asyncio.sleep(0)

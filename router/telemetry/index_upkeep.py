@@ -1,0 +1,134 @@
+"""The KV-aware policy's prefix index, kept in step with the fleet beside the path.
+
+Once a second `IndexUpkeep` makes the index's event sources follow the current config
+(reloads add, drop or re-point them, and a reload that built a new policy starts them
+all anew), ages the index, and sizes it to each backend's scraped block count. What a
+source is depends on the process (`Source`): a KV event subscription of its own
+(`subscribe`), or, in a worker of several, an applier of the batches the collector
+forwards.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from typing import Protocol
+
+import zmq.asyncio
+
+from hashing.prefix_index import PrefixIndex
+from router import log
+from router.config import KvEventsConfig
+from router.fleet.backends import Backend, Fleet
+from router.metrics import Metrics
+from router.telemetry.kv_events import EventApplier, EventSubscriber, run_forever
+from router.telemetry.scrape import VllmSnapshot
+
+Held = asyncio.Task | EventApplier
+#: a backend's event source: (backend, its endpoints, the index) -> what is held for it
+Source = Callable[[Backend, KvEventsConfig, PrefixIndex], Held]
+
+
+class Sink(Protocol):
+    def apply_payload(self, payload: bytes) -> None: ...
+
+
+class Relay(Protocol):
+    """Where a subscription's batches and resets go besides the index (the collector's
+    feed to the workers)."""
+
+    def sink(self, applier: EventApplier, backend: str) -> Sink: ...
+
+    def cleared(self, backend: str) -> None: ...
+
+
+def applier(backend: Backend, index: PrefixIndex, fleet: Fleet) -> EventApplier:
+    """What turns the backend's event batches into index updates."""
+    block_size = fleet.policy.params.block_size
+    return EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
+
+
+def subscribe(
+    context: zmq.asyncio.Context,
+    fleet: Fleet,
+    backend: Backend,
+    cfg: KvEventsConfig,
+    index: PrefixIndex,
+    fallback: Callable[[str, str], None],
+    relay: Relay | None,
+) -> asyncio.Task:
+    """A task following the backend's KV events into `index` (and `relay`)."""
+    events = applier(backend, index, fleet)
+    sink = events if relay is None else relay.sink(events, backend.name)
+
+    def reset(why: str) -> None:
+        index.cleared(backend.name)
+        if relay is not None:
+            relay.cleared(backend.name)
+        fallback(backend.name, "event_reset")
+        log.backends.warning("KV index of %s cleared: %s", backend.name, why)
+
+    sub = EventSubscriber(context, sink, cfg.endpoint, cfg.replay_endpoint, cfg.topic, reset)
+    return asyncio.create_task(run_forever(sub, backend.name), name=f"kvroute-kv-{backend.name}")
+
+
+def _base_model(backend: Backend) -> str:
+    """The backend's served base model: the root of the event chains that carry no LoRA."""
+    for card in backend.model_cards:
+        if not card.get("parent"):
+            return str(card.get("id", ""))
+    return next(iter(sorted(backend.configured_models or ())), "")
+
+
+class IndexUpkeep:
+    def __init__(
+        self,
+        fleet: Fleet,
+        metrics: Metrics,
+        kv_events: Callable[[], dict[str, KvEventsConfig]],
+        snapshots: dict[str, VllmSnapshot],
+        source: Source,
+    ) -> None:
+        self._fleet = fleet
+        self._metrics = metrics
+        self._kv_events = kv_events
+        self._snapshots = snapshots
+        self._source = source
+        #: per backend with events: what its source holds, and the endpoints it was made for
+        self.held: dict[str, tuple[Held, KvEventsConfig]] = {}
+        self.index: PrefixIndex | None = None
+
+    async def run(self) -> None:
+        """Once a second: sources follow membership, the index ages and resizes."""
+        while True:
+            index = getattr(self._fleet.policy, "index", None)
+            if index is not None:
+                self._sync(index)
+                index.expire(time.monotonic())
+                for name, snap in self._snapshots.items():
+                    if snap.num_gpu_blocks:
+                        index.set_capacity(name, snap.num_gpu_blocks)
+            await asyncio.sleep(1.0)
+
+    def tasks(self) -> list[asyncio.Task]:
+        """The subscription tasks held (to cancel them at stop)."""
+        return [held for held, _ in self.held.values() if isinstance(held, asyncio.Task)]
+
+    def _sync(self, index: PrefixIndex) -> None:
+        """Sources follow the current config: reloads add, drop or re-point them."""
+        endpoints = self._kv_events()
+        wanted = {b.name: b for b in self._fleet.members if b.name in endpoints}
+        fresh_index = index is not self.index  # a reload built a new policy
+        self.index = index
+        for name, (held, cfg) in list(self.held.items()):
+            if fresh_index or name not in wanted or endpoints[name] != cfg:
+                if isinstance(held, asyncio.Task):
+                    held.cancel()
+                del self.held[name]
+        for name, backend in wanted.items():
+            if name not in self.held:
+                self.held[name] = (self._source(backend, endpoints[name], index), endpoints[name])
+        self._fleet.policy.event_backends = set(self.held)
+        for backend in self._fleet.members:
+            self._metrics.index_mode(backend.name, backend.name in self.held)

@@ -1,0 +1,191 @@
+"""/metrics scraping: the few vLLM series routing needs, per backend, kept fresh.
+
+`Scraper` runs one scrape loop per backend (a slow or dead backend never delays the
+others), jittered around `scrape_interval`. It reads only the vLLM series routing needs
+(vllm-telemetry.md §1): running and waiting requests summed over the `engine` label,
+KV usage maxed over it, prefix-cache counters, and `cache_config_info` for the block
+size and block count (the index capacity). Old names (`gpu_cache_usage_perc`,
+`gpu_prefix_cache_*`) are accepted. Data older than `stale_after` counts as absent: the
+backend's `waiting` drops to 0 and a labelled fallback counter says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from router import log
+from router.fleet.backends import Backend, Fleet
+
+_SUMMED = {
+    "vllm:num_requests_running": "running",
+    "vllm:num_requests_waiting": "waiting",
+    "vllm:prefix_cache_queries_total": "prefix_queries",
+    "vllm:prefix_cache_hits_total": "prefix_hits",
+    "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
+    "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
+}
+_MAXED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage"}
+_CACHE_INFO = "vllm:cache_config_info"
+
+
+@dataclass
+class VllmSnapshot:
+    """What one scrape of a vLLM /metrics page says, summed or maxed over engines."""
+
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    prefix_queries: float = 0.0
+    prefix_hits: float = 0.0
+    block_size: int | None = None
+    num_gpu_blocks: int | None = None
+    at: float = field(default_factory=time.monotonic)
+
+
+def parse_vllm_metrics(text: str) -> VllmSnapshot:
+    """Parse the routing series of a Prometheus text page; other lines are skipped fast."""
+    snap = VllmSnapshot()
+    for line in text.splitlines():
+        if not line.startswith("vllm:"):
+            continue
+        name, _, rest = line.partition("{")
+        if not rest:  # a series without labels
+            name, _, value = line.partition(" ")
+            labels = ""
+        else:
+            labels, _, value = rest.rpartition("} ")
+        if name in _SUMMED:
+            attr = _SUMMED[name]
+            setattr(snap, attr, getattr(snap, attr) + _number(value))
+        elif name in _MAXED:
+            snap.kv_usage = max(snap.kv_usage, _number(value))
+        elif name == _CACHE_INFO:
+            info = _labels(labels)
+            snap.block_size = _int(info.get("block_size"))
+            snap.num_gpu_blocks = _int(info.get("num_gpu_blocks"))
+    return snap
+
+
+def _number(value: str) -> float:
+    try:
+        return float(value.split()[0])
+    except (ValueError, IndexError):
+        return 0.0
+
+
+def _int(value: str | None) -> int | None:
+    try:
+        return int(float(value)) if value not in (None, "", "None") else None
+    except ValueError:
+        return None
+
+
+def _labels(text: str) -> dict[str, str]:
+    out = {}
+    for part in text.split('",'):
+        key, _, value = part.partition('="')
+        out[key.strip().strip(",")] = value.rstrip('"')
+    return out
+
+
+class Scraper:
+    """Polls every backend's /metrics and keeps `Backend.waiting` and snapshots fresh."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        interval: float,
+        stale_after: float,
+        on_fallback: Callable[[str, str], None],
+        on_snapshot: Callable[[str, VllmSnapshot], None] | None = None,
+    ) -> None:
+        self._fleet = fleet
+        self._session = session
+        self._interval = interval
+        self._stale_after = stale_after
+        self._on_fallback = on_fallback
+        self._on_snapshot = on_snapshot
+        self.snapshots: dict[str, VllmSnapshot] = {}
+
+    async def run(self, scrape: bool = True) -> None:
+        """Scrape every member (unless snapshots come from elsewhere) and expire."""
+        tasks: dict[str, asyncio.Task] = {}
+        try:
+            while True:
+                if scrape:
+                    self._sync_tasks(tasks)
+                await asyncio.sleep(self._interval)
+                self._expire()
+        finally:
+            for task in tasks.values():
+                task.cancel()
+            await asyncio.gather(*tasks.values(), return_exceptions=True)
+
+    def _sync_tasks(self, tasks: dict[str, asyncio.Task]) -> None:
+        """One loop per current member; loops of removed backends stop."""
+        names = {b.name for b in self._fleet.members}
+        for name in set(tasks) - names:
+            tasks.pop(name).cancel()
+            self.snapshots.pop(name, None)
+        for backend in self._fleet.members:
+            if backend.name not in tasks:
+                tasks[backend.name] = asyncio.create_task(self._loop(backend))
+
+    async def _loop(self, backend: Backend) -> None:
+        await asyncio.sleep(random.uniform(0, self._interval))  # spread the fleet's scrapes
+        while True:
+            await self.scrape(backend)
+            await asyncio.sleep(self._interval * random.uniform(0.8, 1.2))
+
+    async def scrape(self, backend: Backend) -> VllmSnapshot | None:
+        try:
+            async with asyncio.timeout(self._stale_after):
+                async with self._session.get(backend.url.with_path("/metrics")) as resp:
+                    text = await resp.text() if resp.status == 200 else None
+        except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
+            text = None
+        if text is None:
+            self._on_fallback(backend.name, "scrape_failed")
+            return None
+        snap = parse_vllm_metrics(text)
+        self.keep(backend, snap)
+        if self._on_snapshot is not None:
+            self._on_snapshot(backend.name, snap)
+        return snap
+
+    def keep(self, backend: Backend, snap: VllmSnapshot) -> None:
+        """A fresh snapshot of `backend`, scraped here or received from the collector."""
+        self.snapshots[backend.name] = snap
+        backend.waiting = snap.waiting
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for backend in self._fleet.members:
+            snap = self.snapshots.get(backend.name)
+            if snap is not None and now - snap.at > self._stale_after and backend.waiting:
+                backend.waiting = 0.0
+                self._on_fallback(backend.name, "stale_metrics")
+                log.backends.warning("metrics of %s are stale", backend.name)
+
+
+def describe(snap: VllmSnapshot | None) -> dict | None:
+    """A backend's last scrape, for /debug/routing; None before the first one."""
+    if snap is None:
+        return None
+    queries = snap.prefix_queries
+    return {
+        "running": snap.running,
+        "waiting": snap.waiting,
+        "kv_cache_usage": snap.kv_usage,
+        "prefix_cache_hit_rate": snap.prefix_hits / queries if queries else None,
+        "block_size": snap.block_size,
+        "num_gpu_blocks": snap.num_gpu_blocks,
+        "age_s": round(time.monotonic() - snap.at, 3),
+    }

@@ -1,0 +1,170 @@
+"""A worker's telemetry, with several workers: it follows the collector's feed.
+
+It scrapes nothing and subscribes to nothing: snapshots, KV batches, index resets,
+verdicts, the other workers' placements and edits all arrive on the feed
+(router/telemetry/feed.py). It says hello until the collector welcomes it (`joined`),
+and pushes to the collector's control socket what every worker should hear: admin
+edits (`broadcast`), placements and refused connections (`push_nowait`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+import zmq
+import zmq.asyncio
+
+from hashing.prefix_index import PrefixIndex
+from router import log
+from router.config import KvEventsConfig, TelemetryConfig
+from router.context import WorkerContext
+from router.fleet.backends import Backend, Fleet
+from router.fleet.health import Verdicts
+from router.fleet.placements import decode_learned
+from router.metrics import Metrics
+from router.telemetry.feed import (
+    BROADCAST_TIMEOUT_S,
+    FEED_HWM,
+    FOLLOWED,
+    HELLO,
+    HELLO_INTERVAL_S,
+    worker_topic,
+)
+from router.telemetry.index_upkeep import Held, applier
+from router.telemetry.loops import Telemetry
+from router.telemetry.scrape import VllmSnapshot
+
+
+class WorkerTelemetry(Telemetry):
+    scrapes = False
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        session: aiohttp.ClientSession,
+        metrics: Metrics,
+        config: TelemetryConfig,
+        kv_events: Callable[[], dict[str, KvEventsConfig]],
+        link: WorkerContext,
+        on_broadcast: Callable[[bytes], None],
+        verdicts: Verdicts,
+    ) -> None:
+        super().__init__(fleet, session, metrics, config, kv_events)
+        self._link: WorkerContext | None = link
+        self._on_broadcast = on_broadcast
+        self._verdicts = verdicts
+        self._push: zmq.asyncio.Socket | None = None
+        self._push_now: zmq.Socket | None = None  # `push_nowait`'s: sends never wait
+        self._joined = asyncio.Event()  # the feed delivers (see `joined`)
+        self._me = str(link.index).encode()
+        self._topic = worker_topic(self._me)
+
+    def _role_tasks(self) -> list[asyncio.Task]:
+        return [asyncio.create_task(self._follow(), name="kvroute-feed")]
+
+    def _close(self) -> None:
+        if self._push_now is not None:  # a shadow context's socket: destroy does not see it
+            self._push_now.close(linger=0)
+        self._link = None  # `push_nowait` sends nothing from here on
+
+    def _fallback(self, backend: str, reason: str) -> None:
+        """Not counted here: the collector counts the router's downgrades once."""
+
+    def _source(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> Held:
+        """The applier of the batches the collector forwards for `backend`."""
+        return applier(backend, index, self._fleet)
+
+    async def broadcast(self, payload: bytes) -> None:
+        """Send `payload` to every worker (this one included) through the collector."""
+        if self._push is None:
+            self._push = self._context().socket(zmq.PUSH)
+            self._push.setsockopt(zmq.LINGER, 0)
+            self._push.connect(self._link.control)
+        async with asyncio.timeout(BROADCAST_TIMEOUT_S):
+            await self._push.send(payload)
+
+    def push_nowait(self, payload: bytes) -> None:
+        """Send `payload` to every worker through the collector without waiting: dropped
+        if the collector is not keeping up (a routing hint, never an edit)."""
+        if self._link is None:
+            return
+        if self._push_now is None:
+            self._push_now = zmq.Context.shadow(self._context().underlying).socket(zmq.PUSH)
+            self._push_now.setsockopt(zmq.LINGER, 0)
+            self._push_now.connect(self._link.control)
+        with contextlib.suppress(zmq.Again):
+            self._push_now.send(payload, flags=zmq.NOBLOCK)
+
+    async def joined(self, timeout: float) -> bool:
+        """Wait until the feed is live (True), at most `timeout` seconds."""
+        try:
+            async with asyncio.timeout(timeout):
+                await self._joined.wait()
+        except TimeoutError:
+            return False
+        return True
+
+    async def _follow(self) -> None:
+        """Apply what the collector publishes."""
+        sub = self._context().socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, FEED_HWM)
+        for topic in (*FOLLOWED, self._topic):
+            sub.setsockopt(zmq.SUBSCRIBE, topic)  # not the other workers' welcomes
+        sub.connect(self._link.feed)
+        hello = asyncio.create_task(self._hello())
+        try:
+            while True:
+                kind, name, *rest = await sub.recv_multipart()
+                self._received(kind, name.decode(), rest)
+        finally:
+            hello.cancel()
+            sub.close()
+
+    async def _hello(self) -> None:
+        """Say hello to the collector until its answer comes back on the feed."""
+        while not self._joined.is_set():
+            with contextlib.suppress(TimeoutError):  # the collector is not up yet
+                await self.broadcast(HELLO + self._me)
+            await asyncio.sleep(HELLO_INTERVAL_S)
+
+    def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
+        if kind == b"s":
+            backend = self._fleet.find(name)
+            if backend is not None:
+                self._scraper.keep(backend, msgspec.msgpack.decode(rest[0], type=VllmSnapshot))
+        elif kind == b"k" and name in self._upkeep.held:
+            self._upkeep.held[name][0].apply_payload(rest[0])
+        elif kind == b"c" and (index := self._upkeep.index) is not None:
+            index.cleared(name)
+            log.backends.warning("KV index of %s cleared (collector's reset)", name)
+        elif kind == b"l":
+            self._learned(rest[0])
+        elif kind == b"a":
+            self._on_broadcast(rest[0])
+        elif kind == b"p":
+            self._verdicts.adopt(rest[0])
+        elif kind == self._topic:
+            self._welcomed(name, rest)
+
+    def _welcomed(self, what: str, rest: list[bytes]) -> None:
+        """What the collector sent this worker alone (collector_feed.py `_welcome`)."""
+        if what == "j":  # nothing published from here on is missed
+            self._joined.set()
+        elif what == "e":
+            self._on_broadcast(rest[0])
+        elif what == "i" and (index := getattr(self._fleet.policy, "index", None)) is not None:
+            index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
+
+    def _learned(self, payload: bytes) -> None:
+        """Another worker's placements, into this worker's index for their whole TTL."""
+        worker, placed = decode_learned(payload)
+        index = getattr(self._fleet.policy, "index", None)
+        if index is None or worker == self._link.index:
+            return
+        for backend, expires_at, keys in placed:
+            index.learn(backend, keys, expires_at)
