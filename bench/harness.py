@@ -136,6 +136,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{action.help} (default: {action.default})"
 
 
+#: add_argument_group's return type, which argparse does not export
+_Group = argparse._ArgumentGroup
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute bench",
@@ -149,6 +153,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     run = p.add_argument_group("what to compare")
+    _add_fleet_options(run)
+    _add_router_options(run)
+    _add_target_options(run)
+    work = p.add_argument_group("workload (bench/workloads.py)")
+    _add_workload_options(work)
+    _add_seed_options(work)
+    _add_arrival_options(work)
+    _add_output_options(p.add_argument_group("bounds and output"))
+    return p
+
+
+def _add_fleet_options(run: _Group) -> None:
+    """The strategies and the simulated fleet they route to."""
     run.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
@@ -176,6 +193,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
+
+
+def _add_router_options(run: _Group) -> None:
+    """How each row's router runs: kvroute's workers, replicas, the peers."""
     run.add_argument(
         "--workers",
         type=_non_negative,
@@ -211,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="never pip: a peer not already in --peers-venv is a row of n/a",
     )
+
+
+def _add_target_options(run: _Group) -> None:
+    """A router or server already running, instead of a fleet started here."""
     run.add_argument(
         "--target",
         metavar="URL",
@@ -218,7 +243,10 @@ def build_parser() -> argparse.ArgumentParser:
         "starts nothing and ignores --strategies, --workers, --replicas and --peers",
     )
     run.add_argument("--model", help="model name to request (default: the target's first model)")
-    work = p.add_argument_group("workload (bench/workloads.py)")
+
+
+def _add_workload_options(work: _Group) -> None:
+    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec)."""
     work.add_argument(
         "--workload",
         choices=sorted(SHAPES),
@@ -242,6 +270,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="shared",
         help="multi-turn: one system prompt for every conversation, or one each",
     )
+
+
+def _add_seed_options(work: _Group) -> None:
+    """One seed, or several for the whole comparison once each."""
     seeds = work.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=0, help="workload, policy and replica seed")
     seeds.add_argument(
@@ -251,6 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, e.g. 0,1,2: the whole comparison once per seed, each seed's "
         "table, then each row's mean over the seeds",
     )
+
+
+def _add_arrival_options(work: _Group) -> None:
+    """Open-loop Poisson arrivals or a closed loop of clients."""
     arrivals = work.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--rate",
@@ -261,7 +297,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_positive(int), help="closed loop with this many clients"
     )
     work.add_argument("--duration", type=float, help="stop Poisson arrivals after this (sim s)")
-    out = p.add_argument_group("bounds and output")
+
+
+def _add_output_options(out: _Group) -> None:
+    """Each row's bounds, the hop calibration, where results go."""
     out.add_argument(
         "--max-wall",
         type=_positive(float),
@@ -275,7 +314,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct/routed pairs for the hop cost (0: skip)",
     )
     out.add_argument("--out", type=Path, metavar="DIR", help="write results.json and a PNG")
-    return p
 
 
 def _positive(kind: type) -> Callable[[str], float]:
