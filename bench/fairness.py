@@ -46,17 +46,15 @@ import uvloop
 
 from bench import overhead
 from bench.overhead import free_port, process
+from bench.peers import PEERS_VENV, ensure_peers, peer_cmd
 from bench.streams import Board, open_streams
 from bench.throughput import (
     MODEL,
-    PEERS_VENV,
     Row,
     _close_all,
     _Start,
     _stream_body,
-    ensure_peers,
     kvroute_cmd,
-    peer_cmd,
     start_routers,
 )
 from router.control.supervisor import usable_cores

@@ -54,7 +54,7 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import NamedTuple
 
 import aiohttp
 import msgspec
@@ -62,9 +62,9 @@ import orjson
 import uvloop
 
 import policies
-from bench import procstat, scrape
+from bench import processes, procstat, scrape
 from bench.loadgen import Outcome, replay
-from bench.overhead import free_port
+from bench.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.report import (
     BackendDelta,
     Run,
@@ -78,7 +78,6 @@ from bench.report import (
     summarize,
     table,
 )
-from bench.throughput import PEERS_VENV, ensure_peers, peer_cmd
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import Config, build
 from router.control.supervisor import worker_count
@@ -88,15 +87,6 @@ __all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_conf
 DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
 DEFAULT_TIME_SCALE = 0.5
-#: the peer rows: (PyPI package, its --policy)
-PEER_ROWS = (
-    ("sglang-router", "cache_aware"),
-    ("sglang-router", "round_robin"),
-    ("vllm-router", "cache_aware"),
-)
-_SIM_START_SECONDS = 30.0
-_ROUTER_START_SECONDS = 30.0
-_STOP_SECONDS = 10.0
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
 _WARMUP_PAIRS = 5
@@ -105,10 +95,6 @@ _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=30)
 
 class HarnessError(RuntimeError):
     """The benchmark cannot run (a process did not start, a target did not answer)."""
-
-
-class _StartFailed(RuntimeError):
-    """A router process exited or never answered its readiness path; says why."""
 
 
 _EXAMPLES = """examples:
@@ -136,6 +122,10 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return f"{action.help} (default: {action.default})"
 
 
+#: add_argument_group's return type, which argparse does not export
+_Group = argparse._ArgumentGroup
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="kvroute bench",
@@ -149,6 +139,19 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=_HelpFormatter,
     )
     run = p.add_argument_group("what to compare")
+    _add_fleet_options(run)
+    _add_router_options(run)
+    _add_target_options(run)
+    work = p.add_argument_group("workload (bench/workloads.py)")
+    _add_workload_options(work)
+    _add_seed_options(work)
+    _add_arrival_options(work)
+    _add_output_options(p.add_argument_group("bounds and output"))
+    return p
+
+
+def _add_fleet_options(run: _Group) -> None:
+    """The strategies and the simulated fleet they route to."""
     run.add_argument(
         "--strategies",
         default=",".join(DEFAULT_STRATEGIES),
@@ -176,6 +179,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive(int),
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
+
+
+def _add_router_options(run: _Group) -> None:
+    """How each row's router runs: kvroute's workers, replicas, the peers."""
     run.add_argument(
         "--workers",
         type=_non_negative,
@@ -211,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="never pip: a peer not already in --peers-venv is a row of n/a",
     )
+
+
+def _add_target_options(run: _Group) -> None:
+    """A router or server already running, instead of a fleet started here."""
     run.add_argument(
         "--target",
         metavar="URL",
@@ -218,7 +229,10 @@ def build_parser() -> argparse.ArgumentParser:
         "starts nothing and ignores --strategies, --workers, --replicas and --peers",
     )
     run.add_argument("--model", help="model name to request (default: the target's first model)")
-    work = p.add_argument_group("workload (bench/workloads.py)")
+
+
+def _add_workload_options(work: _Group) -> None:
+    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec)."""
     work.add_argument(
         "--workload",
         choices=sorted(SHAPES),
@@ -242,6 +256,10 @@ def build_parser() -> argparse.ArgumentParser:
         default="shared",
         help="multi-turn: one system prompt for every conversation, or one each",
     )
+
+
+def _add_seed_options(work: _Group) -> None:
+    """One seed, or several for the whole comparison once each."""
     seeds = work.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=0, help="workload, policy and replica seed")
     seeds.add_argument(
@@ -251,6 +269,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma-separated, e.g. 0,1,2: the whole comparison once per seed, each seed's "
         "table, then each row's mean over the seeds",
     )
+
+
+def _add_arrival_options(work: _Group) -> None:
+    """Open-loop Poisson arrivals or a closed loop of clients."""
     arrivals = work.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--rate",
@@ -261,7 +283,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--concurrency", type=_positive(int), help="closed loop with this many clients"
     )
     work.add_argument("--duration", type=float, help="stop Poisson arrivals after this (sim s)")
-    out = p.add_argument_group("bounds and output")
+
+
+def _add_output_options(out: _Group) -> None:
+    """Each row's bounds, the hop calibration, where results go."""
     out.add_argument(
         "--max-wall",
         type=_positive(float),
@@ -275,7 +300,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="direct/routed pairs for the hop cost (0: skip)",
     )
     out.add_argument("--out", type=Path, metavar="DIR", help="write results.json and a PNG")
-    return p
 
 
 def _positive(kind: type) -> Callable[[str], float]:
@@ -301,33 +325,6 @@ def _seed_list(text: str) -> list[int]:
     if not seeds or len(set(seeds)) < len(seeds):
         raise argparse.ArgumentTypeError(f"want distinct seeds like 0,1,2, got {text!r}")
     return seeds
-
-
-class Peer(msgspec.Struct, frozen=True, kw_only=True):
-    """A Rust router from PyPI with one of its policies: one row of the table."""
-
-    package: str
-    policy: str
-    python: str | None  # the peers virtualenv's interpreter; None: it cannot run
-    version: str  # or why it cannot run
-
-    @property
-    def label(self) -> str:
-        return f"{self.package}:{self.policy}"
-
-
-def find_peers(venv: Path, install: bool) -> tuple[Peer, ...]:
-    """Each peer row, its package pip-installed into `venv` first unless not `install`."""
-    found = ensure_peers(venv, install)
-    return tuple(
-        Peer(
-            package=package,
-            policy=policy,
-            python=None if found[package][0] is None else str(found[package][0]),
-            version=found[package][1],
-        )
-        for package, policy in PEER_ROWS
-    )
 
 
 class Options(NamedTuple):
@@ -471,7 +468,7 @@ async def _simulated_run(
     if isinstance(row, Peer) and row.python is None:
         return _unmeasured(row.label, _peer_setup(row, options), row.version, options)
     async with contextlib.AsyncExitStack() as stack:
-        backends, sim_pid = await stack.enter_async_context(_simulator(options))
+        backends, sim_pid = await _fleet(stack, options)
         urls = [b["url"] for b in backends]
         if isinstance(row, Peer):
             label, router = row.label, _peer_router(row, urls, options)
@@ -479,8 +476,9 @@ async def _simulated_run(
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
             label, router = row, _kvroute_router(row, backends, options, Path(tmp))
         try:
-            replicas = await stack.enter_async_context(_replicas(router, options.replicas))
-        except _StartFailed as exc:
+            started = processes.replicas(router.command, router.ready, options.replicas)
+            replicas = await stack.enter_async_context(started)
+        except processes.StartFailed as exc:
             if not isinstance(row, Peer):
                 raise HarnessError(f"the router did not start: {exc}") from None
             return _unmeasured(label, router.setup, f"did not start: {exc}", options)
@@ -492,6 +490,15 @@ async def _simulated_run(
         setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
         entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup)
         return await _measured_replay(http, entry, model, specs, options, on_done)
+
+
+async def _fleet(stack: contextlib.AsyncExitStack, options: Options) -> tuple[list[dict], int]:
+    """The simulated fleet on `stack`: its backend configs and its process's pid."""
+    fleet = processes.simulator(options.backends, options.time_scale, options.sim_args)
+    try:
+        return await stack.enter_async_context(fleet)
+    except processes.StartFailed as exc:
+        raise HarnessError(f"the simulator did not start:\n  {exc}") from None
 
 
 async def _target_run(
@@ -570,23 +577,7 @@ async def _measured_replay(
     )
 
 
-# --- processes ------------------------------------------------------------------------
-
-
-@contextlib.asynccontextmanager
-async def _simulator(options: Options) -> AsyncIterator[tuple[list[dict], int]]:
-    """K simulated servers in a child process; yields their backend configs and its pid."""
-    cmd = [sys.executable, "-m", "bench.sim", "--backends", str(options.backends)]
-    cmd += ["--time-scale", str(options.time_scale), "--host", "127.0.0.1", *options.sim_args]
-    kv_events = "--kv-events" in options.sim_args
-    with tempfile.TemporaryFile() as stderr:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr
-        )
-        try:
-            yield await _announced(proc, options.backends, kv_events, stderr), proc.pid
-        finally:
-            await _stop(proc)
+# --- the rows' routers ----------------------------------------------------------------
 
 
 class _Router(NamedTuple):
@@ -601,9 +592,7 @@ def _kvroute_router(strategy: str, backends: list[dict], options: Options, tmp: 
     """`kvroute serve` with one config file for every replica, which differ by --port."""
     knobs = {**options.routing, "seed": options.seed}
     config = router_config(strategy, backends, knobs, options.workers)
-    path = tmp / "router.yaml"
-    path.write_bytes(msgspec.json.encode(config))  # JSON is YAML
-    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path)]
+    cmd = processes.kvroute_serve(config, tmp / "router.yaml")
     setup = Setup(
         router="kvroute serve",
         policy=strategy,
@@ -631,94 +620,6 @@ def _peer_setup(peer: Peer, options: Options) -> Setup:
     return Setup(
         router=peer.package, policy=peer.policy, version=version, replicas=options.replicas
     )
-
-
-@contextlib.asynccontextmanager
-async def _replicas(router: _Router, n: int) -> AsyncIterator[list[tuple[str, int]]]:
-    """`n` processes of `router`, each on a free port; yields their URLs and pids."""
-    async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(_replica(router)) for _ in range(n)]
-
-
-@contextlib.asynccontextmanager
-async def _replica(router: _Router) -> AsyncIterator[tuple[str, int]]:
-    """One router in a process of its own, as in production: its work (parsing,
-    tokenizing, KV events) never holds up the load generator's clock. Yields its URL and
-    pid once it is ready."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with tempfile.TemporaryFile() as err:
-        proc = await asyncio.create_subprocess_exec(
-            *router.command(port),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=err,
-        )
-        try:
-            await _until_ready(url + router.ready, proc, err)
-            yield url, proc.pid
-        finally:
-            await _stop(proc)
-
-
-async def _until_ready(url: str, proc: asyncio.subprocess.Process, err: IO[bytes]) -> None:
-    """Until `url` answers 200; `_StartFailed` with the stderr's tail if the process
-    exits first or the start takes too long."""
-    deadline = time.monotonic() + _ROUTER_START_SECONDS
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as http:
-        while proc.returncode is None:
-            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
-                async with http.get(url) as resp:
-                    if resp.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                why = f"{url} not 200 after {_ROUTER_START_SECONDS:.0f} s"
-                raise _StartFailed(" | ".join([why, *_tail(err)]))
-            await asyncio.sleep(0.1)
-    raise _StartFailed(" | ".join([f"exited with code {proc.returncode}", *_tail(err)]))
-
-
-def _tail(file: IO[bytes], lines: int = 3) -> list[str]:
-    """The last lines a process wrote to `file`, without terminal colours."""
-    file.seek(0)
-    text = re.sub(r"\x1b\[[0-9;]*m", "", file.read().decode(errors="replace"))
-    return [line.strip()[:200] for line in text.strip().splitlines()[-lines:]]
-
-
-async def _announced(
-    proc: asyncio.subprocess.Process, n: int, kv_events: bool, stderr: IO[bytes]
-) -> list[dict]:
-    """Backend configs from the simulator's stdout: n URL lines, then with --kv-events n
-    lines `kv-events URL pub=ENDPOINT replay=ENDPOINT` (bench/sim/cli.py)."""
-    assert proc.stdout is not None
-    lines: list[str] = []
-    expected = 2 * n if kv_events else n
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(_SIM_START_SECONDS):
-            while len(lines) < expected and (line := await proc.stdout.readline()):
-                lines.append(line.decode().strip())
-    if len(lines) < expected:
-        tail = _tail(stderr, 5)
-        raise HarnessError("the simulator did not start:\n  " + "\n  ".join(tail or ["?"]))
-    # fixed names: the hash ring, hence each prefix's home, is the same in every run
-    backends = [{"url": url, "name": f"sim-{i}"} for i, url in enumerate(lines[:n])]
-    for backend, line in zip(backends, lines[n:], strict=False):
-        fields = dict(field.split("=", 1) for field in line.split()[2:])
-        backend["kv_events"] = {"endpoint": fields["pub"], "replay_endpoint": fields["replay"]}
-    return backends
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is not None:
-        return
-    with contextlib.suppress(ProcessLookupError):
-        proc.terminate()
-    try:
-        await asyncio.wait_for(proc.wait(), _STOP_SECONDS)
-    except TimeoutError:
-        with contextlib.suppress(ProcessLookupError):
-            proc.kill()
-        await proc.wait()
 
 
 def router_config(

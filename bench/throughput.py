@@ -44,29 +44,39 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 import aiohttp
 import orjson
-import yaml
 
 from bench import overhead
 from bench.instant_backend import MODEL, SLOW_MODEL
 from bench.overhead import free_port, parser_for, process, wait_ready, write_json
+from bench.peers import PEERS, PEERS_VENV, ensure_peers, peer_cmd
+from bench.processes import kvroute_serve, log_tail, logged, wait_routable
 from bench.procstat import rss_mb, tree_cpu_seconds
 from bench.streams import Board, Stream, open_streams
 from router.control.supervisor import usable_cores
 
+__all__ = [
+    "FLOOR",
+    "PEERS",
+    "WRK_HINT",
+    "Row",
+    "Target",
+    "kvroute_cmd",
+    "main",
+    "parser",
+    "router_starts",
+    "run",
+    "start_routers",
+    "table",
+]
+
 WRK_HINT = "wrk is not installed: `apt-get install -y wrk` (Debian/Ubuntu) adds it"
-PEERS_VENV = Path.home() / ".cache" / "kvroute-bench" / "peers-venv"
-#: PyPI package: its module with `launch_router`, and its flag for quiet logs
-PEERS = {
-    "sglang-router": ("sglang_router", "--log-level", "warn"),
-    "vllm-router": ("vllm_router", "--log-level", "warning"),
-}
 FLOOR = "bare TCP pipe, uvloop (floor)"
 
 
@@ -89,54 +99,11 @@ class Row:
     note: str = ""
 
 
-# --- processes ---------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def _logged(cmd: list[str], log: Path) -> Iterator[subprocess.Popen]:
-    """A router process with its output in `log`; stopped (its group, if need be) after."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 9)
-            proc.wait()
-
-
-def _tail(log: Path, lines: int = 3) -> str:
-    with contextlib.suppress(OSError):
-        text = log.read_text(errors="replace").strip().splitlines()
-        return " | ".join(line.strip()[:160] for line in text[-lines:])
-    return ""
-
-
-async def wait_routable(url: str, proc: subprocess.Popen, timeout: float = 40.0) -> None:
-    """Until a chat request through `url` answers 200 (or the process died)."""
-    deadline = time.monotonic() + timeout
-    async with aiohttp.ClientSession() as http:
-        while proc.poll() is None:
-            with contextlib.suppress(aiohttp.ClientError, OSError):
-                async with http.post(
-                    url + "/v1/chat/completions", data=overhead._BODY, headers=overhead._HEADERS
-                ) as resp:
-                    if resp.status == 200:
-                        return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not routing after {timeout:.0f}s")
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"exited with code {proc.returncode}")
-
-
 # --- the routers -----------------------------------------------------------------------------
 
 
 def kvroute_cmd(backend: str, port: int, workers: int, strategy: str, tmp: Path) -> list:
+    """kvroute on `port` in front of the one backend, with limits wrk does not reach."""
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": [{"url": backend}],
@@ -144,70 +111,63 @@ def kvroute_cmd(backend: str, port: int, workers: int, strategy: str, tmp: Path)
         "limits": {"max_concurrent_requests": 100_000},
         "shutdown": {"drain_seconds": 1},
     }
-    path = tmp / f"kvroute-{port}.yaml"
-    path.write_text(yaml.safe_dump(config))
-    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--log-level", "warning"]
-    return [*cmd, "--workers", str(workers)]
+    cmd = kvroute_serve(config, tmp / f"kvroute-{port}.yaml")
+    return [*cmd, "--log-level", "warning", "--workers", str(workers)]
 
 
-def peer_cmd(
-    python: Path, package: str, backends: Sequence[str], port: int, policy: str = "round_robin"
-) -> list[str]:
-    """The peer on 127.0.0.1:`port` with `policy` (its own defaults for the policy's knobs);
-    its Prometheus listener on a free port, so that several can run at once."""
-    module, level_flag, level = PEERS[package]
-    return [
-        str(python),
-        "-m",
-        f"{module}.launch_router",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        *backends,
-        "--policy",
-        policy,
-        "--prometheus-port",
-        str(free_port()),
-        level_flag,
-        level,
-    ]
+@dataclass
+class _Start:
+    """A router to start for `row`; only kvroute has /ready to wait on first."""
+
+    row: Row
+    cmd: list[str]
+    port: int
+    kvroute: bool
 
 
-def ensure_peers(venv: Path, install: bool) -> dict[str, tuple[Path | None, str]]:
-    """Per peer: (its venv's python, version) or (None, why it cannot run)."""
-    python = venv / "bin" / "python"
-    if not python.exists():
-        if not install:
-            return {p: (None, f"not installed in {venv} (--no-install)") for p in PEERS}
-        venv.parent.mkdir(parents=True, exist_ok=True)
-        made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True)
-        if made.returncode:
-            why = f"cannot create {venv}: {made.stderr.decode()[-200:]}"
-            return {p: (None, why) for p in PEERS}
-    return {p: _ensure_peer(python, p, install) for p in PEERS}
+def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
+    """What to start, in table order; a bare Row is one that cannot run (note says why)."""
+    cores = usable_cores()
+    out: list[_Start | Row] = []
+    for n in (1, cores) if cores > 1 else (1,):
+        port = free_port()
+        cmd = kvroute_cmd(direct, port, n, args.strategy, tmp)
+        out.append(_Start(Row(f"kvroute --workers {n}"), cmd, port, True))
+    port = free_port()
+    cmd = [sys.executable, "-m", "bench.pipe", "--backend", direct, "--port", str(port)]
+    out.append(_Start(Row(FLOOR), cmd, port, False))
+    if args.no_peers:
+        return out
+    for package, (python, version) in ensure_peers(Path(args.peers_venv), args.install).items():
+        if python is None:
+            out.append(Row(package, note="; " + version))
+            continue
+        port = free_port()
+        cmd = peer_cmd(python, package, [direct], port)
+        out.append(_Start(Row(package, version=version), cmd, port, False))
+    return out
 
 
-def _peer_version(python: Path, package: str) -> str | None:
-    code = f"import importlib.metadata as m; print(m.version({package!r}))"
-    out = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
-    return out.stdout.strip() if out.returncode == 0 else None
-
-
-def _ensure_peer(python: Path, package: str, install: bool) -> tuple[Path | None, str]:
-    version = _peer_version(python, package)
-    if version is None and install:
-        print(f"installing {package} into {python.parent.parent} ...", flush=True)
-        pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-        done = subprocess.run([*pip, package], capture_output=True, text=True, timeout=600)
-        if done.returncode:
-            last = (done.stderr.strip().splitlines() or ["?"])[-1]
-            return None, f"pip install {package} failed: {last[:200]}"
-        version = _peer_version(python, package)
-    if version is None:
-        return None, f"{package} is not installed"
-    return python, version
+def start_routers(stack: contextlib.ExitStack, starts: list, tmp: Path) -> list[Target]:
+    """Start every router at once (idle ones cost nothing), then wait for each."""
+    targets, waits = [], []
+    for start in starts:
+        if isinstance(start, Row):
+            targets.append(Target(start))
+            continue
+        log = tmp / f"{start.port}.log"
+        proc = stack.enter_context(logged(start.cmd, log))
+        targets.append(Target(start.row, f"http://127.0.0.1:{start.port}", proc.pid))
+        waits.append((targets[-1], proc, log, start.kvroute))
+    for target, proc, log, kvroute in waits:
+        try:
+            if kvroute:
+                asyncio.run(wait_ready(target.url, timeout=40))
+            asyncio.run(wait_routable(target.url, proc))
+        except Exception as exc:
+            target.row.note += f"; did not start: {exc} ({log_tail(log)})"
+            target.url = ""
+    return targets
 
 
 # --- measurements --------------------------------------------------------------------------
@@ -387,59 +347,6 @@ def phase_sse(live: list[Target], args, backend: str) -> None:
     _rounds(live, args.rounds, "sse", lambda t: _sse_round(t, args, backend))
     for t in (t for t in live if t.sse):
         t.row.sse_eps, t.row.sse_cores = _median_pair(t.sse)
-
-
-@dataclass
-class _Start:
-    row: Row
-    cmd: list[str]
-    port: int
-    kvroute: bool
-
-
-def router_starts(direct: str, args, tmp: Path) -> list[_Start | Row]:
-    """What to start, in table order; a bare Row is one that cannot run (note says why)."""
-    cores = usable_cores()
-    out: list[_Start | Row] = []
-    for n in (1, cores) if cores > 1 else (1,):
-        port = free_port()
-        cmd = kvroute_cmd(direct, port, n, args.strategy, tmp)
-        out.append(_Start(Row(f"kvroute --workers {n}"), cmd, port, True))
-    port = free_port()
-    cmd = [sys.executable, "-m", "bench.pipe", "--backend", direct, "--port", str(port)]
-    out.append(_Start(Row(FLOOR), cmd, port, False))
-    if args.no_peers:
-        return out
-    for package, (python, version) in ensure_peers(Path(args.peers_venv), args.install).items():
-        if python is None:
-            out.append(Row(package, note="; " + version))
-            continue
-        port = free_port()
-        cmd = peer_cmd(python, package, [direct], port)
-        out.append(_Start(Row(package, version=version), cmd, port, False))
-    return out
-
-
-def start_routers(stack: contextlib.ExitStack, starts: list, tmp: Path) -> list[Target]:
-    """Start every router at once (idle ones cost nothing), then wait for each."""
-    targets, waits = [], []
-    for start in starts:
-        if isinstance(start, Row):
-            targets.append(Target(start))
-            continue
-        log = tmp / f"{start.port}.log"
-        proc = stack.enter_context(_logged(start.cmd, log))
-        targets.append(Target(start.row, f"http://127.0.0.1:{start.port}", proc.pid))
-        waits.append((targets[-1], proc, log, start.kvroute))
-    for target, proc, log, kvroute in waits:
-        try:
-            if kvroute:
-                asyncio.run(wait_ready(target.url, timeout=40))
-            asyncio.run(wait_routable(target.url, proc))
-        except Exception as exc:
-            target.row.note += f"; did not start: {exc} ({_tail(log)})"
-            target.url = ""
-    return targets
 
 
 def run(args) -> tuple[list[Row], dict]:

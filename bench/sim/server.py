@@ -67,25 +67,25 @@ class _Cut(Exception):
 
 
 def make_app(backend: SimBackend) -> web.Application:
-    h = _Handlers(backend)
+    gen, vllm, sim = _Generation(backend), _VllmRoutes(backend), _SimRoutes(backend)
     app = web.Application(middlewares=[_errors], client_max_size=64 * 1024 * 1024)
     app.on_response_prepare.append(_echo_request_id)
     app.add_routes(
         [
-            web.post("/v1/chat/completions", h.chat),
-            web.post("/v1/completions", h.completions),
-            web.get("/v1/models", h.models),
-            web.get("/health", h.health),
-            web.post("/tokenize", h.tokenize),
-            web.get("/metrics", h.metrics),
-            web.get("/load", h.load),
-            web.get("/version", h.version),
-            web.get("/kv_event_sources", h.kv_event_sources),
-            web.post("/reset_prefix_cache", h.reset_prefix_cache),
-            web.get("/sim/fault", h.get_fault),
-            web.post("/sim/fault", h.set_fault),
-            web.post("/sim/restart", h.restart),
-            web.get("/sim/stats", h.stats),
+            web.post("/v1/chat/completions", gen.chat),
+            web.post("/v1/completions", gen.completions),
+            web.get("/v1/models", vllm.models),
+            web.get("/health", vllm.health),
+            web.post("/tokenize", vllm.tokenize),
+            web.get("/metrics", vllm.metrics),
+            web.get("/load", vllm.load),
+            web.get("/version", vllm.version),
+            web.get("/kv_event_sources", vllm.kv_event_sources),
+            web.post("/reset_prefix_cache", vllm.reset_prefix_cache),
+            web.get("/sim/fault", sim.get_fault),
+            web.post("/sim/fault", sim.set_fault),
+            web.post("/sim/restart", sim.restart),
+            web.get("/sim/stats", sim.stats),
         ]
     )
     return app
@@ -127,7 +127,32 @@ def _cut(request: web.Request) -> None:
         request.transport.abort()
 
 
-class _Handlers:
+async def _fault_gate(
+    request: web.Request, backend: SimBackend, fault: Fault
+) -> web.Response | None:
+    """The response a `fail` or `hang` fault imposes, or None to proceed."""
+    if fault.mode == "fail":
+        message = f"Simulated failure (fault injected, {fault.status})."
+        return _json_bytes(error_json(fault.status, message), status=fault.status)
+    if fault.mode == "hang":
+        await backend.wait_dropped()  # or cancelled when the client gives up
+        _cut(request)
+        return web.Response()  # never delivered: the connection is gone
+    return None
+
+
+def _lora_id(backend: SimBackend, model: str | None) -> int | None:
+    """`model`'s LoRA id on `backend` (None: the base model); vLLM's 404 for a name it
+    does not serve."""
+    try:
+        return backend.lora_id(model)
+    except ValueError:
+        raise ApiError(404, f"The model `{model}` does not exist.", "model") from None
+
+
+class _Generation:
+    """POST /v1/chat/completions and /v1/completions: fault gate to engine to JSON or SSE."""
+
     def __init__(self, backend: SimBackend) -> None:
         self.b = backend
 
@@ -137,75 +162,6 @@ class _Handlers:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, _COMPLETION, COMPLETION)
 
-    async def health(self, request: web.Request) -> web.Response:
-        return await self._fault_gate(request, self.b.fault) or web.Response()
-
-    async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": self.b.model_cards()})
-
-    async def tokenize(self, request: web.Request) -> web.Response:
-        body = await _decode(request, _TOKENIZE)
-        self._lora_id(body.model)
-        text = body.text()
-        tokens = tokenize(text)
-        return _json(
-            {
-                "count": len(tokens),
-                "max_model_len": self.b.params.max_model_len,
-                "tokens": tokens,
-                "token_strs": token_strs(text) if body.return_token_strs else None,
-            }
-        )
-
-    async def metrics(self, request: web.Request) -> web.Response:
-        body = self.b.engine.metrics.render()
-        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
-
-    async def load(self, request: web.Request) -> web.Response:
-        return _json({"server_load": self.b.inflight})
-
-    async def version(self, request: web.Request) -> web.Response:
-        return _json({"version": VLLM_VERSION})
-
-    async def kv_event_sources(self, request: web.Request) -> web.Response:
-        return _json(self.b.kv_event_sources())
-
-    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
-        if not await self.b.engine.reset_prefix_cache():
-            raise ApiError(503, "Failed to reset prefix cache: KV blocks are in use.")
-        return web.Response()
-
-    async def get_fault(self, request: web.Request) -> web.Response:
-        return _json(msgspec.to_builtins(self.b.fault))
-
-    async def set_fault(self, request: web.Request) -> web.Response:
-        self.b.set_fault(await _decode(request, _FAULT))
-        return _json(msgspec.to_builtins(self.b.fault))
-
-    async def restart(self, request: web.Request) -> web.Response:
-        self.b.restart()
-        return web.Response()
-
-    async def stats(self, request: web.Request) -> web.Response:
-        return _json(self.b.snapshot())
-
-    async def _fault_gate(self, request: web.Request, fault: Fault) -> web.Response | None:
-        """The response a `fail` or `hang` fault imposes, or None to proceed."""
-        if fault.mode == "fail":
-            message = f"Simulated failure (fault injected, {fault.status})."
-            return _json_bytes(error_json(fault.status, message), status=fault.status)
-        if fault.mode == "hang":
-            await self.b.wait_dropped()  # or cancelled when the client gives up
-            _cut(request)
-            return web.Response()  # never delivered: the connection is gone
-        return None
-
-    def _lora_id(self, model: str | None) -> int | None:
-        try:
-            return self.b.lora_id(model)
-        except ValueError:
-            raise ApiError(404, f"The model `{model}` does not exist.", "model") from None
-
     async def _generate(
         self,
         request: web.Request,
@@ -213,7 +169,7 @@ class _Handlers:
         fmt: ResponseFormat,
     ) -> web.StreamResponse:
         fault = self.b.fault
-        if (imposed := await self._fault_gate(request, fault)) is not None:
+        if (imposed := await _fault_gate(request, self.b, fault)) is not None:
             return imposed
         body = await _decode(request, decoder)
         req = self._new_request(request, body, body.prompt_token_ids())
@@ -233,7 +189,7 @@ class _Handlers:
         self, request: web.Request, body: GenerateBody, prompt: list[int]
     ) -> SimRequest:
         p = self.b.params
-        lora_id = self._lora_id(body.model)
+        lora_id = _lora_id(self.b, body.model)
         if not prompt:
             raise ApiError(400, "The prompt is empty.", "prompt")
         room = p.max_model_len - len(prompt)
@@ -296,6 +252,72 @@ class _Handlers:
         except ConnectionResetError:
             pass  # the client left; `_generate` aborts the request
         return resp
+
+
+class _VllmRoutes:
+    """vLLM's other routes: health, models, tokenize, metrics, load, cache reset."""
+
+    def __init__(self, backend: SimBackend) -> None:
+        self.b = backend
+
+    async def health(self, request: web.Request) -> web.Response:
+        return await _fault_gate(request, self.b, self.b.fault) or web.Response()
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": self.b.model_cards()})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _decode(request, _TOKENIZE)
+        _lora_id(self.b, body.model)
+        text = body.text()
+        tokens = tokenize(text)
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": self.b.params.max_model_len,
+                "tokens": tokens,
+                "token_strs": token_strs(text) if body.return_token_strs else None,
+            }
+        )
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        body = self.b.engine.metrics.render()
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
+
+    async def load(self, request: web.Request) -> web.Response:
+        return _json({"server_load": self.b.inflight})
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": VLLM_VERSION})
+
+    async def kv_event_sources(self, request: web.Request) -> web.Response:
+        return _json(self.b.kv_event_sources())
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        if not await self.b.engine.reset_prefix_cache():
+            raise ApiError(503, "Failed to reset prefix cache: KV blocks are in use.")
+        return web.Response()
+
+
+class _SimRoutes:
+    """The simulator's own admin routes under /sim: faults, restarts, stats."""
+
+    def __init__(self, backend: SimBackend) -> None:
+        self.b = backend
+
+    async def get_fault(self, request: web.Request) -> web.Response:
+        return _json(msgspec.to_builtins(self.b.fault))
+
+    async def set_fault(self, request: web.Request) -> web.Response:
+        self.b.set_fault(await _decode(request, _FAULT))
+        return _json(msgspec.to_builtins(self.b.fault))
+
+    async def restart(self, request: web.Request) -> web.Response:
+        self.b.restart()
+        return web.Response()
+
+    async def stats(self, request: web.Request) -> web.Response:
+        return _json(self.b.snapshot())
 
 
 class _SSEWriter:
