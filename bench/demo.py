@@ -51,9 +51,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__.split("\n\n")[1].replace("\n", " "),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("--backends", type=int, default=4, help="simulated vLLM servers")
-    parser.add_argument("--groups", type=int, default=16, help="8k-token documents")
-    parser.add_argument("--time-scale", type=float, default=0.25, help="simulated time x this")
+    parser.add_argument(
+        "--backends", type=int, default=4, metavar="N", help="simulated vLLM servers"
+    )
+    parser.add_argument("--groups", type=int, default=16, metavar="N", help="8k-token documents")
+    parser.add_argument(
+        "--time-scale", type=float, default=0.25, metavar="X", help="simulated time x this"
+    )
     args = parser.parse_args(argv)
     bench_argv = demo_argv(args.backends, args.groups, args.time_scale)
     print(f"kvroute demo: kvroute bench {' '.join(bench_argv)}", flush=True)

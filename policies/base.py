@@ -135,6 +135,8 @@ class Policy(Generic[P]):
     """Base class: subclasses implement `pick`; hooks are optional."""
 
     params_type: ClassVar[type[PolicyParams]]
+    #: `kvroute policies`: when to choose this strategy (a clause after "when")
+    use_when: ClassVar[str] = ""
 
     def __init__(self, params: P) -> None:
         self.params = params

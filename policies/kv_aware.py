@@ -128,6 +128,8 @@ def _attr(backend: BackendLike, name: str) -> float:
 
 @register
 class KvAwarePolicy(Policy[KvAwareParams]):
+    use_when = "in doubt (the default): shared prefixes, long prompts, uneven load"
+
     def __init__(self, params: KvAwareParams) -> None:
         super().__init__(params)
         self.index = PrefixIndex(params.index_capacity)

@@ -47,6 +47,8 @@ def least_loaded(backends: Sequence[BackendLike], rng: random.Random) -> Backend
 
 @register
 class LeastOutstandingRequestsPolicy(Policy[LeastOutstandingRequestsParams]):
+    use_when = "prompts share nothing and their lengths vary a lot"
+
     def __init__(self, params: LeastOutstandingRequestsParams) -> None:
         super().__init__(params)
         self._rng = random.Random(params.seed)

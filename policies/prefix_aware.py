@@ -106,6 +106,8 @@ class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
 
 @register
 class PrefixAwarePolicy(Policy[PrefixAwareParams]):
+    use_when = "replicas must agree on placements with no shared state and no KV events"
+
     def __init__(self, params: PrefixAwareParams) -> None:
         super().__init__(params)
         tok = params.tokenizer

@@ -1,4 +1,4 @@
-"""RANDOM: a uniformly random candidate backend (the default, as in the managed service).
+"""RANDOM: a uniformly random candidate backend (the managed service's default).
 
 Reads FleetView.candidates only. Cost: O(1).
 seed (int >= 0, default unset): fix it for reproducible benchmarks.
@@ -20,6 +20,8 @@ class RandomParams(PolicyParams, tag="RANDOM"):
 
 @register
 class RandomPolicy(Policy[RandomParams]):
+    use_when = "you want a baseline to compare the others against"
+
     def __init__(self, params: RandomParams) -> None:
         super().__init__(params)
         self._rng = random.Random(params.seed)

@@ -17,6 +17,8 @@ class RoundRobinParams(PolicyParams, tag="ROUND_ROBIN"):
 
 @register
 class RoundRobinPolicy(Policy[RoundRobinParams]):
+    use_when = "the backends are alike and prompts share nothing"
+
     def __init__(self, params: RoundRobinParams) -> None:
         super().__init__(params)
         self._turn = itertools.count()

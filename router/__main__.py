@@ -37,8 +37,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("-c", "--config", metavar="FILE", help="YAML config file")
-    p.add_argument("--host", help="listen address (config default 127.0.0.1)")
-    p.add_argument("--port", type=int, help="listen port (config default 8000)")
+    p.add_argument("--host", metavar="ADDR", help="listen address (config default 127.0.0.1)")
+    p.add_argument("--port", type=int, metavar="PORT", help="listen port (config default 8000)")
     p.add_argument(
         "--backend",
         action="append",
@@ -52,15 +52,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         help=f"routing strategy, in any case (config default {DEFAULT_STRATEGY})",
     )
     p.add_argument(
-        "--prefix-length", type=int, help="tokens in the prefix fingerprint (PREFIX_AWARE)"
+        "--prefix-length",
+        type=int,
+        metavar="TOKENS",
+        help="tokens in the prefix fingerprint (PREFIX_AWARE)",
     )
     p.add_argument(
         "--concurrency-threshold",
         type=int,
+        metavar="N",
         help="in-flight requests at which a pinned backend spills over (PREFIX_AWARE)",
     )
     p.add_argument(
-        "--grpc-port", type=int, help="also serve the gRPC ingress on this port (grpc.enabled)"
+        "--grpc-port",
+        type=int,
+        metavar="PORT",
+        help="also serve the gRPC ingress on this port (grpc.enabled)",
     )
     p.add_argument(
         "--workers",
@@ -133,8 +140,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 def _cmd_policies(args: argparse.Namespace) -> int:
     for name in policies.names():
-        module = sys.modules[policies.policy_class(name).__module__]
-        print(f"{name:28} {(module.__doc__ or '').strip().splitlines()[0]}")
+        cls = policies.policy_class(name)
+        summary = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
+        print(f"{name:28} {summary.removeprefix(name + ': ')}")
+        print(f"{'':28} use when {cls.use_when}")
     return 0
 
 

@@ -272,14 +272,20 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="kvroute token", description=main.__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("issue", help="print a signed token for a tenant")
-    p.add_argument("--tenant", required=True, help="tenant id carried by the token")
+    p.add_argument("--tenant", required=True, metavar="ID", help="tenant id carried by the token")
     p.add_argument(
-        "--ttl", type=int, default=3600, help=f"lifetime in seconds, at most {MAX_LIFETIME}"
+        "--ttl",
+        type=int,
+        default=3600,
+        metavar="SECONDS",
+        help=f"lifetime in seconds, at most {MAX_LIFETIME}",
     )
     key = p.add_mutually_exclusive_group(required=True)
     key.add_argument("-c", "--config", metavar="FILE", help="take the key the config names")
-    key.add_argument("--key-file", help="file holding the signing key")
-    key.add_argument("--key-env", help="environment variable holding the signing key")
+    key.add_argument("--key-file", metavar="FILE", help="file holding the signing key")
+    key.add_argument(
+        "--key-env", metavar="VAR", help="environment variable holding the signing key"
+    )
     args = parser.parse_args(argv)
     try:
         if args.config:
