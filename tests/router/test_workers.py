@@ -171,6 +171,19 @@ def arrived(servers: list[StubBackend], n: int) -> list[int] | None:
     return loads if sum(loads) == n else None
 
 
+async def test_ps_names_the_supervisor_each_worker_and_the_collector(tmp_path) -> None:
+    servers = await stubs(1)
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers)}) as router:
+            supervisor = psutil.Process(router.proc.pid)
+            children = {" ".join(c.cmdline()).strip() for c in supervisor.children()}
+            names = {"kvroute: collector", *(f"kvroute: worker {i}" for i in range(WORKERS))}
+            assert " ".join(supervisor.cmdline()).strip() == "kvroute: supervisor"
+            assert names <= children, children
+    finally:
+        await servers[0].stop()
+
+
 async def test_least_outstanding_balances_by_the_router_wide_count(tmp_path) -> None:
     """Requests arrive alternately at the two workers and stay in flight; after each one
     the backends' loads differ by at most one. With per-worker counts, a worker that has
@@ -351,11 +364,13 @@ def _rundir(r: MultiRouter) -> Path:
 
 
 def _serving(children: list[psutil.Process]) -> list[psutil.Process]:
-    """The router's children (multiprocessing's resource tracker aside) still alive."""
+    """The router's children (multiprocessing's resource tracker aside: they alone are
+    named "kvroute: ...") still alive."""
     alive = []
     for child in children:
         with contextlib.suppress(psutil.NoSuchProcess):
-            if child.status() != psutil.STATUS_ZOMBIE and "spawn_main" in child.cmdline()[-2]:
+            named = " ".join(child.cmdline()).startswith("kvroute: ")
+            if child.status() != psutil.STATUS_ZOMBIE and named:
                 alive.append(child)
     return alive
 
