@@ -100,6 +100,14 @@ class Node(ABC):
         startup = asyncio.gather(self.poller.poll_once(), self.health.admit(members))
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(startup, STARTUP_POLL_SECONDS)
+        if down := self.health.failing(members):
+            log.backends.warning(
+                "%d of %d backends fail their health check at start, no requests go to "
+                "them until they pass: %s",
+                len(down),
+                len(members),
+                ", ".join(down),
+            )
         if after is not None:
             after()
         self._tasks.append(asyncio.create_task(self.poller.run(after), name="kvroute-models"))

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Iterable
 
 import aiohttp
@@ -50,6 +51,8 @@ class HealthChecker:
         self.cfg = cfg
         #: loop time of each backend's last passed check (telemetry freshness, admin API)
         self.last_pass: dict[str, float] = {}
+        #: why each backend's last check failed, while it fails (for the log)
+        self.last_error: dict[str, str] = {}
 
     async def check_once(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self._fleet.members))
@@ -76,16 +79,37 @@ class HealthChecker:
         self.judge(backend, await self._probe(backend))
 
     async def _probe(self, backend: Backend) -> bool:
-        try:
-            async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(backend.url.with_path(self.cfg.path)) as resp:
-                    await resp.read()
-        except (aiohttp.ClientError, OSError, TimeoutError):
+        error = await self._error(backend)
+        if error is not None:
+            self.last_error[backend.name] = error
             return False
-        if resp.status >= 500:
-            return False
+        self.last_error.pop(backend.name, None)
         self.last_pass[backend.name] = asyncio.get_running_loop().time()
         return True
+
+    async def _error(self, backend: Backend) -> str | None:
+        """Why one check of `backend` fails, or None when it passes."""
+        url = backend.url.with_path(self.cfg.path)
+        try:
+            async with asyncio.timeout(self.cfg.timeout):
+                async with self._session.get(url) as resp:
+                    await resp.read()
+        except TimeoutError:
+            return f"GET {url.path} timed out after {self.cfg.timeout:g}s"
+        except aiohttp.ClientConnectorError as exc:  # "connection refused", not aiohttp's prose
+            cause = exc.os_error
+            return f"GET {url.path}: {os.strerror(cause.errno) if cause.errno else cause}"
+        except (aiohttp.ClientError, OSError) as exc:
+            return f"GET {url.path}: {exc or type(exc).__name__}"
+        return f"GET {url.path} answered {resp.status}" if resp.status >= 500 else None
+
+    def failing(self, backends: Iterable[Backend]) -> list[str]:
+        """`name (why)` of each of `backends` that is down, for a warning."""
+        return [
+            f"{b.name} ({self.last_error.get(b.name, 'no check passed yet')})"
+            for b in backends
+            if not b.healthy
+        ]
 
     def refused(self, backend: Backend) -> bool:
         """Nothing listens at `backend`: down at once, as after `unhealthy_threshold`

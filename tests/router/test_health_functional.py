@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import logging
+import socket
+
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.config import build
+from router.control.worker import Router
 from router.fleet.breaker import BreakerState
 from tests.router.chaos import Tally, chat, until
 from tests.router.conftest import running, settle
+from tests.stub_backend import Behaviour, StubBackend
 
 FAST_CHECKS = {"interval": 0.05, "timeout": 0.3, "unhealthy_threshold": 3, "healthy_threshold": 2}
 NO_CHECKS = {"enabled": False}
@@ -133,3 +139,36 @@ async def test_a_failed_trial_reopens_the_breaker() -> None:
         assert b0.breaker.state is BreakerState.OPEN
         assert (tally.failed, tally.hung) == (0, 0)
         await settle(router)
+
+
+async def test_backends_failing_at_start_are_named_in_one_warning_with_why(caplog) -> None:
+    """One backend refuses connections, one answers its checks 503: the start-up warning
+    names both, each with its error, and not the healthy one."""
+    with socket.socket() as closed:  # a port nothing listens on, kept from reuse
+        closed.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{closed.getsockname()[1]}"
+        stub = await StubBackend(behaviour=Behaviour(health_status=503)).start()
+        ok = await StubBackend().start()
+        config = build(
+            {
+                "listen": {"host": "127.0.0.1", "port": 0},
+                "backends": [
+                    {"url": dead, "name": "dead"},
+                    {"url": stub.url, "name": "sick"},
+                    {"url": ok.url, "name": "fine"},
+                ],
+            }
+        )
+        router = Router(config)
+        try:
+            with caplog.at_level(logging.WARNING, logger="kvroute.backends"):
+                await router.start()
+        finally:
+            await router.stop()
+            await stub.stop()
+            await ok.stop()
+    (warning,) = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+    assert warning.startswith("2 of 3 backends fail their health check at start")
+    assert "dead (GET /health: Connection refused)" in warning
+    assert "sick (GET /health answered 503)" in warning
+    assert "fine" not in warning
