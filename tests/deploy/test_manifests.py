@@ -1,20 +1,24 @@
 """Offline checks of everything under deploy/: Kubernetes manifests, example configs,
-the Grafana dashboard, the Dockerfile and the systemd unit.
+the Grafana dashboard, the alert rules, the Dockerfile and the systemd unit.
 
 Nothing here needs a cluster, a Docker engine or systemd: manifests are parsed and
 cross-checked (labels, ports, probes, the ConfigMap's router config against the vLLM
 StatefulSet it points at), configs go through `router.config.build` and the real
 `kvroute serve --check`, and the dashboard's queries are compared with the metric
-families a real router (in front of a stub backend) exports.
+families a real router (in front of a stub backend) exports. The alert rules are
+checked the same way, by promtool, and by a real Prometheus on loopback scraping a real
+router, where Debian's prometheus package is installed (.ci/run installs it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 import policies
+from bench.overhead import free_port
 from router.config import ShutdownConfig, build
 from tests.router.conftest import running
 
@@ -617,3 +622,120 @@ def test_rbac_grants_only_what_kubernetes_discovery_reads() -> None:
     assert binding["subjects"] == [
         {"kind": "ServiceAccount", "name": kinds["ServiceAccount"]["metadata"]["name"]}
     ]
+
+
+# ---- Alert rules: against the metrics a real router exports, promtool, a live Prometheus --
+
+RULES = DEPLOY / "prometheus" / "kvroute-rules.yaml"
+RULE_TESTS = DEPLOY / "prometheus" / "kvroute-rules.test.yaml"
+#: labels Prometheus adds to every scraped series
+_TARGET_LABELS = {"instance", "job"}
+
+
+def _rules() -> list[dict]:
+    return [
+        rule for group in yaml.safe_load(RULES.read_text())["groups"] for rule in group["rules"]
+    ]
+
+
+def test_the_rules_cover_what_operators_page_on() -> None:
+    assert {r["alert"] for r in _rules()} == {
+        "KvrouteNoUsableBackend",
+        "KvrouteHigh5xxRatio",
+        "KvrouteBreakerOpen",
+        "KvrouteEventLoopLag",
+        "KvrouteKvEventsStale",
+    }
+    for rule in _rules():
+        assert rule["labels"]["severity"] in {"critical", "warning"}
+        assert rule["annotations"]["summary"] and rule["annotations"]["description"]
+
+
+@pytest.mark.parametrize("rule", _rules(), ids=lambda rule: rule["alert"])
+def test_rules_query_only_exported_metrics(rule: dict, exported: dict[str, set[str]]) -> None:
+    selectors, grouping = _parse(rule["expr"])
+    for name, labels in selectors.items():
+        assert name in exported, f"{name} is not exported by the router"
+        assert labels <= exported[name], f"{name} has no label {labels - exported[name]}"
+    available = set().union(*(exported[n] for n in selectors)) | _TARGET_LABELS
+    assert grouping <= available, f"grouping by {grouping - available}"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    if path is None:
+        pytest.skip(f"{name} is not installed (Debian's prometheus package has it)")
+    return path
+
+
+def test_promtool_checks_the_rules_and_their_unit_tests_pass() -> None:
+    promtool = _tool("promtool")
+    for args in (["check", "rules", str(RULES)], ["test", "rules", str(RULE_TESTS)]):
+        done = subprocess.run([promtool, *args], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stdout + done.stderr
+
+
+async def _rule_states(http: aiohttp.ClientSession, url: str) -> dict[str, dict] | None:
+    """Each rule's state once Prometheus has evaluated every one after a scrape."""
+    async with http.get(url + "/api/v1/rules") as resp:
+        groups = (await resp.json())["data"]["groups"]
+    rules = {r["name"]: r for g in groups for r in g["rules"]}
+    async with http.get(url + "/api/v1/query", params={"query": "up"}) as resp:
+        scraped = (await resp.json())["data"]["result"]
+    # a rule never evaluated shows Go's zero time
+    done = scraped and not any(r["lastEvaluation"].startswith("0001-") for r in rules.values())
+    return rules if done and len(rules) == len(_rules()) else None
+
+
+async def test_a_live_prometheus_evaluates_every_rule_against_a_router(tmp_path) -> None:
+    """Prometheus (on loopback) scrapes a router whose only backend is down and
+    evaluates the rules: every one is healthy, and the no-usable-backend alert is
+    pending while the others stay inactive."""
+    prometheus = _tool("prometheus")
+    async with running(1, health={"interval": 0.05, "timeout": 0.3}) as (router, stubs):
+        stubs[0].behaviour.health_status = 503
+        port = free_port()
+        config = tmp_path / "prometheus.yml"
+        target = router.url.removeprefix("http://")
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+                    "rule_files": [str(RULES)],
+                    "scrape_configs": [
+                        {"job_name": "kvroute", "static_configs": [{"targets": [target]}]}
+                    ],
+                }
+            )
+        )
+        cmd = [
+            prometheus,
+            f"--config.file={config}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as http:
+                rules = await _until_rules(http, url)
+        finally:
+            proc.terminate()
+            proc.wait(10)
+    for name, rule in rules.items():
+        assert rule["health"] == "ok", (name, rule.get("lastError"))
+    states = {name: rule["state"] for name, rule in rules.items()}
+    assert states.pop("KvrouteNoUsableBackend") == "pending"
+    assert set(states.values()) == {"inactive"}
+
+
+async def _until_rules(http: aiohttp.ClientSession, url: str) -> dict[str, dict]:
+    """Bounded: Prometheus answers, scrapes once, evaluates every rule (about 3 s)."""
+    async with asyncio.timeout(60):
+        while True:
+            with contextlib.suppress(aiohttp.ClientError, KeyError, TypeError):
+                if (rules := await _rule_states(http, url)) is not None:
+                    pending = rules["KvrouteNoUsableBackend"]["state"] == "pending"
+                    if pending:
+                        return rules
+            await asyncio.sleep(0.2)
