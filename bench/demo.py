@@ -45,6 +45,17 @@ def demo_argv(backends: int, groups: int, time_scale: float) -> list[str]:
     ]
 
 
+#: what to try once the demo has shown the difference
+_NEXT = """
+Next:
+  kvroute sim --backends 2 --base-port 8100   two simulated vLLM servers, in one terminal
+  kvroute serve --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
+                                              the router in front of them, in another
+  kvroute bench --workload multi-turn --peers the same comparison, another workload, beside
+                                              sglang-router and vllm-router
+  kvroute policies                            the strategies, and when to pick each"""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="kvroute demo",
@@ -70,6 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "also sends a new document where no other prefill is queued. "
             f"({time.monotonic() - started:.0f} s)"
         )
+        print(_NEXT)
     return code
 
 

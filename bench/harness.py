@@ -51,6 +51,7 @@ import re
 import signal
 import sys
 import tempfile
+import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -66,6 +67,7 @@ from bench import processes, procstat, scrape
 from bench.loadgen import Outcome, replay
 from bench.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.report import (
+    LEGEND,
     BackendDelta,
     Run,
     Setup,
@@ -805,6 +807,8 @@ def _print(results: Sequence[_Seeded], options: Options) -> None:
     for i, seeded in enumerate(results):
         print(("\n" if i else "") + _header(seeded.workload, options, seeded.requests))
         print(table(seeded.summaries))
+        if not i:
+            print(textwrap.fill(LEGEND, 92))
         for line in reading(seeded.summaries):
             print(line)
     print("\nConfiguration of each row (every seed alike, the policies seeded with the table's):")

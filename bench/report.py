@@ -259,6 +259,16 @@ def _cell(value: object, fmt: str) -> str:
     return fmt.format(value)
 
 
+#: what the columns of `table` mean, printed under it
+LEGEND = (
+    "TTFT, ITL (inter-token) and E2E: percentiles in simulated ms; req/s: successful "
+    "requests per second; KV hit: the fleet's prefix-cache hit rate (prompt tokens); "
+    "spread req / spread busy: the busiest backend's requests / busy time over the mean "
+    "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
+    "what one pass through the router adds (/tokenize pairs, real time)."
+)
+
+
 def table(summaries: Sequence[Summary]) -> str:
     """A fixed-width text table, one row per strategy."""
     return _fixed_width(summaries, _COLUMNS)

@@ -3,7 +3,8 @@
 Every SimConfig field is a flag (`--time-scale` for `time_scale`), generated from the
 Struct so the help text is the field's description; `--config FILE` reads the same keys
 from YAML, and explicit flags win over the file. Faults use `--fault INDEX:MODE[:ARG]`.
-Once every socket is bound, stdout gets one line per backend, `http://HOST:PORT`, then
+Once every socket is bound, stderr names the served model, and stdout gets one line per
+backend, `http://HOST:PORT`, then
 (with --kv-events) one line per backend, `kv-events http://HOST:PORT pub=tcp://...
 replay=tcp://...`, flushed, so a harness can read the addresses when ports are free-picked.
 """
@@ -102,7 +103,7 @@ def _parse_fault(spec: str) -> tuple[int, Fault]:
 async def _serve(config: SimConfig) -> None:
     fleet = await start_fleet(config.backends, config, config.host, config.base_port)
     try:
-        _announce(fleet)
+        _announce(fleet, config.model)
         task = asyncio.current_task()
         assert task is not None
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -114,7 +115,10 @@ async def _serve(config: SimConfig) -> None:
         await fleet.stop()
 
 
-def _announce(fleet: SimFleet) -> None:
+def _announce(fleet: SimFleet, model: str) -> None:
+    """The addresses on stdout (a harness reads them); for a person, on stderr, the
+    model name requests must ask for."""
+    print(f"kvroute sim: {len(fleet.backends)} servers of model {model!r}", file=sys.stderr)
     for backend in fleet.backends:
         print(backend.url)
     for backend in fleet.backends:

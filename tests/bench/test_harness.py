@@ -170,6 +170,9 @@ def test_demo_runs_four_strategies_and_explains(capsys):
     rows = {"RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "KV_AWARE"}
     assert set(_rows(out)) == rows
     assert "KV_AWARE vs RANDOM" in out and "Why:" in out
+    legend = "spread req / spread busy: the busiest backend's requests / busy time"
+    assert legend in " ".join(out.split())  # the columns explained, wrapped
+    assert "Next:" in out and "kvroute sim" in out.split("Next:")[1]
 
 
 def test_bad_arguments_exit_2(capsys):

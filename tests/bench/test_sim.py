@@ -1,6 +1,8 @@
 """Pure tests of the vLLM simulator: tokenizer, prefix cache, scheduler, events, config."""
 
 import re
+import subprocess
+import sys
 from typing import Any
 
 import msgspec
@@ -450,3 +452,17 @@ def test_every_param_has_a_flag_with_help() -> None:
 def test_cli_rejects_bad_config_with_status_2(argv: list[str], capsys: Any) -> None:
     assert cli.main(argv) == 2
     assert capsys.readouterr().err.startswith("kvroute sim:")
+
+
+def test_the_cli_prints_each_servers_url_and_names_the_model() -> None:
+    """stdout: one URL per server (a harness reads them); stderr: the model to ask for."""
+    cmd = [sys.executable, "-m", "bench.sim", "--backends", "2", "--model", "m-demo"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        urls = [proc.stdout.readline().strip() for _ in range(2)]
+        said = proc.stderr.readline()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert all(url.startswith("http://127.0.0.1:") for url in urls), urls
+    assert said.strip() == "kvroute sim: 2 servers of model 'm-demo'"
