@@ -18,7 +18,8 @@ from collections.abc import Callable
 from router.config import TimeoutsConfig
 from router.dispatch.call import Call, Routed
 from router.errors import UpstreamError, UpstreamTimeout
-from router.fleet.backends import Backend, Fleet
+from router.fleet.backend import Backend
+from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.metrics import Labelled, Metrics
 from router.upstream.proxy import Upstream, Upstreams, open_upstream

@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from multidict import CIMultiDict
 
-from router.fleet.backends import Backend
+from router.fleet.backend import Backend
 from router.request import Kind
 
 

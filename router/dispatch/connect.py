@@ -24,7 +24,8 @@ from router.dispatch.attempt import Attempt, Attempts, blame
 from router.dispatch.call import Call, Routed
 from router.dispatch.pick import unavailable
 from router.errors import BackendsFailed, KvrouteError, UpstreamError
-from router.fleet.backends import Backend, Fleet
+from router.fleet.backend import Backend
+from router.fleet.backends import Fleet
 from router.upstream.proxy import Upstreams
 from router.upstream.retry import RetryPolicy
 

@@ -38,7 +38,8 @@ from router.dispatch.describe import Describer
 from router.dispatch.pick import Picker
 from router.dispatch.shutdown import OpenExchanges, shutting_down
 from router.errors import KvrouteError, UpstreamTimeout
-from router.fleet.backends import Backend, Fleet
+from router.fleet.backend import Backend
+from router.fleet.backends import Fleet
 from router.metrics import Metrics
 from router.telemetry.tokenize import RemoteTokenizer
 from router.upstream.proxy import Upstream, Upstreams

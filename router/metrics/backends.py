@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.fleet.backends import Backend
+from router.fleet.backend import Backend
 from router.fleet.breaker import BreakerState
 
 

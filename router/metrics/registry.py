@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 
-from router.fleet.backends import Backend
+from router.fleet.backend import Backend
 from router.metrics.backends import BackendCollector, BackendMetrics
 from router.metrics.process import ProcessMetrics, exported
 from router.metrics.requests import RequestMetrics
