@@ -3,8 +3,8 @@
 Identity, weight, the models it serves, whether it is usable, and the router-wide
 in-flight count (summed over the workers through shared_load.py when there are several;
 dispatch's accounting keeps it exact). Usable = passes active health checks
-(`healthy`), its circuit breaker admits attempts, and it is not draining; the fleet
-changes those (usability.py), never the request path.
+(`healthy`), its circuit breaker admits attempts, and it is not draining; only the
+fleet changes those (usability.py).
 """
 
 from __future__ import annotations
