@@ -70,6 +70,8 @@ def passable_request_id(sent: str | None) -> str:
 
 
 class Dispatcher:
+    """A worker's way through for every request, whichever ingress it came by."""
+
     def __init__(
         self,
         config: Config,
