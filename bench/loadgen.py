@@ -38,7 +38,7 @@ import msgspec
 import orjson
 
 from bench.workloads import RequestSpec
-from router.ingress.web import BACKEND_HEADER
+from router.ingress.relay import BACKEND_HEADER
 
 __all__ = ["Outcome", "chat_body", "has_content", "replay"]
 

@@ -1,11 +1,21 @@
 """Dispatch: the one way through, from a parsed `Call` to a relayed answer.
 
-  dispatcher.py       admission, model check (404), the prompt described for the policy
-                      (tokens, fingerprint, block keys), the pick, the in-flight slot,
-                      the upstream exchange, retries before the first byte, the
-                      accounting (breaker outcome, metrics) when it ends
+  dispatcher.py       `Dispatcher`, the one place that chains the steps below:
+                      admission, the prompt described, the pick, the attempts, the
+                      accounting when the answer ends; and the request ids
+  call.py             what passes from step to step: the `Call`, a pick's `Routed`
   admission.py        the wait queue and concurrency caps (429), per tenant
   shared_admission.py admission's counts in shared memory, with several workers
+  describe.py         the model check (404) and the prompt described for the policy
+                      (exact tokens, fingerprint, block keys)
+  pick.py             the policy's pick, and the first attempt begun under the workers'
+                      pick lock (the shared load table)
+  connect.py          the attempt loop: retries before the first byte, the 503 when
+                      every backend failed
+  attempt.py          one attempt on one backend: its in-flight slot, the upstream
+                      exchange's opening, the breaker's verdict
+  accounting.py       the request's metrics: decision, retries, outcome, refusals
+  shutdown.py         the drain of the open exchanges, and the cut of those left
 
 May import: router.upstream, router.telemetry and everything below them.
 """

@@ -1,8 +1,11 @@
 """Fleet: the backends and what the router knows of them, beside the request path.
 
-  backends.py     a backend's state (health, breaker, drain, in-flight) and the cached
-                  per-model views the policies pick from, with Envoy's ejection cap and
+  backend.py      a backend's state: health, breaker, drain, in-flight
+  backends.py     `Fleet`: the members, and their updates on reload or discovery
+  views.py        the cached per-model views the policies pick from, with Envoy's
                   panic mode
+  usability.py    health, drain and breaker verdicts as they change usability, with
+                  Envoy's ejection cap
   breaker.py      the per-backend circuit breaker, fed by request outcomes
   health.py       active /health checks with thresholds, /v1/models polls, and the
                   collector's verdicts as the workers adopt them

@@ -4,9 +4,14 @@
                     endpoint is read and answered without aiohttp's web layer; anything
                     else hands the connection to aiohttp's server for good
   web.py            aiohttp routes and `HttpIngress.serve`, which both servers call: the
-                    token (auth.py, 401), the body (413 above the limit, 408 too slow,
-                    body_budget.py), the routing fields (router/request.py, 400 on bad
-                    JSON), a `Call` for the dispatcher, the answer relayed back
+                    token (auth.py, 401), the body (body.py), the routing fields
+                    (router/request.py, 400 on bad JSON), a `Call` for the dispatcher;
+                    and aiohttp's server, with the router's limits and error answers
+  body.py           the body read within the limits: 413 above the limit, 408 too slow,
+                    503 past the bodies' budget (body_budget.py)
+  relay.py          the answer relayed back, whole or streamed, or the error answer;
+                    `Reply`, which both servers implement
+  status.py         the read-only routes: /health, /ready, /v1/models, /debug/routing
   grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages
   grpc_convert.py   the conversions both ways
   auth.py           data-plane bearer tokens (static, signed), the admin token,

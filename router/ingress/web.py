@@ -1,22 +1,19 @@
 """aiohttp routes: read and parse the request, hand it to dispatch, write the answer.
 
 Generation endpoints are routed by the policy; the rest of vLLM's OpenAI surface is
-proxied to a backend the same way (model-aware, fingerprint-free). JSON answers are
-relayed whole; SSE streams are relayed chunk by chunk as they arrive. Before the first
-byte reaches the client a failure is an OpenAI-style JSON error; after it, an error
-event and `[DONE]` end the stream.
+proxied to a backend the same way (model-aware, fingerprint-free). `HttpIngress.serve`
+answers each of them, whichever server read it; the answer is relayed by relay.py,
+JSON whole and SSE chunk by chunk. The read-only routes are status.py's.
 
 Hostile clients are refused before any work: the bearer token is checked before the
-body is read (auth.py, 401); the body must arrive within `body_timeout` (408), stop at
-`max_body_bytes` (413, read no further; one declared larger is refused before a
-`100 Continue` invites it) and fit in the bodies' budget (body_budget.py, 503); aiohttp
-enforces the header limits (431) and the header timeout (`server_limits`). A refusal
-never reaches dispatch or a backend. Proxied routes forward the path in origin-form,
-dot segments resolved (targets.py).
+body is read (auth.py, 401); the body must arrive in time and within its limits
+(body.py: 408, 413 (one declared larger is refused before a `100 Continue` invites
+it), 503); aiohttp enforces the header limits (431) and the header timeout
+(`server_limits`). A refusal never reaches dispatch or a backend. Proxied routes
+forward the path in origin-form, dot segments resolved (targets.py).
 
 Every answer carries X-Request-Id (the client's, else a new one), including the errors
-aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`); an answer from
-a backend, and a 502/504 about one, names it in x-kvroute-backend.
+aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`).
 """
 
 from __future__ import annotations
@@ -24,18 +21,16 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
-from typing import Any, Protocol
+from typing import Any
 
 from aiohttp import web
-from aiohttp.hdrs import CONTENT_ENCODING, SERVER
+from aiohttp.hdrs import SERVER
 from aiohttp.http import HttpVersion11
-from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 Continue
-from multidict import CIMultiDict
 
 from router import log
 from router.config import Config, LimitsConfig
@@ -43,24 +38,21 @@ from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
     BadRequest,
-    BodyBudgetFull,
     HeadersTooLarge,
     KvrouteError,
-    PayloadTooLarge,
     RequestTimeout,
-    Unauthorized,
-    UpstreamError,
 )
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
-from router.ingress.body_budget import BodyBudget, worker_share
+from router.ingress.body import BodyReader
+from router.ingress.relay import AiohttpReply, Reply, refuse, relay
+from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.metrics import CONTENT_TYPE, Metrics
 from router.request import Kind, parse
 from router.telemetry.loops import Telemetry
-from router.upstream.proxy import Sink, Upstream, forward_headers
+from router.upstream.proxy import forward_headers
 
-BACKEND_HEADER = "x-kvroute-backend"
 REQUEST_ID = "X-Request-Id"
 LINGER_SECONDS = 2.0  # aiohttp's default, 10 s, lets a slow sender hold a connection
 #: aiohttp's message for too many headers (both parsers): it has no exception class
@@ -89,6 +81,9 @@ _PROXIED = (
 
 
 class HttpIngress:
+    """The aiohttp app's routes, and `serve`, which answers a proxied request whichever
+    server read it."""
+
     def __init__(
         self,
         config: Config,
@@ -100,20 +95,16 @@ class HttpIngress:
         admin_token: AdminToken | None = None,
         workers: int = 1,
     ):
-        limits = config.limits
-        self._fleet = fleet
-        self._admin_token = admin_token
-        self._telemetry = telemetry
         self._dispatch = dispatcher
         self._metrics = metrics
-        self._max_body = limits.max_body_bytes
-        self._body_timeout = limits.body_timeout
         self._tenant_header = config.tenant_header
         self._auth = auth or Authenticator(config.auth)
         self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
+        self._body = BodyReader(config.limits, workers)
         #: request bodies held at once: this worker's share of the router's budget
-        self.bodies = BodyBudget(
-            worker_share(limits.max_buffered_body_bytes, workers, limits.max_body_bytes)
+        self.bodies = self._body.bodies
+        self._status = StatusRoutes(
+            fleet, dispatcher, self._auth, self._tenant, telemetry, admin_token
         )
 
     def routes(self) -> list[web.RouteDef]:
@@ -122,10 +113,7 @@ class HttpIngress:
             web.post("/v1/chat/completions", self._handler(Kind.CHAT), **body),
             web.post("/v1/completions", self._handler(Kind.COMPLETION), **body),
             web.post("/v1/embeddings", self._handler(Kind.EMBEDDING), **body),
-            web.get("/v1/models", self.models),
-            web.get("/health", self.health),
-            web.get("/ready", self.ready),
-            web.get("/debug/routing", self.debug_routing),
+            *self._status.routes(),
         ]
         if self._serves_metrics:
             routed.append(web.get("/metrics", self.metrics))
@@ -143,7 +131,7 @@ class HttpIngress:
         except BadRequest as err:
             await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)})
             return reply.response
-        body = functools.partial(self._read_body, request)
+        body = functools.partial(self._body.read, request)
         await self.serve(kind, request.method, path, request.headers, body, reply)
         return reply.response
 
@@ -163,6 +151,9 @@ class HttpIngress:
         headers = forward_headers(client_headers)
         rid = request_id(headers)
         headers[REQUEST_ID] = rid
+        if self._auth.enabled:
+            headers.popall("Authorization", None)  # the router's token stays here
+        headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
         extra = {REQUEST_ID: rid}
         body = b""
         try:
@@ -174,55 +165,21 @@ class HttpIngress:
             except KvrouteError as err:
                 await self._refuse(reply, err, extra)
                 return
-            await self._relay(call, reply, extra)
+            await relay(self._dispatch, call, reply, extra)
         finally:
             self.bodies.give(len(body))
-
-    async def _relay(self, call: Call, reply: Reply, extra: dict[str, str]) -> None:
-        """Hand `call` to dispatch and relay the backend's answer (or the failure)."""
-        headers = call.headers
-        if self._auth.enabled:
-            headers.popall("Authorization", None)  # the router's token stays here
-        headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
-        try:
-            async with self._dispatch.exchange(call) as upstream:
-                extra[BACKEND_HEADER] = upstream.backend_name
-                if not upstream.streaming:
-                    body = await upstream.read()
-                    await reply.whole(upstream.status, _reply(upstream, extra), body)
-                    return
-                await reply.begin(upstream.status, _reply(upstream, extra))
-                if reply.sink is not None:
-                    await upstream.relay(reply.sink)
-                else:
-                    async for chunk in upstream.chunks():
-                        full = reply.send(chunk)
-                        if full is not None:
-                            await full
-                await reply.end()
-        except KvrouteError as err:
-            if not reply.started:
-                await _refuse(reply, err, extra)
-                return
-            await _end_stream_with(reply, err)
-        except ConnectionResetError:
-            if not reply.started:
-                raise
-            # the client left mid-stream: a 499, and no traceback to log
 
     async def _refuse(self, reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
         """Refuse a request before it reached dispatch, and count it."""
         self._dispatch.rejected(err)
-        await _refuse(reply, err, extra)
+        await refuse(reply, err, extra)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
         """Refuse a declared body over the limit before a `100 Continue` invites it: a
         413, and the connection closes with the body unsent. Else aiohttp's answer. What
         this returns bypasses the middlewares: it carries its own X-Request-Id."""
-        length = request.content_length
-        if length is not None and length > self._max_body:
-            err = self._declared_too_large(length)
-        else:
+        err = self._body.declared_too_large(request.content_length)
+        if err is None:
             try:
                 return await _default_expect_handler(request)
             except web.HTTPException as exc:  # 417: an expectation other than 100-continue
@@ -232,57 +189,9 @@ class HttpIngress:
         response.force_close()
         return response
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        """The body within the limits; its bytes stay reserved in `bodies` (`serve`
-        gives them back)."""
-        length = request.content_length
-        if length is not None and length > self._max_body:
-            raise self._declared_too_large(length)
-        content = request.content
-        if content.is_eof():  # it all came with the headers: no timer, no copy
-            body = content.read_nowait()
-            self.bodies.take(len(body))
-            return body
-        try:
-            async with asyncio.timeout(self._body_timeout):
-                return await self._receive(content, length or 0)
-        except TimeoutError:
-            raise self.body_late() from None
-        except web.RequestPayloadError as exc:  # e.g. a body that is not the gzip it claims
-            raise _unreadable(request, exc) from None
-
-    async def _receive(self, content: StreamReader, declared: int) -> bytes:
-        """Read a body as it comes, its bytes reserved in `bodies` before they are held:
-        the declared length at once, what a chunked or decoded body brings beyond it as
-        it comes. All of it is given back if reading fails."""
-        bodies = self.bodies
-        bodies.take(declared)
-        reserved, size, chunks = declared, 0, []
-        try:
-            while chunk := await content.readany():
-                size += len(chunk)
-                if size > self._max_body:  # e.g. chunked, or inflated from gzip
-                    raise self._too_large()
-                if size > reserved:
-                    bodies.take(size - reserved)
-                    reserved = size
-                chunks.append(chunk)
-        except BaseException:
-            bodies.give(reserved)
-            raise
-        bodies.give(reserved - size)
-        return b"".join(chunks)
-
     def body_late(self) -> RequestTimeout:
-        return RequestTimeout(f"The request body did not arrive within {self._body_timeout:g} s.")
-
-    def _declared_too_large(self, length: int) -> PayloadTooLarge:
-        return PayloadTooLarge(
-            f"Request body of {length} bytes exceeds the limit of {self._max_body} bytes."
-        )
-
-    def _too_large(self) -> PayloadTooLarge:
-        return PayloadTooLarge(f"Request body exceeds the limit of {self._max_body} bytes.")
+        """The 408 of a body that did not arrive in time (the fast path's too)."""
+        return self._body.late()
 
     def _tenant(self, headers: Mapping[str, str]) -> str | None:
         """The request's tenant (`Authenticator.tenant`: with auth on, the token's, the
@@ -294,171 +203,14 @@ class HttpIngress:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
 
-    async def models(self, request: web.Request) -> web.StreamResponse:
-        try:
-            self._tenant(request.headers)
-        except KvrouteError as err:
-            return await _refused(request, err)
-        cards: dict[str, dict] = {}
-        for backend in self._fleet.members:
-            for card in backend.model_cards:
-                cards.setdefault(str(card.get("id")), card)
-            for model in backend.configured_models or ():
-                cards.setdefault(model, _card(model))
-        return web.json_response({"object": "list", "data": list(cards.values())})
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200)
-
-    async def ready(self, request: web.Request) -> web.Response:
-        if self._dispatch.draining:
-            return web.json_response({"status": "shutting down"}, status=503)
-        if self._fleet.any_usable():
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "no usable backend"}, status=503)
-
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)
-
-    async def debug_routing(self, request: web.Request) -> web.StreamResponse:
-        """The policy's last decisions with their scores, and each backend's state: load,
-        index (source and size) and its last scraped vLLM metrics. Those decisions show
-        every tenant's recent requests, so with auth on only the admin token opens it."""
-        try:
-            self._operator(request.headers.get("Authorization"))
-        except Unauthorized as err:
-            return await _refused(request, err)
-        policy = self._fleet.policy
-        index = getattr(policy, "index", None)
-        events = getattr(policy, "event_backends", set())
-        backends = {
-            b.name: {
-                "usable": b.usable,
-                "inflight": b.inflight,
-                "queued_tokens": b.queued_tokens,
-                "waiting": b.waiting,
-                "index_mode": "events" if b.name in events else "approximate",
-                "index_keys": index.size(b.name) if index is not None else None,
-                "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
-            }
-            for b in self._fleet.members
-        }
-        decisions = list(getattr(policy, "recent", ()))
-        return web.json_response({"backends": backends, "decisions": decisions})
-
-    def _operator(self, authorization: str | None) -> None:
-        """With auth on, Unauthorized unless `authorization` carries the admin token;
-        without an admin section there is none, and nothing opens what needs it."""
-        if not self._auth.enabled:
-            return
-        if self._admin_token is None:
-            raise Unauthorized("This needs the admin token, and the router has no admin API.")
-        self._admin_token.check(authorization)
-
-
-class Reply(Protocol):
-    """Where one request's answer goes: whole, or as a stream (begin, send..., end)."""
-
-    started: bool  # the status line left: an error can only end the stream now
-    sink: Sink | None  # where Upstream.relay may write a stream directly, if anywhere
-
-    async def whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
-    ) -> None: ...
-
-    async def begin(self, status: int, headers: Mapping[str, str]) -> None: ...
-
-    def send(self, chunk: bytes) -> Awaitable[None] | None:
-        """Write `chunk`; returns something to await when the client must catch up."""
-
-    async def end(self) -> None: ...
-
-
-class AiohttpReply:
-    """A Reply through aiohttp's server: the handler returns `response`."""
-
-    __slots__ = ("_request", "response", "started")
-
-    sink = None  # aiohttp's writes are coroutines: chunks are awaited one by one
-
-    def __init__(self, request: web.Request) -> None:
-        self._request = request
-        self.response = web.StreamResponse()
-        self.started = False
-
-    async def whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
-    ) -> None:
-        self.response = web.Response(status=status, body=body, headers=headers)
-        if close:
-            self.response.force_close()
-
-    async def begin(self, status: int, headers: Mapping[str, str]) -> None:
-        self.response = web.StreamResponse(status=status, headers=headers)
-        self.started = True
-        await self.response.prepare(self._request)
-
-    def send(self, chunk: bytes) -> Awaitable[None]:
-        return self.response.write(chunk)
-
-    async def end(self) -> None:
-        await self.response.write_eof()
-
-
-async def _end_stream_with(reply: Reply, err: KvrouteError) -> None:
-    """A stream that already started ends with an error event and [DONE], never a hang."""
-    try:
-        full = reply.send(b"\n\n" + err.sse_event())
-        if full is not None:
-            await full
-        await reply.end()
-    except ConnectionError:
-        pass  # the client is gone too; nothing left to tell
-
-
-async def _refused(request: web.Request, err: KvrouteError) -> web.StreamResponse:
-    """The answer of an aiohttp handler that refuses `request` with `err`."""
-    reply = AiohttpReply(request)
-    await _refuse(reply, err, {})
-    return reply.response
-
-
-async def _refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
-    """Answer with `err` before anything of an answer was sent (refused, or failed)."""
-    if isinstance(err, Unauthorized):
-        extra = {**extra, "WWW-Authenticate": "Bearer"}
-    elif isinstance(err, UpstreamError) and err.backend is not None:
-        extra = {**extra, BACKEND_HEADER: err.backend}  # the one that failed, tried last
-    headers, body = err.http_answer(extra)
-    # refused before its body was read whole (a 401 on the head, a 413, a 408, a full
-    # body budget): the rest of the body is not worth the connection
-    unread = isinstance(err, (Unauthorized, PayloadTooLarge, RequestTimeout, BodyBudgetFull))
-    await reply.whole(err.status, headers, body, unread)
-
-
-def _reply(upstream: Upstream, extra: dict[str, str]) -> CIMultiDict[str]:
-    headers = forward_headers(upstream.headers)
-    headers.popall(SERVER, None)  # the backend's software is not the client's business
-    headers.update(extra)
-    return headers
 
 
 def request_id(headers: Mapping[str, str]) -> str:
     """The request's id for its answer and its backend: the client's if it is a bounded
     token (passable_request_id), else a new one."""
     return passable_request_id(headers.get(REQUEST_ID))
-
-
-def _unreadable(request: web.Request, exc: web.RequestPayloadError) -> BadRequest:
-    """What the client hears of a body aiohttp could not read; aiohttp's own words go to
-    the log (at debug: a client's fault, on an error path only)."""
-    log.http.debug("request body unreadable: %r, caused by %r", exc, exc.__cause__)
-    if isinstance(exc.__cause__, ContentEncodingError):
-        encoding = request.headers.get(CONTENT_ENCODING, "")
-        return BadRequest(
-            f"The request body is not valid {encoding}, as its Content-Encoding says."
-        )
-    return BadRequest("The request body does not match its framing (chunks or length).")
 
 
 def _route_prefix(request: web.Request) -> str:
@@ -469,10 +221,6 @@ def _route_prefix(request: web.Request) -> str:
 def metrics_page(metrics: Metrics) -> web.Response:
     """/metrics, on the listener `metrics.listen` names (the admin API's, or this one)."""
     return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
-
-
-def _card(model: str) -> dict:
-    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
 
 
 class _NoClientFaults(logging.Filter):

@@ -1,0 +1,171 @@
+"""One try of a request on one backend: its in-flight slot, the upstream exchange's
+opening, and the breaker's verdict on it.
+
+An attempt takes its backend's in-flight slot (and the breaker's half-open trial slot,
+when it is the trial) as it begins; `release` gives them back, once. The breaker hears
+at most one verdict per attempt: at the response headers for a 5xx (breaker.py weighs
+which), when the attempt fails (connection, timeout, cut stream), or else a success
+once the answer was relayed whole, so a stream the backend cuts counts as the failure
+it is; a client that leaves gives none. A refused connection (nothing listens) is
+reported at once (`on_refused`: the health checker marks the backend down).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from router.config import TimeoutsConfig
+from router.dispatch.call import Call, Routed
+from router.errors import UpstreamError, UpstreamTimeout
+from router.fleet.backend import Backend
+from router.fleet.backends import Fleet
+from router.fleet.breaker import Outcome, outcome
+from router.metrics import Labelled, Metrics
+from router.upstream.proxy import Upstream, Upstreams, open_upstream
+
+
+class Attempts:
+    """What every attempt reports to: the fleet (slots and breakers), the metrics, and
+    whoever hears of a refused connection."""
+
+    __slots__ = ("fleet", "itl", "metrics", "on_refused")
+
+    def __init__(
+        self, fleet: Fleet, metrics: Metrics, on_refused: Callable[[Backend], None] | None
+    ) -> None:
+        self.fleet = fleet
+        self.metrics = metrics
+        self.on_refused = on_refused
+        self.itl = Labelled(metrics.itl)
+
+    def begin(self, routed: Routed, started: float, timeout: asyncio.Timeout) -> Attempt:
+        """An attempt on `routed`'s backend, holding its slots from now on."""
+        return Attempt(self, routed, started, timeout)
+
+
+class Attempt:
+    """One try of a request on one backend (this module's docstring says what it holds).
+
+    `with attempt:` notes how the attempt ends if an exception ends it.
+    """
+
+    __slots__ = (
+        "_fleet",
+        "_itl",
+        "_judged",
+        "_metrics",
+        "_queued",
+        "_refused",
+        "_timeout",
+        "_trial",
+        "backend",
+        "error",
+        "routed",
+        "started",
+        "status",
+        "upstream",
+    )
+
+    def __init__(
+        self, attempts: Attempts, routed: Routed, started: float, timeout: asyncio.Timeout
+    ) -> None:
+        self._fleet = fleet = attempts.fleet
+        self._metrics = attempts.metrics
+        self._refused = attempts.on_refused
+        self.routed = routed
+        self.backend = backend = routed.backend
+        self._itl = attempts.itl(backend.name)
+        self.started = started
+        self._queued = routed.prompt_tokens - routed.predicted_cached
+        backend.count(1, self._queued)
+        self._trial = fleet.attempt_begins(backend)
+        self._judged = False  # the breaker heard this attempt's verdict
+        self.status = "error"
+        #: the exchange's timeout: this attempt sets it and hears when it expires
+        self._timeout = timeout
+        self.upstream: Upstream | None = None
+        self.error: UpstreamError | None = None
+
+    async def open(self, call: Call, upstreams: Upstreams, t: TimeoutsConfig) -> None:
+        """Send the request and wait for the answer's headers (`upstream`), or note
+        why there is none (`error`) if it failed before the backend answered."""
+        end = call.started + t.total
+        self._timeout.reschedule(min(asyncio.get_running_loop().time() + t.first_byte, end))
+        backend = self.backend
+        try:
+            upstream = await open_upstream(
+                upstreams,
+                backend.url,
+                call.path,
+                call.method,
+                call.body,
+                call.headers,
+                t.connect,
+                t.idle,
+                end,
+                self._itl,
+                self.prefilled,
+            )
+        except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
+            self._note(exc)
+            return
+        upstream.backend_name = backend.name
+        self.upstream = upstream
+        self.status = str(upstream.status)
+        verdict = outcome(upstream.status)
+        if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
+            self._verdict(verdict)
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb) -> None:
+        """Note how the attempt ends if an exception ends it. The exchange's timeout
+        cancels the task: a cancellation once it expired is a timeout (a 504)."""
+        if isinstance(exc, asyncio.CancelledError) and self._timeout.expired():
+            exc = UpstreamTimeout("The backend did not answer in time.")
+        if exc is not None:
+            self._note(exc)
+
+    def prefilled(self) -> None:
+        """The first token arrived: the prompt's tokens no longer queue on the backend."""
+        self.backend.count(0, -self._queued)
+        self._queued = 0
+
+    def release(self, clean: bool) -> None:
+        """Give the slots back; an answer relayed whole (`clean`) not judged yet is a
+        success, and a trial ending without a verdict frees the trial slot."""
+        self.backend.count(-1, -self._queued)
+        self._queued = 0
+        if not self._judged and (clean or self._trial):
+            self._verdict(Outcome.SUCCESS if clean else None)
+        if self.upstream is not None:
+            self.upstream.finish(clean)
+
+    def _note(self, exc: BaseException) -> None:
+        if isinstance(exc, UpstreamError):
+            blame(exc, self.backend)
+            self.error, self.status = exc, str(exc.status)
+            self._metrics.upstream_errors.labels(self.backend.name, exc.kind).inc()
+            self._verdict(Outcome.FAILURE)
+            if self._refused is not None and isinstance(exc.__cause__, ConnectionRefusedError):
+                self._refused(self.backend)  # proxy raises it from the OSError
+        elif isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
+            self.status = "499"  # nginx's "client closed request"
+            self._metrics.client_disconnects.labels(self.backend.name).inc()
+
+    def _verdict(self, verdict: Outcome | None) -> None:
+        if self._judged:
+            return
+        self._judged = verdict is not None
+        if self._fleet.attempt_verdict(self.backend, verdict, self._trial):
+            self._metrics.ejections_refused.labels(self.backend.name).inc()
+        self._trial = False
+
+
+def blame(err: UpstreamError, backend: Backend) -> UpstreamError:
+    """`err`, naming `backend` as the one that failed (the client sees which)."""
+    url = backend.url
+    err.blame(backend.name, f"{url.host}:{url.port}")
+    return err

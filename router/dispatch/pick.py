@@ -1,0 +1,52 @@
+"""The policy's pick over the model's view, without the backends already tried; and a
+request's first attempt begun under the workers' pick lock (`Fleet.picking`), so that
+it is counted in the shared load before another worker picks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Collection
+
+from policies import RouteRequest
+from router.dispatch.accounting import Accounting
+from router.dispatch.attempt import Attempt, Attempts
+from router.dispatch.call import Routed
+from router.errors import NoBackendAvailable
+from router.fleet.backends import Fleet
+from router.upstream.retry import excluding
+
+
+class Picker:
+    """The fleet's current policy, asked for a backend (the policy changes on reload)."""
+
+    __slots__ = ("_account", "_attempts", "_fleet")
+
+    def __init__(self, fleet: Fleet, account: Accounting, attempts: Attempts) -> None:
+        self._fleet = fleet
+        self._account = account
+        self._attempts = attempts
+
+    def first(
+        self, route_req: RouteRequest, t0: float, started: float, timeout: asyncio.Timeout
+    ) -> Attempt:
+        """The pick for a new request and its attempt, begun while the pick lock is held."""
+        with self._fleet.picking():
+            return self._attempts.begin(self.pick(route_req, t0), started, timeout)
+
+    def pick(self, route_req: RouteRequest, t0: float, tried: Collection[str] = ()) -> Routed:
+        """The policy's pick for a described request, none named in `tried`; `t0`: when
+        its decision began. NoBackendAvailable (a 503) if there is none."""
+        fleet = self._fleet
+        view = fleet.view(route_req.model)  # cached per model
+        pick = fleet.policy.pick(route_req, excluding(view, tried) if tried else view)
+        self._account.decided(pick, view.panic, t0)
+        if pick.backend is None:
+            raise NoBackendAvailable(unavailable(route_req.model), retry_after=1)
+        return Routed(pick.backend, route_req.prompt_tokens, pick.predicted_cached)
+
+
+def unavailable(model: str) -> str:
+    """The message of a 503 for `model`."""
+    which = f" for model `{model}`" if model else " (the request named no model)"
+    return f"No backend is available{which}; retry shortly."

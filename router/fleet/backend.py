@@ -1,0 +1,108 @@
+"""A `Backend`: what routing needs of one backend.
+
+Identity, weight, the models it serves, whether it is usable, and the router-wide
+in-flight count (summed over the workers through shared_load.py when there are several;
+dispatch's accounting keeps it exact). Usable = passes active health checks
+(`healthy`), its circuit breaker admits attempts, and it is not draining; only the
+fleet changes those (usability.py).
+"""
+
+from __future__ import annotations
+
+from yarl import URL
+
+from router.config import BackendConfig, BreakerConfig
+from router.fleet.breaker import Breaker
+from router.fleet.shared_load import LoadTable
+
+DEFAULT_BREAKER = BreakerConfig()
+
+
+class Backend:
+    __slots__ = (
+        "breaker",
+        "check_streak",
+        "configured_models",
+        "discovered_models",
+        "draining",
+        "healthy",
+        "local_inflight",
+        "local_queued",
+        "model_cards",
+        "name",
+        "slot",
+        "table",
+        "transitions",
+        "url",
+        "waiting",
+        "weight",
+    )
+
+    def __init__(
+        self,
+        cfg: BackendConfig,
+        breaker: BreakerConfig = DEFAULT_BREAKER,
+        table: LoadTable | None = None,
+    ) -> None:
+        self.name = cfg.key
+        self.url = URL(cfg.url)
+        self.weight = cfg.weight
+        self.configured_models = frozenset(cfg.models) if cfg.models else None
+        self.discovered_models: frozenset[str] | None = None
+        self.breaker = Breaker(breaker)
+        #: consecutive active checks: > 0 passed in a row, < 0 failed in a row
+        self.check_streak = 0
+        self.draining = False
+        #: state changes by new state (up, down, open, half_open, closed, ...)
+        self.transitions: dict[str, int] = {}
+        self.model_cards: list[dict] = []
+        self.healthy = True
+        #: this process's requests in flight here, and their queued prompt tokens
+        self.local_inflight = 0
+        self.local_queued = 0
+        #: with several workers: the shared table and this backend's slot in it
+        self.slot = None if table is None else table.slot(cfg.key, cfg.url)
+        self.table = None if self.slot is None else table
+        #: scraped vllm:num_requests_waiting, 0 while unknown or stale
+        self.waiting = 0.0
+
+    @property
+    def models(self) -> frozenset[str] | None:
+        """Models served, or None while unknown (then it is a candidate for any model)."""
+        return self.configured_models or self.discovered_models
+
+    def serves(self, model: str) -> bool:
+        models = self.models
+        return not model or models is None or model in models
+
+    @property
+    def inflight(self) -> int:
+        """Requests in flight here, router-wide (every worker's, when there are several)."""
+        table = self.table
+        return self.local_inflight if table is None else table.inflight(self.slot)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens sent here and expected uncached, not yet answered (KV_AWARE)."""
+        table = self.table
+        return self.local_queued if table is None else table.queued_tokens(self.slot)
+
+    def count(self, requests: int, tokens: int) -> None:
+        """The request path's accounting: attempts begin (+1) and end (-1) here."""
+        self.local_inflight += requests
+        self.local_queued += tokens
+        if self.table is not None:
+            self.table.add(self.slot, requests, tokens)
+
+    @property
+    def usable(self) -> bool:
+        """May new requests go here? Health checks, breaker and drain all agree."""
+        return self.healthy and not self.draining and self.breaker.admits
+
+    def reconfigure(self, cfg: BackendConfig) -> None:
+        """Apply a reloaded config of the same backend (same name and URL)."""
+        self.weight = cfg.weight
+        self.configured_models = frozenset(cfg.models) if cfg.models else None
+
+    def __repr__(self) -> str:
+        return f"Backend({self.name!r}, inflight={self.inflight}, healthy={self.healthy})"

@@ -1,0 +1,75 @@
+"""The cached per-model `FleetView`s the policies pick from, with Envoy's panic mode.
+
+`Fleet` caches one view per model and rebuilds the cache only when membership, health,
+breakers, drain or model lists change (`changed`), so per-request work is a dict
+lookup. Panic: when fewer than `panic_threshold_percent` of a model's backends (not
+draining) are usable, its view takes every one that passes health checks, breaker open
+or not, rather than answer 503. It is judged when a view is built, off the request path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from policies import FleetView, Policy
+from router.config import BreakerConfig
+from router.fleet.backend import Backend
+from router.fleet.placements import PlacementTable
+
+_MAX_CACHED_VIEWS = 1024
+
+
+class Views:
+    """The views part of `Fleet` (backends.py): what the request path reads."""
+
+    members: tuple[Backend, ...]
+    policy: Policy
+    placements: PlacementTable | None
+    #: the breakers' settings: the ejection cap and the panic threshold are the fleet's
+    breaker_cfg: BreakerConfig
+    _views: dict[str, FleetView]
+
+    def picking(self) -> contextlib.AbstractContextManager[object]:
+        """Held around a pick and the count of its request in the shared load table: with
+        several workers and a policy that learns from its picks (KV-aware), the
+        placements' lock, so that the next worker's pick sees both where this one went
+        and its load; else nothing to hold (a stateless pick need not wait for others)."""
+        if self.placements is None or self.policy.block_keys is None:
+            return contextlib.nullcontext()
+        return self.placements
+
+    def view(self, model: str) -> FleetView:
+        view = self._views.get(model)
+        if view is None:
+            if len(self._views) >= _MAX_CACHED_VIEWS:
+                self._views = {}  # bounded: clients choose model names
+            view = self._views[model] = self._build_view(model)
+        return view
+
+    def known_model(self, model: str) -> bool:
+        """False when every backend's model list is known and none lists `model`."""
+        return any(b.serves(model) for b in self.members)
+
+    def changed(self) -> None:
+        """Health or model lists changed: drop the cached views."""
+        self._views = {}
+
+    def any_usable(self) -> bool:
+        """Can requests be routed: a usable member, or (panic on) one that passes health
+        checks, whatever its breaker says (with none usable, every view is in panic)."""
+        panic = self.breaker_cfg.panic_threshold_percent > 0
+        return any(b.usable or (panic and _alive(b)) for b in self.members)
+
+    def _build_view(self, model: str) -> FleetView:
+        """The usable backends serving `model`; in panic, every one passing checks."""
+        serving = tuple(b for b in self.members if not b.draining and b.serves(model))
+        candidates = usable = tuple(b for b in serving if b.usable)
+        if len(usable) * 100 < self.breaker_cfg.panic_threshold_percent * len(serving):
+            candidates = tuple(b for b in serving if _alive(b))
+        panic = len(candidates) > len(usable)  # in panic only if it adds a backend
+        return FleetView(self.members, candidates, frozenset(b.name for b in candidates), panic)
+
+
+def _alive(backend: Backend) -> bool:
+    """Passes active checks and is not draining: routable in panic, breaker or not."""
+    return backend.healthy and not backend.draining

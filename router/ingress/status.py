@@ -1,0 +1,111 @@
+"""The read-only routes beside generation: /health, /ready, /v1/models and
+/debug/routing (the data listener's /metrics is web.py's: the admin listener serves
+the same page). None of them reaches dispatch or a backend.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+
+from aiohttp import web
+
+from router.dispatch.dispatcher import Dispatcher
+from router.errors import KvrouteError, Unauthorized
+from router.fleet.backends import Fleet
+from router.ingress.auth import AdminToken, Authenticator
+from router.ingress.relay import refused
+from router.telemetry.loops import Telemetry
+
+#: a request's tenant from its headers; raises Unauthorized (HttpIngress._tenant)
+Tenant = Callable[[Mapping[str, str]], str | None]
+
+
+class StatusRoutes:
+    """What the router says of itself and its fleet."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        dispatcher: Dispatcher,
+        auth: Authenticator,
+        tenant: Tenant,
+        telemetry: Telemetry | None,
+        admin_token: AdminToken | None,
+    ) -> None:
+        self._fleet = fleet
+        self._dispatch = dispatcher
+        self._auth = auth
+        self._tenant = tenant
+        self._telemetry = telemetry
+        self._admin_token = admin_token
+
+    def routes(self) -> list[web.RouteDef]:
+        return [
+            web.get("/v1/models", self.models),
+            web.get("/health", self.health),
+            web.get("/ready", self.ready),
+            web.get("/debug/routing", self.debug_routing),
+        ]
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        try:
+            self._tenant(request.headers)
+        except KvrouteError as err:
+            return await refused(request, err)
+        cards: dict[str, dict] = {}
+        for backend in self._fleet.members:
+            for card in backend.model_cards:
+                cards.setdefault(str(card.get("id")), card)
+            for model in backend.configured_models or ():
+                cards.setdefault(model, _card(model))
+        return web.json_response({"object": "list", "data": list(cards.values())})
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if self._dispatch.draining:
+            return web.json_response({"status": "shutting down"}, status=503)
+        if self._fleet.any_usable():
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "no usable backend"}, status=503)
+
+    async def debug_routing(self, request: web.Request) -> web.StreamResponse:
+        """The policy's last decisions with their scores, and each backend's state: load,
+        index (source and size) and its last scraped vLLM metrics. Those decisions show
+        every tenant's recent requests, so with auth on only the admin token opens it."""
+        try:
+            self._operator(request.headers.get("Authorization"))
+        except Unauthorized as err:
+            return await refused(request, err)
+        policy = self._fleet.policy
+        index = getattr(policy, "index", None)
+        events = getattr(policy, "event_backends", set())
+        backends = {
+            b.name: {
+                "usable": b.usable,
+                "inflight": b.inflight,
+                "queued_tokens": b.queued_tokens,
+                "waiting": b.waiting,
+                "index_mode": "events" if b.name in events else "approximate",
+                "index_keys": index.size(b.name) if index is not None else None,
+                "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
+            }
+            for b in self._fleet.members
+        }
+        decisions = list(getattr(policy, "recent", ()))
+        return web.json_response({"backends": backends, "decisions": decisions})
+
+    def _operator(self, authorization: str | None) -> None:
+        """With auth on, Unauthorized unless `authorization` carries the admin token;
+        without an admin section there is none, and nothing opens what needs it."""
+        if not self._auth.enabled:
+            return
+        if self._admin_token is None:
+            raise Unauthorized("This needs the admin token, and the router has no admin API.")
+        self._admin_token.check(authorization)
+
+
+def _card(model: str) -> dict:
+    return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}

@@ -1,0 +1,26 @@
+"""Every Prometheus metric of the router, defined once per router instance.
+
+  registry.py   `Metrics`: one router's registry, what /metrics renders, and the
+                process-wide choices (no `_created` series)
+  requests.py   what each request records: outcomes, routing decisions, latencies,
+                tenants
+  backends.py   the backends' side: upstream errors, the breakers' refused ejections,
+                panic routing, discovery, and the per-backend gauges read at scrape time
+  telemetry.py  the KV-cache prediction checked against the backends, telemetry
+                downgrades, the prefix index's source
+  process.py    the event loop's lag, and the process metrics or every worker's files
+  hot_path.py   `Tally` and `Labelled`: recording on the request path without
+                prometheus-client's per-call locks and checks
+
+Label values come from the config and the router's own vocabularies, never from what a
+client sends: a tenant the config does not know is `(other)` (`tenant_request`).
+
+May import: router.fleet and everything below it.
+"""
+
+from router.metrics.hot_path import Labelled, Tally
+from router.metrics.process import LAG_INTERVAL
+from router.metrics.registry import CONTENT_TYPE, Metrics
+from router.metrics.requests import OTHER_TENANT
+
+__all__ = ["CONTENT_TYPE", "LAG_INTERVAL", "OTHER_TENANT", "Labelled", "Metrics", "Tally"]

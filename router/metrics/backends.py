@@ -1,0 +1,92 @@
+"""The backends' side: failures talking to them, the breakers' refused ejections, panic
+routing, discovery, and the per-backend gauges read from backend state at scrape time
+(so the request path pays nothing for them)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.fleet.backend import Backend
+from router.fleet.breaker import BreakerState
+
+
+class BackendMetrics:
+    """The backend and fleet metrics of `Metrics`."""
+
+    def _declare_backends(self, r: CollectorRegistry) -> None:
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors",
+            "Failures talking to a backend, by kind",
+            ["backend", "kind"],
+            registry=r,
+        )
+        self.ejections_refused = Counter(
+            "kvroute_breaker_ejections_refused",
+            "Breaker openings refused by max_ejection_percent, by backend",
+            ["backend"],
+            registry=r,
+        )
+        self.panic_routing = Counter(
+            "kvroute_panic_routing",
+            "Routing decisions in panic: too few backends usable, so those only their "
+            "breaker kept out were candidates too",
+            registry=r,
+        )
+        self.discovery_errors = Counter(
+            "kvroute_discovery_errors",
+            "Failed DNS resolutions of a discovery source (the last good list is kept)",
+            ["source"],
+            registry=r,
+        )
+        self.discovered_backends = Gauge(
+            "kvroute_discovered_backends",
+            "Backends a discovery source resolved to, last good resolution",
+            ["source"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+
+
+class BackendCollector:
+    """Each backend's in-flight count, usability, health, breaker state and state
+    changes, read when /metrics is scraped."""
+
+    def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
+        self._members = members
+
+    def collect(self) -> Iterable[Metric]:
+        inflight = GaugeMetricFamily(
+            "kvroute_backend_inflight_requests",
+            "Requests the router has in flight to each backend",
+            labels=["backend"],
+        )
+        up = GaugeMetricFamily(
+            "kvroute_backend_up", "1 if the backend is usable for routing", labels=["backend"]
+        )
+        checks = GaugeMetricFamily(
+            "kvroute_backend_health_check_up",
+            "1 if the backend passes its active health checks",
+            labels=["backend"],
+        )
+        circuit = GaugeMetricFamily(
+            "kvroute_backend_circuit_state",
+            "1 for the state the backend's circuit breaker is in",
+            labels=["backend", "state"],
+        )
+        changes = CounterMetricFamily(
+            "kvroute_backend_state_changes",
+            "Health, breaker and drain state changes, by the state entered",
+            labels=["backend", "to"],
+        )
+        for b in self._members():
+            inflight.add_metric([b.name], b.inflight)
+            up.add_metric([b.name], 1.0 if b.usable else 0.0)
+            checks.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            for state in BreakerState:
+                circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
+            for to, count in b.transitions.items():
+                changes.add_metric([b.name, to], count)
+        return [inflight, up, checks, circuit, changes]

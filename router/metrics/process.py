@@ -1,0 +1,73 @@
+"""The serving process: its event loop's lag, and what /metrics exports of the
+processes. With several workers (router/control/supervisor.py) every process writes its
+counters and histograms to prometheus-client's multiprocess files and the page sums
+them over all processes, dead ones included (counters never go back); gauges are
+"livemax" (a dead process's gauge disappears). Process metrics (CPU, memory, fds) are
+per process and are left out there."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
+from prometheus_client.core import Metric
+from prometheus_client.multiprocess import MultiProcessCollector
+
+_LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+LAG_INTERVAL = 0.25  # seconds between two looks at the event loop's lag
+
+
+class ProcessMetrics:
+    """The process metrics of `Metrics`."""
+
+    def _declare_process(self, r: CollectorRegistry) -> None:
+        self.loop_lag = Histogram(
+            "kvroute_event_loop_lag_seconds",
+            "How late a serving process's event loop ran a timer: how long a new request "
+            "may wait for its turn (README, New requests while streams flow)",
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+
+    async def watch_loop_lag(self) -> None:
+        """Every LAG_INTERVAL, how late the loop woke this task (a timer): four wake-ups
+        a second, nothing on the request path."""
+        loop = asyncio.get_running_loop()
+        observe = self.loop_lag.observe
+        while True:
+            due = loop.time() + LAG_INTERVAL
+            await asyncio.sleep(LAG_INTERVAL)
+            observe(max(0.0, loop.time() - due))
+
+
+def exported(registry: CollectorRegistry, multiprocess: bool) -> CollectorRegistry:
+    """What /metrics shows: `registry` with this process's metrics, or with several
+    workers a registry of every process's files."""
+    if multiprocess:
+        out = CollectorRegistry()
+        out.register(_EveryProcess())
+    else:
+        out = registry
+        ProcessCollector(registry=out)
+    PlatformCollector(registry=out)
+    return out
+
+
+class _EveryProcess:
+    """Every process's metric files, summed, as one process would export them."""
+
+    def __init__(self) -> None:
+        self._files = MultiProcessCollector(None)
+
+    def collect(self) -> Iterable[Metric]:
+        for family in self._files.collect():
+            if family.type == "histogram" and _below_zero(family):
+                # such a sum can fall, so it is no counter: a single process leaves it out
+                total = family.name + "_sum"
+                family.samples = [s for s in family.samples if s.name != total]
+            yield family
+
+
+def _below_zero(histogram: Metric) -> bool:
+    return any(float(s.labels.get("le", 0)) < 0 for s in histogram.samples)

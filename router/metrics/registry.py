@@ -1,0 +1,50 @@
+"""`Metrics`: one router's metrics, with a CollectorRegistry of its own so that several
+routers can live in one process (tests, the benchmark harness).
+
+Single-process and multiprocess routers export the same series (process.py says how
+the second sums its workers): no `_created` ones (multiprocess mode has none), and no
+`_sum` for a histogram whose buckets go below zero (a single process's
+prometheus-client has none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+
+from router.fleet.backend import Backend
+from router.metrics.backends import BackendCollector, BackendMetrics
+from router.metrics.process import ProcessMetrics, exported
+from router.metrics.requests import RequestMetrics
+from router.metrics.telemetry import TelemetryMetrics
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# process-wide: multiprocess mode cannot export `_created` series, so neither mode does
+disable_created_metrics()
+
+
+class Metrics(RequestMetrics, BackendMetrics, TelemetryMetrics, ProcessMetrics):
+    """Every metric of one router, declared by group (the bases' modules)."""
+
+    def __init__(
+        self,
+        members: Callable[[], Iterable[Backend]],
+        multiprocess: bool = False,
+        tenants: Iterable[str] = (),
+    ) -> None:
+        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones."""
+        self._tenants = frozenset(tenants)
+        r = self.registry = CollectorRegistry()
+        #: what /metrics shows: this registry, or with several workers every process's
+        self._exported = exported(r, multiprocess)
+        self._exported.register(BackendCollector(members))
+        self._declare_requests(r)
+        self._declare_latencies(r)
+        self._declare_backends(r)
+        self._declare_telemetry(r)
+        self._declare_process(r)
+
+    def render(self) -> bytes:
+        return generate_latest(self._exported)

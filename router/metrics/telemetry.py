@@ -1,0 +1,45 @@
+"""What the router learns of the backends beside the request path: its KV-cache
+predictions against what they report, telemetry downgrades, and the source of each
+backend's prefix index."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
+
+
+class TelemetryMetrics:
+    """The telemetry metrics of `Metrics`."""
+
+    def _declare_telemetry(self, r: CollectorRegistry) -> None:
+        self.prediction_error = Histogram(
+            "kvroute_kv_prediction_error_tokens",
+            "Predicted minus backend-reported cached prompt tokens, per request",
+            buckets=_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.cached_tokens = Counter(
+            "kvroute_cached_tokens",
+            "Cached prompt tokens, as predicted by the router and as reported by backends",
+            ["source"],
+            registry=r,
+        )
+        self.telemetry_fallbacks = Counter(
+            "kvroute_telemetry_fallbacks",
+            "Telemetry downgrades by backend and reason (scrape_failed, stale_metrics, "
+            "event_reset)",
+            ["backend", "reason"],
+            registry=r,
+        )
+        self._index_mode = Gauge(
+            "kvroute_backend_index_mode",
+            "1 for the prefix-index source each backend is in: events or approximate",
+            ["backend", "mode"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+
+    def index_mode(self, backend: str, events: bool) -> None:
+        self._index_mode.labels(backend, "events").set(1 if events else 0)
+        self._index_mode.labels(backend, "approximate").set(0 if events else 1)
