@@ -10,7 +10,7 @@ seeds, or on a fleet of a hundred backends, in seconds.
 
 What it models: each backend's engine steps exactly as `kvroute sim` does (continuous
 batching, chunked prefill, prefix cache with LRU eviction); the router's accounting as
-router/dispatch/dispatcher.py keeps it (a request is in flight from its pick to its last token, its
+router/dispatch/attempt.py keeps it (a request is in flight from its pick to its last token, its
 uncached prompt tokens queued until its first token); multi-turn's rule that turn t is
 sent once turn t-1 has finished; `--replicas` policies that each see only the load they
 sent. What it leaves out: the router's own latency, HTTP, scraped metrics (`waiting` is
@@ -223,7 +223,7 @@ class _Run:
 
 
 def _describe(policy: Policy, req: RequestSpec) -> RouteRequest:
-    """The RouteRequest the router would build for this chat (router/dispatch/dispatcher.py)."""
+    """The RouteRequest the router would build for this chat (router/dispatch/describe.py)."""
     messages = msgspec.convert(req.messages, list[Message])
     fingerprint, blocks, tokens = 0, (), 0
     if policy.fingerprinter is not None:

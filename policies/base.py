@@ -23,7 +23,7 @@ if typing.TYPE_CHECKING:
 
 
 class BackendLike(Protocol):
-    """What a policy may read of a backend (router/fleet/backends.py provides it)."""
+    """What a policy may read of a backend (router/fleet/backend.py provides it)."""
 
     @property
     def name(self) -> str: ...
@@ -93,7 +93,7 @@ class FleetView:
     the subset that is healthy and serves the requested model; `candidate_names`
     makes membership checks O(1). The router caches one view per model and rebuilds
     it only when membership or health changes. `panic`: too few were usable, so the
-    candidates include backends only their circuit breaker kept out (router/fleet/backends.py).
+    candidates include backends only their circuit breaker kept out (router/fleet/views.py).
     """
 
     members: tuple[BackendLike, ...]

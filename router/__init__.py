@@ -15,7 +15,7 @@ lives there and what it may import. Imports run one way, down this list
                backend framed it, retry rules
   telemetry/   beside the path: /metrics scraping, KV events, exact tokens, and the
                collector's feed to the workers
-  metrics.py   every Prometheus metric, one registry per process
+  metrics/     every Prometheus metric, one registry per process
   fleet/       the backends' state, health, breakers, shared load and placements,
                discovery
   request.py, config.py, context.py, errors.py, log.py
@@ -23,9 +23,11 @@ lives there and what it may import. Imports run one way, down this list
                typed config, a process's place among the workers, the error classes
                and their HTTP/gRPC answers, the loggers
 
-A chat request, file by file: ingress/fast.py (or ingress/web.py) →
-ingress/auth.py → dispatch/admission.py → dispatch/dispatcher.py → policies/ →
-upstream/proxy.py (upstream/chunked.py for SSE) → back through ingress/web.py.
+A chat request, file by file: ingress/fast.py (or ingress/web.py) → ingress/auth.py →
+ingress/body.py → dispatch/dispatcher.py, which chains dispatch/admission.py →
+dispatch/describe.py → dispatch/pick.py (policies/) → dispatch/connect.py →
+upstream/proxy.py (upstream/chunked.py for SSE) → back out through ingress/relay.py,
+then dispatch/accounting.py.
 """
 
 __all__: list[str] = []

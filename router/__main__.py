@@ -45,6 +45,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="URL",
         help="a vLLM server, e.g. http://10.0.0.5:8000; repeat for each; replaces the file's list",
     )
+    _routing_options(p)
+    _process_options(p)
+    p.add_argument("--check", action="store_true", help="validate the config and exit")
+
+
+def _routing_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--strategy",
         type=_strategy,
@@ -63,6 +69,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         metavar="N",
         help="in-flight requests at which a pinned backend spills over (PREFIX_AWARE)",
     )
+
+
+def _process_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grpc-port",
         type=int,
@@ -82,7 +91,6 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
         choices=LOG_LEVELS,
         help="config default info; nothing is logged per request at any level",
     )
-    p.add_argument("--check", action="store_true", help="validate the config and exit")
 
 
 def _overrides(args: argparse.Namespace) -> dict:

@@ -13,7 +13,7 @@ one fast and lossy, one exact and a few milliseconds late:
   pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
   first uncached block (one probe per backend), then how many of the following blocks
   it holds by binary search, as the prefix index does (holdings are prefix-closed).
-- **The lock** (`with table:`, router/dispatch/dispatcher.py): a pick reads the table, decides,
+- **The lock** (`with table:`, router/dispatch/pick.py): a pick reads the table, decides,
   writes its placement and counts its request in the shared load table holding an
   `flock` on the table's file, so two workers' picks of one new prefix at the same
   instant go one after the other, the second finding the first's placement and load. It is held
