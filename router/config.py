@@ -117,7 +117,58 @@ class KubernetesDiscoveryConfig(_Discovered, tag="kubernetes"):
         return f"k8s:{self.namespace or ''}/{self.service}"
 
 
-class BackendConfig(_Strict):
+#: headers the router writes itself, or that configure the connection: `headers` may
+#: not set them (the key goes in `api_key_*`)
+_RESERVED_HEADERS = frozenset(
+    {
+        "authorization",
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "x-request-id",
+    }
+)
+_TOKEN_CHARS = frozenset(
+    "!#$%&'*+-.^_`|~0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+)
+
+
+class BackendCredentials(_Strict):
+    """What the router sends a backend besides the client's request: vLLM's `--api-key`
+    checks `Authorization: Bearer <key>`, so the key read from `api_key_file` or the
+    `api_key_env` variable (never written in the YAML) goes as that; `headers` (not
+    secret) go with every request, health check, scrape and model poll too."""
+
+    api_key_env: str | None = None
+    api_key_file: str | None = None
+    headers: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.api_key_env is not None and self.api_key_file is not None:
+            raise ValueError("give api_key_env or api_key_file, not both")
+        for name, value in self.headers.items():
+            if not name or not set(name) <= _TOKEN_CHARS:
+                raise ValueError(f"header name {name!r} is not a valid HTTP token")
+            if name.lower() in _RESERVED_HEADERS:
+                raise ValueError(f"header {name!r} is the router's own (the key: api_key_*)")
+            if any(c in value for c in "\r\n\0"):
+                raise ValueError(f"header {name!r}: a value may not hold CR, LF or NUL")
+
+    @property
+    def has_key(self) -> bool:
+        return self.api_key_env is not None or self.api_key_file is not None
+
+
+class BackendConfig(BackendCredentials, kw_only=True):
+    """One vLLM server; its credentials, unset, are `backend_defaults`' (a key of its
+    own replaces the default key; its headers add to the default headers)."""
+
     url: str
     name: str | None = None
     models: list[str] | None = None
@@ -125,6 +176,7 @@ class BackendConfig(_Strict):
     kv_events: KvEventsConfig | None = None
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         url = URL(self.url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"backend url {self.url!r} must look like http://host:port")
@@ -299,6 +351,8 @@ class MetricsConfig(_Strict):
 
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
+    #: credentials and headers of every backend that sets none of its own
+    backend_defaults: BackendCredentials = BackendCredentials()
     #: DNS names whose addresses are backends too, beside the static list
     discovery: list[DnsDiscoveryConfig | KubernetesDiscoveryConfig] = msgspec.field(
         default_factory=list

@@ -29,6 +29,8 @@ class Behaviour:
     health_delay: float = 0.0
     #: what /tokenize answers: vLLM has answered 500 to a malformed body
     tokenize_status: int = 200
+    #: as vLLM's --api-key: /v1 routes answer 401 without `Authorization: Bearer <key>`
+    api_key: str | None = None
 
 
 @dataclass
@@ -53,7 +55,7 @@ class StubBackend:
         return f"http://{self.host}:{self.port}"
 
     async def start(self) -> StubBackend:
-        app = web.Application(middlewares=[_bad_json_is_400])
+        app = web.Application(middlewares=[self._api_key, _bad_json_is_400])
         app.add_routes(
             [
                 web.get("/v1/models", self._models),
@@ -84,6 +86,14 @@ class StubBackend:
             for conn in self._runner.server.connections:
                 conn.force_close()
         await self.stop()
+
+    @web.middleware
+    async def _api_key(self, request: web.Request, handler) -> web.StreamResponse:
+        key = self.behaviour.api_key
+        guarded = key is not None and request.path.startswith("/v1")
+        if guarded and request.headers.get("Authorization") != f"Bearer {key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}

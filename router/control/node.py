@@ -53,7 +53,9 @@ class Node(ABC):
         self.config = config
         self.context = context
         routing = policies.create(config.routing)
-        self.fleet = Fleet(config.backends, routing, config.breaker, table, placements)
+        self.fleet = Fleet(
+            config.backends, routing, config.breaker, table, placements, config.backend_defaults
+        )
         self.auth = Authenticator(config.auth)
         self.admin_token = None if config.admin is None else AdminToken(config.admin)
         check_admin_token(self.admin_token, self.auth)

@@ -139,7 +139,7 @@ class Reloader:
         policy = fleet.policy if new.routing == old.routing else _policy(new)
         auth = Authenticator(new.auth)
         check_admin_token(router.admin_token, auth)
-        backends = fleet.prepare(new.backends, new.breaker)
+        backends = fleet.prepare(new.backends, new.breaker, new.backend_defaults)
         current = {id(b) for b in fleet.members}
         added = [b for b in backends if id(b) not in current]
         if added:

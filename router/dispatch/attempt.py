@@ -106,6 +106,7 @@ class Attempt:
                 end,
                 self._itl,
                 self.prefilled,
+                backend,
             )
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
             self._note(exc)

@@ -25,6 +25,8 @@ class Backend:
         "configured_models",
         "discovered_models",
         "draining",
+        "head_lines",
+        "headers",
         "healthy",
         "local_inflight",
         "local_queued",
@@ -43,8 +45,12 @@ class Backend:
         cfg: BackendConfig,
         breaker: BreakerConfig = DEFAULT_BREAKER,
         table: LoadTable | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.name = cfg.key
+        self.headers: dict[str, str] = {}
+        self.head_lines = ""
+        self.set_headers(headers or {})
         self.url = URL(cfg.url)
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
@@ -99,10 +105,18 @@ class Backend:
         """May new requests go here? Health checks, breaker and drain all agree."""
         return self.healthy and not self.draining and self.breaker.admits
 
-    def reconfigure(self, cfg: BackendConfig) -> None:
+    def reconfigure(self, cfg: BackendConfig, headers: dict[str, str] | None = None) -> None:
         """Apply a reloaded config of the same backend (same name and URL)."""
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
+        if headers is not None:
+            self.set_headers(headers)
+
+    def set_headers(self, headers: dict[str, str]) -> None:
+        """What every request to it carries (credentials.py): secret, never shown;
+        `head_lines` is the same as the request head's lines, made once."""
+        self.headers = headers
+        self.head_lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, inflight={self.inflight}, healthy={self.healthy})"

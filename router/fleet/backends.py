@@ -15,11 +15,14 @@ from collections.abc import Iterable
 from yarl import URL
 
 from policies import FleetView, Policy
-from router.config import BackendConfig, BreakerConfig
+from router.config import BackendConfig, BackendCredentials, BreakerConfig
 from router.fleet.backend import DEFAULT_BREAKER, Backend
+from router.fleet.credentials import upstream_headers
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
 from router.fleet.usability import Usability
+
+NO_CREDENTIALS = BackendCredentials()
 
 
 class Fleet(Usability):
@@ -32,11 +35,17 @@ class Fleet(Usability):
         breaker: BreakerConfig = DEFAULT_BREAKER,
         table: LoadTable | None = None,
         placements: PlacementTable | None = None,
+        defaults: BackendCredentials = NO_CREDENTIALS,
     ) -> None:
+        """ConfigError if a backend's API key cannot be read."""
         self.table = table
         self.placements = placements
-        self.members: tuple[Backend, ...] = tuple(Backend(c, breaker, table) for c in configs)
+        self.members: tuple[Backend, ...] = tuple(
+            Backend(c, breaker, table, upstream_headers(c, defaults)) for c in configs
+        )
         self.retired: tuple[Backend, ...] = ()
+        #: what `prepare` read for each backend, for `update` to apply
+        self._next_headers: dict[int, dict[str, str]] = {}
         self.policy = policy
         self.breaker_cfg = breaker
         self._views: dict[str, FleetView] = {}
@@ -49,15 +58,26 @@ class Fleet(Usability):
             self.placements.known(b.name for b in members)
             policy.share(self.placements)
 
-    def prepare(self, configs: Iterable[BackendConfig], breaker: BreakerConfig) -> list[Backend]:
+    def prepare(
+        self,
+        configs: Iterable[BackendConfig],
+        breaker: BreakerConfig,
+        defaults: BackendCredentials = NO_CREDENTIALS,
+    ) -> list[Backend]:
         """The backends `configs` describe: the current object where name and URL are
-        unchanged (reconfigured by `update`), else a new one, not routable until then."""
+        unchanged (reconfigured by `update`, which also gives it the headers read here),
+        else a new one, not routable until then. ConfigError, before anything changed,
+        if a backend's API key cannot be read."""
+        configs = list(configs)
+        headers = [upstream_headers(cfg, defaults) for cfg in configs]
         current = {b.name: b for b in self.members}
         out = []
-        for cfg in configs:
+        self._next_headers = {}
+        for cfg, own in zip(configs, headers, strict=True):
             backend = current.get(cfg.key)
             if backend is None or backend.url != URL(cfg.url):
-                backend = Backend(cfg, breaker, self.table)
+                backend = Backend(cfg, breaker, self.table, own)
+            self._next_headers[id(backend)] = own
             out.append(backend)
         return out
 
@@ -73,8 +93,9 @@ class Fleet(Usability):
         Requests in flight keep their Backend objects; removed ones go to `retired`.
         """
         for backend, cfg in zip(backends, configs, strict=True):
-            backend.reconfigure(cfg)
+            backend.reconfigure(cfg, self._next_headers.pop(id(backend), None))
             backend.breaker.cfg = breaker
+        self._next_headers = {}
         self.breaker_cfg = breaker
         members = tuple(backends)
         self._attach(policy, members)

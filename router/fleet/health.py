@@ -92,7 +92,7 @@ class HealthChecker:
         url = backend.url.with_path(self.cfg.path)
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(url) as resp:
+                async with self._session.get(url, headers=backend.headers) as resp:
                     await resp.read()
         except TimeoutError:
             return f"GET {url.path} timed out after {self.cfg.timeout:g}s"
@@ -156,7 +156,8 @@ class ModelPoller:
     async def _poll(self, backend: Backend) -> None:
         try:
             async with asyncio.timeout(self._timeout):
-                async with self._session.get(backend.url.with_path("/v1/models")) as resp:
+                url = backend.url.with_path("/v1/models")
+                async with self._session.get(url, headers=backend.headers) as resp:
                     body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError):
             return

@@ -31,16 +31,15 @@ import argparse
 import base64
 import hashlib
 import hmac
-import os
 import re
 import sys
 import time
-from pathlib import Path
 
 import msgspec
 
 from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
 from router.errors import BadRequest, Unauthorized
+from router.secrets import read_secret
 
 MAX_LIFETIME = 12 * 3600
 MIN_KEY_BYTES = 32
@@ -58,22 +57,6 @@ class _Claims(msgspec.Struct, forbid_unknown_fields=True):
 
 _DECODE_CLAIMS = msgspec.json.Decoder(_Claims)
 _ENCODE = msgspec.json.Encoder()
-
-
-def read_secret(file: str | None, env: str | None, what: str) -> str:
-    """A secret from a file (stripped) or an environment variable; ConfigError if absent."""
-    if file is not None:
-        try:
-            value = Path(file).read_text().strip()
-        except OSError as exc:
-            raise ConfigError(f"{what}: cannot read {file}: {exc.strerror}") from None
-    else:
-        value = os.environ.get(env or "", "").strip()
-        if not value:
-            raise ConfigError(f"{what}: environment variable {env} is not set")
-    if not value:
-        raise ConfigError(f"{what}: {file} is empty")
-    return value
 
 
 def _bytes(text: str) -> bytes:

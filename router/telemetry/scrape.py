@@ -147,7 +147,8 @@ class Scraper:
     async def scrape(self, backend: Backend) -> VllmSnapshot | None:
         try:
             async with asyncio.timeout(self._stale_after):
-                async with self._session.get(backend.url.with_path("/metrics")) as resp:
+                url = backend.url.with_path("/metrics")
+                async with self._session.get(url, headers=backend.headers) as resp:
                     text = await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             text = None

@@ -76,7 +76,7 @@ class RemoteTokenizer:
         if not candidates:
             return None
         backend = min(candidates, key=lambda b: b.inflight)
-        headers = {"Content-Type": "application/json"}
+        headers = {**backend.headers, "Content-Type": "application/json"}
         try:
             async with asyncio.timeout(_TIMEOUT_S):
                 url = backend.url.with_path("/tokenize")

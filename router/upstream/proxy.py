@@ -36,6 +36,7 @@ from yarl import URL
 
 from router import log
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
+from router.fleet.backend import Backend
 from router.metrics import Tally
 from router.upstream.chunked import ChunkedBody, ChunkError
 
@@ -349,13 +350,18 @@ async def open_upstream(
     end: float,
     itl: Histogram,
     on_first: Callable[[], None],
+    own: Backend | None = None,
 ) -> Upstream:
     """Send the request for `target` (path and query, as the client sent them) to
-    `backend` and return its answer once the status and headers arrived."""
+    `backend` and return its answer once the status and headers arrived. `own` adds the
+    backend's own headers (its API key, extra headers) in place of any the client sent."""
+    if own is not None and own.headers:
+        headers, lines = _without(headers, own.headers), own.head_lines
+    else:
+        lines = ""
+    head = _head(method, target, backend, headers, body, lines)
     try:
-        conn, message, payload = await upstreams.send(
-            backend, _head(method, target, backend, headers, body), body, method, connect_timeout
-        )
+        conn, message, payload = await upstreams.send(backend, head, body, method, connect_timeout)
     except _Malformed as exc:
         raise UpstreamError(_logged("The backend answered with malformed HTTP.", exc)) from exc
     except aiohttp.ClientError as exc:  # closed or reset
@@ -415,9 +421,22 @@ def header_lines(headers: Mapping[str, str]) -> str:
     return fields + "\r\n" if fields else ""
 
 
-def _head(method: str, target: str, backend: URL, headers: CIMultiDict[str], body: bytes) -> bytes:
-    """The request line and headers, as aiohttp's client writes them."""
-    fields = header_lines(headers)
+def _without(headers: CIMultiDict[str], names: Mapping[str, str]) -> CIMultiDict[str]:
+    """`headers` less `names` (a copy only when there is something to drop)."""
+    if not any(name in headers for name in names):
+        return headers
+    headers = headers.copy()
+    for name in names:
+        headers.popall(name, None)
+    return headers
+
+
+def _head(
+    method: str, target: str, backend: URL, headers: CIMultiDict[str], body: bytes, own: str
+) -> bytes:
+    """The request line and headers, as aiohttp's client writes them, then the
+    backend's own header lines."""
+    fields = header_lines(headers) + own
     if body or method not in _BODYLESS:
         fields += f"Content-Length: {len(body)}\r\n"
     head = f"{method} {target} HTTP/1.1\r\nHost: {backend.host_port_subcomponent}\r\n{fields}\r\n"

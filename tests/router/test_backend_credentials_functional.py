@@ -1,0 +1,148 @@
+"""Backends that need an API key (vLLM's --api-key): the key, named by `api_key_env` or
+`api_key_file` and never written in the YAML, reaches each backend as a Bearer token
+and nowhere else: not the logs, not /admin/config, not /debug/routing."""
+
+from __future__ import annotations
+
+import logging
+
+import aiohttp
+import openai
+import pytest
+
+from router.config import ConfigError, build
+from router.control.worker import Router
+from tests.stub_backend import Behaviour, StubBackend
+
+KEY = "sk-backend-7f3a9c"
+DATA_TOKEN = "client-token-1"
+ADMIN_TOKEN = "admin-token-1"
+
+
+def _config(backend: StubBackend, **credentials) -> dict:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": backend.url, "name": "b0", **credentials}],
+        "auth": {"enabled": True, "tokens_env": "KV_CRED_TOKENS"},
+        "admin": {"port": 0, "token_env": "KV_CRED_ADMIN"},
+        "routing": {"strategy": "RANDOM"},
+    }
+
+
+@pytest.fixture
+def secrets(monkeypatch) -> None:
+    monkeypatch.setenv("KV_CRED_KEY", KEY)
+    monkeypatch.setenv("KV_CRED_TOKENS", DATA_TOKEN)
+    monkeypatch.setenv("KV_CRED_ADMIN", ADMIN_TOKEN)
+
+
+async def test_the_key_reaches_the_backend_as_bearer_and_shows_nowhere(secrets, caplog) -> None:
+    stub = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    headers = {"X-Team": "search"}
+    router = Router(build(_config(stub, api_key_env="KV_CRED_KEY", headers=headers)))
+    try:
+        with caplog.at_level(logging.DEBUG):
+            await router.start()
+            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
+            answer = await client.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}]
+            )
+            models = await client.models.list()  # the router's list, from its polls
+            await client.close()
+            async with aiohttp.ClientSession() as http:
+                admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                pages = []
+                for url in (
+                    router.admin.url + "/admin/config",
+                    router.admin.url + "/admin/backends",
+                    router.url + "/debug/routing",
+                    router.url + "/metrics",
+                ):
+                    async with http.get(url, headers=admin) as resp:
+                        assert resp.status == 200, url
+                        pages.append(await resp.text())
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert answer.choices[0].message.content
+    assert [m.id for m in models.data] == ["stub-model"]
+    (sent,) = stub.headers
+    assert sent["Authorization"] == f"Bearer {KEY}"  # not the client's token
+    assert sent["X-Team"] == "search"
+    assert "KV_CRED_KEY" in pages[0]  # the config names where the key is read from
+    for page in pages:
+        assert KEY not in page
+    assert all(KEY not in record.getMessage() for record in caplog.records)
+
+
+async def test_fleet_defaults_apply_and_a_backends_own_key_wins(secrets, monkeypatch) -> None:
+    monkeypatch.setenv("KV_CRED_OTHER", "sk-own")
+    defaulted = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    own = await StubBackend(behaviour=Behaviour(api_key="sk-own")).start()
+    config = _config(defaulted)
+    config["backends"] += [{"url": own.url, "name": "b1", "api_key_env": "KV_CRED_OTHER"}]
+    config["backend_defaults"] = {"api_key_env": "KV_CRED_KEY", "headers": {"X-Fleet": "1"}}
+    router = Router(build(config))
+    await router.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
+        for _ in range(12):  # RANDOM: both backends answer some
+            await client.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}]
+            )
+        await client.close()
+    finally:
+        await router.stop()
+        await defaulted.stop()
+        await own.stop()
+    assert defaulted.headers and own.headers  # every request answered 200 by one of them
+    assert {h["Authorization"] for h in defaulted.headers} == {f"Bearer {KEY}"}
+    assert {h["Authorization"] for h in own.headers} == {"Bearer sk-own"}
+    assert {h["X-Fleet"] for h in [*defaulted.headers, *own.headers]} == {"1"}
+
+
+async def test_a_reload_reads_a_rotated_key_file(secrets, tmp_path) -> None:
+    key_file = tmp_path / "backend.key"
+    key_file.write_text("sk-first\n")
+    stub = await StubBackend().start()
+    router = Router(build(_config(stub, api_key_file=str(key_file))))
+    await router.start()
+    try:
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
+        chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+        await client.chat.completions.create(**chat)
+        key_file.write_text("sk-second\n")
+        await router.reloader.apply(build(_config(stub, api_key_file=str(key_file))))
+        await client.chat.completions.create(**chat)
+        await client.close()
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert [h["Authorization"] for h in stub.headers] == ["Bearer sk-first", "Bearer sk-second"]
+
+
+def test_a_key_that_cannot_be_read_is_a_config_error_naming_its_source(tmp_path) -> None:
+    stub_url = "http://127.0.0.1:9"
+    config = build({"backends": [{"url": stub_url, "name": "b0", "api_key_env": "KV_CRED_UNSET"}]})
+    with pytest.raises(
+        ConfigError, match="backend b0: api key: environment variable KV_CRED_UNSET"
+    ):
+        Router(config)
+    missing = tmp_path / "absent.key"
+    config = build({"backends": [{"url": stub_url, "api_key_file": str(missing)}]})
+    with pytest.raises(ConfigError, match="cannot read"):
+        Router(config)
+
+
+@pytest.mark.parametrize(
+    ("entry", "message"),
+    [
+        ({"api_key_env": "A", "api_key_file": "/k"}, "not both"),
+        ({"headers": {"Authorization": "Bearer x"}}, "the router's own"),
+        ({"headers": {"Bad Name": "x"}}, "not a valid HTTP token"),
+        ({"headers": {"X-Ok": "a\r\nInjected: 1"}}, "CR, LF or NUL"),
+    ],
+)
+def test_bad_credentials_are_refused_at_load(entry: dict, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build({"backends": [{"url": "http://127.0.0.1:9", **entry}]})
