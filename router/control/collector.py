@@ -7,29 +7,22 @@ to the workers (router/telemetry/feed.py). It has no listener and serves no requ
 
 from __future__ import annotations
 
-import aiohttp
-
 from router.config import Config
 from router.control.admin import discovered_edit, replay_edits
 from router.control.node import Node
 from router.telemetry.collector_feed import CollectorTelemetry
+from router.telemetry.loops import Parts
 
 
 class Collector(Node):
     telemetry: CollectorTelemetry
 
-    def _telemetry(self, session: aiohttp.ClientSession) -> CollectorTelemetry:
-        return CollectorTelemetry(
-            self.fleet,
-            session,
-            self.metrics,
-            self.config.telemetry,
-            self._kv_events,
-            self.context,
-            self._edited,
-            self.verdicts,
-            lambda: replay_edits(self),
-        )
+    def _telemetry(self, parts: Parts) -> CollectorTelemetry:
+        return CollectorTelemetry(parts, self.context, self._edited, self.verdicts, self._replay)
+
+    def _replay(self) -> list[bytes]:
+        """The edits that bring a joining worker to the router's runtime view, now."""
+        return replay_edits(self)
 
     async def start(self) -> None:
         """Start in order; on any failure, stop what started and re-raise."""

@@ -31,7 +31,7 @@ from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
 from router.ingress.auth import AdminToken, Authenticator
 from router.metrics import Metrics
-from router.telemetry.loops import Telemetry
+from router.telemetry.loops import Parts, Telemetry
 from router.upstream.proxy import make_session
 
 STARTUP_POLL_SECONDS = 3.0
@@ -83,11 +83,12 @@ class Node(ABC):
         )
         self.health = HealthChecker(self.fleet, self._session, cfg.health)
         self.verdicts = Verdicts(self.fleet, self.health)
-        self.telemetry = self._telemetry(self._session)
+        parts = Parts(self.fleet, self._session, self.metrics, cfg.telemetry, self._kv_events)
+        self.telemetry = self._telemetry(parts)
         self.telemetry.start()
 
     @abstractmethod
-    def _telemetry(self, session: aiohttp.ClientSession) -> Telemetry:
+    def _telemetry(self, parts: Parts) -> Telemetry:
         """This role's telemetry loops (see router/telemetry/loops.py)."""
 
     def run_discovery(self) -> None:

@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
 
-import aiohttp
 from aiohttp import web
 
 from router import log
@@ -33,7 +32,7 @@ from router.fleet.shared_load import LoadTable
 from router.ingress.web import (
     HttpIngress,
 )
-from router.telemetry.loops import LocalTelemetry, Telemetry
+from router.telemetry.loops import LocalTelemetry, Parts, Telemetry
 from router.telemetry.worker_feed import WorkerTelemetry
 
 _FEED_JOIN_SECONDS = 10.0  # a worker waits this long for the collector's feed to be live
@@ -65,14 +64,11 @@ class Router(Node):
         self.port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
 
-    def _telemetry(self, session: aiohttp.ClientSession) -> Telemetry:
+    def _telemetry(self, parts: Parts) -> Telemetry:
         """Alone: telemetry in-process; one of several: the collector's feed."""
-        cfg, args = self.config, (self.fleet, session, self.metrics)
         if self.context is None:
-            return LocalTelemetry(*args, cfg.telemetry, self._kv_events)
-        return WorkerTelemetry(
-            *args, cfg.telemetry, self._kv_events, self.context, self._edited, self.verdicts
-        )
+            return LocalTelemetry(parts)
+        return WorkerTelemetry(parts, self.context, self._edited, self.verdicts)
 
     @property
     def url(self) -> str:

@@ -12,21 +12,19 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import aiohttp
 import msgspec
 import zmq
 
 from hashing.prefix_index import PrefixIndex
-from router.config import KvEventsConfig, TelemetryConfig
+from router.config import KvEventsConfig
 from router.context import WorkerContext
-from router.fleet.backends import Backend, Fleet
+from router.fleet.backends import Backend
 from router.fleet.health import REFUSED, Verdicts
 from router.fleet.placements import LEARNED
-from router.metrics import Metrics
 from router.telemetry.feed import FEED_HWM, HELLO, worker_topic
 from router.telemetry.index_upkeep import Held, Sink, subscribe
 from router.telemetry.kv_events import EventApplier
-from router.telemetry.loops import Telemetry
+from router.telemetry.loops import Parts, Telemetry
 from router.telemetry.scrape import VllmSnapshot
 
 
@@ -50,17 +48,13 @@ class _Forwarder:
 class CollectorTelemetry(Telemetry):
     def __init__(
         self,
-        fleet: Fleet,
-        session: aiohttp.ClientSession,
-        metrics: Metrics,
-        config: TelemetryConfig,
-        kv_events: Callable[[], dict[str, KvEventsConfig]],
+        parts: Parts,
         link: WorkerContext,
         on_broadcast: Callable[[bytes], None],
         verdicts: Verdicts,
         replay: Callable[[], list[bytes]],
     ) -> None:
-        super().__init__(fleet, session, metrics, config, kv_events)
+        super().__init__(parts)
         self._link = link
         self._on_broadcast = on_broadcast
         self._verdicts = verdicts

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import aiohttp
 import zmq.asyncio
@@ -28,34 +29,42 @@ from router.telemetry.index_upkeep import Held, IndexUpkeep, subscribe
 from router.telemetry.scrape import Scraper, VllmSnapshot, describe
 
 
+@dataclass(frozen=True)
+class Parts:
+    """What every form of telemetry works on: the fleet it keeps informed, the client
+    session it asks the backends with, where it counts, its settings, and each
+    backend's KV event endpoints in the current config."""
+
+    fleet: Fleet
+    session: aiohttp.ClientSession
+    metrics: Metrics
+    config: TelemetryConfig
+    kv_events: Callable[[], dict[str, KvEventsConfig]]
+
+
 class Telemetry:
     """Starts and stops the telemetry loops of one process; never on the request path."""
 
     #: whether this process scrapes the backends (a worker of several is sent snapshots)
     scrapes = True
 
-    def __init__(
-        self,
-        fleet: Fleet,
-        session: aiohttp.ClientSession,
-        metrics: Metrics,
-        config: TelemetryConfig,
-        kv_events: Callable[[], dict[str, KvEventsConfig]],
-    ) -> None:
+    def __init__(self, parts: Parts) -> None:
+        fleet, config = parts.fleet, parts.config
         self._fleet = fleet
-        self._metrics = metrics
+        self._metrics = parts.metrics
         self._config = config
         self._zmq: zmq.asyncio.Context | None = None
         self._tasks: list[asyncio.Task] = []
         self._scraper = Scraper(
             fleet,
-            session,
+            parts.session,
             config.scrape_interval,
             config.stale_after,
             self._fallback,
             self._scraped,
         )
-        self._upkeep = IndexUpkeep(fleet, metrics, kv_events, self._scraper.snapshots, self._source)
+        upkeep = (fleet, parts.metrics, parts.kv_events, self._scraper.snapshots, self._source)
+        self._upkeep = IndexUpkeep(*upkeep)
 
     def start(self) -> None:
         if self._config.enabled:

@@ -13,19 +13,17 @@ import asyncio
 import contextlib
 from collections.abc import Callable
 
-import aiohttp
 import msgspec
 import zmq
 import zmq.asyncio
 
 from hashing.prefix_index import PrefixIndex
 from router import log
-from router.config import KvEventsConfig, TelemetryConfig
+from router.config import KvEventsConfig
 from router.context import WorkerContext
-from router.fleet.backends import Backend, Fleet
+from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
-from router.metrics import Metrics
 from router.telemetry.feed import (
     BROADCAST_TIMEOUT_S,
     FEED_HWM,
@@ -35,7 +33,7 @@ from router.telemetry.feed import (
     worker_topic,
 )
 from router.telemetry.index_upkeep import Held, applier
-from router.telemetry.loops import Telemetry
+from router.telemetry.loops import Parts, Telemetry
 from router.telemetry.scrape import VllmSnapshot
 
 
@@ -44,16 +42,12 @@ class WorkerTelemetry(Telemetry):
 
     def __init__(
         self,
-        fleet: Fleet,
-        session: aiohttp.ClientSession,
-        metrics: Metrics,
-        config: TelemetryConfig,
-        kv_events: Callable[[], dict[str, KvEventsConfig]],
+        parts: Parts,
         link: WorkerContext,
         on_broadcast: Callable[[bytes], None],
         verdicts: Verdicts,
     ) -> None:
-        super().__init__(fleet, session, metrics, config, kv_events)
+        super().__init__(parts)
         self._link: WorkerContext | None = link
         self._on_broadcast = on_broadcast
         self._verdicts = verdicts
