@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -36,8 +35,9 @@ from multidict import CIMultiDictProxy
 from router import log
 from router.errors import INTERNAL, KvrouteError
 from router.ingress.fast_body import BodyReceiver, WholeBody
+from router.ingress.fast_idle import IdleTimer
 from router.ingress.fast_reply import FastReply
-from router.ingress.fast_request import ROUTES, common_request
+from router.ingress.fast_request import ROUTES, Limits, common_request
 from router.ingress.web import (
     LINGER_SECONDS,
     REQUEST_ID,
@@ -71,7 +71,7 @@ class FastConnections:
         self.body_timeout = body_timeout
         self.keepalive = keepalive
         self.linger = min(LINGER_SECONDS, body_timeout)  # as aiohttp's lingering_time
-        self.parser_limits = dict(parser_limits)
+        self.limits = Limits.of(parser_limits)
         self.open: set[FastConnection] = set()
         self.closing = False
 
@@ -104,13 +104,11 @@ class FastConnection(FlowProtocol):
 
     __slots__ = (
         "_closing",
-        "_idle_at",
-        "_idle_timer",
+        "_idle",
         "_owner",
         "_pending",
         "_receiving",
         "_reply",
-        "on_resume",
         "task",
     )
 
@@ -122,27 +120,18 @@ class FastConnection(FlowProtocol):
         self._receiving: BodyReceiver | None = None  # a body still coming, or lingering
         self._reply: FastReply | None = None  # the answer of the request being served
         self._closing = False  # close once the current answer is out
-        self._idle_at = 0.0
-        self._idle_timer: asyncio.TimerHandle | None = None
-        #: a relayed stream waiting for the client's buffer to drain (FastReply.on_ready)
-        self.on_resume: Callable[[], None] | None = None
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.on_resume is not None:
-            self.on_resume()
+        self._idle = IdleTimer(self._loop, owner.keepalive, self._busy, self.close)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._owner.open.add(self)
-        self._idle()
+        self._idle.start()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         super().connection_lost(exc)
         self._owner.open.discard(self)
         self.body_received()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        self._idle.cancel()
         if self.task is not None:
             self.task.cancel()  # the client left: stop its request
 
@@ -185,7 +174,7 @@ class FastConnection(FlowProtocol):
     def _process(self, data: bytes) -> None:
         """Serve `data` if it starts one common request, else hand it to aiohttp."""
         owner = self._owner
-        request = common_request(data, owner.parser_limits, owner.max_body)
+        request = common_request(data, owner.limits, owner.max_body)
         if request is None or owner.closing:
             self._hand_over(data)
             return
@@ -220,11 +209,7 @@ class FastConnection(FlowProtocol):
             self._closing = True
         except Exception:  # a bug of ours: aiohttp would answer 500 and log it too
             self._closing = True
-            log.http.exception("error handling POST %s", path)
-            if not reply.started:
-                extra = {REQUEST_ID: request_id(headers)}
-                with contextlib.suppress(ConnectionError):
-                    await reply.whole(500, *_INTERNAL.http_answer(extra))
+            await _internal_error(reply, path, headers)
         finally:
             self.task = self._reply = None
             self._after_answer()
@@ -236,7 +221,7 @@ class FastConnection(FlowProtocol):
         if self._closing or self._owner.closing or self.transport is None:
             self.close()
             return
-        self._idle()
+        self._idle.start()
         if self.reading_paused:
             self.resume_reading()
         if self._pending:
@@ -252,38 +237,39 @@ class FastConnection(FlowProtocol):
     def close_after_answer(self) -> None:
         self._closing = True
 
+    def _busy(self) -> bool:
+        return self.task is not None or self._receiving is not None
+
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's server takes the connection, starting from `data`, for good."""
         transport = self.transport
         if transport is None:
             return
         self._owner.open.discard(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        handler = self._owner.fallback()
-        transport.set_protocol(handler)
+        self._idle.cancel()
         self.transport = None
-        handler.connection_made(transport)
-        handler.data_received(data)
-        if self.writing_paused:  # the socket's buffer was full: tell the new owner
-            handler.pause_writing()
+        _hand_over(transport, self._owner.fallback(), data, self.writing_paused)
 
-    def _idle(self) -> None:
-        """Close after `keepalive` seconds without a request (one timer per idle period)."""
-        self._idle_at = time.monotonic()
-        if self._idle_timer is None:
-            self._idle_timer = self._loop.call_later(self._owner.keepalive, self._idle_check)
 
-    def _idle_check(self) -> None:
-        self._idle_timer = None
-        if self.task is not None or self._receiving is not None:
-            return  # busy: the end of its answer starts the next idle period
-        left = self._idle_at + self._owner.keepalive - time.monotonic()
-        if left > 0:
-            self._idle_timer = self._loop.call_later(left, self._idle_check)
-        else:
-            self.close()
+async def _internal_error(reply: FastReply, path: str, headers: CIMultiDictProxy[str]) -> None:
+    """Log a bug of ours met serving `path`; answer 500 if the answer had not begun."""
+    log.http.exception("error handling POST %s", path)
+    if not reply.started:
+        extra = {REQUEST_ID: request_id(headers)}
+        with contextlib.suppress(ConnectionError):
+            await reply.whole(500, *_INTERNAL.http_answer(extra))
+
+
+def _hand_over(
+    transport: asyncio.Transport, handler: asyncio.Protocol, data: bytes, paused: bool
+) -> None:
+    """`handler` (aiohttp's) takes `transport` as if it had been its own from the start,
+    and reads `data` first; `paused`: the socket's buffer is full."""
+    transport.set_protocol(handler)
+    handler.connection_made(transport)
+    handler.data_received(data)
+    if paused:
+        handler.pause_writing()
 
 
 class FastSite(web.TCPSite):

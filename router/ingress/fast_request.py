@@ -12,11 +12,13 @@ own parser then applies the limits exactly (431, 400).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import httptools
 from multidict import CIMultiDict, CIMultiDictProxy
 
 from router.request import Kind
+from router.upstream.head import decoded
 
 ROUTES = {
     "/v1/chat/completions": Kind.CHAT,
@@ -27,7 +29,7 @@ ROUTES = {
 _LINE_EXTRA = 16
 #: headers the fast path leaves to aiohttp's server: they ask it to decode, answer
 #: first, or change the protocol
-_NOT_PLAIN = ("Content-Encoding", "Expect", "Upgrade", "Transfer-Encoding")
+_NOT_PLAIN = frozenset({b"content-encoding", b"expect", b"upgrade", b"transfer-encoding"})
 #: fields aiohttp's server refuses twice in one request (400)
 _SINGLETONS = frozenset(
     {
@@ -45,14 +47,10 @@ _SINGLETONS = frozenset(
 )
 
 
-class _Unusual(Exception):
-    """The request is near or over a limit: aiohttp's server decides."""
-
-
 class Request:
     """A common request's head, and the part of its body its first read held."""
 
-    __slots__ = ("arrived", "headers", "kind", "length", "method", "path", "should_close")
+    __slots__ = ("arrived", "headers", "kind", "length", "path", "should_close")
 
     def __init__(
         self,
@@ -63,8 +61,7 @@ class Request:
         length: int,
         should_close: bool,
     ) -> None:
-        self.kind = kind
-        self.method = "POST"
+        self.kind = kind  # the method is POST
         self.path = path
         self.headers = headers
         self.arrived = arrived
@@ -72,52 +69,42 @@ class Request:
         self.should_close = should_close
 
 
+class Limits(NamedTuple):
+    """aiohttp's server's limits, a little lowered: a request the fast path takes is one
+    aiohttp would take too."""
+
+    url: int
+    field: int
+    fields: int
+
+    @classmethod
+    def of(cls, parser_limits: Mapping[str, int]) -> Limits:
+        """From the limits given to aiohttp's parser (router/ingress/web.py)."""
+        return cls(
+            parser_limits.get("max_line_size", 8190) - _LINE_EXTRA,
+            parser_limits.get("max_field_size", 8190) - 2,
+            parser_limits.get("max_headers", 128) - 1,
+        )
+
+
 class _Reader:
-    """httptools' callbacks for one request: its target, fields and body, within limits
-    kept a little under aiohttp's, and aiohttp's own checks (NUL in a value, a singleton
-    field twice), so that whatever aiohttp would refuse goes to it."""
+    """httptools' callbacks for one request: its target, raw fields and body (checked
+    once the read is parsed, in one pass)."""
 
-    __slots__ = (
-        "body",
-        "fields",
-        "keep_alive",
-        "max_field",
-        "max_headers",
-        "max_url",
-        "parser",
-        "seen",
-        "url",
-    )
+    __slots__ = ("body", "fields", "keep_alive", "parser", "url")
 
-    def __init__(self, limits: Mapping[str, int]) -> None:
-        self.max_url = limits.get("max_line_size", 8190) - _LINE_EXTRA
-        self.max_field = limits.get("max_field_size", 8190) - 2
-        self.max_headers = limits.get("max_headers", 128) - 1
+    def __init__(self) -> None:
         self.url = b""
-        self.fields: list[tuple[str, str]] = []
+        self.fields: list[tuple[bytes, bytes]] = []
         self.body: list[bytes] = []
-        self.seen: set[bytes] = set()  # the singleton fields met
         self.keep_alive = False
         self.parser = httptools.HttpRequestParser(self)
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        if len(self.url) > self.max_url:
-            raise _Unusual
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(name) > self.max_field or len(value) > self.max_field:
-            raise _Unusual
-        if len(self.fields) >= self.max_headers or b"\x00" in value:
-            raise _Unusual
-        key = name.lower()
-        if key in _SINGLETONS:
-            if key in self.seen:
-                raise _Unusual
-            self.seen.add(key)
-        self.fields.append(
-            (name.decode("utf-8", "surrogateescape"), value.decode("utf-8", "surrogateescape"))
-        )
+        self.fields.append((name, value))
 
     def on_headers_complete(self) -> None:
         # asked here: once the message is complete, llhttp has moved on to the next one
@@ -127,14 +114,15 @@ class _Reader:
         self.body.append(body)
 
 
-def common_request(data: bytes, limits: Mapping[str, int], max_body: int) -> Request | None:
+def common_request(data: bytes, limits: Limits, max_body: int) -> Request | None:
     """The request `data` holds, if the fast path serves it (see the module's docstring)."""
     if not data.startswith(b"POST "):
         return None
     end = data.find(b"\r\n\r\n")
-    if end < 0:  # a split head (or not HTTP/1.1 as clients write it)
+    # a split head (or not HTTP/1.1 as clients write it); a NUL, which aiohttp refuses
+    if end < 0 or data.find(b"\x00", 0, end) >= 0:
         return None
-    reader = _Reader(limits)
+    reader = _Reader()
     parser = reader.parser
     try:
         parser.feed_data(data)
@@ -144,11 +132,14 @@ def common_request(data: bytes, limits: Mapping[str, int], max_body: int) -> Req
         reader.parser = None  # no cycle of parser and callbacks left for the GC
     path = reader.url.decode("utf-8", "surrogateescape")
     kind = ROUTES.get(path)
-    if kind is None or parser.get_http_version() != "1.1":
+    raw = reader.fields
+    if kind is None or len(reader.url) > limits.url or parser.get_http_version() != "1.1":
         return None
-    headers = CIMultiDictProxy(CIMultiDict(reader.fields))
+    if not _plain(raw, end, limits):
+        return None
+    headers = CIMultiDictProxy(CIMultiDict(decoded(raw)))
     length = headers.get("Content-Length", "0")
-    if any(name in headers for name in _NOT_PLAIN) or not length.isdigit():
+    if not length.isdigit():
         return None
     size = int(length)
     # more than the request in this read: a pipelined request, which aiohttp serves
@@ -156,3 +147,19 @@ def common_request(data: bytes, limits: Mapping[str, int], max_body: int) -> Req
         return None
     arrived = b"".join(reader.body)
     return Request(kind, path, headers, arrived, size, not reader.keep_alive)
+
+
+def _plain(raw: list[tuple[bytes, bytes]], head: int, limits: Limits) -> bool:
+    """Within `limits` (a `head` bytes long can exceed none), no field that asks aiohttp
+    to decode, answer first or change the protocol, no singleton field twice."""
+    if len(raw) > limits.fields:
+        return False
+    if head > limits.field and any(len(n) > limits.field or len(v) > limits.field for n, v in raw):
+        return False
+    keys = [name.lower() for name, _ in raw]
+    if not _NOT_PLAIN.isdisjoint(keys):
+        return False
+    if len(set(keys)) == len(keys):
+        return True
+    twice = [key for key in keys if key in _SINGLETONS]
+    return len(set(twice)) == len(twice)

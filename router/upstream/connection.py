@@ -14,6 +14,7 @@ from yarl import URL
 
 from router.upstream.body import BodyReader
 from router.upstream.flow import FlowProtocol
+from router.upstream.head import AnswerParser
 from router.upstream.response import Answer, Head, Relaying
 
 
@@ -26,7 +27,7 @@ class Pool(Protocol):
 class _Connection(FlowProtocol):
     """A backend connection: `send` one request, `release` it once its answer is read."""
 
-    __slots__ = ("_answer", "_pool", "_should_close", "backend", "idle_since", "relay")
+    __slots__ = ("_answer", "_pool", "_should_close", "_spare", "backend", "idle_since", "relay")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, pool: Pool, backend: URL) -> None:
         super().__init__(loop)
@@ -34,6 +35,8 @@ class _Connection(FlowProtocol):
         self.backend = backend
         self.idle_since = 0.0
         self._answer: Answer | None = None
+        #: the last answer's parser, for the next one (llhttp is between two messages)
+        self._spare: AnswerParser | None = None
         self._should_close = False
         #: the answer whose body is relayed from this protocol's callbacks (Upstream.relay)
         self.relay: Relaying | None = None
@@ -46,7 +49,8 @@ class _Connection(FlowProtocol):
         self, head: bytes, body: bytes, method: str
     ) -> asyncio.Future[tuple[Head, BodyReader]]:
         """Write one request; the future gets the answer's head and its body's reader."""
-        self._answer = answer = Answer(self, self._loop, method)
+        self._answer = answer = Answer(self, self._loop, method, self._spare)
+        self._spare = None
         self.transport.writelines((head, body))
         return answer.head
 
@@ -54,8 +58,7 @@ class _Connection(FlowProtocol):
         """The exchange ended: back to the pool if the answer ended cleanly and the
         backend keeps the connection, else closed (a backend aborts what it sends)."""
         answer = self._answer
-        if answer is not None:
-            answer.drop()
+        spare = answer.drop() if answer is not None else None
         if (
             clean
             and self.open
@@ -64,9 +67,11 @@ class _Connection(FlowProtocol):
             and not answer.should_close
             and answer.body_done
         ):
-            self._answer = None
+            self._answer, self._spare = None, spare
             self._pool.keep(self)
         else:
+            if spare is not None:
+                spare.drop()
             self.close()
 
     def close(self) -> None:
@@ -89,6 +94,9 @@ class _Connection(FlowProtocol):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._should_close = True
+        if self._spare is not None:
+            self._spare.drop()
+            self._spare = None
         if self._answer is not None:
             self._answer.lost(exc)
         self.reading_paused = False  # nothing to resume: readers drain what was buffered

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+from collections.abc import Callable
 
 #: what pause_reading/resume_reading raise on a transport without flow control
 _NO_FLOW_CONTROL = (AttributeError, NotImplementedError, RuntimeError)
@@ -20,7 +21,14 @@ _NO_FLOW_CONTROL = (AttributeError, NotImplementedError, RuntimeError)
 class FlowProtocol(asyncio.Protocol):
     """An asyncio protocol whose writes can wait for the socket and whose reads can pause."""
 
-    __slots__ = ("_drain_waiter", "_loop", "reading_paused", "transport", "writing_paused")
+    __slots__ = (
+        "_drain_waiter",
+        "_loop",
+        "on_resume",
+        "reading_paused",
+        "transport",
+        "writing_paused",
+    )
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
@@ -28,6 +36,8 @@ class FlowProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.writing_paused = False
         self.reading_paused = False
+        #: called when the transport's buffer drains again (a relayed stream waits for it)
+        self.on_resume: Callable[[], None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -53,6 +63,8 @@ class FlowProtocol(asyncio.Protocol):
         waiter, self._drain_waiter = self._drain_waiter, None
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+        if self.on_resume is not None:
+            self.on_resume()
 
     async def drain(self) -> None:
         """Return once the transport's buffer took what was written (at once if it did)."""
