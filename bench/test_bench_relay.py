@@ -16,7 +16,8 @@ from aiohttp.http import HttpResponseParser
 from prometheus_client import CollectorRegistry, Histogram
 from yarl import URL
 
-from router.upstream.proxy import Upstream, Upstreams, _Connection
+from router.upstream.connection import _Connection
+from router.upstream.proxy import Upstream, Upstreams
 
 EVENT = (
     b'data: {"id":"chatcmpl-0","object":"chat.completion.chunk","created":0,"model":"m",'

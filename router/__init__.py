@@ -18,16 +18,18 @@ lives there and what it may import. Imports run one way, down this list
   metrics/     every Prometheus metric, one registry per process
   fleet/       the backends' state, health, breakers, shared load and placements,
                discovery
-  request.py, config.py, context.py, errors.py, log.py
+  request.py, config.py, secrets.py, context.py, errors.py, log.py
                the vocabulary every stage shares: the routing fields of a body, the
-               typed config, a process's place among the workers, the error classes
-               and their HTTP/gRPC answers, the loggers
+               typed config and the secrets it names (read from files or variables),
+               a process's place among the workers, the error classes and their
+               HTTP/gRPC answers, the loggers
 
 A chat request, file by file: ingress/fast.py (or ingress/web.py) → ingress/auth.py →
 ingress/body.py → dispatch/dispatcher.py, which chains dispatch/admission.py →
 dispatch/describe.py → dispatch/pick.py (policies/) → dispatch/connect.py →
-upstream/proxy.py (upstream/chunked.py for SSE) → back out through ingress/relay.py,
-then dispatch/accounting.py.
+upstream/proxy.py (upstream/pool.py, connection.py, response.py; relay.py and chunked.py
+for SSE) → back out through ingress/relay.py (or ingress/fast_reply.py), then
+dispatch/accounting.py.
 """
 
 __all__: list[str] = []

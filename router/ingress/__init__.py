@@ -3,6 +3,10 @@
   fast.py           every connection starts here: a complete common POST to a generation
                     endpoint is read and answered without aiohttp's web layer; anything
                     else hands the connection to aiohttp's server for good
+  fast_request.py   the fast path's parse of a first read (httptools): one it answers?
+  fast_body.py      a fast-path body, read only once the token passed and it fits
+  fast_reply.py     the fast path's answers, written straight to the transport
+  fast_idle.py      the fast path's keep-alive timeout
   web.py            aiohttp routes and `HttpIngress.serve`, which both servers call: the
                     token (auth.py, 401), the body (body.py), the routing fields
                     (router/request.py, 400 on bad JSON), a `Call` for the dispatcher;

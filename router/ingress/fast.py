@@ -2,51 +2,42 @@
 
 Why: aiohttp's web server was ~35% of the router's CPU per request (request object,
 router resolution, middlewares, response object, per-connection task wake-ups), most of
-the added latency. Each connection starts here. A request's bytes go through aiohttp's
-own C parser (llhttp, with the configured header limits); a common request - POST to
+the added latency. Each connection starts here. A request's first read is parsed by
+httptools (router/ingress/fast_request.py); a common request - POST to
 /v1/chat/completions, /v1/completions or /v1/embeddings, HTTP/1.1, whose head came in
 one read, with a Content-Length body within `max_body_bytes`, no Content-Encoding,
 Expect or Upgrade - is answered here, through the same `HttpIngress.serve` as aiohttp's
 handlers. Anything else (another path, a head split over reads, chunked or gzip bodies,
-a malformed request or one over the header limits, a body declared over the limit,
-requests pipelined in one read) hands the connection, with every byte of that request,
-to aiohttp's RequestHandler (http_ingress.IngressHandler) for the rest of its life: its
-limits (431), slowloris timeouts, `Expect: 100-continue` (a 413 instead for a body
-declared over the limit), lingering close and OpenAI-style errors apply as before.
+a malformed request or one near or over the header limits, a body declared over the
+limit, requests pipelined in one read) hands the connection, with every byte of that
+request, to aiohttp's RequestHandler (http_ingress.IngressHandler) for the rest of its
+life: its limits (431), slowloris timeouts, `Expect: 100-continue` (a 413 instead for a
+body declared over the limit), lingering close and OpenAI-style errors apply as before.
 
-`serve` starts once the head is in. A body still coming then is not read until `serve`
-asks for it (`_BodyReceiver`), after the token check and with its size reserved in the
-body budget: a refused request (401, 503) has nothing of its body buffered, its answer
-says `Connection: close`, and what still comes of the body is dropped for a moment
-before the close, as aiohttp's lingering close does. Once asked for, the body must
-arrive within `body_timeout` (else 408). Bytes after it (a pipelined request) wait for
-the answer. A client that half-closes after its request still gets its answer.
-
-Answers are written with one `transport.write` per message (head and body together;
-one per SSE chunk, chunked-encoded). A stream is relayed from the backend connection's
-own callback straight into the client's transport (`Upstream.relay`; FastReply is the
-sink): no task wake-up per event, and a client that reads slowly pauses the backend's
-socket through the body reader's limit. A client that goes away cancels its request, as
-aiohttp's `handler_cancellation` does. A connection idle for `keepalive` seconds is
-closed (one timer per idle period, re-armed lazily).
+`serve` starts once the head is in; a body still coming then is read only when `serve`
+asks for it (router/ingress/fast_body.py), and a refused request's answer says
+`Connection: close`. Bytes after it (a pipelined request) wait for the answer. A client
+that half-closes after its request still gets its answer. Answers are written by
+`FastReply` (router/ingress/fast_reply.py). A client that goes away cancels its
+request, as aiohttp's `handler_cancellation` does. A connection idle for `keepalive`
+seconds is closed (one timer per idle period, re-armed lazily).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Awaitable, Callable, Mapping
-from http import HTTPStatus
 
 from aiohttp import web
-from aiohttp.base_protocol import BaseProtocol
-from aiohttp.http import HttpRequestParser, HttpVersion11, RawRequestMessage
-from aiohttp.http_exceptions import HttpProcessingError
+from multidict import CIMultiDictProxy
 
 from router import log
 from router.errors import INTERNAL, KvrouteError
-from router.ingress.body_budget import BodyBudget
+from router.ingress.fast_body import BodyReceiver, WholeBody
+from router.ingress.fast_idle import IdleTimer
+from router.ingress.fast_reply import FastReply
+from router.ingress.fast_request import ROUTES, Limits, common_request
 from router.ingress.web import (
     LINGER_SECONDS,
     REQUEST_ID,
@@ -55,15 +46,10 @@ from router.ingress.web import (
     watch_half_closed,
 )
 from router.request import Kind
-from router.upstream.proxy import Sink, header_lines
+from router.upstream.flow import FlowProtocol
 
-ROUTES = {
-    "/v1/chat/completions": Kind.CHAT,
-    "/v1/completions": Kind.COMPLETION,
-    "/v1/embeddings": Kind.EMBEDDING,
-}
-_REASONS = {s.value: s.phrase for s in HTTPStatus}
-_LAST_CHUNK = b"0\r\n\r\n"
+__all__ = ["ROUTES", "FastConnection", "FastConnections", "FastReply", "FastSite"]
+
 _INTERNAL = KvrouteError(INTERNAL)
 
 
@@ -85,7 +71,7 @@ class FastConnections:
         self.body_timeout = body_timeout
         self.keepalive = keepalive
         self.linger = min(LINGER_SECONDS, body_timeout)  # as aiohttp's lingering_time
-        self.parser_limits = dict(parser_limits)
+        self.limits = Limits.of(parser_limits)
         self.open: set[FastConnection] = set()
         self.closing = False
 
@@ -113,18 +99,16 @@ class FastConnections:
             conn.close()
 
 
-class FastConnection(BaseProtocol):
+class FastConnection(FlowProtocol):
     """One client connection while the fast path holds it: one request at a time."""
 
     __slots__ = (
         "_closing",
-        "_idle_at",
-        "_idle_timer",
+        "_idle",
         "_owner",
         "_pending",
         "_receiving",
         "_reply",
-        "on_resume",
         "task",
     )
 
@@ -133,30 +117,21 @@ class FastConnection(BaseProtocol):
         self._owner = owner
         self.task: asyncio.Task | None = None
         self._pending = b""  # bytes that came while a request was being answered
-        self._receiving: _BodyReceiver | None = None  # a body still coming, or lingering
+        self._receiving: BodyReceiver | None = None  # a body still coming, or lingering
         self._reply: FastReply | None = None  # the answer of the request being served
         self._closing = False  # close once the current answer is out
-        self._idle_at = 0.0
-        self._idle_timer: asyncio.TimerHandle | None = None
-        #: a relayed stream waiting for the client's buffer to drain (FastReply.on_ready)
-        self.on_resume: Callable[[], None] | None = None
-
-    def resume_writing(self) -> None:
-        super().resume_writing()
-        if self.on_resume is not None:
-            self.on_resume()
+        self._idle = IdleTimer(self._loop, owner.keepalive, self._busy, self.close)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self._owner.open.add(self)
-        self._idle()
+        self._idle.start()
 
     def connection_lost(self, exc: BaseException | None) -> None:
         super().connection_lost(exc)
         self._owner.open.discard(self)
-        self._stop_receiving()
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        self.body_received()
+        self._idle.cancel()
         if self.task is not None:
             self.task.cancel()  # the client left: stop its request
 
@@ -192,65 +167,49 @@ class FastConnection(BaseProtocol):
         if self.task is not None:  # the client did not wait for the answer
             self._pending += data
             if len(self._pending) > self._owner.max_body:
-                self._pause_reading_for_buffer()  # until this answer is out
+                self.pause_reading()  # until this answer is out
             return
         self._process(data)
 
     def _process(self, data: bytes) -> None:
         """Serve `data` if it starts one common request, else hand it to aiohttp."""
         owner = self._owner
-        parser = HttpRequestParser(
-            self, self._loop, owner.max_body + 1, auto_decompress=False, **owner.parser_limits
-        )
-        try:
-            messages, upgraded, tail = parser.feed_data(data)
-        except HttpProcessingError:
-            messages = ()
-        if len(messages) != 1 or upgraded or tail:
+        request = common_request(data, owner.limits, owner.max_body)
+        if request is None or owner.closing:
             self._hand_over(data)
             return
-        message, payload = messages[0]
-        kind = ROUTES.get(message.path) if message.method == "POST" else None
-        if kind is None or not _plain(message, owner.max_body) or owner.closing:
-            self._hand_over(data)
-            return
-        # the request's bytes; more in this read would be a pipelined request, which the
-        # parser keeps to itself: aiohttp serves those
-        length = int(message.headers.get("Content-Length", 0))
-        if len(data) > data.find(b"\r\n\r\n") + 4 + length:
-            self._hand_over(data)
-            return
-        arrived = payload.read_nowait(-1)
-        if payload.is_eof():
-            body: Callable[[], Awaitable[bytes]] = _Body(arrived, owner.ingress.bodies)
+        arrived = request.arrived
+        if len(arrived) == request.length:
+            body: Callable[[], Awaitable[bytes]] = WholeBody(arrived, owner.ingress.bodies)
         else:  # still coming (e.g. a client that writes head and body apart): read on demand
-            body = self._receiving = _BodyReceiver(self, arrived, length)
-            self._pause_reading_for_buffer()
-        self._closing = message.should_close
-        self.task = self._loop.create_task(self._serve(kind, message, body))
+            body = self._receiving = BodyReceiver(self, owner, self._loop, arrived, request.length)
+            self.pause_reading()
+        self._closing = request.should_close
+        self.task = self._loop.create_task(
+            self._serve(request.kind, request.path, request.headers, body)
+        )
 
-    def _stop_receiving(self) -> None:
+    def body_received(self) -> None:
+        """The body being received is whole, or no longer wanted."""
         if self._receiving is not None:
             self._receiving.stop()
         self._receiving = None
 
     async def _serve(
-        self, kind: Kind, message: RawRequestMessage, read_body: Callable[[], Awaitable[bytes]]
+        self,
+        kind: Kind,
+        path: str,
+        headers: CIMultiDictProxy[str],
+        read_body: Callable[[], Awaitable[bytes]],
     ) -> None:
         reply = self._reply = FastReply(self)
         try:
-            await self._owner.ingress.serve(
-                kind, message.method, message.path, message.headers, read_body, reply
-            )
+            await self._owner.ingress.serve(kind, "POST", path, headers, read_body, reply)
         except (ConnectionError, asyncio.CancelledError):
             self._closing = True
         except Exception:  # a bug of ours: aiohttp would answer 500 and log it too
             self._closing = True
-            log.http.exception("error handling %s %s", message.method, message.path)
-            if not reply.started:
-                extra = {REQUEST_ID: request_id(message.headers)}
-                with contextlib.suppress(ConnectionError):
-                    await reply.whole(500, *_INTERNAL.http_answer(extra))
+            await _internal_error(reply, path, headers)
         finally:
             self.task = self._reply = None
             self._after_answer()
@@ -262,12 +221,24 @@ class FastConnection(BaseProtocol):
         if self._closing or self._owner.closing or self.transport is None:
             self.close()
             return
-        self._idle()
-        if self._buffer_paused:
-            self._resume_reading_for_buffer()
+        self._idle.start()
+        if self.reading_paused:
+            self.resume_reading()
         if self._pending:
             data, self._pending = self._pending, b""
             self._process(data)
+
+    # what FastReply asks of its connection
+    def closes(self) -> bool:
+        """The answer says `Connection: close`: the client asked, the router drains, or
+        a body left unread (a refusal before it) is not worth the connection."""
+        return self._closing or self._owner.closing or self._receiving is not None
+
+    def close_after_answer(self) -> None:
+        self._closing = True
+
+    def _busy(self) -> bool:
+        return self.task is not None or self._receiving is not None
 
     def _hand_over(self, data: bytes) -> None:
         """aiohttp's server takes the connection, starting from `data`, for good."""
@@ -275,201 +246,30 @@ class FastConnection(BaseProtocol):
         if transport is None:
             return
         self._owner.open.discard(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
-        handler = self._owner.fallback()
-        transport.set_protocol(handler)
+        self._idle.cancel()
         self.transport = None
-        handler.connection_made(transport)
-        handler.data_received(data)
-        if self._paused:  # the socket's buffer was full: tell the new owner
-            handler.pause_writing()
-
-    def _idle(self) -> None:
-        """Close after `keepalive` seconds without a request (one timer per idle period)."""
-        self._idle_at = time.monotonic()
-        if self._idle_timer is None:
-            self._idle_timer = self._loop.call_later(self._owner.keepalive, self._idle_check)
-
-    def _idle_check(self) -> None:
-        self._idle_timer = None
-        if self.task is not None or self._receiving is not None:
-            return  # busy: the end of its answer starts the next idle period
-        left = self._idle_at + self._owner.keepalive - time.monotonic()
-        if left > 0:
-            self._idle_timer = self._loop.call_later(left, self._idle_check)
-        else:
-            self.close()
+        _hand_over(transport, self._owner.fallback(), data, self.writing_paused)
 
 
-class _Body:
-    """A body that came whole with its head, as `HttpIngress.serve` reads it: its
-    bytes reserved in the body budget."""
-
-    __slots__ = ("_bodies", "_body")
-
-    def __init__(self, body: bytes, bodies: BodyBudget) -> None:
-        self._body = body
-        self._bodies = bodies
-
-    async def __call__(self) -> bytes:
-        self._bodies.take(len(self._body))
-        return self._body
+async def _internal_error(reply: FastReply, path: str, headers: CIMultiDictProxy[str]) -> None:
+    """Log a bug of ours met serving `path`; answer 500 if the answer had not begun."""
+    log.http.exception("error handling POST %s", path)
+    if not reply.started:
+        extra = {REQUEST_ID: request_id(headers)}
+        with contextlib.suppress(ConnectionError):
+            await reply.whole(500, *_INTERNAL.http_answer(extra))
 
 
-class _BodyReceiver:
-    """A Content-Length body still coming when its head was served. The connection
-    reads none of it until `HttpIngress.serve` asks for it, which it does after the
-    token check and once its size is reserved in the body budget: so a refused request
-    (401, 503) costs no more than the one read its head came in. Once asked, the body
-    must be whole within `body_timeout` (else 408).
-
-    After an answer that left it unread, `linger` drops what still comes of it, then
-    closes: the client reads its answer instead of a reset."""
-
-    __slots__ = ("_body", "_chunks", "_conn", "_got", "_size", "_timer")
-
-    def __init__(self, conn: FastConnection, arrived: bytes, size: int) -> None:
-        self._conn = conn
-        self._size = size
-        self._got = len(arrived)
-        self._chunks: list[bytes] | None = [arrived]  # None: dropping them (lingering)
-        self._body: asyncio.Future[bytes] = conn._loop.create_future()
-        self._timer: asyncio.TimerHandle | None = None
-
-    async def __call__(self) -> bytes:
-        conn, owner = self._conn, self._conn._owner
-        owner.ingress.bodies.take(self._size)
-        self._timer = conn._loop.call_later(owner.body_timeout, self._late)
-        conn._resume_reading_for_buffer()
-        try:
-            return await self._body
-        except BaseException:
-            owner.ingress.bodies.give(self._size)
-            raise
-
-    def feed(self, data: bytes) -> bytes:
-        """Take the body's part of `data`; return what came after it."""
-        need = self._size - self._got
-        if len(data) > need:
-            data, rest = data[:need], data[need:]
-        else:
-            rest = b""
-        self._got += len(data)
-        whole = self._got == self._size
-        if self._chunks is None:  # lingering
-            if whole:
-                self._conn.close()
-            return b""
-        self._chunks.append(data)
-        if whole:
-            self._body.set_result(b"".join(self._chunks))
-            self._conn._stop_receiving()
-        return rest
-
-    def linger(self) -> None:
-        conn = self._conn
-        self.stop()
-        self._chunks = None
-        self._timer = conn._loop.call_later(conn._owner.linger, conn.close)
-        conn._resume_reading_for_buffer()
-
-    def stop(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if not self._body.done():
-            self._body.cancel()
-
-    def _late(self) -> None:
-        self._body.set_exception(self._conn._owner.ingress.body_late())
-
-
-def _plain(message: RawRequestMessage, max_body: int) -> bool:
-    """HTTP/1.1 with a plain Content-Length body within the limit: nothing aiohttp must
-    decode, refuse or answer first."""
-    headers = message.headers
-    length = headers.get("Content-Length", "0")
-    return (
-        message.version == HttpVersion11
-        and not message.chunked
-        and not message.upgrade
-        and "Content-Encoding" not in headers
-        and "Expect" not in headers
-        and length.isdigit()
-        and int(length) <= max_body
-    )
-
-
-class FastReply:
-    """A Reply written straight to the connection's transport; streamed bodies are
-    relayed into it by the backend connection itself (it is their Sink)."""
-
-    __slots__ = ("_conn", "started")
-
-    def __init__(self, conn: FastConnection) -> None:
-        self._conn = conn
-        self.started = False
-
-    @property
-    def sink(self) -> Sink:
-        return self
-
-    def _head(self, status: int, headers: Mapping[str, str], framing: str) -> bytes:
-        conn = self._conn
-        # a body left unread (a refusal before it) is not worth the connection
-        close = conn._closing or conn._owner.closing or conn._receiving is not None
-        connection = "Connection: close\r\n" if close else ""
-        reason = _REASONS.get(status, "")
-        return (
-            f"HTTP/1.1 {status} {reason}\r\n{header_lines(headers)}{framing}{connection}\r\n"
-        ).encode("latin-1", "surrogateescape")
-
-    async def whole(
-        self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
-    ) -> None:
-        conn = self._conn
-        if close:
-            conn._closing = True
-        self.started = True
-        await self._write(self._head(status, headers, f"Content-Length: {len(body)}\r\n") + body)
-
-    async def begin(self, status: int, headers: Mapping[str, str]) -> None:
-        self.started = True
-        await self._write(self._head(status, headers, "Transfer-Encoding: chunked\r\n"))
-
-    def send(self, chunk: bytes) -> Awaitable[None] | None:
-        """One chunk, one write; the caller awaits only when the socket's buffer is full."""
-        self.put(chunk)
-        return None if self.ready() else self._conn._drain_helper()
-
-    async def end(self) -> None:
-        await self._write(_LAST_CHUNK)
-
-    # the Sink Upstream.relay writes to, from the backend connection's callbacks
-    def put(self, chunk: bytes) -> None:
-        if chunk:
-            self._raw(b"%x\r\n%b\r\n" % (len(chunk), chunk))
-
-    def put_framed(self, chunks: bytes) -> None:
-        self._raw(chunks)
-
-    def ready(self) -> bool:
-        return not self._conn.writing_paused
-
-    def on_ready(self, callback: Callable[[], None] | None) -> None:
-        self._conn.on_resume = callback
-
-    async def _write(self, data: bytes) -> None:
-        self._raw(data)
-        if not self.ready():
-            await self._conn._drain_helper()
-
-    def _raw(self, data: bytes) -> None:
-        transport = self._conn.transport
-        if transport is None or transport.is_closing():
-            raise ConnectionResetError("the client closed the connection")
-        transport.write(data)
+def _hand_over(
+    transport: asyncio.Transport, handler: asyncio.Protocol, data: bytes, paused: bool
+) -> None:
+    """`handler` (aiohttp's) takes `transport` as if it had been its own from the start,
+    and reads `data` first; `paused`: the socket's buffer is full."""
+    transport.set_protocol(handler)
+    handler.connection_made(transport)
+    handler.data_received(data)
+    if paused:
+        handler.pause_writing()
 
 
 class FastSite(web.TCPSite):

@@ -17,7 +17,7 @@ import orjson
 import pytest
 
 from router.ingress.fast import FastConnection
-from router.upstream.proxy import _Connection
+from router.upstream.connection import _Connection
 from tests.router.conftest import running, settle
 
 BODY = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]})

@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, Histogram
 from yarl import URL
 
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError
-from router.upstream import proxy
+from router.upstream import pool as proxy
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

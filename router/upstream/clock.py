@@ -1,0 +1,102 @@
+"""A body's clock: when its first chunk came, the gaps between chunks, the idle deadline.
+
+Kept apart from the reading so that the three ways of reading a body (whole, chunk by
+chunk, relayed from the connection's callbacks) share one account of it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from prometheus_client import Histogram
+
+from router.metrics import Tally
+
+_TAIL_MIN = 32  # bytes: shorter chunks (`data: [DONE]`, framed or not) hold no usage
+
+
+class BodyClock:
+    """Times one body's chunks; `tail` keeps the last chunk long enough to hold usage."""
+
+    __slots__ = (
+        "_deadline",
+        "_end",
+        "_idle",
+        "_idle_timer",
+        "_itl",
+        "_last_chunk_at",
+        "_loop",
+        "_on_first",
+        "_tally",
+        "first_chunk_at",
+        "tail",
+    )
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        idle: float,
+        end: float,
+        itl: Histogram,
+        on_first: Callable[[], None],
+    ) -> None:
+        self._loop = loop
+        self._idle = idle
+        self._end = end
+        self._itl = itl
+        self._on_first = on_first
+        self._deadline: asyncio.Timeout | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._tally: Tally | None = None
+        self._last_chunk_at = 0.0
+        self.first_chunk_at: float | None = None
+        self.tail = b""
+
+    def watch(self, deadline: asyncio.Timeout) -> None:
+        """The timeout guarding the body; once chunks flow, it expires `idle` seconds
+        after the last one (and at `end` at the latest)."""
+        self._deadline = deadline
+
+    def begin(self) -> None:
+        """The body is about to be read chunk by chunk: its gaps are tallied."""
+        assert self._deadline is not None, "watch() the body's timeout before reading it"
+        self._tally = Tally(self._itl)
+
+    def arrived(self, chunk: bytes, now: float) -> None:
+        """A chunk came at `now`: the first one ends the prefill, any other one a gap."""
+        if self.first_chunk_at is None:
+            self.first_chunk_at = now
+            self._on_first()
+            self._deadline.reschedule(None)  # the idle timer decides from here on
+            self._arm_idle_timer(now + self._idle)
+        else:
+            self._tally.observe(now - self._last_chunk_at)
+        self._last_chunk_at = now
+        if len(chunk) > _TAIL_MIN:
+            self.tail = chunk
+
+    def stop(self) -> None:
+        """The exchange ended: no more deadline, and the gaps go to the histogram."""
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._tally is not None:
+            self._tally.flush()
+
+    def _arm_idle_timer(self, due: float) -> None:
+        """Expire the body's timeout at `due` (never after `end`) unless a chunk comes.
+
+        A chunk only notes its time: this one timer wakes at the deadline it was set for and,
+        if a chunk came since, sleeps on until the new one. So a stream costs a timer per
+        idle period, not a reschedule (a timer cancelled and another created) per chunk.
+        """
+        loop = self._loop
+        due = min(due, self._end)
+        if due > loop.time():
+            self._idle_timer = loop.call_at(due, self._on_idle_timer)
+        else:
+            self._idle_timer = None
+            self._deadline.reschedule(due)  # in the past: asyncio's timeout expires now
+
+    def _on_idle_timer(self) -> None:
+        self._arm_idle_timer(self._last_chunk_at + self._idle)
