@@ -140,14 +140,18 @@ _TOKEN_CHARS = frozenset(
 
 
 class BackendCredentials(_Strict):
-    """What the router sends a backend besides the client's request: vLLM's `--api-key`
+    """How the router reaches a backend besides the client's request: vLLM's `--api-key`
     checks `Authorization: Bearer <key>`, so the key read from `api_key_file` or the
     `api_key_env` variable (never written in the YAML) goes as that; `headers` (not
-    secret) go with every request, health check, scrape and model poll too."""
+    secret) go with every request, health check, scrape and model poll too; `ca_file`
+    verifies an https backend signed by a private CA."""
 
     api_key_env: str | None = None
     api_key_file: str | None = None
     headers: dict[str, str] = msgspec.field(default_factory=dict)
+    #: CA bundle (PEM) that signed an https backend's certificate; unset: the system's.
+    #: The certificate is always verified, its name against the URL's host.
+    ca_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.api_key_env is not None and self.api_key_file is not None:

@@ -9,6 +9,7 @@ many requests were aborted by a disconnect.
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from dataclasses import dataclass, field
 
@@ -48,11 +49,14 @@ class StubBackend:
     health_checks: int = 0
     port: int = 0
     host: str = "127.0.0.1"
+    #: serve https with this context (its certificate), else http
+    tls: ssl.SSLContext | None = None
     _runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://{self.host}:{self.port}"
 
     async def start(self) -> StubBackend:
         app = web.Application(middlewares=[self._api_key, _bad_json_is_400])
@@ -68,7 +72,9 @@ class StubBackend:
         )
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
+        site = web.TCPSite(
+            self._runner, self.host, self.port, reuse_address=True, ssl_context=self.tls
+        )
         await site.start()
         self.port = self._runner.addresses[0][1]
         return self

@@ -9,10 +9,13 @@ fleet changes those (usability.py).
 
 from __future__ import annotations
 
+import ssl
+
 from yarl import URL
 
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.breaker import Breaker
+from router.fleet.credentials import NO_REACH, Reach
 from router.fleet.shared_load import LoadTable
 
 DEFAULT_BREAKER = BreakerConfig()
@@ -34,6 +37,7 @@ class Backend:
         "name",
         "slot",
         "table",
+        "tls",
         "transitions",
         "url",
         "waiting",
@@ -45,12 +49,13 @@ class Backend:
         cfg: BackendConfig,
         breaker: BreakerConfig = DEFAULT_BREAKER,
         table: LoadTable | None = None,
-        headers: dict[str, str] | None = None,
+        reach: Reach = NO_REACH,
     ) -> None:
         self.name = cfg.key
         self.headers: dict[str, str] = {}
         self.head_lines = ""
-        self.set_headers(headers or {})
+        self.tls: ssl.SSLContext | None = None
+        self.set_reach(reach)
         self.url = URL(cfg.url)
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
@@ -105,18 +110,24 @@ class Backend:
         """May new requests go here? Health checks, breaker and drain all agree."""
         return self.healthy and not self.draining and self.breaker.admits
 
-    def reconfigure(self, cfg: BackendConfig, headers: dict[str, str] | None = None) -> None:
+    def reconfigure(self, cfg: BackendConfig, reach: Reach | None = None) -> None:
         """Apply a reloaded config of the same backend (same name and URL)."""
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
-        if headers is not None:
-            self.set_headers(headers)
+        if reach is not None:
+            self.set_reach(reach)
 
-    def set_headers(self, headers: dict[str, str]) -> None:
-        """What every request to it carries (credentials.py): secret, never shown;
-        `head_lines` is the same as the request head's lines, made once."""
-        self.headers = headers
-        self.head_lines = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
+    def set_reach(self, reach: Reach) -> None:
+        """What every exchange with it carries (credentials.py): the headers (secret,
+        never shown; `head_lines` is them as the request head's lines, made once) and the
+        TLS verification of an https backend."""
+        self.headers, self.tls = reach
+        self.head_lines = "".join(f"{n}: {v}\r\n" for n, v in reach.headers.items())
+
+    @property
+    def aiohttp_ssl(self) -> ssl.SSLContext | bool:
+        """The `ssl` argument of an aiohttp call to it: its context, or the default."""
+        return True if self.tls is None else self.tls
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, inflight={self.inflight}, healthy={self.healthy})"

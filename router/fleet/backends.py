@@ -17,7 +17,7 @@ from yarl import URL
 from policies import FleetView, Policy
 from router.config import BackendConfig, BackendCredentials, BreakerConfig
 from router.fleet.backend import DEFAULT_BREAKER, Backend
-from router.fleet.credentials import upstream_headers
+from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
 from router.fleet.usability import Usability
@@ -37,15 +37,17 @@ class Fleet(Usability):
         placements: PlacementTable | None = None,
         defaults: BackendCredentials = NO_CREDENTIALS,
     ) -> None:
-        """ConfigError if a backend's API key cannot be read."""
+        """ConfigError if a backend's API key or CA bundle cannot be read."""
         self.table = table
         self.placements = placements
+        configs = list(configs)
         self.members: tuple[Backend, ...] = tuple(
-            Backend(c, breaker, table, upstream_headers(c, defaults)) for c in configs
+            Backend(c, breaker, table, reach)
+            for c, reach in zip(configs, reach_all(configs, defaults), strict=True)
         )
         self.retired: tuple[Backend, ...] = ()
         #: what `prepare` read for each backend, for `update` to apply
-        self._next_headers: dict[int, dict[str, str]] = {}
+        self._next_reach: dict[int, Reach] = {}
         self.policy = policy
         self.breaker_cfg = breaker
         self._views: dict[str, FleetView] = {}
@@ -65,19 +67,19 @@ class Fleet(Usability):
         defaults: BackendCredentials = NO_CREDENTIALS,
     ) -> list[Backend]:
         """The backends `configs` describe: the current object where name and URL are
-        unchanged (reconfigured by `update`, which also gives it the headers read here),
+        unchanged (reconfigured by `update`, which also gives it the reach read here),
         else a new one, not routable until then. ConfigError, before anything changed,
-        if a backend's API key cannot be read."""
+        if a backend's API key or CA bundle cannot be read."""
         configs = list(configs)
-        headers = [upstream_headers(cfg, defaults) for cfg in configs]
+        reaches = reach_all(configs, defaults)
         current = {b.name: b for b in self.members}
         out = []
-        self._next_headers = {}
-        for cfg, own in zip(configs, headers, strict=True):
+        self._next_reach = {}
+        for cfg, reach in zip(configs, reaches, strict=True):
             backend = current.get(cfg.key)
             if backend is None or backend.url != URL(cfg.url):
-                backend = Backend(cfg, breaker, self.table, own)
-            self._next_headers[id(backend)] = own
+                backend = Backend(cfg, breaker, self.table, reach)
+            self._next_reach[id(backend)] = reach
             out.append(backend)
         return out
 
@@ -93,9 +95,9 @@ class Fleet(Usability):
         Requests in flight keep their Backend objects; removed ones go to `retired`.
         """
         for backend, cfg in zip(backends, configs, strict=True):
-            backend.reconfigure(cfg, self._next_headers.pop(id(backend), None))
+            backend.reconfigure(cfg, self._next_reach.pop(id(backend), None))
             backend.breaker.cfg = breaker
-        self._next_headers = {}
+        self._next_reach = {}
         self.breaker_cfg = breaker
         members = tuple(backends)
         self._attach(policy, members)

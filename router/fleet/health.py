@@ -92,10 +92,16 @@ class HealthChecker:
         url = backend.url.with_path(self.cfg.path)
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(url, headers=backend.headers) as resp:
+                async with self._session.get(
+                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
+                ) as resp:
                     await resp.read()
         except TimeoutError:
             return f"GET {url.path} timed out after {self.cfg.timeout:g}s"
+        except aiohttp.ClientConnectorCertificateError as exc:
+            cert = exc.certificate_error
+            why = getattr(cert, "verify_message", None) or cert
+            return f"GET {url.path}: its TLS certificate is not trusted ({why})"
         except aiohttp.ClientConnectorError as exc:  # "connection refused", not aiohttp's prose
             cause = exc.os_error
             return f"GET {url.path}: {os.strerror(cause.errno) if cause.errno else cause}"
@@ -157,7 +163,9 @@ class ModelPoller:
         try:
             async with asyncio.timeout(self._timeout):
                 url = backend.url.with_path("/v1/models")
-                async with self._session.get(url, headers=backend.headers) as resp:
+                async with self._session.get(
+                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
+                ) as resp:
                     body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError):
             return

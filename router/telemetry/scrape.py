@@ -148,7 +148,9 @@ class Scraper:
         try:
             async with asyncio.timeout(self._stale_after):
                 url = backend.url.with_path("/metrics")
-                async with self._session.get(url, headers=backend.headers) as resp:
+                async with self._session.get(
+                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
+                ) as resp:
                     text = await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             text = None

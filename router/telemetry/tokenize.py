@@ -80,7 +80,9 @@ class RemoteTokenizer:
         try:
             async with asyncio.timeout(_TIMEOUT_S):
                 url = backend.url.with_path("/tokenize")
-                async with self._session.post(url, data=request, headers=headers) as resp:
+                async with self._session.post(
+                    url, data=request, headers=headers, ssl=backend.aiohttp_ssl
+                ) as resp:
                     answer = await resp.read() if resp.status == 200 else None
             tokens = orjson.loads(answer)["tokens"] if answer is not None else None
         except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError, KeyError):

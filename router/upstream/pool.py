@@ -33,17 +33,24 @@ class Upstreams:
         self._sweep: asyncio.TimerHandle | None = None
 
     async def send(
-        self, backend: URL, head: bytes, body: bytes, method: str, connect_timeout: float
+        self,
+        backend: URL,
+        head: bytes,
+        body: bytes,
+        method: str,
+        connect_timeout: float,
+        tls: ssl.SSLContext | None = None,
     ) -> tuple[_Connection, Head, BodyReader]:
         """Write a request on a connection to `backend`; return the connection, the
-        answer's head and its body's reader. Raises UpstreamConnectError or a
+        answer's head and its body's reader. `tls`: how an https backend's certificate
+        is verified (default: the system's CAs). Raises UpstreamConnectError or a
         router/upstream/failures.py class."""
         retry = method in _IDEMPOTENT
         while True:
             conn = self._reuse(backend)
             reused = conn is not None
             if conn is None:
-                conn = await self._connect(backend, connect_timeout)
+                conn = await self._connect(backend, connect_timeout, tls)
             try:
                 answer, payload = await conn.send(head, body, method)
             except (Closed, Reset):
@@ -87,9 +94,14 @@ class Upstreams:
             conn.close()
         return None
 
-    async def _connect(self, backend: URL, timeout: float) -> _Connection:
+    async def _connect(
+        self, backend: URL, timeout: float, tls: ssl.SSLContext | None
+    ) -> _Connection:
         loop = asyncio.get_running_loop()
-        tls = self._tls_context() if backend.scheme == "https" else None
+        if backend.scheme != "https":
+            tls = None
+        elif tls is None:
+            tls = self._tls_context()
         try:
             async with asyncio.timeout(timeout):
                 _, conn = await loop.create_connection(

@@ -229,7 +229,10 @@ async def open_upstream(
         lines = ""
     head = _head(method, target, backend, headers, body, lines)
     try:
-        conn, message, payload = await upstreams.send(backend, head, body, method, connect_timeout)
+        tls = None if own is None else own.tls
+        conn, message, payload = await upstreams.send(
+            backend, head, body, method, connect_timeout, tls
+        )
     except Malformed as exc:
         raise UpstreamError(_logged("The backend answered with malformed HTTP.", exc)) from exc
     except BackendBroke as exc:  # closed or reset

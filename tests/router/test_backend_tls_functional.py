@@ -1,0 +1,99 @@
+"""https backends: their certificate is always verified, against a CA bundle
+(`ca_file`, per backend or in `backend_defaults`) or the system's; one signed by no
+trusted CA is refused, and the logs say why."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import ssl
+import subprocess
+from pathlib import Path
+
+import openai
+import pytest
+
+from router.config import ConfigError, build
+from router.control.worker import Router
+from tests.stub_backend import StubBackend
+
+CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A test CA and a certificate it signed for 127.0.0.1 (openssl's command line)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("pki")
+    ca = "req -x509 -newkey rsa:2048 -nodes -days 2 -keyout ca.key -out ca.pem"
+    _openssl(*ca.split(), "-subj", "/CN=kvroute-test-CA", cwd=d)
+    csr = "req -newkey rsa:2048 -nodes -keyout server.key -out server.csr"
+    _openssl(*csr.split(), "-subj", "/CN=127.0.0.1", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    sign = "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2"
+    _openssl(*sign.split(), "-extfile", "san.ext", "-out", "server.pem", cwd=d)
+    return d
+
+
+async def _https_stub(pki: Path) -> StubBackend:
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(pki / "server.pem", pki / "server.key")
+    return await StubBackend(tls=tls).start()
+
+
+def _config(stub: StubBackend, **backend) -> dict:
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "b0", **backend}],
+        "routing": {"strategy": "RANDOM"},
+    }
+
+
+async def test_an_https_backend_signed_by_the_configured_ca_serves(pki: Path) -> None:
+    stub = await _https_stub(pki)
+    config = _config(stub)
+    config["backend_defaults"] = {"ca_file": str(pki / "ca.pem")}
+    router = Router(build(config))
+    await router.start()
+    try:
+        assert router.fleet.members[0].healthy  # the health check went over TLS too
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+        answer = await client.chat.completions.create(**CHAT)
+        stream = await client.chat.completions.create(**CHAT, stream=True)
+        chunks = [chunk async for chunk in stream]
+        await client.close()
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert answer.choices[0].message.content and chunks
+    assert len(stub.received) == 2
+
+
+async def test_an_untrusted_certificate_is_refused_and_the_log_says_why(pki, caplog) -> None:
+    stub = await _https_stub(pki)
+    router = Router(build(_config(stub)))  # the system's CAs never signed the test CA
+    try:
+        with caplog.at_level(logging.WARNING, logger="kvroute.backends"):
+            await router.start()
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.APIStatusError) as refused:
+            await client.chat.completions.create(**CHAT)
+        await client.close()
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert refused.value.status_code == 503  # no usable backend: it failed its checks
+    assert stub.received == []
+    (warning,) = [r.getMessage() for r in caplog.records if "at start" in r.getMessage()]
+    assert "b0 (GET /health: its TLS certificate is not trusted (" in warning
+
+
+def test_a_ca_file_that_cannot_be_read_is_a_config_error(tmp_path) -> None:
+    config = build({"backends": [{"url": "https://127.0.0.1:9", "ca_file": str(tmp_path / "x")}]})
+    with pytest.raises(ConfigError, match="ca_file"):
+        Router(config)
