@@ -184,16 +184,23 @@ class BackendConfig(BackendCredentials, kw_only=True):
         url = URL(self.url)
         if url.scheme not in ("http", "https") or not url.host:
             raise ValueError(f"backend url {self.url!r} must look like http://host:port")
-        if url.path not in ("", "/"):
-            raise ValueError(f"backend url {self.url!r} must not have a path")
+        if url.query_string or url.fragment:
+            raise ValueError(f"backend url {self.url!r} must not have a query or fragment")
+
+    @property
+    def prefix(self) -> str:
+        """The URL's path, before every path the router asks for ("" for none): a
+        backend behind a gateway at http://host/team/vllm gets /team/vllm/v1/..."""
+        return URL(self.url).path.rstrip("/")
 
     @property
     def key(self) -> str:
-        """The backend's identity: its name, or host:port. Hashing is keyed by it."""
+        """The backend's identity: its name, or host:port and any path prefix. Hashing
+        is keyed by it."""
         if self.name:
             return self.name
         url = URL(self.url)
-        return f"{url.host}:{url.port}"
+        return f"{url.host}:{url.port}{self.prefix}"
 
 
 class TimeoutsConfig(_Strict):

@@ -51,12 +51,14 @@ class StubBackend:
     host: str = "127.0.0.1"
     #: serve https with this context (its certificate), else http
     tls: ssl.SSLContext | None = None
+    #: serve under this path (a backend behind a gateway), e.g. "/team/vllm"
+    prefix: str = ""
     _runner: web.AppRunner | None = None
 
     @property
     def url(self) -> str:
         scheme = "http" if self.tls is None else "https"
-        return f"{scheme}://{self.host}:{self.port}"
+        return f"{scheme}://{self.host}:{self.port}{self.prefix}"
 
     async def start(self) -> StubBackend:
         app = web.Application(middlewares=[self._api_key, _bad_json_is_400])
@@ -70,6 +72,10 @@ class StubBackend:
                 web.get("/health", self._health),
             ]
         )
+        if self.prefix:  # only under the prefix: a request outside it is a 404
+            root = web.Application()
+            root.add_subapp(self.prefix, app)
+            app = root
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(

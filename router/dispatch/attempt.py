@@ -97,7 +97,7 @@ class Attempt:
             upstream = await open_upstream(
                 upstreams,
                 backend.url,
-                call.path,
+                backend.prefix + call.path,
                 call.method,
                 call.body,
                 call.headers,

@@ -35,6 +35,7 @@ class Backend:
         "local_queued",
         "model_cards",
         "name",
+        "prefix",
         "slot",
         "table",
         "tls",
@@ -57,6 +58,8 @@ class Backend:
         self.tls: ssl.SSLContext | None = None
         self.set_reach(reach)
         self.url = URL(cfg.url)
+        #: the URL's path, before every path asked for of it ("" for none)
+        self.prefix = cfg.prefix
         self.weight = cfg.weight
         self.configured_models = frozenset(cfg.models) if cfg.models else None
         self.discovered_models: frozenset[str] | None = None
@@ -123,6 +126,10 @@ class Backend:
         TLS verification of an https backend."""
         self.headers, self.tls = reach
         self.head_lines = "".join(f"{n}: {v}\r\n" for n, v in reach.headers.items())
+
+    def at(self, path: str) -> URL:
+        """The URL of `path` (e.g. /health) on this backend, under its prefix."""
+        return self.url.with_path(self.prefix + path)
 
     @property
     def aiohttp_ssl(self) -> ssl.SSLContext | bool:

@@ -89,7 +89,7 @@ class HealthChecker:
 
     async def _error(self, backend: Backend) -> str | None:
         """Why one check of `backend` fails, or None when it passes."""
-        url = backend.url.with_path(self.cfg.path)
+        url = backend.at(self.cfg.path)
         try:
             async with asyncio.timeout(self.cfg.timeout):
                 async with self._session.get(
@@ -162,7 +162,7 @@ class ModelPoller:
     async def _poll(self, backend: Backend) -> None:
         try:
             async with asyncio.timeout(self._timeout):
-                url = backend.url.with_path("/v1/models")
+                url = backend.at("/v1/models")
                 async with self._session.get(
                     url, headers=backend.headers, ssl=backend.aiohttp_ssl
                 ) as resp:

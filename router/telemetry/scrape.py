@@ -147,7 +147,7 @@ class Scraper:
     async def scrape(self, backend: Backend) -> VllmSnapshot | None:
         try:
             async with asyncio.timeout(self._stale_after):
-                url = backend.url.with_path("/metrics")
+                url = backend.at("/metrics")
                 async with self._session.get(
                     url, headers=backend.headers, ssl=backend.aiohttp_ssl
                 ) as resp:

@@ -79,7 +79,7 @@ class RemoteTokenizer:
         headers = {**backend.headers, "Content-Type": "application/json"}
         try:
             async with asyncio.timeout(_TIMEOUT_S):
-                url = backend.url.with_path("/tokenize")
+                url = backend.at("/tokenize")
                 async with self._session.post(
                     url, data=request, headers=headers, ssl=backend.aiohttp_ssl
                 ) as resp:

@@ -1,6 +1,7 @@
-"""Backends that need an API key (vLLM's --api-key): the key, named by `api_key_env` or
-`api_key_file` and never written in the YAML, reaches each backend as a Bearer token
-and nowhere else: not the logs, not /admin/config, not /debug/routing."""
+"""How the router reaches a backend. One that needs an API key (vLLM's --api-key): the
+key, named by `api_key_env` or `api_key_file` and never written in the YAML, reaches it
+as a Bearer token and nowhere else: not the logs, not /admin/config, not /debug/routing.
+One behind a path prefix gets every call under it."""
 
 from __future__ import annotations
 
@@ -146,3 +147,30 @@ def test_a_key_that_cannot_be_read_is_a_config_error_naming_its_source(tmp_path)
 def test_bad_credentials_are_refused_at_load(entry: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         build({"backends": [{"url": "http://127.0.0.1:9", **entry}]})
+
+
+async def test_a_backend_behind_a_path_prefix_gets_every_call_under_it() -> None:
+    """http://host:port/team/vllm: requests, health checks and model polls all go to
+    /team/vllm/...; the stub answers 404 anywhere else."""
+    stub = await StubBackend(prefix="/team/vllm").start()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url + "/"}],
+        "routing": {"strategy": "RANDOM"},
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        (backend,) = router.fleet.members
+        assert backend.healthy and backend.models == frozenset({"stub-model"})
+        assert backend.name == f"127.0.0.1:{stub.port}/team/vllm"
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
+        answer = await client.chat.completions.create(
+            model="stub-model", messages=[{"role": "user", "content": "hi"}]
+        )
+        await client.close()
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert answer.choices[0].message.content
+    assert stub.health_checks >= 1 and len(stub.received) == 1
