@@ -6,7 +6,7 @@ root = logging.getLogger("kvroute")
 config = logging.getLogger("kvroute.config")
 server = logging.getLogger("kvroute.server")
 backends = logging.getLogger("kvroute.backends")
-#: aiohttp's own server messages for the data plane (http_ingress filters client faults)
+#: aiohttp's own server messages for the data plane (ingress/web.py filters client faults)
 http = logging.getLogger("kvroute.http")
 
 

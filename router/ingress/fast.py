@@ -10,7 +10,7 @@ Expect or Upgrade - is answered here, through the same `HttpIngress.serve` as ai
 handlers. Anything else (another path, a head split over reads, chunked or gzip bodies,
 a malformed request or one near or over the header limits, a body declared over the
 limit, requests pipelined in one read) hands the connection, with every byte of that
-request, to aiohttp's RequestHandler (http_ingress.IngressHandler) for the rest of its
+request, to aiohttp's RequestHandler (ingress/web.py IngressHandler) for the rest of its
 life: its limits (431), slowloris timeouts, `Expect: 100-continue` (a 413 instead for a
 body declared over the limit), lingering close and OpenAI-style errors apply as before.
 
