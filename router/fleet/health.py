@@ -123,7 +123,7 @@ class HealthChecker:
         if not self.cfg.enabled:
             return False
         backend.check_streak = min(backend.check_streak, -self.cfg.unhealthy_threshold)
-        self._fleet.set_healthy(backend, False)
+        self._fleet.set_healthy(backend, False, "a request's connection was refused")
         return True
 
     def judge(self, backend: Backend, passed: bool) -> None:
@@ -132,9 +132,10 @@ class HealthChecker:
         streak = max(streak, 0) + 1 if passed else min(streak, 0) - 1
         backend.check_streak = streak
         if passed and streak >= self.cfg.healthy_threshold:
-            self._fleet.set_healthy(backend, True)
+            self._fleet.set_healthy(backend, True, f"{streak} health checks passed in a row")
         elif not passed and -streak >= self.cfg.unhealthy_threshold:
-            self._fleet.set_healthy(backend, False)
+            why = self.last_error.get(backend.name, "its health check failed")
+            self._fleet.set_healthy(backend, False, f"{-streak} checks failed: {why}")
 
 
 class ModelPoller:
@@ -258,7 +259,7 @@ class Verdicts:
 
     def _apply(self, backend: Backend, v: _Verdict) -> None:
         backend.check_streak = v.streak
-        self._fleet.set_healthy(backend, v.healthy)
+        self._fleet.set_healthy(backend, v.healthy, "the collector's health checks")
         if v.passed_ago is not None:
             self._health.last_pass[v.name] = asyncio.get_running_loop().time() - v.passed_ago
         if v.cards is not None:

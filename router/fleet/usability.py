@@ -28,10 +28,11 @@ _RECOVERIES = frozenset({"up", "closed", "undrained"})
 class Usability(Views):
     """The usability part of `Fleet` (backends.py)."""
 
-    def set_healthy(self, backend: Backend, healthy: bool) -> None:
+    def set_healthy(self, backend: Backend, healthy: bool, why: str = "") -> None:
+        """`why`: what the log line says of the change (the failing check's error)."""
         if backend.healthy != healthy:
             backend.healthy = healthy
-            self._transition(backend, "up" if healthy else "down")
+            self._transition(backend, "up" if healthy else "down", why)
 
     def set_draining(self, backend: Backend, draining: bool) -> None:
         if backend.draining != draining:
@@ -61,7 +62,7 @@ class Usability(Views):
             loop = asyncio.get_running_loop()
             loop.call_later(breaker.cfg.open_seconds, self._half_open, backend)
         if state is not None:
-            self._transition(backend, state.value)
+            self._transition(backend, f"breaker {state.value}", _breaker_why(state, verdict, trial))
         elif breaker.admits != admitted:
             self.changed()
         return refused
@@ -75,10 +76,25 @@ class Usability(Views):
     def _half_open(self, backend: Backend) -> None:
         state = backend.breaker.half_open()
         if state is not None:
-            self._transition(backend, state.value)
+            why = f"open for {backend.breaker.cfg.open_seconds:g}s: one trial request next"
+            self._transition(backend, f"breaker {state.value}", why)
 
-    def _transition(self, backend: Backend, to: str) -> None:
-        backend.transitions[to] = backend.transitions.get(to, 0) + 1
-        level = logging.INFO if to in _RECOVERIES else logging.WARNING
-        log.backends.log(level, "backend %s: %s", backend.name, to)
+    def _transition(self, backend: Backend, to: str, why: str = "") -> None:
+        """Count the change (by the state entered) and log it, with why when known."""
+        state = to.removeprefix("breaker ")
+        backend.transitions[state] = backend.transitions.get(state, 0) + 1
+        level = logging.INFO if state in _RECOVERIES else logging.WARNING
+        reason = f" ({why})" if why else ""
+        log.backends.log(level, "backend %s: %s%s", backend.name, to, reason)
         self.changed()
+
+
+def _breaker_why(state: BreakerState, verdict: Outcome | None, trial: bool) -> str:
+    """Why the breaker moved: the verdict that moved it."""
+    if trial:
+        return "its trial request " + ("succeeded" if verdict is Outcome.SUCCESS else "failed")
+    kinds = {
+        Outcome.FAILURE: "unavailable (502, 503, 504 or no answer)",
+        Outcome.SERVER_ERROR: "a server error",
+    }
+    return f"failed requests in a row, the last: {kinds.get(verdict, 'failed')}"

@@ -172,3 +172,51 @@ async def test_backends_failing_at_start_are_named_in_one_warning_with_why(caplo
     assert "dead (GET /health: Connection refused)" in warning
     assert "sick (GET /health answered 503)" in warning
     assert "fine" not in warning
+
+
+def _said(caplog, backend: str) -> list[str]:
+    return [
+        r.getMessage()
+        for r in caplog.records
+        if r.name == "kvroute.backends" and r.getMessage().startswith(f"backend {backend}: ")
+    ]
+
+
+async def test_health_transitions_are_logged_with_the_failing_checks_error(caplog) -> None:
+    async with running(2, health=FAST_CHECKS) as (router, stubs):
+        b0 = router.fleet.members[0]
+        with caplog.at_level(logging.INFO, logger="kvroute.backends"):
+            stubs[0].behaviour.health_status = 503
+            await until(lambda: not b0.healthy)
+            stubs[0].behaviour.health_status = 200
+            await until(lambda: b0.healthy)
+    assert _said(caplog, "b0") == [
+        "backend b0: down (3 checks failed: GET /health answered 503)",
+        "backend b0: up (2 health checks passed in a row)",
+    ]
+
+
+async def test_breaker_transitions_are_logged_with_what_moved_them(caplog) -> None:
+    breaker = {"failure_threshold": 2, "open_seconds": 0.2, "half_open_successes": 1}
+    config = {"health": NO_CHECKS, "breaker": breaker, "retries": {"max_retries": 0}}
+    async with (
+        running(2, {"strategy": "ROUND_ROBIN"}, **config) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        b0, tally = router.fleet.members[0], Tally.new()
+        url = router.url + "/v1/chat/completions"
+        with caplog.at_level(logging.INFO, logger="kvroute.backends"):
+            stubs[0].behaviour.status = 502
+            for _ in range(4):
+                await tally.send(http, url, expect={200, 502}, **chat())
+            stubs[0].behaviour.status = 200
+            await until(lambda: b0.breaker.state is BreakerState.HALF_OPEN)
+            for _ in range(4):
+                await tally.send(http, url, **chat())
+            await until(lambda: b0.breaker.state is BreakerState.CLOSED)
+    assert _said(caplog, "b0") == [
+        "backend b0: breaker open (failed requests in a row, the last: unavailable (502, 503, "
+        "504 or no answer))",
+        "backend b0: breaker half_open (open for 0.2s: one trial request next)",
+        "backend b0: breaker closed (its trial request succeeded)",
+    ]
