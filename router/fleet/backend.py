@@ -10,7 +10,10 @@ fleet changes those (usability.py).
 from __future__ import annotations
 
 import ssl
+from contextlib import AbstractAsyncContextManager
+from typing import Any
 
+import aiohttp
 from yarl import URL
 
 from router.config import BackendConfig, BreakerConfig
@@ -131,10 +134,14 @@ class Backend:
         """The URL of `path` (e.g. /health) on this backend, under its prefix."""
         return self.url.with_path(self.prefix + path)
 
-    @property
-    def aiohttp_ssl(self) -> ssl.SSLContext | bool:
-        """The `ssl` argument of an aiohttp call to it: its context, or the default."""
-        return True if self.tls is None else self.tls
+    def ask(
+        self, session: aiohttp.ClientSession, method: str, path: str, **kwargs: Any
+    ) -> AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """A request beside the path (health check, model poll, scrape, /tokenize) to
+        `path` under its prefix, with its headers (its key) and its TLS verification."""
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        ssl_arg = True if self.tls is None else self.tls
+        return session.request(method, self.at(path), headers=headers, ssl=ssl_arg, **kwargs)
 
     def __repr__(self) -> str:
         return f"Backend({self.name!r}, inflight={self.inflight}, healthy={self.healthy})"

@@ -92,9 +92,7 @@ class HealthChecker:
         url = backend.at(self.cfg.path)
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with self._session.get(
-                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
-                ) as resp:
+                async with backend.ask(self._session, "GET", self.cfg.path) as resp:
                     await resp.read()
         except TimeoutError:
             return f"GET {url.path} timed out after {self.cfg.timeout:g}s"
@@ -163,10 +161,7 @@ class ModelPoller:
     async def _poll(self, backend: Backend) -> None:
         try:
             async with asyncio.timeout(self._timeout):
-                url = backend.at("/v1/models")
-                async with self._session.get(
-                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
-                ) as resp:
+                async with backend.ask(self._session, "GET", "/v1/models") as resp:
                     body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError):
             return

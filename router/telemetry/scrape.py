@@ -147,10 +147,7 @@ class Scraper:
     async def scrape(self, backend: Backend) -> VllmSnapshot | None:
         try:
             async with asyncio.timeout(self._stale_after):
-                url = backend.at("/metrics")
-                async with self._session.get(
-                    url, headers=backend.headers, ssl=backend.aiohttp_ssl
-                ) as resp:
+                async with backend.ask(self._session, "GET", "/metrics") as resp:
                     text = await resp.text() if resp.status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, UnicodeDecodeError):
             text = None

@@ -76,13 +76,11 @@ class RemoteTokenizer:
         if not candidates:
             return None
         backend = min(candidates, key=lambda b: b.inflight)
-        headers = {**backend.headers, "Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         try:
             async with asyncio.timeout(_TIMEOUT_S):
-                url = backend.at("/tokenize")
-                async with self._session.post(
-                    url, data=request, headers=headers, ssl=backend.aiohttp_ssl
-                ) as resp:
+                ask = backend.ask(self._session, "POST", "/tokenize", data=request, headers=headers)
+                async with ask as resp:
                     answer = await resp.read() if resp.status == 200 else None
             tokens = orjson.loads(answer)["tokens"] if answer is not None else None
         except (aiohttp.ClientError, OSError, TimeoutError, orjson.JSONDecodeError, KeyError):
