@@ -39,7 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvroute sim",
         description="Simulate K vLLM servers (OpenAI API, /metrics, KV events) in one process.",
     )
-    parser.add_argument("--config", metavar="FILE", help="YAML file with the same keys as flags")
+    parser.add_argument(
+        "-c", "--config", metavar="FILE", help="YAML file with the same keys as flags"
+    )
     parser.add_argument("--fault", action="append", metavar="INDEX:MODE[:ARG]", help=_FAULT_HELP)
     fleet = parser.add_argument_group("fleet")
     server = parser.add_argument_group("each simulated server")

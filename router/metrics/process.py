@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
+from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
-from prometheus_client.core import Metric
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
@@ -51,7 +52,26 @@ def exported(registry: CollectorRegistry, multiprocess: bool) -> CollectorRegist
         out = registry
         ProcessCollector(registry=out)
     PlatformCollector(registry=out)
+    out.register(_BuildInfo())
     return out
+
+
+class _BuildInfo:
+    """`kvroute_build_info{version} 1`: which release answers (dashboards, alerts on
+    a mixed fleet during a rollout)."""
+
+    def __init__(self) -> None:
+        try:
+            self._version = version("kvroute")
+        except PackageNotFoundError:
+            self._version = "unknown"
+
+    def collect(self) -> Iterable[Metric]:
+        info = GaugeMetricFamily(
+            "kvroute_build_info", "1, labelled with the kvroute release", labels=["version"]
+        )
+        info.add_metric([self._version], 1.0)
+        return [info]
 
 
 class _EveryProcess:

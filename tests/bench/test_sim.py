@@ -447,6 +447,7 @@ def test_every_param_has_a_flag_with_help() -> None:
         pytest.param(["--fault", "0:hang:1"], id="arg-for-hang"),
         pytest.param(["--block-size", "0"], id="bound"),
         pytest.param(["--config", "/nonexistent/sim.yaml"], id="missing-file"),
+        pytest.param(["-c", "/nonexistent/sim.yaml"], id="missing-file-short-flag"),
     ],
 )
 def test_cli_rejects_bad_config_with_status_2(argv: list[str], capsys: Any) -> None:

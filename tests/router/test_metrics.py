@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from importlib.metadata import version
+
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram
 
-from router.metrics import Tally
+from router.metrics import Metrics, Tally
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0)
 values = st.lists(st.floats(min_value=0, max_value=5, allow_nan=False), max_size=50)
@@ -42,3 +44,8 @@ def test_nothing_reaches_the_histogram_before_flush() -> None:
     tally.flush()
     assert samples(histogram)["t_bucket", "0.01"] == 1
     assert samples(histogram)["t_bucket", "0.001"] == 0
+
+
+def test_build_info_names_the_installed_release() -> None:
+    page = Metrics(list).render().decode()
+    assert f'kvroute_build_info{{version="{version("kvroute")}"}} 1.0' in page
