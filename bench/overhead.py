@@ -7,8 +7,10 @@ the difference of the two distributions (router - direct), not either alone.
 
     python -m bench.overhead --requests 2000 --concurrency 64
 
-The router runs as `kvroute serve` starts by default (its strategy, a worker per core);
-`--strategy` and `--workers` measure others.
+The router runs as `kvroute serve` starts by default (its strategy, a worker per core,
+the access log on, here into a file); `--strategy` and `--workers` measure others.
+`--access-log-off` adds a second router with the access log off, in the same batches:
+the difference of their added latencies is the access log's cost.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
+from typing import IO
 
 import aiohttp
 import orjson
@@ -42,8 +46,8 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str]) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def process(cmd: list[str], stdout: IO | int = subprocess.PIPE) -> Iterator[subprocess.Popen]:
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True)
     try:
         yield proc
     finally:
@@ -56,18 +60,29 @@ def process(cmd: list[str]) -> Iterator[subprocess.Popen]:
 
 
 @contextlib.contextmanager
-def backend_and_router(strategy: str, workers: int = 1) -> Iterator[tuple[str, str]]:
-    """Start the instant backend and a router in front of it; yield both URLs."""
+def backend_and_routers(
+    strategy: str, workers: int = 1, access_logs: tuple[bool, ...] = (True,)
+) -> Iterator[tuple[str, list[str]]]:
+    """Start the instant backend and a router in front of it per entry of `access_logs`
+    (its access log on, into a file, or off); yield the backend's URL and theirs."""
     py = sys.executable
-    with process([py, "-m", "bench.instant_backend", "--port", "0"]) as backend:
+    with (
+        process([py, "-m", "bench.instant_backend", "--port", "0"]) as backend,
+        tempfile.TemporaryDirectory() as tmp,
+        contextlib.ExitStack() as routers,
+    ):
         backend_url = backend.stdout.readline().strip()
-        port = free_port()
-        cmd = [py, "-m", "router", "serve", "--port", str(port), "--backend", backend_url]
-        cmd += ["--workers", str(workers), "--strategy", strategy, "--log-level", "warning"]
-        with process(cmd):
-            router_url = f"http://127.0.0.1:{port}"
-            asyncio.run(wait_ready(router_url))
-            yield backend_url, router_url
+        urls = []
+        for i, logged in enumerate(access_logs):
+            port = free_port()
+            cmd = [py, "-m", "router", "serve", "--port", str(port), "--backend", backend_url]
+            cmd += ["--workers", str(workers), "--strategy", strategy, "--log-level", "warning"]
+            cmd += ["--access-log", os.path.join(tmp, f"access-{i}.log") if logged else "off"]
+            routers.enter_context(process(cmd, subprocess.DEVNULL))
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:
+            asyncio.run(wait_ready(url))
+        yield backend_url, urls
 
 
 async def wait_ready(url: str, timeout: float = 20.0) -> None:
@@ -105,17 +120,17 @@ async def _batch(http: aiohttp.ClientSession, url: str, n: int, concurrency: int
 
 
 async def compare(
-    direct: str, routed: str, requests: int, concurrency: int, rounds: int = 10
+    urls: dict[str, str], requests: int, concurrency: int, rounds: int = 10
 ) -> dict[str, list[float]]:
-    """Latencies of `requests` calls to each URL, interleaved in `rounds` batches."""
-    lat: dict[str, list[float]] = {"direct": [], "router": []}
+    """Latencies of `requests` calls to each named URL, interleaved in `rounds` batches."""
+    lat: dict[str, list[float]] = {name: [] for name in urls}
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=conn) as http:
-        for url in (direct, routed):  # warm both paths
+        for url in urls.values():  # warm every path
             await _batch(http, url + "/v1/chat/completions", 50, concurrency)
         per = max(1, requests // rounds)
         for _ in range(rounds):
-            for name, url in (("direct", direct), ("router", routed)):
+            for name, url in urls.items():
                 lat[name] += await _batch(http, url + "/v1/chat/completions", per, concurrency)
     return lat
 
@@ -125,8 +140,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-def summarize(lat: dict[str, list[float]]) -> dict[str, float]:
-    d, r = lat["direct"], lat["router"]
+def summarize(lat: dict[str, list[float]], router: str = "router") -> dict[str, float]:
+    """`router`'s latencies against the direct ones'."""
+    d, r = lat["direct"], lat[router]
     return {
         "direct_p50_ms": percentile(d, 0.5) * 1e3,
         "router_p50_ms": percentile(r, 0.5) * 1e3,
@@ -158,29 +174,39 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="router processes (default 0: one per core, as kvroute serve starts)",
     )
+    parser.add_argument(
+        "--access-log-off",
+        action="store_true",
+        help="also measure a router with the access log off, in the same batches",
+    )
     args = parser.parse_args(argv)
+    names = ("router", "router, no access log") if args.access_log_off else ("router",)
+    access_logs = (True, False)[: len(names)]
     results = {}
-    with backend_and_router(args.strategy, args.workers) as (direct, routed):
-        for label, conc in (
+    with backend_and_routers(args.strategy, args.workers, access_logs) as (direct, routed):
+        urls = {"direct": direct, **dict(zip(names, routed, strict=True))}
+        for mode, conc in (
             ("sequential", 1),
             (f"concurrency {args.concurrency}", args.concurrency),
         ):
-            lat = asyncio.run(compare(direct, routed, args.requests, conc))
-            results[label] = summarize(lat)
+            lat = asyncio.run(compare(urls, args.requests, conc))
+            for name in names:
+                results[f"{mode}, {name}" if len(names) > 1 else mode] = summarize(lat, name)
     cpus = os.cpu_count()
     print(
-        f"router overhead, {args.strategy}, {args.workers} workers, "
+        f"router overhead, {args.strategy}, {args.workers} workers, access log into a file, "
         f"{args.requests} requests per path, cpus={cpus}"
     )
+    width = max(map(len, results)) + 1
     print(
-        f"{'mode':18} {'direct p50':>11} {'router p50':>11} {'added p50':>10} "
+        f"{'mode':{width}} {'direct p50':>11} {'router p50':>11} {'added p50':>10} "
         f"{'direct p99':>11} {'router p99':>11} {'added p99':>10}"
     )
-    for label, s in results.items():
+    for label, r in results.items():
         print(
-            f"{label:18} {s['direct_p50_ms']:9.3f}ms {s['router_p50_ms']:9.3f}ms "
-            f"{s['added_p50_ms']:8.3f}ms {s['direct_p99_ms']:9.3f}ms "
-            f"{s['router_p99_ms']:9.3f}ms {s['added_p99_ms']:8.3f}ms"
+            f"{label:{width}} {r['direct_p50_ms']:9.3f}ms {r['router_p50_ms']:9.3f}ms "
+            f"{r['added_p50_ms']:8.3f}ms {r['direct_p99_ms']:9.3f}ms "
+            f"{r['router_p99_ms']:9.3f}ms {r['added_p99_ms']:8.3f}ms"
         )
     if args.json:
         write_json(args.json, results)

@@ -89,7 +89,20 @@ def _process_options(p: argparse.ArgumentParser) -> None:
         "--log-level",
         type=str.lower,
         choices=LOG_LEVELS,
-        help="config default info; nothing is logged per request at any level",
+        help="config default info; nothing is logged per request at any level (the "
+        "access log aside), and failures are throttled",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        help="text, or json: one JSON object per line, the access log's too (config "
+        "log_format, default text)",
+    )
+    p.add_argument(
+        "--access-log",
+        metavar="FILE",
+        help="where each request's line goes: - for standard output (config access_log, "
+        "default -), a file to append to, or off",
     )
 
 
@@ -105,6 +118,9 @@ def _overrides(args: argparse.Namespace) -> dict:
         "grpc.enabled": True if args.grpc_port is not None else None,
         "grpc.port": args.grpc_port,
         "log_level": args.log_level,
+        "log_format": args.log_format,
+        "access_log.enabled": False if args.access_log == "off" else None,
+        "access_log.path": args.access_log if args.access_log not in (None, "off") else None,
         "workers": args.workers,
     }
 
@@ -130,7 +146,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.control.reload import ConfigSource
     from router.control.supervisor import Supervisor, worker_count
 
-    log.setup(config.log_level, "supervisor" if worker_count(config) > 1 else None)
+    log.setup(
+        config.log_level, "supervisor" if worker_count(config) > 1 else None, config.log_format
+    )
     for warning in advice(config):
         log.server.warning("%s", warning)
     try:

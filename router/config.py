@@ -360,6 +360,15 @@ class MetricsConfig(_Strict):
     tenants: tuple[Tenant, ...] = ()
 
 
+class AccessLogConfig(_Strict):
+    """One line per request: written in batches by a thread, off the request's path."""
+
+    enabled: bool = True
+    #: where the lines go: "-" for standard output, else a file opened for appending
+    #: (each worker appends whole lines; rotate by copy and truncate, or restart)
+    path: str = "-"
+
+
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: credentials and headers of every backend that sets none of its own
@@ -390,6 +399,10 @@ class Config(_Strict):
     #: processes serving requests on the listen port; 0: one per usable core
     workers: Annotated[int, Meta(ge=0, le=256)] = 0
     log_level: str = "info"
+    #: how every log line is written, the access log's included: "text" or "json" (one
+    #: JSON object per line, for a log pipeline)
+    log_format: Literal["text", "json"] = "text"
+    access_log: AccessLogConfig = AccessLogConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

@@ -44,6 +44,10 @@ class OtherRequest(_Common):
     pass
 
 
+#: the request of a refusal before its body was read or parsed: no routing fields
+NO_FIELDS = OtherRequest()
+
+
 class Kind(Enum):
     """Which OpenAI endpoint family a path belongs to."""
 

@@ -148,7 +148,7 @@ class StubBackend:
                 return _error(b.status, "stub failure")
             chat = request.path.endswith("chat/completions")
             if body.get("stream"):
-                response = await self._stream(request, b, chat)
+                response = await self._stream(request, body, b, chat)
             else:
                 response = web.json_response(_completion(self.model, chat, b.chunks))
             self.completed += 1
@@ -159,7 +159,9 @@ class StubBackend:
         finally:
             self.active -= 1
 
-    async def _stream(self, request: web.Request, b: Behaviour, chat: bool) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, request_body: dict, b: Behaviour, chat: bool
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for i in range(b.chunks):
@@ -172,6 +174,10 @@ class StubBackend:
                 await asyncio.sleep(b.pace)
             self.chunk_sent_at.append(time.monotonic())
             await response.write(b"data: " + orjson.dumps(_chunk(self.model, chat, i)) + b"\n\n")
+        if (request_body.get("stream_options") or {}).get("include_usage"):
+            usage = _usage(b.chunks)
+            event = {"id": "chatcmpl-1", "model": self.model, "choices": [], "usage": usage}
+            await response.write(b"data: " + orjson.dumps(event) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -211,9 +217,13 @@ def _chunk(model: str, chat: bool, i: int) -> dict:
     }
 
 
+def _usage(completion: int) -> dict:
+    return {"prompt_tokens": 5, "completion_tokens": completion, "total_tokens": 5 + completion}
+
+
 def _completion(model: str, chat: bool, n: int) -> dict:
     text = "".join(f"tok{i} " for i in range(n))
-    usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}
+    usage = _usage(n)
     if chat:
         choice = {
             "index": 0,

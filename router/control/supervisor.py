@@ -147,7 +147,7 @@ def _child_main(ctx: WorkerContext, parent: int) -> None:
     from router.control.serve import serve
 
     config = load(ctx.config_path, ctx.overrides)
-    log.setup(config.log_level, ctx.name)
+    log.setup(config.log_level, ctx.name, config.log_format)
     uvloop.run(serve(config, ConfigSource(ctx.config_path, ctx.overrides), ctx))
 
 

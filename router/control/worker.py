@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from router import log
+from router.access_log import AccessLog
 from router.config import Config
 from router.context import WorkerContext
 from router.control.admin import AdminServer
@@ -60,6 +61,7 @@ class Router(Node):
             self.admin = AdminServer(self, config.admin, self.admin_token)
         self.listeners = Listeners(context, self.admin)
         self.dispatcher: Dispatcher | None = None
+        self.access_log: AccessLog | None = None
         self.ingress: HttpIngress | None = None
         self.port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
@@ -127,8 +129,19 @@ class Router(Node):
         """The dispatcher, on the config replayed edits may have changed, then the
         listeners over it."""
         cfg, lst = self.config, self.listeners
+        if cfg.access_log.enabled:
+            self.access_log = AccessLog(
+                cfg.access_log.path, cfg.log_format, self.metrics.access_log_dropped.inc
+            )
         self.dispatcher = Dispatcher(
-            cfg, self.fleet, self.metrics, self._session, self._refused, self.admission_counts
+            cfg,
+            self.fleet,
+            self.metrics,
+            self._session,
+            self._refused,
+            self.admission_counts,
+            self.access_log,
+            lambda: self.auth.tenants,
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         await lst.start(
@@ -148,6 +161,9 @@ class Router(Node):
         await self.listeners.stop_admin()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections
+        if self.access_log is not None:
+            self.access_log.close()  # the last lines, once nothing is in flight
+            self.access_log = None
         await self.stop_parts()
         for table in (self.table, self.placements, self.admission_counts):
             if table is not None:

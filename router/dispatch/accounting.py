@@ -1,31 +1,48 @@
 """What a request records on its way: its routing decision, each retry, and once, for
-its last attempt, its outcome (status, latencies, the KV-cache prediction checked
-against what the backend reported); or its refusal before any backend.
+its last attempt, its outcome (status, latencies, the tokens its answer reported, the
+KV-cache prediction checked against them, its access log line); or its refusal before
+any backend.
 
 The labelled children every request touches are looked up once (`Labelled`); the
-strategy label is the reloadable setting `Dispatcher.configure` sets here.
+strategy label is the reloadable setting `Dispatcher.configure` sets here. A failure
+(a 5xx the router makes, a retry) is logged, throttled; a success never is, beside the
+access log, which writes off the request's path (router/access_log.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Container
 
 from policies import SPILL_REASONS, Pick
+from router import log
+from router.access_log import AccessLog, Entry
 from router.dispatch.attempt import Attempt
-from router.dispatch.call import Routed
+from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.metrics import Labelled, Metrics
-from router.upstream.proxy import Upstream
+from router.upstream.usage import NO_USAGE, Usage
 
 
 class Accounting:
-    """The request path's metrics, by the step that records them."""
+    """The request path's metrics and access log, by the step that records them."""
 
-    __slots__ = ("_decisions", "_e2e", "_metrics", "_requests", "_spillovers", "_ttft", "strategy")
+    __slots__ = (
+        "_access",
+        "_decisions",
+        "_e2e",
+        "_metrics",
+        "_requests",
+        "_spillovers",
+        "_ttft",
+        "strategy",
+        "tenants",
+    )
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, access: AccessLog | None = None) -> None:
         self._metrics = metrics
+        self._access = access
         self._requests = Labelled(metrics.requests)
         self._decisions = Labelled(metrics.decisions)
         self._spillovers = Labelled(metrics.spillovers)
@@ -33,6 +50,8 @@ class Accounting:
         self._ttft = Labelled(metrics.ttft)
         #: the routing strategy's name, as the metrics label it
         self.strategy = ""
+        #: the static tokens' tenants now, named in the token counters
+        self.tenants: Callable[[], Container[str]] = tuple
 
     def decided(self, pick: Pick, panic: bool, t0: float) -> None:
         """Count the policy's pick; `t0`: when its decision began, `panic`: its view's."""
@@ -47,29 +66,103 @@ class Accounting:
     def finish(self, attempt: Attempt, ok: bool, retried: bool = False) -> None:
         """Release the attempt; account the request if this was its last attempt."""
         attempt.release(clean=ok)
-        name = attempt.backend.name
+        name, call, error = attempt.backend.name, attempt.call, attempt.error
         if retried:
-            error = attempt.error
             reason = error.kind if error else f"http_{attempt.status}"
             self._metrics.retries.labels(name, reason).inc()
+            why = error.message if error else f"it answered {attempt.status}"
+            log.requests_failed.warning(
+                "request %s: retrying elsewhere, backend %s failed: %s", call.request_id, name, why
+            )
             return
-        started, upstream = attempt.started, attempt.upstream
+        upstream = attempt.upstream
+        seconds = asyncio.get_running_loop().time() - call.started
         self._requests(name, self.strategy, attempt.status).inc()
-        self._e2e(name).observe(asyncio.get_running_loop().time() - started)
+        self._e2e(name).observe(seconds)
+        ttft = None
         if upstream is not None and upstream.first_chunk_at is not None:
-            self._ttft(name).observe(upstream.first_chunk_at - started)
-        if ok and attempt.routed.prompt_tokens:
-            self._check_prediction(attempt.routed, upstream)
+            ttft = upstream.first_chunk_at - call.started
+            self._ttft(name).observe(ttft)
+        used = upstream.usage() if ok and upstream is not None else NO_USAGE
+        if used is not NO_USAGE:
+            self._count_tokens(call, used)
+            if attempt.routed.prompt_tokens:
+                self._check_prediction(attempt.routed, used)
+        if error is not None:
+            log.requests_failed.warning(
+                "request %s: %s %s from backend %s: %s",
+                call.request_id,
+                error.status,
+                error.kind,
+                name,
+                error.message,
+            )
+        if self._access is not None:
+            failure = type(error).__name__ if error is not None else _disconnected(attempt)
+            retries = call.attempts - 1
+            why = attempt.routed.reason
+            self._log(call, seconds, ttft, name, why, attempt.status, retries, used, failure)
 
-    def _check_prediction(self, routed: Routed, upstream: Upstream) -> None:
+    def _count_tokens(self, call: Call, used: Usage) -> None:
+        model = call.req.model or ""
+        self._metrics.count_tokens(model, call.tenant, self.tenants(), *used)
+
+    def _check_prediction(self, routed: Routed, used: Usage) -> None:
         """Closed loop: the backend's reported cached_tokens against our prediction."""
-        actual = upstream.cached_tokens()
+        actual = used.cached
         if actual is not None:
             m = self._metrics
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
 
-    def rejected(self, error: KvrouteError) -> None:
-        """Count a request refused before it reached any backend."""
+    def rejected(self, error: KvrouteError, call: Call | None = None) -> None:
+        """Count a request refused before it reached any backend; `call`: what is known
+        of it (none when it was refused before its body was read)."""
         self._requests("none", self.strategy, str(error.status)).inc()
+        if error.status >= 500:
+            rid = call.request_id if call is not None else "-"
+            log.requests_failed.warning("request %s: %s %s", rid, error.status, error.message)
+        if self._access is not None and call is not None:
+            seconds = asyncio.get_running_loop().time() - call.started
+            status, failure = str(error.status), type(error).__name__
+            self._log(call, seconds, None, "", "", status, 0, NO_USAGE, failure)
+
+    def _log(
+        self,
+        call: Call,
+        seconds: float,
+        ttft: float | None,
+        backend: str,
+        reason: str,
+        status: str,
+        retries: int,
+        used: Usage,
+        failure: str,
+    ) -> None:
+        """The request's access log line (see router/access_log.py's Entry)."""
+        model = call.req.model or ""
+        self._access.add(
+            Entry(
+                time.time(),
+                seconds,
+                ttft,
+                call.request_id,
+                call.tenant,
+                call.method,
+                call.path,
+                model,
+                self.strategy,
+                backend,
+                reason,
+                status,
+                retries,
+                *used,
+                failure,
+            )
+        )
+
+
+def _disconnected(attempt: Attempt) -> str:
+    """The failure of an attempt that ended with no error of its backend's."""
+    return "ClientDisconnected" if attempt.status == "499" else ""

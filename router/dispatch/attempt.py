@@ -39,9 +39,9 @@ class Attempts:
         self.on_refused = on_refused
         self.itl = Labelled(metrics.itl)
 
-    def begin(self, routed: Routed, started: float, timeout: asyncio.Timeout) -> Attempt:
-        """An attempt on `routed`'s backend, holding its slots from now on."""
-        return Attempt(self, routed, started, timeout)
+    def begin(self, routed: Routed, call: Call, timeout: asyncio.Timeout) -> Attempt:
+        """An attempt of `call` on `routed`'s backend, holding its slots from now on."""
+        return Attempt(self, routed, call, timeout)
 
 
 class Attempt:
@@ -60,15 +60,15 @@ class Attempt:
         "_timeout",
         "_trial",
         "backend",
+        "call",
         "error",
         "routed",
-        "started",
         "status",
         "upstream",
     )
 
     def __init__(
-        self, attempts: Attempts, routed: Routed, started: float, timeout: asyncio.Timeout
+        self, attempts: Attempts, routed: Routed, call: Call, timeout: asyncio.Timeout
     ) -> None:
         self._fleet = fleet = attempts.fleet
         self._metrics = attempts.metrics
@@ -76,7 +76,8 @@ class Attempt:
         self.routed = routed
         self.backend = backend = routed.backend
         self._itl = attempts.itl(backend.name)
-        self.started = started
+        self.call = call
+        call.attempts += 1
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)
@@ -87,9 +88,10 @@ class Attempt:
         self.upstream: Upstream | None = None
         self.error: UpstreamError | None = None
 
-    async def open(self, call: Call, upstreams: Upstreams, t: TimeoutsConfig) -> None:
+    async def open(self, upstreams: Upstreams, t: TimeoutsConfig) -> None:
         """Send the request and wait for the answer's headers (`upstream`), or note
         why there is none (`error`) if it failed before the backend answered."""
+        call = self.call
         end = call.started + t.total
         self._timeout.reschedule(min(asyncio.get_running_loop().time() + t.first_byte, end))
         backend = self.backend

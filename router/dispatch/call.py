@@ -28,12 +28,18 @@ class Call:
     headers: CIMultiDict[str]
     started: float
     tenant: str | None = None
+    #: the id its answer, its backend and the access log name it by (X-Request-Id)
+    request_id: str = ""
+    #: attempts begun so far (the first, then each retry's)
+    attempts: int = 0
     #: the prompt's exact token ids, when a backend's /tokenize supplied them
     token_ids: list[int] | None = None
 
 
 class Routed(NamedTuple):
     backend: Backend
+    #: why the policy picked it (its decision's reason, as the metrics label it)
+    reason: str = ""
     #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
     prompt_tokens: int = 0
     predicted_cached: int = 0

@@ -25,9 +25,10 @@ import asyncio
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Callable, Collection
+from collections.abc import AsyncIterator, Callable, Collection, Container
 from contextlib import asynccontextmanager
 
+from router.access_log import AccessLog
 from router.config import Config
 from router.dispatch.accounting import Accounting
 from router.dispatch.admission import Admission, Counts
@@ -80,10 +81,14 @@ class Dispatcher:
         session,
         on_refused: Callable[[Backend], None] | None = None,
         counts: Counts | None = None,
+        access: AccessLog | None = None,
+        tenants: Callable[[], Container[str]] = tuple,
     ) -> None:
         """`on_refused` hears each backend that refused a connection (the health
         checker's `refused`). `counts`: what admission counts against its caps (with
-        several workers, the shared admission table); by default this process's own."""
+        several workers, the shared admission table); by default this process's own.
+        `access`: where each request's line goes, if anywhere; `tenants`: the static
+        tokens' ones now (a reload changes them), named in the token counters."""
         self.fleet = fleet
         self.metrics = metrics
         #: the request path's connections to the backends
@@ -91,7 +96,8 @@ class Dispatcher:
         self.admission = Admission(config.limits, counts)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
-        self._account = Accounting(metrics)
+        self._account = Accounting(metrics, access)
+        self._account.tenants = tenants
         attempts = Attempts(fleet, metrics, on_refused)
         self._picker = Picker(fleet, self._account, attempts)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
@@ -148,7 +154,7 @@ class Dispatcher:
                         call.token_ids = await describer.token_ids(call, block_keys)
                     t0 = time.perf_counter()
                     route_req = describer.describe(call)
-                    first = self._picker.first(route_req, t0, call.started, deadline)
+                    first = self._picker.first(route_req, t0, call, deadline)
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below
@@ -168,7 +174,7 @@ class Dispatcher:
                 self.admission.leave(held)
         except KvrouteError as err:
             if not tried:  # refused before any backend: shutting down, 429, 404, 400, 503
-                self._account.rejected(err)
+                self._account.rejected(err, call)
             raise
         except asyncio.CancelledError:
             if not self._open.was_cut(task):  # not the drain's cut, or the client left too
@@ -185,6 +191,7 @@ class Dispatcher:
         self.draining = True
         await self._open.drain(timeout, CUT_GRACE_SECONDS)
 
-    def rejected(self, error: KvrouteError) -> None:
-        """Count a request refused before it reached any backend."""
-        self._account.rejected(error)
+    def rejected(self, error: KvrouteError, call: Call | None = None) -> None:
+        """Count a request refused before it reached any backend (`call`: what is known
+        of it, for the access log)."""
+        self._account.rejected(error, call)

@@ -50,7 +50,7 @@ from router.fleet.backends import Fleet
 from router.ingress import grpc_convert
 from router.ingress.auth import Authenticator
 from router.metrics import Metrics
-from router.request import Kind, parse
+from router.request import NO_FIELDS, Kind, parse
 from router.upstream.proxy import Upstream
 
 #: every service the server registers and reflection lists (the route walk test calls
@@ -239,6 +239,7 @@ class _Inference(pb_grpc.InferenceServicer):
         request_id, authorization, claimed = self._metadata(context.invocation_metadata() or ())
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
         routing = request.routing
+        tenant = None
         try:
             tenant = self._tenant(authorization, claimed, routing)  # no work for strangers
             body = orjson.dumps(grpc_convert.body_of(request, stream))
@@ -249,10 +250,22 @@ class _Inference(pb_grpc.InferenceServicer):
                 )
             req = parse(kind, body)
         except KvrouteError as err:
-            self._dispatch.rejected(err)
+            unread = Call(
+                kind,
+                NO_FIELDS,
+                "POST",
+                _PATHS[kind],
+                b"",
+                CIMultiDict(),
+                started,
+                tenant,
+                request_id,
+            )
+            self._dispatch.rejected(err, unread)
             await context.abort(*err.to_grpc(trailers))
         headers = self._headers(request_id, authorization, tenant, routing)
-        return trailers, Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant)
+        call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant, request_id)
+        return trailers, call
 
     def _metadata(self, metadata) -> tuple[str, str | None, str | None]:
         """The request id (made up if absent or not a bounded token), the authorization

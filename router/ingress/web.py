@@ -49,7 +49,7 @@ from router.ingress.relay import AiohttpReply, Reply, refuse, relay
 from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.metrics import CONTENT_TYPE, Metrics
-from router.request import Kind, parse
+from router.request import NO_FIELDS, Kind, parse
 from router.telemetry.loops import Telemetry
 from router.upstream.proxy import forward_headers
 
@@ -155,23 +155,27 @@ class HttpIngress:
             headers.popall("Authorization", None)  # the router's token stays here
         headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
         extra = {REQUEST_ID: rid}
-        body = b""
+        body, tenant = b"", None
         try:
             try:
                 tenant = self._tenant(client_headers)  # before the body: no work for strangers
                 body = await read_body()
                 req = parse(kind, body)
-                call = Call(kind, req, method, path, body, headers, started, tenant)
+                call = Call(kind, req, method, path, body, headers, started, tenant, rid)
             except KvrouteError as err:
-                await self._refuse(reply, err, extra)
+                unread = Call(kind, NO_FIELDS, method, path, b"", headers, started, tenant, rid)
+                await self._refuse(reply, err, extra, unread)
                 return
             await relay(self._dispatch, call, reply, extra)
         finally:
             self.bodies.give(len(body))
 
-    async def _refuse(self, reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
-        """Refuse a request before it reached dispatch, and count it."""
-        self._dispatch.rejected(err)
+    async def _refuse(
+        self, reply: Reply, err: KvrouteError, extra: dict[str, str], call: Call | None = None
+    ) -> None:
+        """Refuse a request before it reached dispatch, and count it; `call`: what is
+        known of it."""
+        self._dispatch.rejected(err, call)
         await refuse(reply, err, extra)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:

@@ -18,6 +18,7 @@ from router.metrics.backends import BackendCollector, BackendMetrics
 from router.metrics.process import ProcessMetrics, exported
 from router.metrics.requests import RequestMetrics
 from router.metrics.telemetry import TelemetryMetrics
+from router.metrics.tokens import TokenMetrics
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -25,7 +26,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
 
 
-class Metrics(RequestMetrics, BackendMetrics, TelemetryMetrics, ProcessMetrics):
+class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, ProcessMetrics):
     """Every metric of one router, declared by group (the bases' modules)."""
 
     def __init__(
@@ -42,6 +43,7 @@ class Metrics(RequestMetrics, BackendMetrics, TelemetryMetrics, ProcessMetrics):
         self._exported.register(BackendCollector(members))
         self._declare_requests(r)
         self._declare_latencies(r)
+        self._declare_tokens(r)
         self._declare_backends(r)
         self._declare_telemetry(r)
         self._declare_process(r)

@@ -3,16 +3,18 @@ whose it was."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Callable, Container
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from router.metrics.tokens import OTHER
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
 _TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 #: the tenant label of every tenant the config does not name (not a valid tenant id)
-OTHER_TENANT = "(other)"
+OTHER_TENANT = OTHER
 
 
 class RequestMetrics:
@@ -20,6 +22,7 @@ class RequestMetrics:
 
     #: the tenants `tenant_request` names, beside the static tokens' ones
     _tenants: frozenset[str]
+    tenant_label: Callable[[str | None, Container[str]], str]  # TokenMetrics'
 
     def _declare_requests(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -94,5 +97,4 @@ class RequestMetrics:
         tokens' tenants) or the configured `metrics.tenants` has it, else as
         OTHER_TENANT. A signed token or a gateway can carry any tenant, and each new
         name would be one more series for every scrape to carry."""
-        named = tenant in self._tenants or tenant in known
-        self._tenant_requests.labels(tenant if named else OTHER_TENANT).inc()
+        self._tenant_requests.labels(self.tenant_label(tenant, known)).inc()

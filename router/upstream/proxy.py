@@ -20,7 +20,6 @@ session (`make_session`).
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterator, Callable, Mapping
 
 import aiohttp
@@ -38,6 +37,7 @@ from router.upstream.failures import BackendBroke, Malformed
 from router.upstream.pool import Upstreams
 from router.upstream.relay import Relay, Sink
 from router.upstream.response import Head
+from router.upstream.usage import Usage, usage
 
 __all__ = [
     "HOP_BY_HOP",
@@ -50,7 +50,6 @@ __all__ = [
     "open_upstream",
 ]
 
-_CACHED_TOKENS = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 #: methods that send no Content-Length when they have no body (as aiohttp's client)
 _BODYLESS = frozenset({"GET", "HEAD", "OPTIONS", "CONNECT", "TRACE"})
 
@@ -158,15 +157,14 @@ class Upstream:
             raise UpstreamDisconnected(_broke(exc, "answer")) from exc
         return self._clock.tail
 
-    def cached_tokens(self) -> int | None:
-        """`usage.prompt_tokens_details.cached_tokens` of the answer, if it reported one.
+    def usage(self) -> Usage:
+        """The token counts the answer reported (router/upstream/usage.py).
 
         Streams report usage in their last event, so only the last chunk is kept (by
         reference) and searched once, at the end; a chunk too short to hold usage (the
         `data: [DONE]` read apart from the usage event) does not replace it.
         """
-        found = _CACHED_TOKENS.search(self._clock.tail)
-        return int(found.group(1)) if found else None
+        return usage(self._clock.tail)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         """Yield data as the backend flushes it; each chunk extends the idle deadline.

@@ -418,7 +418,7 @@ async def test_a_relay_passes_whole_chunks_on_as_they_came_and_reframes_split_on
             )
             framed = [data for how, data in sink.writes if how == "framed"]
             assert framed[:1] == [writes[0]] and writes[4] in framed
-            assert upstream.cached_tokens() == 48
+            assert upstream.usage().cached == 48
         assert len(connections) == 1
     upstreams.close()
 
