@@ -369,6 +369,20 @@ class AccessLogConfig(_Strict):
     path: str = "-"
 
 
+class TracingConfig(_Strict):
+    """OpenTelemetry spans per request, exported over OTLP/HTTP (the `otel` extra).
+
+    A client's `traceparent` decides for its request: a sampled one is continued, an
+    unsampled one passes to the backend untouched, and neither costs a span. A request
+    with none starts a trace at `sample_ratio`."""
+
+    enabled: bool = False
+    sample_ratio: Annotated[float, Meta(ge=0, le=1)] = 1.0
+    #: an OTLP/HTTP traces endpoint (an OpenTelemetry collector, usually on the host)
+    otlp_endpoint: str = "http://127.0.0.1:4318/v1/traces"
+    service_name: str = "kvroute"
+
+
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: credentials and headers of every backend that sets none of its own
@@ -403,6 +417,7 @@ class Config(_Strict):
     #: JSON object per line, for a log pipeline)
     log_format: Literal["text", "json"] = "text"
     access_log: AccessLogConfig = AccessLogConfig()
+    tracing: TracingConfig = TracingConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

@@ -26,6 +26,7 @@ from router.control.node import STARTUP_POLL_SECONDS, Node
 from router.control.reload import ConfigSource
 from router.dispatch.dispatcher import Dispatcher
 from router.dispatch.shared_admission import AdmissionTable
+from router.dispatch.tracing import Tracing
 from router.fleet.backends import Backend
 from router.fleet.health import REFUSED
 from router.fleet.placements import PlacementTable
@@ -48,8 +49,11 @@ class Router(Node):
         config: Config,
         source: ConfigSource | None = None,
         context: WorkerContext | None = None,
+        span_exporter=None,
     ) -> None:
-        """Build the pieces; ConfigError if a secret the config names cannot be read."""
+        """Build the pieces; ConfigError if a secret the config names cannot be read, or
+        tracing is on without the OpenTelemetry SDK. `span_exporter`: where the spans go
+        when tracing is on (an SDK SpanExporter), instead of the configured OTLP endpoint."""
         self.table = self.placements = self.admission_counts = None
         if (ctx := context) is not None:
             self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
@@ -62,6 +66,9 @@ class Router(Node):
         self.listeners = Listeners(context, self.admin)
         self.dispatcher: Dispatcher | None = None
         self.access_log: AccessLog | None = None
+        self._tracing = None
+        if config.tracing.enabled:
+            self._tracing = Tracing(config.tracing, span_exporter)
         self.ingress: HttpIngress | None = None
         self.port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
@@ -142,6 +149,7 @@ class Router(Node):
             self.admission_counts,
             self.access_log,
             lambda: self.auth.tenants,
+            self._tracing,
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         await lst.start(
@@ -164,6 +172,9 @@ class Router(Node):
         if self.access_log is not None:
             self.access_log.close()  # the last lines, once nothing is in flight
             self.access_log = None
+        if self._tracing is not None:  # the last spans; a collector's answer is awaited
+            await asyncio.to_thread(self._tracing.close)  # in a thread, not on the loop
+            self._tracing = None
         await self.stop_parts()
         for table in (self.table, self.placements, self.admission_counts):
             if table is not None:

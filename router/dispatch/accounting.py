@@ -67,6 +67,10 @@ class Accounting:
         """Release the attempt; account the request if this was its last attempt."""
         attempt.release(clean=ok)
         name, call, error = attempt.backend.name, attempt.call, attempt.error
+        upstream, trace = attempt.upstream, call.trace
+        if trace is not None:
+            first = upstream.first_chunk_at if upstream is not None else None
+            trace.attempt_ends(attempt.status, error, first)
         if retried:
             reason = error.kind if error else f"http_{attempt.status}"
             self._metrics.retries.labels(name, reason).inc()
@@ -75,7 +79,6 @@ class Accounting:
                 "request %s: retrying elsewhere, backend %s failed: %s", call.request_id, name, why
             )
             return
-        upstream = attempt.upstream
         seconds = asyncio.get_running_loop().time() - call.started
         self._requests(name, self.strategy, attempt.status).inc()
         self._e2e(name).observe(seconds)
@@ -88,6 +91,8 @@ class Accounting:
             self._count_tokens(call, used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
+        if trace is not None:
+            trace.finish(attempt.status, error, used, name, call.attempts - 1)
         if error is not None:
             log.requests_failed.warning(
                 "request %s: %s %s from backend %s: %s",
@@ -123,6 +128,8 @@ class Accounting:
         if error.status >= 500:
             rid = call.request_id if call is not None else "-"
             log.requests_failed.warning("request %s: %s %s", rid, error.status, error.message)
+        if call is not None and call.trace is not None:
+            call.trace.finish(str(error.status), error, NO_USAGE, "", 0)
         if self._access is not None and call is not None:
             seconds = asyncio.get_running_loop().time() - call.started
             status, failure = str(error.status), type(error).__name__

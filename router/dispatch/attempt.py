@@ -95,6 +95,8 @@ class Attempt:
         end = call.started + t.total
         self._timeout.reschedule(min(asyncio.get_running_loop().time() + t.first_byte, end))
         backend = self.backend
+        if call.trace is not None:
+            call.trace.attempt_begins(backend, call.method, call.headers)
         try:
             upstream = await open_upstream(
                 upstreams,

@@ -7,13 +7,33 @@ importing the Dispatcher that chains the steps.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from multidict import CIMultiDict
 
 from router.fleet.backend import Backend
 from router.request import Kind
+from router.upstream.usage import Usage
+
+
+class Trace(Protocol):
+    """A sampled request's spans, as the steps report to them (router/dispatch/tracing.py)."""
+
+    def routed(self, routed: Routed, strategy: str, began: float) -> None: ...
+
+    def attempt_begins(
+        self, backend: Backend, method: str, headers: MutableMapping[str, str]
+    ) -> None: ...
+
+    def attempt_ends(
+        self, status: str, error: Exception | None, first_chunk_at: float | None
+    ) -> None: ...
+
+    def finish(
+        self, status: str, error: Exception | None, used: Usage, backend: str, retries: int
+    ) -> None: ...
 
 
 @dataclass(slots=True)
@@ -32,6 +52,8 @@ class Call:
     request_id: str = ""
     #: attempts begun so far (the first, then each retry's)
     attempts: int = 0
+    #: its spans, when tracing is on and it is sampled
+    trace: Trace | None = None
     #: the prompt's exact token ids, when a backend's /tokenize supplied them
     token_ids: list[int] | None = None
 

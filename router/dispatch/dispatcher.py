@@ -38,6 +38,7 @@ from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.pick import Picker
 from router.dispatch.shutdown import OpenExchanges, shutting_down
+from router.dispatch.tracing import Tracing
 from router.errors import KvrouteError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
@@ -83,12 +84,14 @@ class Dispatcher:
         counts: Counts | None = None,
         access: AccessLog | None = None,
         tenants: Callable[[], Container[str]] = tuple,
+        tracing: Tracing | None = None,
     ) -> None:
         """`on_refused` hears each backend that refused a connection (the health
         checker's `refused`). `counts`: what admission counts against its caps (with
         several workers, the shared admission table); by default this process's own.
         `access`: where each request's line goes, if anywhere; `tenants`: the static
-        tokens' ones now (a reload changes them), named in the token counters."""
+        tokens' ones now (a reload changes them), named in the token counters. `tracing`:
+        the tracer, when tracing is on."""
         self.fleet = fleet
         self.metrics = metrics
         #: the request path's connections to the backends
@@ -98,6 +101,7 @@ class Dispatcher:
         self._describer = Describer(fleet, self._tokenizer)
         self._account = Accounting(metrics, access)
         self._account.tenants = tenants
+        self._tracing = tracing
         attempts = Attempts(fleet, metrics, on_refused)
         self._picker = Picker(fleet, self._account, attempts)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
@@ -144,6 +148,8 @@ class Dispatcher:
         """
         task = asyncio.current_task()
         tried: list[Backend] = []
+        if self._tracing is not None:
+            call.trace = self._tracing.begin(call)
         try:
             self._open.enter(task)
             held = await self.admission.enter(call.tenant)
@@ -155,6 +161,8 @@ class Dispatcher:
                     t0 = time.perf_counter()
                     route_req = describer.describe(call)
                     first = self._picker.first(route_req, t0, call, deadline)
+                    if call.trace is not None:
+                        call.trace.routed(first.routed, self._account.strategy, t0)
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below

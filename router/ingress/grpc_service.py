@@ -66,6 +66,8 @@ SERVICE = SERVICES[0].full_name
 _UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
 REQUEST_ID_KEY = "x-request-id"
+#: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
+_TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
 _HEALTH_POLL_SECONDS = 1.0
 _PATHS = {Kind.CHAT: "/v1/chat/completions", Kind.COMPLETION: "/v1/completions"}
 
@@ -236,7 +238,8 @@ class _Inference(pb_grpc.InferenceServicer):
     async def _call(self, kind: Kind, request, context, stream: bool):
         """The trailers so far and the `Call`, or abort with the request's error."""
         started = asyncio.get_running_loop().time()
-        request_id, authorization, claimed = self._metadata(context.invocation_metadata() or ())
+        metadata = context.invocation_metadata() or ()
+        request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
         routing = request.routing
         tenant = None
@@ -264,6 +267,7 @@ class _Inference(pb_grpc.InferenceServicer):
             self._dispatch.rejected(err, unread)
             await context.abort(*err.to_grpc(trailers))
         headers = self._headers(request_id, authorization, tenant, routing)
+        headers.extend((k, v) for k, v in metadata if k in _TRACE_CONTEXT)
         call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant, request_id)
         return trailers, call
 

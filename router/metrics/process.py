@@ -56,15 +56,20 @@ def exported(registry: CollectorRegistry, multiprocess: bool) -> CollectorRegist
     return out
 
 
+def release() -> str:
+    """The installed kvroute release ("unknown" when run from a tree never installed)."""
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:
+        return "unknown"
+
+
 class _BuildInfo:
     """`kvroute_build_info{version} 1`: which release answers (dashboards, alerts on
     a mixed fleet during a rollout)."""
 
     def __init__(self) -> None:
-        try:
-            self._version = version("kvroute")
-        except PackageNotFoundError:
-            self._version = "unknown"
+        self._version = release()
 
     def collect(self) -> Iterable[Metric]:
         info = GaugeMetricFamily(

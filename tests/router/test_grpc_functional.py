@@ -134,8 +134,9 @@ async def test_streams_chat_and_completion() -> None:
         call = rig.api.StreamChatCompletion(
             chat_request(stream_options=pb.StreamOptions(include_usage=True)), timeout=TIMEOUT
         )
-        deltas = [m.choices[0].delta.content async for m in call]
-        assert deltas == ["tok0 ", "tok1 ", "tok2 "]
+        messages = [m async for m in call]
+        assert [m.choices[0].delta.content for m in messages[:-1]] == ["tok0 ", "tok1 ", "tok2 "]
+        assert not messages[-1].choices and messages[-1].usage.completion_tokens == 3
         assert dict(await call.trailing_metadata())["x-kvroute-backend"] == "b0"
         assert rig.stubs[0].received[-1]["stream"] is True
         assert rig.stubs[0].received[-1]["stream_options"] == {"include_usage": True}
@@ -149,7 +150,7 @@ async def test_streams_chat_and_completion() -> None:
         await settle(rig.router)
 
 
-async def _vllm_stream(request: web.Request, b, chat: bool) -> web.StreamResponse:
+async def _vllm_stream(request: web.Request, body: dict, b, chat: bool) -> web.StreamResponse:
     """vLLM's shapes the stub lacks: role chunk, finish, usage with cached tokens; events
     cut at odd places across writes (the client must still get whole messages)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
@@ -375,7 +376,7 @@ async def test_backend_unreachable_is_unavailable() -> None:
         await settle(rig.router)
 
 
-async def _stream_then_error(request: web.Request, b, chat: bool) -> web.StreamResponse:
+async def _stream_then_error(request: web.Request, body: dict, b, chat: bool) -> web.StreamResponse:
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
     chunk = {"id": "c", "choices": [{"index": 0, "delta": {"content": "partial"}}]}
