@@ -1,0 +1,111 @@
+{{/* Names, labels, and what the router's config implies for the objects around it. */}}
+
+{{- define "kvroute.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" -}}
+{{- else if contains .Chart.Name .Release.Name -}}
+{{- .Release.Name | trunc 63 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name .Chart.Name | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The pods' identity: Deployment, Service, PDB and the spread constraint select on it. */}}
+{{- define "kvroute.selectorLabels" -}}
+app.kubernetes.io/name: {{ .Chart.Name }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end -}}
+
+{{- define "kvroute.labels" -}}
+{{ include "kvroute.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+{{- end -}}
+
+{{- define "kvroute.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "kvroute.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* "true" for a loopback host (and for none: the router's default host is 127.0.0.1). */}}
+{{- define "kvroute.loopback" -}}
+{{- $host := . | default "127.0.0.1" | toString -}}
+{{- if or (hasPrefix "127." $host) (eq $host "localhost") (eq $host "::1") -}}true{{- end -}}
+{{- end -}}
+
+{{/* The namespaces whose EndpointSlices `discovery: [{kind: kubernetes}]` watches, one a line. */}}
+{{- define "kvroute.discoveryNamespaces" -}}
+{{- $namespaces := list -}}
+{{- range .Values.config.discovery -}}
+{{- if eq (toString .kind) "kubernetes" -}}
+{{- $namespaces = append $namespaces (.namespace | default $.Release.Namespace) -}}
+{{- end -}}
+{{- end -}}
+{{- $namespaces | uniq | join "\n" -}}
+{{- end -}}
+
+{{- define "kvroute.rbacCreate" -}}
+{{- if kindIs "invalid" .Values.rbac.create -}}
+{{- if include "kvroute.discoveryNamespaces" . -}}true{{- end -}}
+{{- else if .Values.rbac.create -}}true{{- end -}}
+{{- end -}}
+
+{{/* Every value of a `*_env` key anywhere in the config (a variable holding a secret), one a line. */}}
+{{- define "kvroute.envNames" -}}
+{{- if kindIs "map" . -}}
+{{- range $key, $value := . -}}
+{{- if and (hasSuffix "_env" $key) (kindIs "string" $value) -}}
+{{ $value }}{{ "\n" }}
+{{- else -}}
+{{ include "kvroute.envNames" $value }}
+{{- end -}}
+{{- end -}}
+{{- else if kindIs "slice" . -}}
+{{- range . -}}{{ include "kvroute.envNames" . }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Ports from the config, and whether each one is served off loopback. */}}
+{{- define "kvroute.httpPort" -}}
+{{- (.Values.config.listen | default dict).port | default 8000 -}}
+{{- end -}}
+
+{{- define "kvroute.grpcPort" -}}
+{{- $grpc := .Values.config.grpc | default dict -}}
+{{- if $grpc.enabled -}}{{ $grpc.port | default 50051 }}{{- end -}}
+{{- end -}}
+
+{{- define "kvroute.adminPort" -}}
+{{- with .Values.config.admin -}}
+{{- if not (include "kvroute.loopback" .host) -}}{{ .port | default 8001 }}{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Service port name Prometheus scrapes: /metrics is on the data port or the admin one. */}}
+{{- define "kvroute.metricsPort" -}}
+{{- if eq ((.Values.config.metrics | default dict).listen | default "data") "admin" -}}admin{{- else -}}http{{- end -}}
+{{- end -}}
+
+{{/* Fails the render on a config the pod cannot serve as the chart wires it. */}}
+{{- define "kvroute.validate" -}}
+{{- if include "kvroute.loopback" (.Values.config.listen | default dict).host -}}
+{{- fail "config.listen.host is loopback: the kubelet's probes and the Service cannot reach it; set 0.0.0.0" -}}
+{{- end -}}
+{{- $grpc := .Values.config.grpc | default dict -}}
+{{- if and $grpc.enabled $grpc.host (include "kvroute.loopback" $grpc.host) -}}
+{{- fail "config.grpc.host is loopback: the Service cannot reach it; set 0.0.0.0 (or leave it unset)" -}}
+{{- end -}}
+{{- if and (eq (include "kvroute.metricsPort" .) "admin") (not (include "kvroute.adminPort" .)) -}}
+{{- fail "config.metrics.listen is admin but config.admin.host is loopback: Prometheus cannot scrape it" -}}
+{{- end -}}
+{{- range $name := include "kvroute.envNames" .Values.config | splitList "\n" | compact | uniq -}}
+{{- if not (hasKey $.Values.secretEnv $name) -}}
+{{- fail (printf "config names the variable %s (a *_env key): add secretEnv.%s: {secretName: ..., key: ...}" $name $name) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
