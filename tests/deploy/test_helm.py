@@ -27,7 +27,7 @@ from router.config import Config, build
 from tests.deploy import test_manifests as kustomize
 
 helm = pytest.importorskip(
-    "helm_python", reason="helm-python-sdk (Helm's engine) is not installed: .ci/run installs it"
+    "helm_python", reason="helm-python-sdk (Helm's engine) is not installed: the test extra has it"
 )
 
 ROOT = Path(__file__).resolve().parents[2]
