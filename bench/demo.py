@@ -48,7 +48,7 @@ def demo_argv(backends: int, groups: int, time_scale: float) -> list[str]:
 #: what to try once the demo has shown the difference
 _NEXT = """
 Next:
-  kvroute sim --backends 2 --base-port 8100   two simulated vLLM servers, in one terminal
+  kvroute sim --instances 2 --base-port 8100  two simulated vLLM servers, in one terminal
   kvroute serve --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
                                               the router in front of them, in another
   kvroute bench --workload multi-turn --peers the same comparison, another workload, beside

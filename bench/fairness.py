@@ -12,8 +12,9 @@ instant backend that writes an event on every open stream each `--interval` seco
    (a kept connection) and reports their latency: the second measure;
 3. the holder reports the events/s it received meanwhile, then closes its streams.
 
-What it showed (see the README): one worker relaying 2,000 streams opens them as fast as
-the Rust routers and answers most new requests in a few ms, but a few wait seconds.
+What it showed (docs/performance.md, "New requests while streams flow"): one worker
+relaying 2,000 streams opens them as fast as the Rust routers and answers most new
+requests in a few ms, but a few wait seconds.
 uvloop (libuv) polls again at once, up to 48 times, while a poll returns a full batch of
 1,024 ready sockets, and runs the ready callbacks (every task step) only after: relays
 write from the poll's own callbacks, so a new request's next step can wait for a whole

@@ -81,7 +81,7 @@ async def simulator(
 ) -> AsyncIterator[tuple[list[dict], int]]:
     """`backends` simulated servers in a child process; yields their backend configs and
     its pid. StartFailed with its stderr's tail if it does not announce them in time."""
-    cmd = [sys.executable, "-m", "bench.sim", "--backends", str(backends)]
+    cmd = [sys.executable, "-m", "bench.sim", "--instances", str(backends)]
     cmd += ["--time-scale", str(time_scale), "--host", "127.0.0.1", *sim_args]
     kv_events = "--kv-events" in sim_args
     with tempfile.TemporaryFile() as stderr:

@@ -1,11 +1,12 @@
-"""`python -m bench.sim` / `kvroute sim`: run K simulated vLLM servers until interrupted.
+"""`python -m bench.sim` / `kvroute sim`: run N simulated vLLM servers until interrupted.
 
 Every SimConfig field is a flag (`--time-scale` for `time_scale`), generated from the
 Struct so the help text is the field's description; `--config FILE` reads the same keys
 from YAML, and explicit flags win over the file. Faults use `--fault INDEX:MODE[:ARG]`.
-Once every socket is bound, stderr names the served model, and stdout gets one line per
-backend, `http://HOST:PORT`, then
-(with --kv-events) one line per backend, `kv-events http://HOST:PORT pub=tcp://...
+`--instances N` says how many servers to run; it is a count, not an address, so it is
+not named like `kvroute serve --backend URL`. Once every socket is bound, stderr names the
+served model, and stdout gets one line per instance, `http://HOST:PORT`, then (with
+--kv-events) one line per instance, `kv-events http://HOST:PORT pub=tcp://...
 replay=tcp://...`, flushed, so a harness can read the addresses when ports are free-picked.
 """
 
@@ -27,20 +28,35 @@ from bench.sim.params import Fault, SimConfig, SimParams, load_config
 _METAVARS: dict[type, str] = {int: "N", float: "X", str: "TEXT"}
 _FAULT_ARG = {"fail": "status", "close_midstream": "after_chunks", "slow": "factor"}
 _FAULT_HELP = (
-    "inject a fault from the start; repeatable. MODE: fail[:STATUS] (inference and /health "
-    "answer STATUS, default 503), hang (never answer), close_midstream[:N] (cut streams after "
-    "N chunks, default 3), slow[:FACTOR] (steps FACTOR times longer, default 5), none. "
+    "inject a fault into instance INDEX (0..N-1) from the start; repeatable. MODE: "
+    "fail[:STATUS] (inference and /health answer STATUS, default 503), hang (never answer), "
+    "close_midstream[:N] (cut streams after N chunks, default 3), slow[:FACTOR] (steps "
+    "FACTOR times longer, default 5), none. "
     'Change it at runtime with POST /sim/fault, e.g. {"mode": "slow", "factor": 5}.'
 )
+
+_EPILOG = f"""example:
+  kvroute sim --instances 2 --base-port 8100
+      two servers, http://127.0.0.1:8100 and http://127.0.0.1:8101, serving {SimParams().model}
+  kvroute serve --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
+      the router in front of them, in another terminal"""
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvroute sim",
-        description="Simulate K vLLM servers (OpenAI API, /metrics, KV events) in one process.",
+        description=(
+            "Simulate N vLLM servers (--instances N; OpenAI API, /metrics, KV events) in one\n"
+            "process. Prints each server's URL on stdout and the model to ask for on stderr."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "-c", "--config", metavar="FILE", help="YAML file with the same keys as flags"
+        "-c",
+        "--config",
+        metavar="FILE",
+        help="YAML file with the flags' names as keys, e.g. `instances: 2`; flags win",
     )
     parser.add_argument("--fault", action="append", metavar="INDEX:MODE[:ARG]", help=_FAULT_HELP)
     fleet = parser.add_argument_group("fleet")
@@ -98,12 +114,12 @@ def _parse_fault(spec: str) -> tuple[int, Fault]:
             raise ValueError(f"--fault {spec}: mode {mode!r} takes no argument")
         raw[_FAULT_ARG[mode]] = float(arg) if mode == "slow" else int(arg)
     if not index.isdigit():
-        raise ValueError(f"--fault {spec}: INDEX must be a backend number")
+        raise ValueError(f"--fault {spec}: INDEX must be an instance number")
     return int(index), msgspec.convert(raw, Fault)
 
 
 async def _serve(config: SimConfig) -> None:
-    fleet = await start_fleet(config.backends, config, config.host, config.base_port)
+    fleet = await start_fleet(config.instances, config, config.host, config.base_port)
     try:
         _announce(fleet, config.model)
         task = asyncio.current_task()

@@ -102,7 +102,7 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     ] = ""
     kv_events_base_port: Annotated[
         int,
-        Meta(ge=0, le=65535, description="PUB port of backend i is P+i, replay P+K+i; 0 = free"),
+        Meta(ge=0, le=65535, description="PUB port of instance i is P+i, replay P+N+i; 0 = free"),
     ] = 0
     kv_events_buffer_steps: Annotated[
         int, Meta(ge=1, description="replay ring size in batches (vLLM's default is 10000)")
@@ -130,18 +130,20 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
 class SimConfig(SimParams, kw_only=True):
     """SimParams plus the fleet-level knobs of the CLI and its YAML file."""
 
-    backends: Annotated[int, Meta(ge=1, description="number of simulated vLLM servers")] = 4
+    instances: Annotated[
+        int, Meta(ge=1, description="how many vLLM servers to simulate, each on its own port")
+    ] = 4
     host: Annotated[str, Meta(description="address every server binds")] = "127.0.0.1"
     base_port: Annotated[
-        int, Meta(ge=0, le=65535, description="HTTP port of backend i is P+i; 0 = free ports")
+        int, Meta(ge=0, le=65535, description="HTTP port of instance i is P+i; 0 = free ports")
     ] = 0
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        unknown = sorted(i for i in self.faults if not 0 <= i < self.backends)
+        unknown = sorted(i for i in self.faults if not 0 <= i < self.instances)
         if unknown:
             raise ValueError(
-                f"faults name backends {unknown}, but only 0..{self.backends - 1} exist"
+                f"faults name instances {unknown}, but only 0..{self.instances - 1} exist"
             )
 
 

@@ -26,7 +26,7 @@ class ProcessMetrics:
         self.loop_lag = Histogram(
             "kvroute_event_loop_lag_seconds",
             "How late a serving process's event loop ran a timer: how long a new request "
-            "may wait for its turn (README, New requests while streams flow)",
+            "may wait for its turn (docs/performance.md, New requests while streams flow)",
             buckets=_LAG_BUCKETS,
             registry=r,
         )

@@ -411,9 +411,9 @@ def test_config_is_checked_once(raw: dict[str, Any], error: str) -> None:
 
 def test_flags_override_the_yaml_file(tmp_path: Any) -> None:
     path = tmp_path / "sim.yaml"
-    path.write_text("backends: 3\ntime_scale: 0.5\nfaults: {1: {mode: slow, factor: 2}}\n")
+    path.write_text("instances: 3\ntime_scale: 0.5\nfaults: {1: {mode: slow, factor: 2}}\n")
     config = load_config(str(path), {"time_scale": 0.1})
-    assert (config.backends, config.time_scale) == (3, 0.1)
+    assert (config.instances, config.time_scale) == (3, 0.1)
     assert config.faults == {1: Fault(mode="slow", factor=2.0)}
 
 
@@ -457,7 +457,7 @@ def test_cli_rejects_bad_config_with_status_2(argv: list[str], capsys: Any) -> N
 
 def test_the_cli_prints_each_servers_url_and_names_the_model() -> None:
     """stdout: one URL per server (a harness reads them); stderr: the model to ask for."""
-    cmd = [sys.executable, "-m", "bench.sim", "--backends", "2", "--model", "m-demo"]
+    cmd = [sys.executable, "-m", "bench.sim", "--instances", "2", "--model", "m-demo"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         urls = [proc.stdout.readline().strip() for _ in range(2)]
@@ -467,3 +467,12 @@ def test_the_cli_prints_each_servers_url_and_names_the_model() -> None:
         proc.wait(10)
     assert all(url.startswith("http://127.0.0.1:") for url in urls), urls
     assert said.strip() == "kvroute sim: 2 servers of model 'm-demo'"
+
+
+def test_the_server_count_is_instances_not_backends(capsys: Any) -> None:
+    """A count, named apart from `kvroute serve --backend URL`; the old name is gone."""
+    assert cli.build_parser().parse_args(["--instances", "3"]).instances == 3
+    with pytest.raises(SystemExit) as exit_:
+        cli.build_parser().parse_args(["--backends", "3"])
+    assert exit_.value.code == 2
+    assert "unrecognized arguments: --backends" in capsys.readouterr().err

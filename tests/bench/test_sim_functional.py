@@ -538,7 +538,7 @@ async def test_cli_prints_urls_and_stops_on_sigterm(http: aiohttp.ClientSession)
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
     argv = [
-        "--backends",
+        "--instances",
         "2",
         "--time-scale",
         "0.01",

@@ -45,7 +45,7 @@ class Sim:
         return f"http://127.0.0.1:{self.port}"
 
     async def start(self) -> Sim:
-        argv = ["--backends", "1", "--base-port", str(self.port), "--time-scale", "0.01"]
+        argv = ["--instances", "1", "--base-port", str(self.port), "--time-scale", "0.01"]
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -4,8 +4,9 @@ several) in front of a real stub backend, scraped over HTTP after the same traff
 What is checked: both modes export the same series (names and label names), and every
 `kvroute_*` family on the page is one the README's Metrics section lists, with its labels,
 so the page and the README cannot drift apart; so is every metric the code declares, for
-the labels of those the traffic here never reaches. The router runs in its own
-processes, so these tests run once, on the default test loop.
+the labels of those the traffic here never reaches; and every `kvroute_*` name any page
+of the docs mentions (README, docs/, deploy/README.md) is one the router exports. The
+router runs in its own processes, so these tests run once, on the default test loop.
 """
 
 from __future__ import annotations
@@ -24,10 +25,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.overhead import free_port, process, wait_ready
 from router.metrics import Metrics
+from tests import readme
 from tests.router.test_workers import CHAT, WORKERS, chat, multi_router, until
 from tests.stub_backend import Behaviour, StubBackend
 
-README = Path(__file__).resolve().parents[2] / "README.md"
 #: a README name, with the labels in braces when it has some
 _LISTED = re.compile(r"`(kvroute_\w+)(?:\{([\w,]*)\})?`")
 #: what the traffic below makes in either mode (the scraper's failures: the stub has no
@@ -46,7 +47,7 @@ Labelled = dict[str, frozenset[str]]
 
 def documented() -> Labelled:
     """Each `kvroute_*` family the README's Metrics section names, with its labels."""
-    section = README.read_text().split("\n## Metrics\n", 1)[1].split("\n## ", 1)[0]
+    section = readme.section("Metrics")
     return {name: frozenset(labels.split(",")) - {""} for name, labels in _LISTED.findall(section)}
 
 
@@ -145,6 +146,10 @@ async def test_the_readme_lists_what_metrics_exports(tmp_path: Path, workers: in
     assert {name: listed.get(name) for name in shown} == shown
     if workers == 1:  # one process shows every family, even one nothing was counted in
         assert named(page) == listed.keys()
+        for page_of_docs in readme.PAGES:
+            unknown = readme.metric_names(page_of_docs.read_text()) - named(page)
+            where = page_of_docs.relative_to(readme.ROOT)
+            assert not unknown, f"{where} names metrics nothing exports: {unknown}"
 
 
 async def test_one_worker_and_several_export_the_same_series(tmp_path: Path) -> None:
