@@ -9,8 +9,9 @@ the difference of the two distributions (router - direct), not either alone.
 
 The router runs as `kvroute serve` starts by default (its strategy, a worker per core,
 the access log on, here into a file); `--strategy` and `--workers` measure others.
-`--access-log-off` adds a second router with the access log off, in the same batches:
-the difference of their added latencies is the access log's cost.
+`--access-log-off` adds a router with the access log off, and `--tracing-unsampled` one
+with tracing configured but sampling nothing, in the same batches: the difference of
+their added latencies from the default router's is what the log, or tracing, costs.
 """
 
 from __future__ import annotations
@@ -59,12 +60,21 @@ def process(cmd: list[str], stdout: IO | int = subprocess.PIPE) -> Iterator[subp
             proc.wait()
 
 
+#: the routers a run can compare, by name: their settings beside the defaults
+VARIANTS: dict[str, dict] = {
+    "router": {},
+    "router, no access log": {"access_log": {"enabled": False}},
+    "router, tracing not sampled": {"tracing": {"enabled": True, "sample_ratio": 0.0}},
+}
+
+
 @contextlib.contextmanager
 def backend_and_routers(
-    strategy: str, workers: int = 1, access_logs: tuple[bool, ...] = (True,)
+    strategy: str, workers: int = 1, variants: tuple[str, ...] = ("router",)
 ) -> Iterator[tuple[str, list[str]]]:
-    """Start the instant backend and a router in front of it per entry of `access_logs`
-    (its access log on, into a file, or off); yield the backend's URL and theirs."""
+    """Start the instant backend and a router in front of it per name in `variants`
+    (VARIANTS: the access log on, into a file, unless the variant turns it off); yield
+    the backend's URL and theirs."""
     py = sys.executable
     with (
         process([py, "-m", "bench.instant_backend", "--port", "0"]) as backend,
@@ -73,11 +83,15 @@ def backend_and_routers(
     ):
         backend_url = backend.stdout.readline().strip()
         urls = []
-        for i, logged in enumerate(access_logs):
+        for i, name in enumerate(variants):
+            config = os.path.join(tmp, f"router-{i}.yaml")
+            settings = {"access_log": {"path": os.path.join(tmp, f"access-{i}.log")}}
+            with open(config, "wb") as f:
+                f.write(orjson.dumps({**settings, **VARIANTS[name]}))  # JSON is YAML
             port = free_port()
-            cmd = [py, "-m", "router", "serve", "--port", str(port), "--backend", backend_url]
-            cmd += ["--workers", str(workers), "--strategy", strategy, "--log-level", "warning"]
-            cmd += ["--access-log", os.path.join(tmp, f"access-{i}.log") if logged else "off"]
+            cmd = [py, "-m", "router", "serve", "-c", config, "--port", str(port)]
+            cmd += ["--backend", backend_url, "--workers", str(workers)]
+            cmd += ["--strategy", strategy, "--log-level", "warning"]
             routers.enter_context(process(cmd, subprocess.DEVNULL))
             urls.append(f"http://127.0.0.1:{port}")
         for url in urls:
@@ -179,11 +193,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure a router with the access log off, in the same batches",
     )
+    parser.add_argument(
+        "--tracing-unsampled",
+        action="store_true",
+        help="also measure a router with tracing on and sample_ratio 0, in the same batches",
+    )
     args = parser.parse_args(argv)
-    names = ("router", "router, no access log") if args.access_log_off else ("router",)
-    access_logs = (True, False)[: len(names)]
+    names = ("router",)
+    names += ("router, no access log",) if args.access_log_off else ()
+    names += ("router, tracing not sampled",) if args.tracing_unsampled else ()
     results = {}
-    with backend_and_routers(args.strategy, args.workers, access_logs) as (direct, routed):
+    with backend_and_routers(args.strategy, args.workers, names) as (direct, routed):
         urls = {"direct": direct, **dict(zip(names, routed, strict=True))}
         for mode, conc in (
             ("sequential", 1),
