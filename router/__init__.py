@@ -10,12 +10,15 @@ lives there and what it may import. Imports run one way, down this list
                limits; it builds a `Call`
   dispatch/    the one way through: admission (429), model check (404), the prompt
                described, the policy's pick (policies/), the in-flight slot, the
-               upstream exchange, retries before the first byte, the accounting
+               upstream exchange, retries before the first byte, the accounting,
+               the access log's line and the spans
   upstream/    one exchange with a backend: pooled connections, the body relayed as the
                backend framed it, retry rules
   telemetry/   beside the path: /metrics scraping, KV events, exact tokens, and the
                collector's feed to the workers
   metrics/     every Prometheus metric, one registry per process
+  access_log.py
+               the access log's lines, buffered and written by a thread of its own
   fleet/       the backends' state, health, breakers, shared load and placements,
                discovery
   request.py, config.py, secrets.py, context.py, errors.py, log.py
@@ -29,7 +32,8 @@ ingress/body.py → dispatch/dispatcher.py, which chains dispatch/admission.py �
 dispatch/describe.py → dispatch/pick.py (policies/) → dispatch/connect.py →
 upstream/proxy.py (upstream/pool.py, connection.py, response.py; relay.py and chunked.py
 for SSE) → back out through ingress/relay.py (or ingress/fast_reply.py), then
-dispatch/accounting.py.
+dispatch/accounting.py, which counts it and hands its line to access_log.py (and, when
+traced, ends its spans: dispatch/tracing.py).
 """
 
 __all__: list[str] = []

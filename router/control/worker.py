@@ -17,7 +17,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from router import log
-from router.access_log import AccessLog
 from router.config import Config
 from router.context import WorkerContext
 from router.control.admin import AdminServer
@@ -25,8 +24,8 @@ from router.control.listeners import Listeners
 from router.control.node import STARTUP_POLL_SECONDS, Node
 from router.control.reload import ConfigSource
 from router.dispatch.dispatcher import Dispatcher
+from router.dispatch.records import Records
 from router.dispatch.shared_admission import AdmissionTable
-from router.dispatch.tracing import Tracing
 from router.fleet.backends import Backend
 from router.fleet.health import REFUSED
 from router.fleet.placements import PlacementTable
@@ -65,10 +64,8 @@ class Router(Node):
             self.admin = AdminServer(self, config.admin, self.admin_token)
         self.listeners = Listeners(context, self.admin)
         self.dispatcher: Dispatcher | None = None
-        self.access_log: AccessLog | None = None
-        self._tracing = None
-        if config.tracing.enabled:
-            self._tracing = Tracing(config.tracing, span_exporter)
+        #: the access log and the tracer
+        self.records = Records(config, span_exporter)
         self.ingress: HttpIngress | None = None
         self.port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
@@ -136,10 +133,7 @@ class Router(Node):
         """The dispatcher, on the config replayed edits may have changed, then the
         listeners over it."""
         cfg, lst = self.config, self.listeners
-        if cfg.access_log.enabled:
-            self.access_log = AccessLog(
-                cfg.access_log.path, cfg.log_format, self.metrics.access_log_dropped.inc
-            )
+        self.records.open(self.metrics)
         self.dispatcher = Dispatcher(
             cfg,
             self.fleet,
@@ -147,9 +141,8 @@ class Router(Node):
             self._session,
             self._refused,
             self.admission_counts,
-            self.access_log,
+            self.records,
             lambda: self.auth.tenants,
-            self._tracing,
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         await lst.start(
@@ -169,12 +162,7 @@ class Router(Node):
         await self.listeners.stop_admin()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections
-        if self.access_log is not None:
-            self.access_log.close()  # the last lines, once nothing is in flight
-            self.access_log = None
-        if self._tracing is not None:  # the last spans; a collector's answer is awaited
-            await asyncio.to_thread(self._tracing.close)  # in a thread, not on the loop
-            self._tracing = None
+        await self.records.close()
         await self.stop_parts()
         for table in (self.table, self.placements, self.admission_counts):
             if table is not None:

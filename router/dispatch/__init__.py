@@ -14,7 +14,11 @@
                       every backend failed
   attempt.py          one attempt on one backend: its in-flight slot, the upstream
                       exchange's opening, the breaker's verdict
-  accounting.py       the request's metrics: decision, retries, outcome, refusals
+  accounting.py       the request's metrics: decision, retries, outcome, tokens,
+                      refusals; its access log line and throttled failure warnings
+  tracing.py          OpenTelemetry spans per sampled request, W3C traceparent to the
+                      backend
+  records.py          a worker's access log and tracer, opened and flushed with it
   shutdown.py         the drain of the open exchanges, and the cut of those left
 
 May import: router.upstream, router.telemetry and everything below them.

@@ -28,7 +28,6 @@ import time
 from collections.abc import AsyncIterator, Callable, Collection, Container
 from contextlib import asynccontextmanager
 
-from router.access_log import AccessLog
 from router.config import Config
 from router.dispatch.accounting import Accounting
 from router.dispatch.admission import Admission, Counts
@@ -37,8 +36,8 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.pick import Picker
+from router.dispatch.records import Records
 from router.dispatch.shutdown import OpenExchanges, shutting_down
-from router.dispatch.tracing import Tracing
 from router.errors import KvrouteError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
@@ -82,16 +81,14 @@ class Dispatcher:
         session,
         on_refused: Callable[[Backend], None] | None = None,
         counts: Counts | None = None,
-        access: AccessLog | None = None,
+        records: Records | None = None,
         tenants: Callable[[], Container[str]] = tuple,
-        tracing: Tracing | None = None,
     ) -> None:
         """`on_refused` hears each backend that refused a connection (the health
         checker's `refused`). `counts`: what admission counts against its caps (with
         several workers, the shared admission table); by default this process's own.
-        `access`: where each request's line goes, if anywhere; `tenants`: the static
-        tokens' ones now (a reload changes them), named in the token counters. `tracing`:
-        the tracer, when tracing is on."""
+        `records`: the access log and the tracer, when they are on; `tenants`: the
+        static tokens' ones now (a reload changes them), named in the token counters."""
         self.fleet = fleet
         self.metrics = metrics
         #: the request path's connections to the backends
@@ -99,9 +96,9 @@ class Dispatcher:
         self.admission = Admission(config.limits, counts)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
-        self._account = Accounting(metrics, access)
+        self._account = Accounting(metrics, records and records.access_log)
         self._account.tenants = tenants
-        self._tracing = tracing
+        self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
         self._picker = Picker(fleet, self._account, attempts)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)

@@ -9,6 +9,8 @@
   telemetry.py  the KV-cache prediction checked against the backends, telemetry
                 downgrades, the prefix index's source
   process.py    the event loop's lag, and the process metrics or every worker's files
+  tokens.py     the tokens the answers reported, by model and tenant; the access log's
+                lost lines
   hot_path.py   `Tally` and `Labelled`: recording on the request path without
                 prometheus-client's per-call locks and checks
 
