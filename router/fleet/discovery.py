@@ -187,13 +187,28 @@ class Discovery:
     def _update(self, source, addresses: Iterable[str]) -> None:
         backends = backend_configs(source, addresses)
         self._host.metrics.discovered_backends.labels(source.label).set(len(backends))
-        if backends != self.found.get(source.label):
+        before = self.found.get(source.label)
+        if backends != before:
             self.found[source.label] = backends
             self._changed.set()
+            _log_change(source.label, before or [], backends)
 
     def _failed(self, label: str, exc: BaseException) -> None:
         self._host.metrics.discovery_errors.labels(label).inc()
         log.backends.warning("discovery from %s failed, keeping the last list: %s", label, exc)
+
+
+def _log_change(label: str, before: list[BackendConfig], after: list[BackendConfig]) -> None:
+    """Which addresses a source's answer added and removed (on a change only)."""
+    old, new = {b.url for b in before}, {b.url for b in after}
+    added, removed = sorted(new - old), sorted(old - new)
+    log.backends.info(
+        "discovery from %s: %d backends (added: %s; removed: %s)",
+        label,
+        len(after),
+        ", ".join(added) or "none",
+        ", ".join(removed) or "none",
+    )
 
 
 class _KubeApi:

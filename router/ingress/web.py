@@ -129,7 +129,9 @@ class HttpIngress:
         try:
             path = origin_form(request.raw_path, _route_prefix(request))
         except BadRequest as err:
-            await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)})
+            rid = request_id(request.headers)
+            unread = _unread(kind, request.method, request.raw_path, request.headers, rid)
+            await self._refuse(reply, err, {REQUEST_ID: rid}, unread)
             return reply.response
         body = functools.partial(self._body.read, request)
         await self.serve(kind, request.method, path, request.headers, body, reply)
@@ -163,7 +165,7 @@ class HttpIngress:
                 req = parse(kind, body)
                 call = Call(kind, req, method, path, body, headers, started, tenant, rid)
             except KvrouteError as err:
-                unread = Call(kind, NO_FIELDS, method, path, b"", headers, started, tenant, rid)
+                unread = _unread(kind, method, path, headers, rid, started, tenant)
                 await self._refuse(reply, err, extra, unread)
                 return
             await relay(self._dispatch, call, reply, extra)
@@ -188,8 +190,10 @@ class HttpIngress:
                 return await _default_expect_handler(request)
             except web.HTTPException as exc:  # 417: an expectation other than 100-continue
                 err = KvrouteError(exc.reason, status=exc.status)
-        self._dispatch.rejected(err)
-        response = err.to_http({REQUEST_ID: request_id(request.headers)})
+        rid = request_id(request.headers)
+        unread = _unread(Kind.OTHER, request.method, request.raw_path, request.headers, rid)
+        self._dispatch.rejected(err, unread)
+        response = err.to_http({REQUEST_ID: rid})
         response.force_close()
         return response
 
@@ -209,6 +213,22 @@ class HttpIngress:
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)
+
+
+def _unread(
+    kind: Kind,
+    method: str,
+    path: str,
+    headers: Mapping[str, str],
+    rid: str,
+    started: float | None = None,
+    tenant: str | None = None,
+) -> Call:
+    """What is known of a request refused before its body was read or parsed (`started`:
+    when it arrived, by default now)."""
+    if started is None:
+        started = asyncio.get_running_loop().time()
+    return Call(kind, NO_FIELDS, method, path, b"", headers, started, tenant, rid)
 
 
 def request_id(headers: Mapping[str, str]) -> str:

@@ -208,3 +208,22 @@ def test_a_clients_strings_cannot_forge_fields_or_lines() -> None:
     (line,) = text_lines([entry]).decode().splitlines()
     fields = _text_fields(line)
     assert fields["model"] == evil and fields["status"] == "400" and "fake" not in fields
+
+
+async def test_an_oversized_body_is_a_413_line_with_or_without_expect(tmp_path) -> None:
+    path = tmp_path / "access.log"
+    stub = await StubBackend().start()
+    big = b'{"model": "stub-model", "prompt": "' + b"x" * 4096 + b'"}'
+    try:
+        async with _router(path, stub.url, limits={"max_body_bytes": 1024}) as router:
+            async with aiohttp.ClientSession() as http:
+                url = router.url + "/v1/completions"
+                for expect in (False, True):
+                    async with http.post(url, data=big, expect100=expect) as resp:
+                        assert resp.status == 413
+    finally:
+        await stub.stop()
+    lines = _lines(path, "text")
+    assert [line["status"] for line in lines] == ["413", "413"]
+    assert {line["error"] for line in lines} == {"PayloadTooLarge"}
+    assert not stub.received

@@ -4,6 +4,7 @@ sharing one port, a resolver whose answer the test changes, real requests throug
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import aiohttp
 import pytest
@@ -40,7 +41,8 @@ def members(router: Router) -> set[str]:
     return {b.name for b in router.fleet.members}
 
 
-async def test_membership_follows_dns_without_dropping_requests() -> None:
+async def test_membership_follows_dns_without_dropping_requests(caplog) -> None:
+    caplog.set_level(logging.INFO, logger="kvroute.backends")
     stubs = await stubs_on(["127.0.0.2", "127.0.0.3", "127.0.0.4"])
     port = stubs[0].port
     dns = FakeDns(["127.0.0.2", "127.0.0.3"])
@@ -82,6 +84,9 @@ async def test_membership_follows_dns_without_dropping_requests() -> None:
         text = router.metrics.render().decode()
         assert 'kvroute_discovery_errors_total{source="vllm.test"}' in text
         assert 'kvroute_discovered_backends{source="vllm.test"} 2.0' in text
+        changes = [r.getMessage() for r in caplog.records if "backends (added" in r.getMessage()]
+        assert f"added: http://127.0.0.4:{port}; removed: http://127.0.0.3:{port}" in changes[-1]
+        assert changes[0].startswith("discovery from vllm.test: 2 backends (added: http://")
     finally:
         stop.set()
         await router.stop()
