@@ -61,8 +61,10 @@ def _load(tls: ListenerTls, where: str) -> _Pair:
     context.set_alpn_protocols(["http/1.1"])
     try:
         context.load_cert_chain(tls.cert_file, tls.key_file, password=_no_password)
-    except (OSError, ssl.SSLError) as exc:
+    except ssl.SSLError as exc:
         raise ConfigError(f"{where}: {_culprit(tls, exc)}") from None
+    except OSError as exc:  # gone since it was read
+        raise ConfigError(f"{where}: cannot read {tls.cert_file}: {exc.strerror}") from None
     if (_read(tls.cert_file, where), _read(tls.key_file, where)) != (chain, key):
         # gRPC serves the bytes, HTTP what OpenSSL read: they must be the same pair
         raise ConfigError(f"{where}: {tls.cert_file} or {tls.key_file} changed while read")
@@ -81,13 +83,13 @@ def _no_password() -> bytes:
     return b""
 
 
-def _culprit(tls: ListenerTls, exc: OSError | ssl.SSLError) -> str:
-    """Which file of the pair is wrong, and how."""
-    if getattr(exc, "reason", None) == "KEY_VALUES_MISMATCH":
+def _culprit(tls: ListenerTls, exc: ssl.SSLError) -> str:
+    """Which file of the pair is wrong, and how (OpenSSL's error names neither)."""
+    if exc.reason == "KEY_VALUES_MISMATCH":
         return f"key_file {tls.key_file} is not the key of cert_file {tls.cert_file}"
     try:
         ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_verify_locations(cafile=tls.cert_file)
-    except ssl.SSLError:
+    except OSError:  # ssl.SSLError among them
         return f"cert_file {tls.cert_file} holds no PEM certificate"
     return f"key_file {tls.key_file} holds no unencrypted PEM private key"
 
@@ -104,10 +106,11 @@ class HttpsCertificates:
     def renew(self, pair: _Pair) -> None:
         self._current = pair.context
 
-    def _choose(self, conn: ssl.SSLObject, server_name: str | None, front: ssl.SSLContext):
+    def _choose(self, conn: ssl.SSLObject, server_name: str | None, front: ssl.SSLContext) -> None:
+        """OpenSSL's servername callback, before the certificate is chosen; returning
+        None lets the handshake go on."""
         if self._current is not front:
             conn.context = self._current
-        return None  # the handshake goes on
 
 
 class GrpcCertificates:

@@ -156,6 +156,16 @@ async def test_the_openai_sdk_chats_and_streams_over_https(tmp_path, pki) -> Non
         assert len(rig.stub.received) == 2
 
 
+async def test_a_client_offering_h2_is_answered_http_1_1(tmp_path, pki) -> None:
+    async with tls_router(tmp_path, pki) as rig:
+        context = _trusting(pki.a)
+        context.set_alpn_protocols(["h2", "http/1.1"])
+        conn = await asyncio.open_connection("127.0.0.1", rig.router.port, ssl=context)
+        assert conn[1].get_extra_info("ssl_object").selected_alpn_protocol() == "http/1.1"
+        assert await _health(*conn) == 200
+        conn[1].close()
+
+
 async def test_plain_http_to_the_tls_port_is_refused_and_tls_serves_on(
     tmp_path, pki, caplog
 ) -> None:
