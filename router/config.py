@@ -34,6 +34,15 @@ class _Strict(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=T
     pass
 
 
+class ListenerTls(_Strict):
+    """A listener's certificate (PEM: the chain, leaf first) and its private key, as
+    files (the key is never inline). Read at start and again on every reload, so a
+    renewed pair at the same paths is served to new connections after a SIGHUP."""
+
+    cert_file: str
+    key_file: str
+
+
 class ListenConfig(_Strict):
     host: str = "127.0.0.1"
     port: Port = 8000
@@ -41,17 +50,21 @@ class ListenConfig(_Strict):
     #: own queue with SO_REUSEPORT; Linux caps it at net.core.somaxconn). aiohttp's
     #: default of 128 overflows when a thousand clients connect at once.
     backlog: Annotated[int, Meta(ge=1, le=65535)] = 4096
+    #: HTTPS (TLS 1.2+, HTTP/1.1) instead of plain HTTP; also gRPC's unless it sets its own
+    tls: ListenerTls | None = None
 
 
 class GrpcConfig(_Strict):
     """The gRPC ingress: off by default, so a router opens no second port unasked.
 
     `host` unset means the HTTP listener's host; the port is its own (50051, gRPC's usual).
+    `tls` unset means the HTTP listener's (`listen.tls`): TLS on one means TLS on both.
     """
 
     enabled: bool = False
     host: str | None = None
     port: Port = 50051
+    tls: ListenerTls | None = None
 
 
 class KvEventsConfig(_Strict):

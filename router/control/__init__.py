@@ -9,6 +9,7 @@
   listeners.py   a worker's HTTP (fast path first), admin and gRPC listeners
   supervisor.py  `serve --workers N`: ports, run directory, children, restarts, signals
   reload.py      SIGHUP and admin reloads: build, validate, swap
+  tls.py         the listeners' certificates: read at start, renewed by a reload
   admin.py       the admin API, on its own listener and token
 
 May import every stage. Nothing imports it but router/__main__.py (the CLI).

@@ -1,6 +1,6 @@
 """A worker's listeners: HTTP (its fast path in front of aiohttp's server), the admin
 API (worker 0 only) and gRPC, all over one dispatcher, started together and drained
-together."""
+together; HTTP and gRPC over TLS when the config names certificates (tls.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from aiohttp import web
 from router.config import Config
 from router.context import WorkerContext
 from router.control.admin import AdminServer
+from router.control.tls import ServingTls
 from router.dispatch.dispatcher import CUT_GRACE_SECONDS, Dispatcher
 from router.errors import listening
 from router.fleet.backends import Fleet
@@ -30,11 +31,14 @@ from router.telemetry.loops import Telemetry
 
 
 class Listeners:
-    def __init__(self, context: WorkerContext | None, admin: AdminServer | None) -> None:
+    def __init__(
+        self, context: WorkerContext | None, admin: AdminServer | None, tls: ServingTls
+    ) -> None:
         #: one of several workers: they share the ports (SO_REUSEPORT) and the budgets
         self._shared = context is not None
         self._workers = 1 if context is None else context.workers
         self.admin = admin
+        self._tls = tls
         self.port = 0
         self.grpc_port = 0
         self.ingress: HttpIngress | None = None
@@ -60,7 +64,11 @@ class Listeners:
             with listening("the admin API", cfg.admin.host, cfg.admin.port):
                 await self.admin.start()
         if cfg.grpc.enabled:  # same loop, same dispatcher, its own port
-            self._grpc = GrpcIngress(cfg, fleet, dispatcher, metrics, auth, self._shared)
+            rpc_tls = self._tls.grpc
+            credentials = None if rpc_tls is None else rpc_tls.credentials
+            self._grpc = GrpcIngress(
+                cfg, fleet, dispatcher, metrics, auth, self._shared, credentials
+            )
             with listening("gRPC", cfg.grpc.host or cfg.listen.host, cfg.grpc.port):
                 self.grpc_port = await self._grpc.start()
 
@@ -95,6 +103,7 @@ class Listeners:
             reuse_address=True,
             reuse_port=self._shared,
             backlog=cfg.listen.backlog,
+            ssl_context=None if self._tls.http is None else self._tls.http.context,
         )
         with listening("HTTP", cfg.listen.host, cfg.listen.port):
             await site.start()

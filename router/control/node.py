@@ -24,6 +24,7 @@ from router.config import Config, ConfigError, KvEventsConfig
 from router.context import WorkerContext
 from router.control.admin import apply_edit
 from router.control.reload import ConfigSource, Reloader, check_admin_token
+from router.control.tls import ServingTls
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
 from router.fleet.health import HealthChecker, ModelPoller, Verdicts
@@ -59,6 +60,7 @@ class Node(ABC):
         self.auth = Authenticator(config.auth)
         self.admin_token = None if config.admin is None else AdminToken(config.admin)
         check_admin_token(self.admin_token, self.auth)
+        self.tls = ServingTls()  # none: a Router (worker.py) loads its listeners'
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.discovery = Discovery(self)  # backends from DNS names
         self.metrics = Metrics(

@@ -15,13 +15,19 @@ add and remove) does the rest:
    ConfigError before anything changed; the old config keeps serving;
 3. swap, with no await: fleet membership and policy (`Fleet.update`: unchanged
    backends keep their object, in-flight count and health; removed ones get no new
-   requests and finish the ones they have), dispatcher, health and auth settings, and
-   finally `Router.config`, the effective config the admin API shows.
+   requests and finish the ones they have), dispatcher, health and auth settings, the
+   listeners' certificates, and finally `Router.config`, the effective config the
+   admin API shows.
 
 Only the sections in `_LIVE` (and the admission limits) change on reload; the rest
 is bound to sockets or loops started once (listen, admin, grpc, shutdown, telemetry,
 header and body limits, ...), so it is kept from the running config and logged as
-"at restart". A lock serializes reloads, so an admin call and a SIGHUP never
+"at restart". The listeners' certificates are the exception: a reload from the file
+(`reload()`, not an admin edit or a discovery change) reads `listen.tls` and
+`grpc.tls` again, the same paths or new ones, and new connections get the new pair
+(router/control/tls.py); a pair that does not load rejects the reload. Turning TLS
+on or off for a listener waits for a restart ("listen.tls and grpc.tls (TLS on or
+off)" in the log). A lock serializes reloads, so an admin call and a SIGHUP never
 interleave between build and swap.
 """
 
@@ -37,6 +43,7 @@ import msgspec
 import policies
 from router import log
 from router.config import Config, ConfigError, load
+from router.control.tls import ServingTls, serving_tls
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
 from router.fleet.health import HealthChecker
@@ -77,6 +84,7 @@ class Reloadable(Protocol):
     health: HealthChecker
     auth: Authenticator
     admin_token: AdminToken | None
+    tls: ServingTls
 
     async def admit(self, added: list[Backend], everywhere: bool) -> None:
         """Health and models of backends about to join."""
@@ -117,20 +125,23 @@ class Reloader:
         except ConfigError as exc:
             log.config.error("reload rejected, the old config keeps serving: %s", exc)
             raise
-        return await self.apply(config, everywhere)
+        return await self.apply(config, everywhere, renew=True)
 
-    async def apply(self, config: Config, everywhere: bool = False) -> dict[str, list[str]]:
+    async def apply(
+        self, config: Config, everywhere: bool = False, renew: bool = False
+    ) -> dict[str, list[str]]:
         """Build, validate and swap in `config`; returns what changed, by kind.
         `everywhere`: the collector applies the same change, so in a worker the added
-        backends take its health checks instead of checks of their own."""
+        backends take its health checks instead of checks of their own. `renew`: read
+        the listeners' certificates again (a reload from the file)."""
         async with self._lock:
             try:
-                return await self._apply(config, everywhere)
+                return await self._apply(config, everywhere, renew)
             except ConfigError as exc:
                 log.config.error("reload rejected, the old config keeps serving: %s", exc)
                 raise
 
-    async def _apply(self, new: Config, everywhere: bool) -> dict[str, list[str]]:
+    async def _apply(self, new: Config, everywhere: bool, renew: bool) -> dict[str, list[str]]:
         router = self._router
         new = router.discovery.merge(new)  # DNS-discovered backends join every config
         old = router.config
@@ -139,6 +150,7 @@ class Reloader:
         policy = fleet.policy if new.routing == old.routing else _policy(new)
         auth = Authenticator(new.auth)
         check_admin_token(router.admin_token, auth)
+        certificates = router.tls.renewal(new) if renew else _no_renewal
         backends = fleet.prepare(new.backends, new.breaker, new.backend_defaults)
         current = {id(b) for b in fleet.members}
         added = [b for b in backends if id(b) not in current]
@@ -155,6 +167,7 @@ class Reloader:
         router.configure(new)
         router.health.cfg = new.health
         router.auth.adopt(auth)
+        certificates()
         router.config = new
         if added:
             router.admitted()
@@ -186,9 +199,21 @@ def check_admin_token(admin: AdminToken | None, auth: Authenticator) -> None:
         raise ConfigError("the admin token must not also be a data-plane token")
 
 
+def _no_renewal() -> None:
+    """An admin edit or a discovery change: the certificates stay as they are."""
+
+
 def _pin_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
-    """`new` with the sections a reload cannot apply taken from `old`, and their names."""
+    """`new` with the sections a reload cannot apply taken from `old`, and their names.
+    `listen.tls` and `grpc.tls` are live unless they turn a listener's TLS on or off."""
     replace = msgspec.structs.replace
+    switched = _tls_switched(old, new)
+    if not switched:  # compare the rest of listen and grpc; the new certificates are kept
+        old = replace(
+            old,
+            listen=replace(old.listen, tls=new.listen.tls),
+            grpc=replace(old.grpc, tls=new.grpc.tls),
+        )
     pinned = {
         name: getattr(old, name)
         for name in new.__struct_fields__
@@ -200,6 +225,18 @@ def _pin_restart_only(old: Config, new: Config) -> tuple[Config, list[str]]:
         if getattr(new.limits, name) != getattr(old.limits, name)
     }
     changed = [*pinned, *(f"limits.{name}" for name in limits)]
+    if switched:
+        changed.append("listen.tls and grpc.tls (TLS on or off)")
     if limits:
         pinned["limits"] = replace(new.limits, **limits)
     return (replace(new, **pinned) if pinned else new), changed
+
+
+def _tls_switched(old: Config, new: Config) -> bool:
+    """Whether `new` turns TLS on or off for a listener that runs under both (its
+    socket was made at start); gRPC turned on or off is a change of its own."""
+    (old_http, old_grpc), (new_http, new_grpc) = serving_tls(old), serving_tls(new)
+    if (old_http is None) != (new_http is None):
+        return True
+    both = old.grpc.enabled and new.grpc.enabled
+    return both and (old_grpc is None) != (new_grpc is None)

@@ -60,6 +60,7 @@ from setproctitle import setproctitle
 from router import log
 from router.config import Config
 from router.context import COLLECTOR, WorkerContext
+from router.control.tls import ServingTls
 from router.dispatch.shared_admission import AdmissionTable
 from router.errors import listening
 from router.fleet.shared_load import LoadTable
@@ -163,6 +164,8 @@ class _Child:
 class Supervisor:
     def __init__(self, config: Config, config_path: str | None, overrides: dict) -> None:
         self.workers = worker_count(config)
+        # certificates that do not load stop the start here, not every worker in turn
+        ServingTls.load(config)
         # the ports first: a router that cannot listen leaves no run directory behind
         self._sockets = [_reserve("HTTP", config.listen.host, config.listen.port)]
         overrides = {**overrides, "listen.port": self._sockets[0].getsockname()[1]}

@@ -23,6 +23,7 @@ from router.control.admin import AdminServer
 from router.control.listeners import Listeners
 from router.control.node import STARTUP_POLL_SECONDS, Node
 from router.control.reload import ConfigSource
+from router.control.tls import ServingTls
 from router.dispatch.dispatcher import Dispatcher
 from router.dispatch.records import Records
 from router.dispatch.shared_admission import AdmissionTable
@@ -50,19 +51,21 @@ class Router(Node):
         context: WorkerContext | None = None,
         span_exporter=None,
     ) -> None:
-        """Build the pieces; ConfigError if a secret the config names cannot be read, or
-        tracing is on without the OpenTelemetry SDK. `span_exporter`: where the spans go
-        when tracing is on (an SDK SpanExporter), instead of the configured OTLP endpoint."""
+        """Build the pieces; ConfigError if a secret or certificate the config names
+        cannot be read, or tracing is on without the OpenTelemetry SDK. `span_exporter`:
+        where the spans go when tracing is on (an SDK SpanExporter), instead of the
+        configured OTLP endpoint."""
         self.table = self.placements = self.admission_counts = None
         if (ctx := context) is not None:
             self.table = LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index)
             self.placements = PlacementTable(ctx.placements_path, ctx.index, self._share)
             self.admission_counts = AdmissionTable(ctx.admission_path, ctx.workers, ctx.index)
         super().__init__(config, source, context, self.table, self.placements)
+        self.tls = ServingTls.load(config)
         self.admin = None
         if self.admin_token is not None and (context is None or context.index == 0):
             self.admin = AdminServer(self, config.admin, self.admin_token)
-        self.listeners = Listeners(context, self.admin)
+        self.listeners = Listeners(context, self.admin, self.tls)
         self.dispatcher: Dispatcher | None = None
         #: the access log and the tracer
         self.records = Records(config, span_exporter)
@@ -78,7 +81,8 @@ class Router(Node):
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.listen.host}:{self.port}"
+        scheme = "http" if self.tls.http is None else "https"
+        return f"{scheme}://{self.config.listen.host}:{self.port}"
 
     @property
     def fan_out(self) -> Callable[[bytes], Awaitable[None]] | None:

@@ -273,7 +273,8 @@ def _hand_over(
 
 
 class FastSite(web.TCPSite):
-    """aiohttp's TCP site, listening with the fast path in front of aiohttp's server."""
+    """aiohttp's TCP site, listening with the fast path in front of aiohttp's server
+    (over TLS when given an `ssl_context`)."""
 
     def __init__(self, runner: web.AppRunner, fast: FastConnections, **kwargs) -> None:
         super().__init__(runner, **kwargs)
@@ -288,6 +289,7 @@ class FastSite(web.TCPSite):
             backlog=self._backlog,
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,
+            ssl=self._ssl_context,  # TLS under both: aiohttp takes over the TLS transport
         )
 
     async def stop(self) -> None:

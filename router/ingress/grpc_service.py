@@ -83,10 +83,13 @@ class GrpcIngress:
         metrics: Metrics,
         auth: Authenticator | None = None,
         shared_port: bool = False,
+        credentials: grpc.ServerCredentials | None = None,
     ) -> None:
-        """`shared_port`: one of several workers listening on the same port."""
+        """`shared_port`: one of several workers listening on the same port;
+        `credentials`: TLS (router/control/tls.py), else plaintext."""
         self._config = config
         self._shared_port = shared_port
+        self._credentials = credentials
         self._fleet = fleet
         self._dispatcher = dispatcher
         self._metrics = metrics
@@ -115,11 +118,14 @@ class GrpcIngress:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection([s.full_name for s in SERVICES], server)
         host, port = config.grpc.host or config.listen.host, config.grpc.port
-        self.port = server.add_insecure_port(
-            f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        )
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if self._credentials is None:
+            self.port = server.add_insecure_port(address)
+        else:
+            self.port = server.add_secure_port(address, self._credentials)
         await server.start()
-        log.server.info("kvroute gRPC ingress listening on %s:%d", host, self.port)
+        tls = "" if self._credentials is None else " (TLS)"
+        log.server.info("kvroute gRPC ingress listening on %s:%d%s", host, self.port, tls)
         self._follow = asyncio.create_task(self._health.follow(), name="kvroute-grpc-health")
         return self.port
 

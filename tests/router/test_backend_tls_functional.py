@@ -5,9 +5,7 @@ trusted CA is refused, and the logs say why."""
 from __future__ import annotations
 
 import logging
-import shutil
 import ssl
-import subprocess
 from pathlib import Path
 
 import openai
@@ -15,29 +13,16 @@ import pytest
 
 from router.config import ConfigError, build
 from router.control.worker import Router
+from tests.pki import make_pki
 from tests.stub_backend import StubBackend
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
 
 
-def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
-    """A test CA and a certificate it signed for 127.0.0.1 (openssl's command line)."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl is not installed")
-    d = tmp_path_factory.mktemp("pki")
-    ca = "req -x509 -newkey rsa:2048 -nodes -days 2 -keyout ca.key -out ca.pem"
-    _openssl(*ca.split(), "-subj", "/CN=kvroute-test-CA", cwd=d)
-    csr = "req -newkey rsa:2048 -nodes -keyout server.key -out server.csr"
-    _openssl(*csr.split(), "-subj", "/CN=127.0.0.1", cwd=d)
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    sign = "x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -days 2"
-    _openssl(*sign.split(), "-extfile", "san.ext", "-out", "server.pem", cwd=d)
-    return d
+    """A test CA and a certificate it signed for 127.0.0.1."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def _https_stub(pki: Path) -> StubBackend:
