@@ -282,6 +282,11 @@ class FastSite(web.TCPSite):
 
     async def start(self) -> None:
         self._runner._reg_site(self)
+        tls = {}
+        if self._ssl_context is not None:  # TLS under both: aiohttp takes over the transport
+            # a handshake gets the header timeout (asyncio's default is 60 s): a client
+            # that stalls it holds a connection no longer than one that stalls its head
+            tls = {"ssl": self._ssl_context, "ssl_handshake_timeout": self._fast.keepalive}
         self._server = await asyncio.get_running_loop().create_server(
             self._fast,
             self._host,
@@ -289,7 +294,7 @@ class FastSite(web.TCPSite):
             backlog=self._backlog,
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,
-            ssl=self._ssl_context,  # TLS under both: aiohttp takes over the TLS transport
+            **tls,
         )
 
     async def stop(self) -> None:
