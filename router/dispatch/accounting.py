@@ -3,29 +3,41 @@ its last attempt, its outcome (status, latencies, the KV-cache prediction checke
 against what the backend reported); or its refusal before any backend.
 
 The labelled children every request touches are looked up once (`Labelled`); the
-strategy label is the reloadable setting `Dispatcher.configure` sets here.
+strategy label is the reloadable setting `Dispatcher.configure` sets here. Latencies are
+measured from the call's `arrived` (perf_counter: sub-millisecond on every loop).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from policies import SPILL_REASONS, Pick
 from router.dispatch.attempt import Attempt
 from router.dispatch.call import Routed
 from router.errors import KvrouteError
-from router.metrics import Labelled, Metrics
+from router.fleet.backends import Fleet
+from router.metrics import Labelled, Metrics, model_label
+from router.request import Kind
 from router.upstream.proxy import Upstream
 
 
 class Accounting:
     """The request path's metrics, by the step that records them."""
 
-    __slots__ = ("_decisions", "_e2e", "_metrics", "_requests", "_spillovers", "_ttft", "strategy")
+    __slots__ = (
+        "_decisions",
+        "_e2e",
+        "_fleet",
+        "_metrics",
+        "_requests",
+        "_spillovers",
+        "_ttft",
+        "strategy",
+    )
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(self, metrics: Metrics, fleet: Fleet) -> None:
         self._metrics = metrics
+        self._fleet = fleet
         self._requests = Labelled(metrics.requests)
         self._decisions = Labelled(metrics.decisions)
         self._spillovers = Labelled(metrics.spillovers)
@@ -53,11 +65,12 @@ class Accounting:
             reason = error.kind if error else f"http_{attempt.status}"
             self._metrics.retries.labels(name, reason).inc()
             return
-        started, upstream = attempt.started, attempt.upstream
-        self._requests(name, self.strategy, attempt.status).inc()
-        self._e2e(name).observe(asyncio.get_running_loop().time() - started)
+        arrived, upstream = attempt.call.arrived, attempt.upstream
+        endpoint, model = attempt.labels
+        self._requests(name, self.strategy, attempt.status, endpoint, model).inc()
+        self._e2e(name, endpoint, model).observe(time.perf_counter() - arrived)
         if upstream is not None and upstream.first_chunk_at is not None:
-            self._ttft(name).observe(upstream.first_chunk_at - started)
+            self._ttft(name, endpoint, model).observe(upstream.first_chunk_at - arrived)
         if ok and attempt.routed.prompt_tokens:
             self._check_prediction(attempt.routed, upstream)
 
@@ -70,6 +83,8 @@ class Accounting:
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
 
-    def rejected(self, error: KvrouteError) -> None:
-        """Count a request refused before it reached any backend."""
-        self._requests("none", self.strategy, str(error.status)).inc()
+    def rejected(self, error: KvrouteError, kind: Kind, model: str | None = None) -> None:
+        """Count a request refused before it reached any backend (`model`: None if its
+        body was not read)."""
+        label = model_label(model, self._fleet.models)
+        self._requests("none", self.strategy, str(error.status), kind.value, label).inc()

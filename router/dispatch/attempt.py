@@ -21,7 +21,7 @@ from router.errors import UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
-from router.metrics import Labelled, Metrics
+from router.metrics import Labelled, Metrics, model_label
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 
@@ -39,9 +39,9 @@ class Attempts:
         self.on_refused = on_refused
         self.itl = Labelled(metrics.itl)
 
-    def begin(self, routed: Routed, started: float, timeout: asyncio.Timeout) -> Attempt:
-        """An attempt on `routed`'s backend, holding its slots from now on."""
-        return Attempt(self, routed, started, timeout)
+    def begin(self, routed: Routed, call: Call, timeout: asyncio.Timeout) -> Attempt:
+        """An attempt of `call` on `routed`'s backend, holding its slots from now on."""
+        return Attempt(self, routed, call, timeout)
 
 
 class Attempt:
@@ -60,23 +60,26 @@ class Attempt:
         "_timeout",
         "_trial",
         "backend",
+        "call",
         "error",
+        "labels",
         "routed",
-        "started",
         "status",
         "upstream",
     )
 
     def __init__(
-        self, attempts: Attempts, routed: Routed, started: float, timeout: asyncio.Timeout
+        self, attempts: Attempts, routed: Routed, call: Call, timeout: asyncio.Timeout
     ) -> None:
         self._fleet = fleet = attempts.fleet
         self._metrics = attempts.metrics
         self._refused = attempts.on_refused
         self.routed = routed
         self.backend = backend = routed.backend
-        self._itl = attempts.itl(backend.name)
-        self.started = started
+        self.call = call
+        #: the request's endpoint and model labels (the model's bounded by the fleet's)
+        self.labels = (call.kind.value, model_label(call.req.model, fleet.models))
+        self._itl = attempts.itl(backend.name, *self.labels)
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)

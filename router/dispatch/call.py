@@ -26,7 +26,10 @@ class Call:
     path: str
     body: bytes
     headers: CIMultiDict[str]
+    #: when the request arrived: by the event loop's clock (the deadlines'), and by
+    #: `time.perf_counter()` (the latencies': the loop's ticks in ms on uvloop)
     started: float
+    arrived: float
     tenant: str | None = None
     #: the prompt's exact token ids, when a backend's /tokenize supplied them
     token_ids: list[int] | None = None

@@ -89,7 +89,7 @@ class Connector:
             room = call.started + self._timeouts.total - asyncio.get_running_loop().time()
             deadline.reschedule(None)  # the backoff is bounded by `room`
             await asyncio.sleep(max(0.0, min(self._retry.backoff(len(tried) - 1), room)))
-            attempt = self._attempts.begin(routed, call.started, deadline)
+            attempt = self._attempts.begin(routed, call, deadline)
 
     def _retry_target(self, call: Call, tried: list[Backend]) -> Routed | None:
         if not self._retry.allows(len(tried)):

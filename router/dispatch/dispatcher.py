@@ -41,6 +41,7 @@ from router.errors import KvrouteError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
+from router.request import Kind
 from router.telemetry.tokenize import RemoteTokenizer
 from router.upstream.proxy import Upstream, Upstreams
 
@@ -88,10 +89,10 @@ class Dispatcher:
         self.metrics = metrics
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits, counts)
+        self.admission = Admission(config.limits, counts, metrics)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
-        self._account = Accounting(metrics)
+        self._account = Accounting(metrics, fleet)
         attempts = Attempts(fleet, metrics, on_refused)
         self._picker = Picker(fleet, self._account, attempts)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
@@ -102,7 +103,7 @@ class Dispatcher:
 
     def configure(self, config: Config) -> None:
         """Take the reloadable settings of `config`; requests in flight keep theirs."""
-        self._account.strategy = config.routing.__struct_config__.tag
+        self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
         self._connector.configure(config)
         self.admission.configure(config.limits)
 
@@ -148,7 +149,7 @@ class Dispatcher:
                         call.token_ids = await describer.token_ids(call, block_keys)
                     t0 = time.perf_counter()
                     route_req = describer.describe(call)
-                    first = self._picker.first(route_req, t0, call.started, deadline)
+                    first = self._picker.first(route_req, t0, call, deadline)
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below
@@ -168,7 +169,7 @@ class Dispatcher:
                 self.admission.leave(held)
         except KvrouteError as err:
             if not tried:  # refused before any backend: shutting down, 429, 404, 400, 503
-                self._account.rejected(err)
+                self._account.rejected(err, call.kind, call.req.model)
             raise
         except asyncio.CancelledError:
             if not self._open.was_cut(task):  # not the drain's cut, or the client left too
@@ -185,6 +186,6 @@ class Dispatcher:
         self.draining = True
         await self._open.drain(timeout, CUT_GRACE_SECONDS)
 
-    def rejected(self, error: KvrouteError) -> None:
-        """Count a request refused before it reached any backend."""
-        self._account.rejected(error)
+    def rejected(self, error: KvrouteError, kind: Kind = Kind.OTHER) -> None:
+        """Count a request refused before it reached any backend (or was read)."""
+        self._account.rejected(error, kind)

@@ -11,7 +11,7 @@ from collections.abc import Collection
 from policies import RouteRequest
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
-from router.dispatch.call import Routed
+from router.dispatch.call import Call, Routed
 from router.errors import NoBackendAvailable
 from router.fleet.backends import Fleet
 from router.upstream.retry import excluding
@@ -28,11 +28,11 @@ class Picker:
         self._attempts = attempts
 
     def first(
-        self, route_req: RouteRequest, t0: float, started: float, timeout: asyncio.Timeout
+        self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
     ) -> Attempt:
-        """The pick for a new request and its attempt, begun while the pick lock is held."""
+        """The pick for `call` and its attempt, begun while the pick lock is held."""
         with self._fleet.picking():
-            return self._attempts.begin(self.pick(route_req, t0), started, timeout)
+            return self._attempts.begin(self.pick(route_req, t0), call, timeout)
 
     def pick(self, route_req: RouteRequest, t0: float, tried: Collection[str] = ()) -> Routed:
         """The policy's pick for a described request, none named in `tried`; `t0`: when

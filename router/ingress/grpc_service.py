@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import orjson
@@ -235,7 +236,7 @@ class _Inference(pb_grpc.InferenceServicer):
 
     async def _call(self, kind: Kind, request, context, stream: bool):
         """The trailers so far and the `Call`, or abort with the request's error."""
-        started = asyncio.get_running_loop().time()
+        started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         request_id, authorization, claimed = self._metadata(context.invocation_metadata() or ())
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
         routing = request.routing
@@ -249,10 +250,11 @@ class _Inference(pb_grpc.InferenceServicer):
                 )
             req = parse(kind, body)
         except KvrouteError as err:
-            self._dispatch.rejected(err)
+            self._dispatch.rejected(err, kind)
             await context.abort(*err.to_grpc(trailers))
         headers = self._headers(request_id, authorization, tenant, routing)
-        return trailers, Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant)
+        call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, arrived, tenant)
+        return trailers, call
 
     def _metadata(self, metadata) -> tuple[str, str | None, str | None]:
         """The request id (made up if absent or not a bounded token), the authorization

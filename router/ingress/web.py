@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any
@@ -129,7 +130,7 @@ class HttpIngress:
         try:
             path = origin_form(request.raw_path, _route_prefix(request))
         except BadRequest as err:
-            await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)})
+            await self._refuse(reply, err, {REQUEST_ID: request_id(request.headers)}, kind)
             return reply.response
         body = functools.partial(self._body.read, request)
         await self.serve(kind, request.method, path, request.headers, body, reply)
@@ -147,7 +148,7 @@ class HttpIngress:
         """Answer one proxied request on `reply`, whichever server read it (aiohttp's, or
         the fast path's: router/ingress/fast.py). `read_body` reserves the body's bytes
         in `bodies`; they are given back here once the answer is out."""
-        started = asyncio.get_running_loop().time()
+        started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         headers = forward_headers(client_headers)
         rid = request_id(headers)
         headers[REQUEST_ID] = rid
@@ -161,17 +162,19 @@ class HttpIngress:
                 tenant = self._tenant(client_headers)  # before the body: no work for strangers
                 body = await read_body()
                 req = parse(kind, body)
-                call = Call(kind, req, method, path, body, headers, started, tenant)
+                call = Call(kind, req, method, path, body, headers, started, arrived, tenant)
             except KvrouteError as err:
-                await self._refuse(reply, err, extra)
+                await self._refuse(reply, err, extra, kind)
                 return
             await relay(self._dispatch, call, reply, extra)
         finally:
             self.bodies.give(len(body))
 
-    async def _refuse(self, reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:
+    async def _refuse(
+        self, reply: Reply, err: KvrouteError, extra: dict[str, str], kind: Kind
+    ) -> None:
         """Refuse a request before it reached dispatch, and count it."""
-        self._dispatch.rejected(err)
+        self._dispatch.rejected(err, kind)
         await refuse(reply, err, extra)
 
     async def expect(self, request: web.Request) -> web.StreamResponse | None:
