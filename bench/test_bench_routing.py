@@ -58,7 +58,7 @@ def test_route(benchmark, dispatcher: Dispatcher) -> None:
     benchmark.group = "route-8000-token-chat"
 
     def route() -> str:
-        call = Call(Kind.CHAT, parse(Kind.CHAT, BODY), "POST", "/", BODY, CIMultiDict(), 0.0)
+        call = Call(Kind.CHAT, parse(Kind.CHAT, BODY), "POST", "/", BODY, CIMultiDict(), 0.0, 0.0)
         return dispatcher.route(call).backend.name
 
     assert benchmark(route) == route()  # deterministic

@@ -4,14 +4,14 @@ KV-cache prediction checked against them, its access log line); or its refusal b
 any backend.
 
 The labelled children every request touches are looked up once (`Labelled`); the
-strategy label is the reloadable setting `Dispatcher.configure` sets here. A failure
-(a 5xx the router makes, a retry) is logged, throttled; a success never is, beside the
-access log, which writes off the request's path (router/access_log.py).
+strategy label is the reloadable setting `Dispatcher.configure` sets here. Latencies are
+measured from the call's `arrived` (perf_counter: sub-millisecond on every loop). A
+failure (a 5xx the router makes, a retry) is logged, throttled; a success never is,
+beside the access log, which writes off the request's path (router/access_log.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Container
 
@@ -21,7 +21,9 @@ from router.access_log import AccessLog, Entry
 from router.dispatch.attempt import Attempt
 from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
-from router.metrics import Labelled, Metrics
+from router.fleet.backends import Fleet
+from router.metrics import Labelled, Metrics, model_label
+from router.request import Kind
 from router.upstream.usage import NO_USAGE, Usage
 
 
@@ -32,6 +34,7 @@ class Accounting:
         "_access",
         "_decisions",
         "_e2e",
+        "_fleet",
         "_metrics",
         "_requests",
         "_spillovers",
@@ -40,8 +43,9 @@ class Accounting:
         "tenants",
     )
 
-    def __init__(self, metrics: Metrics, access: AccessLog | None = None) -> None:
+    def __init__(self, metrics: Metrics, fleet: Fleet, access: AccessLog | None = None) -> None:
         self._metrics = metrics
+        self._fleet = fleet
         self._access = access
         self._requests = Labelled(metrics.requests)
         self._decisions = Labelled(metrics.decisions)
@@ -79,16 +83,17 @@ class Accounting:
                 "request %s: retrying elsewhere, backend %s failed: %s", call.request_id, name, why
             )
             return
-        seconds = asyncio.get_running_loop().time() - call.started
-        self._requests(name, self.strategy, attempt.status).inc()
-        self._e2e(name).observe(seconds)
+        endpoint, model = attempt.labels
+        seconds = time.perf_counter() - call.arrived
+        self._requests(name, self.strategy, attempt.status, endpoint, model).inc()
+        self._e2e(name, endpoint, model).observe(seconds)
         ttft = None
         if upstream is not None and upstream.first_chunk_at is not None:
-            ttft = upstream.first_chunk_at - call.started
-            self._ttft(name).observe(ttft)
+            ttft = upstream.first_chunk_at - call.arrived
+            self._ttft(name, endpoint, model).observe(ttft)
         used = upstream.usage() if ok and upstream is not None else NO_USAGE
         if used is not NO_USAGE:
-            self._count_tokens(call, used)
+            self._metrics.count_tokens(model, call.tenant, self.tenants(), *used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
         if trace is not None:
@@ -108,10 +113,6 @@ class Accounting:
             why = attempt.routed.reason
             self._log(call, seconds, ttft, name, why, attempt.status, retries, used, failure)
 
-    def _count_tokens(self, call: Call, used: Usage) -> None:
-        model = call.req.model or ""
-        self._metrics.count_tokens(model, call.tenant, self.tenants(), *used)
-
     def _check_prediction(self, routed: Routed, used: Usage) -> None:
         """Closed loop: the backend's reported cached_tokens against our prediction."""
         actual = used.cached
@@ -124,14 +125,16 @@ class Accounting:
     def rejected(self, error: KvrouteError, call: Call | None = None) -> None:
         """Count a request refused before it reached any backend; `call`: what is known
         of it (none when it was refused before its body was read)."""
-        self._requests("none", self.strategy, str(error.status)).inc()
+        kind, model = (call.kind, call.req.model) if call is not None else (Kind.OTHER, None)
+        label = model_label(model, self._fleet.models)
+        self._requests("none", self.strategy, str(error.status), kind.value, label).inc()
         if error.status >= 500:
             rid = call.request_id if call is not None else "-"
             log.requests_failed.warning("request %s: %s %s", rid, error.status, error.message)
         if call is not None and call.trace is not None:
             call.trace.finish(str(error.status), error, NO_USAGE, "", 0)
         if self._access is not None and call is not None:
-            seconds = asyncio.get_running_loop().time() - call.started
+            seconds = time.perf_counter() - call.arrived
             status, failure = str(error.status), type(error).__name__
             self._log(call, seconds, None, "", "", status, 0, NO_USAGE, failure)
 

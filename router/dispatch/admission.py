@@ -21,6 +21,9 @@ not dip and a newcomer cannot barge past the queue); a waiter that gives up (tim
 client gone) after its slot was handed over passes it on. `enter` returns what `leave`
 must give back, so a reload that changes the caps in between cannot unbalance the
 per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
+
+Metrics: each refusal by its reason, and the queue's depth, set only when the queue
+changes (a request admitted at once touches no metric here).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Protocol
 from router.config import LimitsConfig
 from router.dispatch.shared_admission import TOTAL
 from router.errors import Overloaded
+from router.metrics import Metrics, Refusal
 
 #: how often a worker with waiters looks for a slot freed in another worker
 _POLL_SECONDS = 0.01
@@ -79,10 +83,13 @@ class LocalCounts:
 
 
 class Admission:
-    def __init__(self, limits: LimitsConfig, counts: Counts | None = None) -> None:
+    def __init__(
+        self, limits: LimitsConfig, counts: Counts | None = None, metrics: Metrics | None = None
+    ) -> None:
         self.limits = limits
         self.active = 0
         self._counts = counts or LocalCounts()
+        self._metrics = metrics
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._poll: asyncio.TimerHandle | None = None
 
@@ -114,6 +121,7 @@ class Admission:
         """Hand a slot to the oldest live waiter; False if there is none."""
         while self._waiters:
             waiter = self._waiters.popleft()
+            self._queue_changed()
             if not waiter.done():  # a cancelled one is still queued until its task runs
                 waiter.set_result(None)
                 return True
@@ -141,9 +149,11 @@ class Admission:
             return
         limits = self.limits
         if len(self._waiters) >= limits.queue_size:
+            self._refused(Refusal.QUEUE_FULL)
             raise Overloaded("The router is at its concurrent request limit.", retry_after=1)
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
+        self._queue_changed()
         self._poll_soon()
         try:
             async with asyncio.timeout(limits.queue_timeout):
@@ -153,7 +163,9 @@ class Admission:
                 self.leave(None)  # handed a slot just as we gave up: pass it on
             elif waiter in self._waiters:
                 self._waiters.remove(waiter)
+                self._queue_changed()
             if isinstance(exc, TimeoutError):
+                self._refused(Refusal.QUEUE_TIMEOUT)
                 raise Overloaded(
                     "The router is at its concurrent request limit; the wait timed out.",
                     retry_after=1,
@@ -177,6 +189,7 @@ class Admission:
             return None
         key = self._counts.key(tenant)
         if not self._counts.take(key, cap):
+            self._refused(Refusal.TENANT_CAP)
             raise Overloaded(
                 f"Tenant `{tenant}` is at its limit of {cap} concurrent requests.", retry_after=1
             )
@@ -185,3 +198,11 @@ class Admission:
     def _give_tenant(self, held: Hashable | None) -> None:
         if held is not None:
             self._counts.give(held)
+
+    def _queue_changed(self) -> None:
+        if self._metrics is not None:
+            self._metrics.admission_queue.set(len(self._waiters))
+
+    def _refused(self, why: Refusal) -> None:
+        if self._metrics is not None:
+            self._metrics.admission_rejections.labels(why).inc()

@@ -21,7 +21,7 @@ from router.errors import UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
-from router.metrics import Labelled, Metrics
+from router.metrics import Labelled, Metrics, model_label
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 
@@ -62,6 +62,7 @@ class Attempt:
         "backend",
         "call",
         "error",
+        "labels",
         "routed",
         "status",
         "upstream",
@@ -75,9 +76,11 @@ class Attempt:
         self._refused = attempts.on_refused
         self.routed = routed
         self.backend = backend = routed.backend
-        self._itl = attempts.itl(backend.name)
         self.call = call
         call.attempts += 1
+        #: the request's endpoint and model labels (the model's bounded by the fleet's)
+        self.labels = (call.kind.value, model_label(call.req.model, fleet.models))
+        self._itl = attempts.itl(backend.name, *self.labels)
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)

@@ -46,7 +46,10 @@ class Call:
     path: str
     body: bytes
     headers: CIMultiDict[str]
+    #: when the request arrived: by the event loop's clock (the deadlines'), and by
+    #: `time.perf_counter()` (the latencies': the loop's ticks in ms on uvloop)
     started: float
+    arrived: float
     tenant: str | None = None
     #: the id its answer, its backend and the access log name it by (X-Request-Id)
     request_id: str = ""

@@ -93,10 +93,10 @@ class Dispatcher:
         self.metrics = metrics
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits, counts)
+        self.admission = Admission(config.limits, counts, metrics)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
-        self._account = Accounting(metrics, records and records.access_log)
+        self._account = Accounting(metrics, fleet, records and records.access_log)
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
@@ -109,7 +109,7 @@ class Dispatcher:
 
     def configure(self, config: Config) -> None:
         """Take the reloadable settings of `config`; requests in flight keep theirs."""
-        self._account.strategy = config.routing.__struct_config__.tag
+        self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
         self._connector.configure(config)
         self.admission.configure(config.limits)
 

@@ -30,7 +30,7 @@ class Picker:
     def first(
         self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
     ) -> Attempt:
-        """The pick for a new request and its attempt, begun while the pick lock is held."""
+        """The pick for `call` and its attempt, begun while the pick lock is held."""
         with self._fleet.picking():
             return self._attempts.begin(self.pick(route_req, t0), call, timeout)
 

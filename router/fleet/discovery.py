@@ -135,6 +135,8 @@ class Discovery:
         sources = self._host.config.discovery
         if not sources:
             return
+        for source in sources:  # each source's error counter exists at 0
+            self._host.metrics.discovery_errors.labels(source.label)
         watchers = [asyncio.create_task(self._watch(s), name=f"kvroute-{s.label}") for s in sources]
         try:
             while True:

@@ -28,6 +28,7 @@ class Views:
     #: the breakers' settings: the ejection cap and the panic threshold are the fleet's
     breaker_cfg: BreakerConfig
     _views: dict[str, FleetView]
+    _models: frozenset[str] | None = None
 
     def picking(self) -> contextlib.AbstractContextManager[object]:
         """Held around a pick and the count of its request in the shared load table: with
@@ -50,9 +51,18 @@ class Views:
         """False when every backend's model list is known and none lists `model`."""
         return any(b.serves(model) for b in self.members)
 
+    @property
+    def models(self) -> frozenset[str]:
+        """Every model a member lists (configured or discovered), worked out once after
+        each change: the values of the metrics' model label."""
+        if self._models is None:
+            self._models = frozenset().union(*(b.models or () for b in self.members))
+        return self._models
+
     def changed(self) -> None:
-        """Health or model lists changed: drop the cached views."""
+        """Health or model lists changed: drop the cached views and models."""
         self._views = {}
+        self._models = None
 
     def any_usable(self) -> bool:
         """Can requests be routed: a usable member, or (panic on) one that passes health

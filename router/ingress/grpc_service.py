@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import grpc
 import orjson
@@ -243,7 +244,7 @@ class _Inference(pb_grpc.InferenceServicer):
 
     async def _call(self, kind: Kind, request, context, stream: bool):
         """The trailers so far and the `Call`, or abort with the request's error."""
-        started = asyncio.get_running_loop().time()
+        started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         metadata = context.invocation_metadata() or ()
         request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
@@ -259,22 +260,15 @@ class _Inference(pb_grpc.InferenceServicer):
                 )
             req = parse(kind, body)
         except KvrouteError as err:
-            unread = Call(
-                kind,
-                NO_FIELDS,
-                "POST",
-                _PATHS[kind],
-                b"",
-                CIMultiDict(),
-                started,
-                tenant,
-                request_id,
-            )
+            path, nothing = _PATHS[kind], CIMultiDict()
+            unread = Call(kind, NO_FIELDS, "POST", path, b"", nothing, started, arrived, tenant)
+            unread.request_id = request_id
             self._dispatch.rejected(err, unread)
             await context.abort(*err.to_grpc(trailers))
         headers = self._headers(request_id, authorization, tenant, routing)
         headers.extend((k, v) for k, v in metadata if k in _TRACE_CONTEXT)
-        call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, tenant, request_id)
+        call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, arrived, tenant)
+        call.request_id = request_id
         return trailers, call
 
     def _metadata(self, metadata) -> tuple[str, str | None, str | None]:

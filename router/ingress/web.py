@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from http import HTTPStatus
 from typing import Any
@@ -149,7 +150,7 @@ class HttpIngress:
         """Answer one proxied request on `reply`, whichever server read it (aiohttp's, or
         the fast path's: router/ingress/fast.py). `read_body` reserves the body's bytes
         in `bodies`; they are given back here once the answer is out."""
-        started = asyncio.get_running_loop().time()
+        started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         headers = forward_headers(client_headers)
         rid = request_id(headers)
         headers[REQUEST_ID] = rid
@@ -163,9 +164,9 @@ class HttpIngress:
                 tenant = self._tenant(client_headers)  # before the body: no work for strangers
                 body = await read_body()
                 req = parse(kind, body)
-                call = Call(kind, req, method, path, body, headers, started, tenant, rid)
+                call = Call(kind, req, method, path, body, headers, started, arrived, tenant, rid)
             except KvrouteError as err:
-                unread = _unread(kind, method, path, headers, rid, started, tenant)
+                unread = _unread(kind, method, path, headers, rid, (started, arrived), tenant)
                 await self._refuse(reply, err, extra, unread)
                 return
             await relay(self._dispatch, call, reply, extra)
@@ -221,14 +222,14 @@ def _unread(
     path: str,
     headers: Mapping[str, str],
     rid: str,
-    started: float | None = None,
+    arrival: tuple[float, float] | None = None,
     tenant: str | None = None,
 ) -> Call:
-    """What is known of a request refused before its body was read or parsed (`started`:
-    when it arrived, by default now)."""
-    if started is None:
-        started = asyncio.get_running_loop().time()
-    return Call(kind, NO_FIELDS, method, path, b"", headers, started, tenant, rid)
+    """What is known of a request refused before its body was read or parsed; `arrival`:
+    when it arrived (loop clock, perf_counter), by default now."""
+    if arrival is None:
+        arrival = (asyncio.get_running_loop().time(), time.perf_counter())
+    return Call(kind, NO_FIELDS, method, path, b"", headers, *arrival, tenant, rid)
 
 
 def request_id(headers: Mapping[str, str]) -> str:

@@ -3,7 +3,7 @@
   registry.py   `Metrics`: one router's registry, what /metrics renders, and the
                 process-wide choices (no `_created` series)
   requests.py   what each request records: outcomes, routing decisions, latencies,
-                tenants
+                tenants, admission's queue and refusals
   backends.py   the backends' side: upstream errors, the breakers' refused ejections,
                 panic routing, discovery, and the per-backend gauges read at scrape time
   telemetry.py  the KV-cache prediction checked against the backends, telemetry
@@ -15,7 +15,8 @@
                 prometheus-client's per-call locks and checks
 
 Label values come from the config and the router's own vocabularies, never from what a
-client sends: a tenant the config does not know is `(other)` (`tenant_request`).
+client sends: a tenant the config does not know is `(other)` (`tenant_request`), and so
+is a model no backend lists (`model_label`).
 
 May import: router.fleet and everything below it.
 """
@@ -23,6 +24,15 @@ May import: router.fleet and everything below it.
 from router.metrics.hot_path import Labelled, Tally
 from router.metrics.process import LAG_INTERVAL
 from router.metrics.registry import CONTENT_TYPE, Metrics
-from router.metrics.requests import OTHER_TENANT
+from router.metrics.requests import OTHER_TENANT, Refusal, model_label
 
-__all__ = ["CONTENT_TYPE", "LAG_INTERVAL", "OTHER_TENANT", "Labelled", "Metrics", "Tally"]
+__all__ = [
+    "CONTENT_TYPE",
+    "LAG_INTERVAL",
+    "OTHER_TENANT",
+    "Labelled",
+    "Metrics",
+    "Refusal",
+    "Tally",
+    "model_label",
+]

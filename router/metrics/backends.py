@@ -1,6 +1,7 @@
 """The backends' side: failures talking to them, the breakers' refused ejections, panic
 routing, discovery, and the per-backend gauges read from backend state at scrape time
-(so the request path pays nothing for them)."""
+(so the request path pays nothing for them). A backend's counters exist at 0 from the
+scrape after it joined (`_prime_backends`), each of its state changes too."""
 
 from __future__ import annotations
 
@@ -9,8 +10,16 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.breaker import BreakerState
+
+#: the `kind` of kvroute_upstream_errors_total (and the `reason` of a retry after one)
+UPSTREAM_KINDS = tuple(
+    e.kind for e in (UpstreamError, UpstreamConnectError, UpstreamDisconnected, UpstreamTimeout)
+)
+#: the states kvroute_backend_state_changes_total counts entering (fleet/usability.py)
+_STATES = ("up", "down", "draining", "undrained", *BreakerState)
 
 
 class BackendMetrics:
@@ -48,6 +57,13 @@ class BackendMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+
+    def _prime_backends(self, backends: Iterable[Backend]) -> None:
+        """Create each backend's counters at 0."""
+        for b in backends:
+            self.ejections_refused.labels(b.name)
+            for kind in UPSTREAM_KINDS:
+                self.upstream_errors.labels(b.name, kind)
 
 
 class BackendCollector:
@@ -87,6 +103,6 @@ class BackendCollector:
             checks.add_metric([b.name], 1.0 if b.healthy else 0.0)
             for state in BreakerState:
                 circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
-            for to, count in b.transitions.items():
+            for to, count in {**dict.fromkeys(_STATES, 0), **b.transitions}.items():
                 changes.add_metric([b.name, to], count)
         return [inflight, up, checks, circuit, changes]

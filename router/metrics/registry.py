@@ -5,6 +5,12 @@ Single-process and multiprocess routers export the same series (process.py says 
 the second sums its workers): no `_created` ones (multiprocess mode has none), and no
 `_sum` for a histogram whose buckets go below zero (a single process's
 prometheus-client has none).
+
+Counters exist at 0 before anything is counted, so that rate() sees a first increment:
+unlabelled ones by themselves, labelled ones for the values known at the start (reasons,
+sources, tenants) and, from the first scrape after a backend joined (config, reload,
+discovery, admin API) or the strategy changed, each backend's. Each scrape compares the
+members and their models with what was primed last: O(fleet), off the request path.
 """
 
 from __future__ import annotations
@@ -37,11 +43,16 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
     ) -> None:
         """`tenants`: the ones `tenant_request` names, beside the static tokens' ones."""
         self._tenants = frozenset(tenants)
+        self._members = members
+        #: the routing strategy's name, as the metrics label it (dispatch sets it)
+        self.strategy = ""
+        self._primed: tuple[str, tuple] = ("", ())
         r = self.registry = CollectorRegistry()
         #: what /metrics shows: this registry, or with several workers every process's
         self._exported = exported(r, multiprocess)
         self._exported.register(BackendCollector(members))
         self._declare_requests(r)
+        self._declare_admission(r)
         self._declare_latencies(r)
         self._declare_tokens(r)
         self._declare_backends(r)
@@ -49,4 +60,18 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
         self._declare_process(r)
 
     def render(self) -> bytes:
+        self._prime()
         return generate_latest(self._exported)
+
+    def _prime(self) -> None:
+        """Create at 0 the counters of the backends and strategy not primed yet."""
+        backends = tuple(self._members())
+        primed = (self.strategy, tuple((b.name, b.models) for b in backends))
+        if primed == self._primed:
+            return
+        self._primed = primed
+        if self.strategy:  # else no request path in this process (the collector)
+            self._prime_requests(backends, self.strategy)
+            self._prime_tokens({m for b in backends for m in b.models or ()})
+        self._prime_backends(backends)
+        self._prime_telemetry(backends)

@@ -4,9 +4,15 @@ backend's prefix index."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.fleet.backend import Backend
+
 _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
+#: why telemetry fell back (telemetry/scrape.py, index_upkeep.py, tokenize.py)
+FALLBACK_REASONS = ("scrape_failed", "stale_metrics", "event_reset", "tokenize_failed")
 
 
 class TelemetryMetrics:
@@ -39,6 +45,14 @@ class TelemetryMetrics:
             registry=r,
             multiprocess_mode="livemax",
         )
+        for source in ("predicted", "reported"):
+            self.cached_tokens.labels(source)
+
+    def _prime_telemetry(self, backends: Iterable[Backend]) -> None:
+        """Create each backend's fallback counters at 0 (the KV-events alert reads them)."""
+        for b in backends:
+            for reason in FALLBACK_REASONS:
+                self.telemetry_fallbacks.labels(b.name, reason)
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

@@ -3,7 +3,7 @@ lost lines."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterable
 
 from prometheus_client import CollectorRegistry, Counter
 
@@ -13,9 +13,6 @@ from router.metrics.hot_path import Labelled
 NO_TENANT = "(none)"
 #: the label of a value past a bounded label's first ones, or not a known one
 OTHER = "(other)"
-#: how many distinct models get a label of their own (when the backends do not list
-#: theirs, the model check lets any name through: the first ones seen are kept)
-MAX_MODELS = 64
 TOKEN_KINDS = ("prompt", "cached", "completion")
 
 
@@ -33,12 +30,20 @@ class TokenMetrics:
             registry=r,
         )
         self._token_children = Labelled(self.tokens)
-        self._models: dict[str, str] = {}  # insertion-ordered, bounded
         self.access_log_dropped = Counter(
             "kvroute_access_log_dropped",
             "Access log lines lost: the writer fell behind, or the write failed",
             registry=r,
         )
+
+    def _prime_tokens(self, models: Iterable[str]) -> None:
+        """Create at 0 the token counters of `models` (each kind) for the tenants named
+        by `metrics.tenants`, for others and for none."""
+        tenants = (*self._tenants, OTHER, NO_TENANT)
+        for model in models:
+            for kind in TOKEN_KINDS:
+                for tenant in tenants:
+                    self._token_children(kind, model, tenant)
 
     def count_tokens(
         self,
@@ -49,8 +54,9 @@ class TokenMetrics:
         cached: int | None,
         completion: int | None,
     ) -> None:
-        """Add one answer's reported counts (None: not reported)."""
-        labels = (self.model_label(model), self.tenant_label(tenant, known_tenants))
+        """Add one answer's reported counts (None: not reported); `model`: its label
+        (`model_label`)."""
+        labels = (model, self.tenant_label(tenant, known_tenants))
         child = self._token_children
         if prompt:
             child("prompt", *labels).inc(prompt)
@@ -58,13 +64,6 @@ class TokenMetrics:
             child("cached", *labels).inc(cached)
         if completion:
             child("completion", *labels).inc(completion)
-
-    def model_label(self, model: str) -> str:
-        """`model` if it is one of the first MAX_MODELS names seen, else OTHER."""
-        if model in self._models or len(self._models) < MAX_MODELS:
-            self._models[model] = model
-            return model
-        return OTHER
 
     def tenant_label(self, tenant: str | None, known: Container[str]) -> str:
         """`tenant` if the config or the static tokens name it, else OTHER (NO_TENANT: none)."""

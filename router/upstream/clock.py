@@ -2,12 +2,19 @@
 
 Kept apart from the reading so that the three ways of reading a body (whole, chunk by
 chunk, relayed from the connection's callbacks) share one account of it.
+
+Two clocks: chunks are stamped with `time.perf_counter()`, since the event loop's clock
+ticks in milliseconds on uvloop (an inter-token gap or a cached prompt's first token
+can be shorter); the idle deadline is kept on the loop's clock, which its timer and the
+exchange's end read, converted once per idle timer from the time left since the last
+chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from time import perf_counter
 
 from prometheus_client import Histogram
 
@@ -63,13 +70,14 @@ class BodyClock:
         assert self._deadline is not None, "watch() the body's timeout before reading it"
         self._tally = Tally(self._itl)
 
-    def arrived(self, chunk: bytes, now: float) -> None:
-        """A chunk came at `now`: the first one ends the prefill, any other one a gap."""
+    def arrived(self, chunk: bytes) -> None:
+        """A chunk came now: the first one ends the prefill, any other one a gap."""
+        now = perf_counter()
         if self.first_chunk_at is None:
             self.first_chunk_at = now
             self._on_first()
             self._deadline.reschedule(None)  # the idle timer decides from here on
-            self._arm_idle_timer(now + self._idle)
+            self._arm_idle_timer(self._idle)
         else:
             self._tally.observe(now - self._last_chunk_at)
         self._last_chunk_at = now
@@ -83,20 +91,22 @@ class BodyClock:
         if self._tally is not None:
             self._tally.flush()
 
-    def _arm_idle_timer(self, due: float) -> None:
-        """Expire the body's timeout at `due` (never after `end`) unless a chunk comes.
+    def _arm_idle_timer(self, left: float) -> None:
+        """Expire the body's timeout `left` seconds from now (never after `end`) unless a
+        chunk comes.
 
         A chunk only notes its time: this one timer wakes at the deadline it was set for and,
         if a chunk came since, sleeps on until the new one. So a stream costs a timer per
         idle period, not a reschedule (a timer cancelled and another created) per chunk.
         """
         loop = self._loop
-        due = min(due, self._end)
-        if due > loop.time():
+        now = loop.time()
+        due = min(now + left, self._end)
+        if due > now:
             self._idle_timer = loop.call_at(due, self._on_idle_timer)
         else:
             self._idle_timer = None
-            self._deadline.reschedule(due)  # in the past: asyncio's timeout expires now
+            self._deadline.reschedule(due)  # not in the future: asyncio's timeout expires now
 
     def _on_idle_timer(self) -> None:
-        self._arm_idle_timer(self._last_chunk_at + self._idle)
+        self._arm_idle_timer(self._last_chunk_at + self._idle - perf_counter())

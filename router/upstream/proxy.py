@@ -172,7 +172,7 @@ class Upstream:
         The gaps between chunks go to the inter-token latency histogram `itl` when the
         exchange finishes; `on_first` hears the first chunk (the prefill is done).
         """
-        loop, clock, payload = self._loop, self._clock, self._payload
+        clock, payload = self._clock, self._payload
         clock.begin()
         while True:
             try:
@@ -181,7 +181,7 @@ class Upstream:
                 raise UpstreamDisconnected(_broke(exc, "stream")) from exc
             if not chunk:  # clean end; a cut-off body raises above
                 return
-            clock.arrived(chunk, loop.time())
+            clock.arrived(chunk)
             yield chunk
 
     async def relay(self, sink: Sink) -> None:

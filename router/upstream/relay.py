@@ -38,7 +38,7 @@ class Relay:
     """One body on its way from a backend connection into a `Sink`; `done` resolves at
     the body's end, or with the failure (the backend's, or the client gone)."""
 
-    __slots__ = ("_arrived", "_body", "_now", "_sink", "_taken", "done", "on_failure")
+    __slots__ = ("_arrived", "_body", "_sink", "_taken", "done", "on_failure")
 
     def __init__(
         self,
@@ -50,9 +50,7 @@ class Relay:
     ) -> None:
         self._body = body
         self._sink = sink
-        # bound once: these run per event, on a stream's hot path
-        self._arrived = clock.arrived
-        self._now = loop.time
+        self._arrived = clock.arrived  # bound once: it runs per event, on the hot path
         self._taken = 0  # body bytes the relay took from the reader
         #: how a backend failure reaches the relay's caller (router/errors.py's class)
         self.on_failure = on_failure
@@ -69,7 +67,7 @@ class Relay:
                 chunk = body.read_nowait()
                 if chunk:
                     self._taken += len(chunk)
-                    self._arrived(chunk, self._now())
+                    self._arrived(chunk)
                     sink.put(chunk)
             if body.at_eof():
                 done.set_result(None)
@@ -86,7 +84,7 @@ class Relay:
         if done.done() or self._body.total != self._taken or not self._sink.ready():
             return False
         if chunks:
-            self._arrived(chunks, self._now())
+            self._arrived(chunks)
             try:
                 self._sink.put_framed(chunks)
             except ConnectionError as exc:  # the client is gone

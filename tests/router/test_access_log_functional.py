@@ -68,6 +68,13 @@ async def test_success_stream_and_client_mistakes_each_get_a_line(tmp_path, fmt)
             url = router.url + "/v1/chat/completions"
             async with http.post(url, data=b"{not json", headers=sent) as resp:
                 assert resp.status == 400
+        page = router.metrics.render().decode()
+    for kind, count in (("prompt", 10), ("completion", 6)):  # two answers reported usage
+        assert (
+            f'kvroute_tokens_total{{kind="{kind}",model="stub-model",tenant="(none)"}} {count}.0'
+            in page
+        )
+    assert 'kvroute_tokens_total{kind="cached",model="stub-model",tenant="(none)"} 0.0' in page
     whole, streamed, unknown, malformed = _lines(path, fmt)
     assert whole["request_id"] == rid and len(rid) == 32
     assert whole["method"] == "POST" and whole["path"] == "/v1/chat/completions"

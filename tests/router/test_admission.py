@@ -9,6 +9,7 @@ import pytest
 from router.config import LimitsConfig
 from router.dispatch.admission import Admission, LocalCounts
 from router.errors import Overloaded
+from router.metrics import Metrics
 
 
 def _limits(**kw) -> LimitsConfig:
@@ -95,3 +96,32 @@ async def test_raising_the_limit_admits_waiters() -> None:
     adm.configure(_limits(max_concurrent_requests=3, queue_size=2))
     await asyncio.gather(*waiters)
     assert (adm.active, adm.queued) == (3, 0)
+
+
+def _refusals(metrics: Metrics) -> dict[str, float]:
+    (family,) = metrics.admission_rejections.collect()
+    return {s.labels["reason"]: s.value for s in family.samples}
+
+
+async def test_each_refusal_is_counted_by_its_reason_and_the_queue_depth_follows() -> None:
+    metrics = Metrics(list)
+    limits = _limits(max_concurrent_requests=1, max_concurrent_per_tenant=1, queue_timeout=0.05)
+    adm = Admission(limits, LocalCounts(), metrics)
+
+    def depth() -> float:
+        (family,) = metrics.admission_queue.collect()
+        return family.samples[0].value
+
+    held = await adm.enter("acme")
+    with pytest.raises(Overloaded):
+        await adm.enter("acme")  # tenant_cap
+    waiting = asyncio.create_task(adm.enter(None))
+    await asyncio.sleep(0)
+    assert depth() == 1
+    with pytest.raises(Overloaded):
+        await adm.enter(None)  # queue_full
+    with pytest.raises(Overloaded):
+        await waiting  # queue_timeout
+    assert depth() == 0
+    adm.leave(held)
+    assert _refusals(metrics) == {"queue_full": 1, "queue_timeout": 1, "tenant_cap": 1}

@@ -110,14 +110,15 @@ async def post(http: aiohttp.ClientSession, url: str, body: dict) -> None:
 
 
 def counters(router: Router, name: str) -> dict[tuple[str, ...], float]:
-    """The samples of counter `name` on the router's /metrics page, by label values."""
+    """The counted samples of counter `name` on the router's /metrics page, by label
+    values (not those at 0 from the start)."""
     text = router.metrics.render().decode()
     return {
         tuple(s.labels.values()): s.value
         for family in text_string_to_metric_families(text)
         if family.name == name
         for s in family.samples
-        if s.name == name + "_total"
+        if s.name == name + "_total" and s.value
     }
 
 

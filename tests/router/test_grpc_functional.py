@@ -555,9 +555,13 @@ async def test_grpc_requests_are_accounted_like_http() -> None:
         await rig.api.CreateChatCompletion(chat_request(), timeout=TIMEOUT)
         async with aiohttp.ClientSession() as http, http.get(rig.router.url + "/metrics") as resp:
             text = await resp.text()
+        labels = ("backend", "status", "endpoint", "model")
         samples = {
-            (s.name, s.labels.get("backend"), s.labels.get("status")): s.value
+            (s.name, *(s.labels.get(k) for k in labels)): s.value
             for family in text_string_to_metric_families(text)
             for s in family.samples
         }
-        assert samples[("kvroute_requests_total", "b0", "200")] == 1
+        assert samples[("kvroute_requests_total", "b0", "200", "chat", MODEL)] == 1
+        assert (
+            samples[("kvroute_e2e_request_latency_seconds_count", "b0", None, "chat", MODEL)] == 1
+        )

@@ -142,7 +142,10 @@ async def test_exact_ids_from_the_backends_tokenize_endpoint() -> None:
             assert (backend, cached > 600) == (home, True)
         decisions = router.fleet.policy.recent
         assert decisions[-1]["scores"][home]["cached"] > 600
-        assert "tokenize_failed" not in router.metrics.render().decode()
+        (fallbacks,) = router.metrics.telemetry_fallbacks.collect()
+        assert not any(
+            s.value for s in fallbacks.samples if s.labels["reason"] == "tokenize_failed"
+        )
         assert len(router.dispatcher._tokenizer._cache) == 2  # the two distinct prompts
     finally:
         await router.stop()

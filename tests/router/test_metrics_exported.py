@@ -5,7 +5,9 @@ What is checked: both modes export the same series (names and label names), and 
 `kvroute_*` family on the page is one the README's Metrics section lists, with its labels,
 so the page and the README cannot drift apart; so is every metric the code declares, for
 the labels of those the traffic here never reaches; and every `kvroute_*` name any page
-of the docs mentions (README, docs/, deploy/README.md) is one the router exports. The
+of the docs mentions (README, docs/, deploy/README.md) is one the router exports. Before
+any request, every family the README lists is on the page, and the counters of the known
+label values are at 0. The
 router runs in its own processes, so these tests run once, on the default test loop.
 """
 
@@ -24,8 +26,11 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
 from bench.overhead import free_port, process, wait_ready
+from policies import SPILL_REASONS, Reason
+from router.config import DEFAULT_STRATEGY
 from router.metrics import Metrics
 from tests import readme
+from tests.router.chaos import MODEL
 from tests.router.test_workers import CHAT, WORKERS, chat, multi_router, until
 from tests.stub_backend import Behaviour, StubBackend
 
@@ -167,3 +172,88 @@ def test_the_readme_lists_every_declared_metric_with_its_labels() -> None:
     }
     listed = documented()
     assert {name: listed.get(name) for name in declared} == declared
+
+
+#: label values -> value, of the samples of one name
+Series = dict[frozenset[tuple[str, str]], float]
+
+
+def _samples(page: str) -> dict[str, Series]:
+    out: dict[str, Series] = {}
+    for family in text_string_to_metric_families(page):
+        for s in family.samples:
+            out.setdefault(s.name, {})[frozenset(s.labels.items())] = s.value
+    return out
+
+
+def _at_zero() -> dict[str, list[dict[str, str]]]:
+    """The counters a router in front of one backend (b0, serving MODEL) shows at 0
+    before its first request, by sample name."""
+    outcome = {"strategy": DEFAULT_STRATEGY, "model": MODEL}
+    kinds = ("upstream", "connect", "disconnect", "timeout")
+    return {
+        "kvroute_requests_total": [
+            {**outcome, "backend": backend, "status": status, "endpoint": endpoint}
+            for endpoint in ("chat", "completion")
+            for backend, statuses in (
+                ("b0", ("200", "502", "503", "504")),
+                ("none", ("429", "503")),
+            )
+            for status in statuses
+        ],
+        "kvroute_upstream_errors_total": [{"backend": "b0", "kind": k} for k in kinds],
+        "kvroute_retries_total": [{"backend": "b0", "reason": k} for k in kinds],
+        "kvroute_client_disconnects_total": [{"backend": "b0"}],
+        "kvroute_breaker_ejections_refused_total": [{"backend": "b0"}],
+        "kvroute_backend_state_changes_total": [
+            {"backend": "b0", "to": to} for to in ("open", "half_open", "draining")
+        ],
+        "kvroute_policy_decisions_total": [
+            {"policy": DEFAULT_STRATEGY, "reason": r} for r in Reason
+        ],
+        "kvroute_spillovers_total": [{"reason": r} for r in SPILL_REASONS],
+        "kvroute_admission_rejections_total": [
+            {"reason": r} for r in ("queue_full", "queue_timeout", "tenant_cap")
+        ],
+        "kvroute_tenant_requests_total": [{"tenant": "(other)"}],
+        "kvroute_cached_tokens_total": [{"source": s} for s in ("predicted", "reported")],
+        "kvroute_panic_routing_total": [{}],
+    }
+
+
+def _missing(page: str) -> list[tuple[str, dict[str, str]]]:
+    """The series of `_at_zero` not on the page at 0."""
+    shown = _samples(page)
+    return [
+        (name, labels)
+        for name, wanted in _at_zero().items()
+        for labels in wanted
+        if shown.get(name, {}).get(frozenset(labels.items())) != 0
+    ]
+
+
+async def _before_traffic(http: aiohttp.ClientSession, url: str) -> str | None:
+    """The page once the workers know b0's model (the collector's feed brings it)."""
+    async with http.get(url + "/metrics") as resp:
+        page = await resp.text()
+    return page if not _missing(page) else None
+
+
+@pytest.mark.parametrize("workers", [1, WORKERS])
+async def test_before_any_request_the_counters_are_on_the_page_at_0(
+    tmp_path: Path, workers: int
+) -> None:
+    async with (
+        paced_backend() as backend,
+        router(tmp_path / "router", workers, backend) as url,
+        aiohttp.ClientSession() as http,
+    ):
+        try:
+            page = await until(lambda: _before_traffic(http, url), 30, "counters at 0")
+        except AssertionError:
+            async with http.get(url + "/metrics") as resp:
+                raise AssertionError(_missing(await resp.text())) from None
+    listed, shown = documented(), labelled(page)
+    assert {name: listed.get(name) for name in shown} == shown
+    if workers == 1:  # one process shows every family, even one nothing was counted in
+        assert named(page) == listed.keys()

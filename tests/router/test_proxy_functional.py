@@ -200,6 +200,20 @@ async def test_idle_timeout_mid_stream_ends_stream() -> None:
                 await asyncio.sleep(0.01)
 
 
+async def test_a_stream_paced_within_idle_outlives_it() -> None:
+    """The idle timer wakes at its deadline and, a chunk having come since (stamped by
+    perf_counter, the timer on the loop's clock), sleeps on: a stream whose chunks come
+    more often than `idle` runs past several idle periods."""
+    async with running(1, timeouts={"idle": 0.2}) as (router, stubs):
+        stubs[0].behaviour.chunks, stubs[0].behaviour.pace = 8, 0.07
+        payload = {"model": MODEL, "messages": CHAT, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=payload) as resp:
+                body = await asyncio.wait_for(resp.read(), 5)
+        assert b'"code":504' not in body and body.count(b"data: ") == 9  # 8 and [DONE]
+        await settle(router)
+
+
 async def _status(url: str, **kwargs) -> tuple[int, dict, dict]:
     async with aiohttp.ClientSession() as http, http.post(url, **kwargs) as resp:
         return resp.status, dict(resp.headers), await resp.json(content_type=None)
