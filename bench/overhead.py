@@ -47,8 +47,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def process(cmd: list[str], stdout: IO | int = subprocess.PIPE) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True)
+def process(
+    cmd: list[str], stdout: IO | int = subprocess.PIPE, env: dict[str, str] | None = None
+) -> Iterator[subprocess.Popen]:
+    """Run `cmd` (its stderr dropped) until the block ends; `env`: its environment."""
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True, env=env)
     try:
         yield proc
     finally:

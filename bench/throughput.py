@@ -213,7 +213,7 @@ def _latency_round(t: Target, direct: str, args) -> None:
     """A `--rounds`-th of the requests, sequential and concurrent, pooled per target."""
     per = max(1, args.requests // args.rounds)
     for label, conc in (("seq", 1), (f"c{args.concurrency}", args.concurrency)):
-        lat = asyncio.run(overhead.compare(direct, t.url, per, conc))
+        lat = asyncio.run(overhead.compare({"direct": direct, "router": t.url}, per, conc))
         pooled = t.lat.setdefault(label, {"direct": [], "router": []})
         for path, samples in lat.items():
             pooled[path] += samples

@@ -27,10 +27,10 @@ Process model (all children are spawned, not forked, so none inherits a running 
 answering worker, with in-flight counts from the shared table. The admin API listens
 in worker 0 only (see router/control/admin.py for what it can do with several workers).
 
-Run directories (`kvroute-*` in /dev/shm): the supervisor removes its own when it
-stops, but one killed with SIGKILL cannot. So each holds a shared `flock` on the
-`owner.lock` file in it for its whole life, as does every child (a worker left
-draining by a dead supervisor still uses the tables). An exclusive lock that can be
+Run directories (`kvroute-*` in /dev/shm, or in $KVROUTE_RUN_PARENT): the supervisor
+removes its own when it stops, but one killed with SIGKILL cannot. So each holds a
+shared `flock` on the `owner.lock` file in it for its whole life, as does every child
+(a worker left draining by a dead supervisor still uses the tables). An exclusive lock that can be
 taken means no live process uses the directory, whatever its PIDs became since: each
 supervisor removes such stale directories when it starts (`sweep_stale`). The lock
 file appears under its name already locked (a rename), so a directory being created is
@@ -73,6 +73,8 @@ _MAX_RESTART_DELAY = 30.0
 _POLL_SECONDS = 0.2
 _PR_SET_PDEATHSIG = 1
 RUNDIR_PREFIX = "kvroute-"
+#: a directory to keep run directories in instead of /dev/shm
+RUN_PARENT_ENV = "KVROUTE_RUN_PARENT"
 #: the run directory's lock: held shared by every live process of its router
 OWNER_LOCK = "owner.lock"
 
@@ -281,7 +283,11 @@ class Supervisor:
 
 
 def _tmpfs() -> str:
-    """/dev/shm when there is one: the load table and metric files stay in memory."""
+    """Where run directories go: RUN_PARENT_ENV's directory if set (routers that must not
+    see each other's, e.g. tests), else /dev/shm when there is one (the load table and
+    metric files stay in memory)."""
+    if parent := os.environ.get(RUN_PARENT_ENV):
+        return parent
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 

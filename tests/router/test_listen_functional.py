@@ -3,6 +3,7 @@ address, exit 1, no traceback; with one worker and with several, for HTTP and gR
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from bench.overhead import free_port
-from router.control.supervisor import RUNDIR_PREFIX, _tmpfs
+from router.control.supervisor import RUN_PARENT_ENV, RUNDIR_PREFIX
 
 
 @pytest.fixture
@@ -25,22 +26,19 @@ def held_port():
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 @pytest.mark.parametrize("listener", ["HTTP", "gRPC"])
-def test_a_busy_port_is_one_clear_line(held_port: int, workers: str, listener: str) -> None:
+def test_a_busy_port_is_one_clear_line(
+    held_port: int, workers: str, listener: str, tmp_path: Path
+) -> None:
     ports = ["--port", str(held_port)] if listener == "HTTP" else ["--port", str(free_port())]
     if listener == "gRPC":
         ports += ["--grpc-port", str(held_port)]
     cmd = [sys.executable, "-m", "router", "serve", "--backend", "http://127.0.0.1:1"]
-    before = run_directories()
+    env = {**os.environ, RUN_PARENT_ENV: str(tmp_path)}  # no other router's directories
     done = subprocess.run(
-        [*cmd, *ports, "--workers", workers], capture_output=True, text=True, timeout=60
+        [*cmd, *ports, "--workers", workers], capture_output=True, text=True, timeout=60, env=env
     )
     assert done.returncode == 1, done.stderr
     expected = f"kvroute: cannot listen on 127.0.0.1:{held_port} for {listener}: "
     assert expected in done.stderr
     assert "Traceback" not in done.stderr
-    assert run_directories() <= before  # it left no run directory behind
-
-
-def run_directories() -> set[Path]:
-    """The routers' run directories on this machine, live or stale."""
-    return set(Path(_tmpfs()).glob(RUNDIR_PREFIX + "*"))
+    assert not list(tmp_path.glob(RUNDIR_PREFIX + "*"))  # it left no run directory behind

@@ -41,7 +41,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from router.control.supervisor import sweep_stale
+from router.control.supervisor import RUN_PARENT_ENV, sweep_stale
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -136,7 +136,11 @@ async def multi_router(tmp_path: Path, config: dict) -> AsyncIterator[MultiRoute
     path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, **config}))
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--port", str(port)]
-    with process([*cmd, "--workers", str(WORKERS), "--log-level", "warning"]) as proc:
+    # its run directory apart from other routers' on the machine (another suite's sweep)
+    runs = tmp_path / "run"
+    runs.mkdir(exist_ok=True)
+    env = {**os.environ, RUN_PARENT_ENV: str(runs)}
+    with process([*cmd, "--workers", str(WORKERS), "--log-level", "warning"], env=env) as proc:
         router = MultiRouter(proc, port, path)
         try:
             await wait_ready(router.url, timeout=30)
