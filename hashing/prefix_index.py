@@ -23,14 +23,14 @@ length is one more binary search: O((1 + holders) * log blocks), whatever the fl
 Memory is bounded per backend by `capacity` keys (LRU over confirmed keys, and as many
 speculative ones; the backend's `num_gpu_blocks` is the natural value), and the reverse
 map by the sum of those: one entry per key held anywhere, whose value is the holder's name
-while there is one and a set of names once there are more. Not thread-safe: one event loop
-owns it.
+while there is one, a tuple of names while there are a few and a set once there are more.
+Not thread-safe: one event loop owns it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -50,8 +50,10 @@ class _Holdings:
         return key in self.confirmed or key in self.speculative
 
 
-#: the backends holding one key: its one holder's name, or a set of two or more
-_Held = str | set[str]
+#: the backends holding one key: its one holder's name, a tuple of a few, or a set of more
+_Held = str | tuple[str, ...] | set[str]
+#: holders kept in a tuple (a third of a small set's bytes; adding one copies it)
+_FEW = 8
 
 
 class PrefixIndex:
@@ -177,7 +179,10 @@ class PrefixIndex:
             else:
                 lo = mid + 1
         found = held[keys[lo]]
-        names = (found,) if found.__class__ is str else islice(found, limit)
+        if found.__class__ is str:
+            names: Iterable[str] = (found,)
+        else:
+            names = found[:limit] if found.__class__ is tuple else islice(found, limit)
         return [(name, self._longer(keys, name, lo + 1, deepest)) for name in names]
 
     def _deepest(self, keys: Sequence[int]) -> int:
@@ -250,9 +255,13 @@ class PrefixIndex:
         held = self._holders.setdefault(key, backend)
         if held is backend:
             return
-        if held.__class__ is str:
+        kind = held.__class__
+        if kind is str:
             if held != backend:
-                self._holders[key] = {held, backend}
+                self._holders[key] = (held, backend)
+        elif kind is tuple:
+            if backend not in held:
+                self._holders[key] = (*held, backend) if len(held) < _FEW else {*held, backend}
         else:
             held.add(backend)
 
@@ -265,13 +274,19 @@ class PrefixIndex:
         held = self._holders.get(key)
         if held is None:
             return
-        if held.__class__ is str:
+        kind = held.__class__
+        if kind is str:
             if held == backend:
                 del self._holders[key]
             return
-        held.discard(backend)
-        if len(held) == 1:
-            self._holders[key] = next(iter(held))
+        if kind is set:
+            held.discard(backend)
+            if len(held) > _FEW:
+                return
+        elif backend not in held:
+            return
+        rest = tuple(name for name in held if name != backend)
+        self._holders[key] = rest[0] if len(rest) == 1 else rest
 
 
 def _count(held: _Held) -> int:
