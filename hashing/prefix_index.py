@@ -30,7 +30,7 @@ Not thread-safe: one event loop owns it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -52,6 +52,7 @@ class _Holdings:
 
 #: the backends holding one key: its one holder's name, a tuple of a few, or a set of more
 _Held = str | tuple[str, ...] | set[str]
+_NONE: dict[int, float] = {}
 #: holders kept in a tuple (a third of a small set's bytes; adding one copies it)
 _FEW = 8
 
@@ -151,14 +152,7 @@ class PrefixIndex:
         h = self._backends.get(backend)
         if h is None or not keys or keys[0] not in h:
             return 0
-        lo, hi = 1, len(keys)  # keys[:lo] held; find the largest such lo
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in h:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _run(keys, h.confirmed, h.speculative, 1, len(keys))
 
     def holders(self, keys: Sequence[int], limit: int) -> list[tuple[str, int]]:
         """(backend, blocks held) for the backends holding the longest prefixes of `keys`:
@@ -188,17 +182,9 @@ class PrefixIndex:
     def _deepest(self, keys: Sequence[int]) -> int:
         """How many leading blocks of `keys` some backend holds (holdership is prefix-closed
         per backend, so it is over their union too)."""
-        held = self._holders
-        if not keys or keys[0] not in held:
+        if not keys or keys[0] not in self._holders:
             return 0
-        lo, hi = 1, len(keys)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in held:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _run(keys, self._holders, _NONE, 1, len(keys))
 
     def _longer(self, keys: Sequence[int], backend: str, lo: int, hi: int) -> int:
         """The blocks of `keys` that `backend` holds, known to be in [lo, hi] (most often
@@ -206,14 +192,7 @@ class PrefixIndex:
         h = self._backends[backend]
         if keys[hi - 1] in h:
             return hi
-        hi -= 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if keys[mid - 1] in h:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        return _run(keys, h.confirmed, h.speculative, lo, hi - 1)
 
     def snapshot(self, backend: str) -> list[tuple[int, int]]:
         """The confirmed (key, engine hash) pairs of `backend`, least recently stored first."""
@@ -287,6 +266,19 @@ class PrefixIndex:
             return
         rest = tuple(name for name in held if name != backend)
         self._holders[key] = rest[0] if len(rest) == 1 else rest
+
+
+def _run(keys: Sequence[int], one: Mapping, other: Mapping, lo: int, hi: int) -> int:
+    """The largest n in [lo, hi] with keys[n - 1] in `one` or `other` (keys[:lo] are), by
+    binary search: the holdings are prefix-closed. Inlined lookups: it runs per candidate."""
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        key = keys[mid - 1]
+        if key in one or key in other:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _count(held: _Held) -> int:
