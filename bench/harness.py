@@ -181,6 +181,11 @@ def _add_fleet_options(run: _Group) -> None:
         type=_positive(int),
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
+    run.add_argument(
+        "--sample",
+        type=_non_negative,
+        help="router sample (KV_AWARE): backends drawn beside the holders; 0 scores all",
+    )
 
 
 def _add_router_options(run: _Group) -> None:
@@ -420,6 +425,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     knobs = {
         "prefix_length": args.prefix_length,
         "concurrency_threshold": args.concurrency_threshold,
+        "sample": args.sample,
     }
     options = Options(
         strategies=["target"] if args.target else strategies,

@@ -45,18 +45,34 @@ the router holding a router-wide lock around the pick and its load count: a burs
 one new prefix that the kernel spread over the workers stays on one backend, as it
 would in one process.
 
+Only the candidates that can matter are scored (`sample` > 0, the default): the backends
+holding the prompt's longest prefixes, which the index names without visiting the others
+(at most 8; `PrefixIndex.holders`), plus `sample` others drawn uniformly from the
+candidates ("power of k choices"; each is scored like the holders, so the least loaded of
+them is the cold choice, and one that holds a shorter prefix gets its credit). The draws
+are seeded by the first block no backend holds, so every worker and replica scores the same
+backends for the same prompt and still places a new prefix alike, while different prompts
+spread over the whole fleet. A fleet no larger than the holders plus `sample` is scored
+whole. The pick equals the exhaustive one whenever it goes to a holder; a cold prompt goes
+to the least loaded of its draws instead of the fleet's least loaded. If every scored
+backend is at `concurrency_threshold`, the draws are made again among those under it.
+`sample: 0` scores every candidate.
+
 Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
-Cost: O(candidates * log blocks) for the lookups; keys are cached by prefix in hashing/;
-one shared-placement probe and one rendezvous rank per tied candidate.
+Cost: O((holders + sample) * log blocks) for the lookups, whatever the fleet size
+(O(candidates * log blocks) with `sample: 0`, and one O(candidates) filter when every
+scored backend is at the cap); keys are cached by prefix in hashing/; one shared-placement
+probe and one rendezvous rank per tied candidate.
 
 Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
 chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
 (0.05), miss_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold
 (null), speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s
-(600, when it does not), index_capacity (1_000_000 keys per backend), seed.
+(600, when it does not), index_capacity (1_000_000 keys per backend), sample (3; 0 scores
+every candidate), seed.
 YAML:
-  routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000}
+  routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000, sample: 3}
 """
 
 from __future__ import annotations
@@ -116,10 +132,17 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     speculative_ttl_s: Positive = 2.0
     approximate_ttl_s: Positive = 600.0
     index_capacity: Annotated[int, Meta(ge=1)] = 1_000_000
+    sample: Annotated[int, Meta(ge=0)] = 3
     seed: Annotated[int, Meta(ge=0)] | None = None
 
 
 _Scored = tuple[float, int, BackendLike]  # (estimated TTFT, cached tokens, backend)
+
+#: at most this many holders of the longest prefixes are scored (the rest are drawn)
+_HOLDERS = 8
+_MASK = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_MIX = 0xBF58476D1CE4E5B9
 
 
 def _attr(backend: BackendLike, name: str) -> float:
@@ -144,6 +167,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         #: each backend's rendezvous identity, by name (memoised: names are few)
         self._hashes: dict[str, int] = {}
         self._shared: Placements | None = None
+        #: the members by name, for the holders the index names (rebuilt when they change)
+        self._members: tuple[BackendLike, ...] = ()
+        self._named: dict[str, BackendLike] = {}
 
     @property
     def block_keys(self) -> PromptBlocks:
@@ -159,14 +185,13 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self._shared = placements
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
-        pool = self._under_cap(fleet.candidates)
-        if not pool:
-            if not fleet.candidates:
-                return Pick(None, Reason.NO_CANDIDATE)
+        if not fleet.candidates:
+            return Pick(None, Reason.NO_CANDIDATE)
+        scored = self._scored(req, fleet)
+        if not scored:
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
-        scored = [self._score(req, b) for b in pool]
         if self._shared is not None:
-            self._adopt_placement(req, scored)
+            self._adopt_placement(req, fleet, scored)
         _, cached, backend = self._agreed(req, self._ties(req, scored))
         self._learn(req, backend, cached)
         self._record(req, backend, scored)
@@ -186,7 +211,55 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         most = max(k for _, k, _ in ties)
         return [s for s in ties if s[1] == most]
 
-    def _adopt_placement(self, req: RouteRequest, scored: list[_Scored]) -> None:
+    def _scored(self, req: RouteRequest, fleet: FleetView) -> list[_Scored]:
+        """The estimates of the candidates under the cap that can matter (see above)."""
+        sample = self.params.sample
+        if sample:
+            held = self.index.holders(req.blocks, _HOLDERS)
+            if len(fleet.candidates) > len(held) + sample:
+                return self._pruned(req, fleet, held)
+        return [self._score(req, b) for b in self._under_cap(fleet.candidates)]
+
+    def _pruned(
+        self, req: RouteRequest, fleet: FleetView, held: list[tuple[str, int]]
+    ) -> list[_Scored]:
+        """The holders that are candidates under the cap, and `sample` draws beside them."""
+        named, names = self._by_name(fleet.members), fleet.candidate_names
+        scored = []
+        for name, blocks in held:
+            backend = named.get(name)
+            if backend is not None and name in names and self._fits(backend):
+                scored.append(self._estimate(req, backend, blocks))
+        deepest = max((blocks for _, blocks in held), default=0)
+        seed = req.blocks[deepest] if deepest < len(req.blocks) else self._rng.getrandbits(64)
+        taken = {b.name for _, _, b in scored}
+        drawn = self._draws(req, fleet.candidates, seed, taken)
+        if not scored and not drawn:  # every one scored is at the cap: draw among the others
+            drawn = self._draws(req, tuple(self._under_cap(fleet.candidates)), seed, taken)
+        return scored + drawn
+
+    def _draws(
+        self, req: RouteRequest, pool: tuple[BackendLike, ...], seed: int, taken: set[str]
+    ) -> list[_Scored]:
+        """Up to `sample` backends of `pool` under the cap and not `taken`, drawn by `seed`
+        (at most twice as many draws, so a pool mostly taken or full costs no more)."""
+        want, n = self.params.sample, len(pool)
+        drawn: list[_Scored] = []
+        for j in range(2 * want):
+            if len(drawn) == want or not n:
+                break
+            backend = pool[(((seed + j * _GOLDEN) * _MIX) & _MASK) * n >> 64]
+            if backend.name not in taken and self._fits(backend):
+                taken.add(backend.name)
+                drawn.append(self._score(req, backend))
+        return drawn
+
+    def _by_name(self, members: tuple[BackendLike, ...]) -> dict[str, BackendLike]:
+        if members is not self._members:
+            self._members, self._named = members, {b.name: b for b in members}
+        return self._named
+
+    def _adopt_placement(self, req: RouteRequest, fleet: FleetView, scored: list[_Scored]) -> None:
         """Take another worker's recent placement of the blocks no candidate holds here:
         its backend holds them (speculatively) for this pick and the ones after it."""
         start = max(cached for _, cached, _ in scored) // self.params.block_size
@@ -196,11 +269,16 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         if found is None:
             return
         name, count, expires_at = found
-        for i, (_, _, backend) in enumerate(scored):
-            if backend.name == name:
-                self.index.learn(name, req.blocks[start : start + count], expires_at)
-                scored[i] = self._score(req, backend)
+        backend = self._by_name(fleet.members).get(name)
+        if backend is None or name not in fleet.candidate_names or not self._fits(backend):
+            return
+        self.index.learn(name, req.blocks[start : start + count], expires_at)
+        rescored = self._score(req, backend)
+        for i, (_, _, b) in enumerate(scored):
+            if b.name == name:
+                scored[i] = rescored
                 return
+        scored.append(rescored)  # pruned: not among those scored before
 
     def _agreed(self, req: RouteRequest, ties: list[_Scored]) -> _Scored:
         """The rendezvous winner of the first block the ties do not hold: the same on
@@ -225,9 +303,16 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             return list(candidates)
         return [b for b in candidates if b.inflight < cap]
 
-    def _score(self, req: RouteRequest, backend: BackendLike) -> tuple[float, int, BackendLike]:
+    def _fits(self, backend: BackendLike) -> bool:
+        cap = self.params.concurrency_threshold
+        return cap is None or backend.inflight < cap
+
+    def _score(self, req: RouteRequest, backend: BackendLike) -> _Scored:
+        return self._estimate(req, backend, self.index.longest_prefix(req.blocks, backend.name))
+
+    def _estimate(self, req: RouteRequest, backend: BackendLike, blocks: int) -> _Scored:
+        """The estimate for `backend`, holding the first `blocks` blocks of the prompt."""
         p = self.params
-        blocks = self.index.longest_prefix(req.blocks, backend.name)
         cached = min(req.prompt_tokens, blocks * p.block_size)
         queued = _attr(backend, "queued_tokens") + req.prompt_tokens - cached
         cost = (

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import msgspec
 import pytest
 
@@ -124,3 +126,91 @@ def test_key_cache_matches_uncached_chain() -> None:
 def test_prompt_blocks_forms(prompt) -> None:
     keys, tokens = PromptBlocks(16, 100).prompt("m", None, prompt)
     assert tokens == 50 and len(keys) == 3
+
+
+KEYS = chain(ROOT, list(range(160)), 16)  # ten blocks
+
+
+def _indexed(depths: dict[str, int]) -> PrefixIndex:
+    index = PrefixIndex()
+    for backend, blocks in depths.items():
+        index.learn(backend, KEYS[:blocks], expires_at=10.0)
+    return index
+
+
+@pytest.mark.parametrize(
+    ("depths", "limit", "expected"),
+    [
+        pytest.param({}, 4, set(), id="nobody"),
+        pytest.param({"a": 3, "b": 10, "c": 7}, 4, {("a", 3), ("b", 10), ("c", 7)}, id="all"),
+        pytest.param(
+            {"a": 2, "b": 2, "c": 2, "d": 6, "e": 9},
+            2,
+            {("d", 6), ("e", 9)},
+            id="the-longest-within-limit",
+        ),
+        pytest.param(
+            {"a": 2, "b": 5, "c": 5, "d": 5, "e": 9},
+            2,
+            {("e", 9)},
+            id="a-level-over-the-limit-left-out",
+        ),
+    ],
+)
+def test_holders_of_the_longest_prefixes(depths, limit, expected) -> None:
+    index = _indexed(depths)
+    assert set(index.holders(KEYS, limit)) == expected
+
+
+def test_holders_that_tie_on_the_longest_prefix_are_cut_to_the_limit() -> None:
+    index = _indexed({name: 10 for name in "abcdef"})
+    found = index.holders(KEYS, 3)
+    assert len(found) == 3 and all(blocks == 10 for _, blocks in found)
+    assert {name for name, _ in found} <= set("abcdef")
+
+
+def _reverse_map(index: PrefixIndex) -> dict[int, set[str]]:
+    return {
+        key: {held} if isinstance(held, str) else set(held) for key, held in index._holders.items()
+    }
+
+
+def _asked_each(index: PrefixIndex) -> dict[int, set[str]]:
+    found: dict[int, set[str]] = {}
+    for backend, h in index._backends.items():
+        for key in {*h.confirmed, *h.speculative}:
+            found.setdefault(key, set()).add(backend)
+    return found
+
+
+def test_the_reverse_map_follows_every_change() -> None:
+    """A seeded run of every operation: after each one, the reverse map names for every
+    key exactly the backends whose holdings have it, and no key that none has."""
+    rng = random.Random(7)
+    index = PrefixIndex(capacity=40)  # twelve backends: a key's holders are one, a few or many
+    docs = [list(range(d * 1000, d * 1000 + 16 * 12)) for d in range(4)]
+    chains = [chain(ROOT, ids, 16) for ids in docs]
+    engines = iter(range(10**6))
+    for step in range(1000):
+        backend, d = f"b{rng.randrange(12)}", rng.randrange(4)
+        n = rng.randrange(1, 13)
+        op = rng.choice(["stored", "learn", "removed", "cleared", "expire", "forget", "restore"])
+        if op == "stored":
+            index.stored(
+                backend, None, [next(engines) for _ in range(n)], docs[d][: n * 16], 16, ROOT
+            )
+        elif op == "learn":
+            index.learn(backend, chains[d][:n], expires_at=float(step + rng.randrange(20)))
+        elif op == "removed":  # the tail of what it holds, as vLLM evicts
+            pairs = index.snapshot(backend)
+            index.removed(backend, [engine for _, engine in pairs[-rng.randrange(1, 4) :]])
+        elif op == "cleared":
+            index.cleared(backend)
+        elif op == "expire":
+            index.expire(now=float(step))
+        elif op == "forget":
+            index.forget(backend)
+        else:
+            index.restore(backend, index.snapshot(f"b{rng.randrange(12)}"))
+        assert _reverse_map(index) == _asked_each(index), (step, op)
+    assert index.holder_keys() == len(_asked_each(index)) > 0

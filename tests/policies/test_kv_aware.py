@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import random
 from dataclasses import dataclass
 
 from hashing.blocks import chain, root_key
@@ -196,3 +197,158 @@ def test_a_burst_over_two_workers_stays_on_one_backend() -> None:
         pick.backend.queued_tokens += len(IDS) - pick.predicted_cached
         chosen.add(pick.backend.name)
     assert len(chosen) == 1, chosen
+
+
+# --- pruned scoring: the holders of the longest prefixes and `sample` draws -----------
+
+
+def _fleet(size: int, seed: int) -> list[B]:
+    rng = random.Random(seed)
+    return [
+        B(f"b{i}", inflight=rng.randrange(8), queued_tokens=rng.randrange(0, 12_000, 100))
+        for i in range(size)
+    ]
+
+
+def _both(members: list[B], held: dict[str, int]) -> tuple:
+    """A pruned (default) and an exhaustive (sample 0) policy with the same index."""
+    pair = policy(), policy(sample=0)
+    for p in pair:
+        for name, blocks in held.items():
+            hold(p, name, blocks)
+    return pair
+
+
+def test_pruned_pick_is_the_full_pick_when_it_goes_to_a_holder() -> None:
+    """Over random loads and holder sets in a fleet of 64, whenever scoring every
+    candidate sends the request to a backend holding a prefix, pruned scoring sends it to
+    the same one, with the same cached prediction."""
+    checked = 0
+    for trial in range(200):
+        rng = random.Random(trial)
+        members = _fleet(64, trial)
+        held = {f"b{rng.randrange(64)}": rng.randrange(1, 500) for _ in range(rng.randrange(1, 6))}
+        pruned, full = _both(members, held)
+        expected = full.pick(request(), view(members))
+        if expected.reason is not Reason.KV_HIT:
+            continue
+        checked += 1
+        assert pruned.pick(request(), view(members)) == expected, (trial, held)
+    assert checked > 100  # the table above is mostly hits
+
+
+def test_pruned_scores_the_holders_and_sample_others() -> None:
+    p = policy()
+    members = _fleet(256, 0)
+    for name in ("b3", "b200"):
+        hold(p, name, 300)
+    p.pick(request(), view(members))
+    scores = p.recent[-1]["scores"]
+    assert {"b3", "b200"} <= set(scores) and len(scores) == 2 + 3, scores
+
+
+def test_a_cold_prompt_goes_to_the_least_loaded_of_its_draws() -> None:
+    """New prompts over 200 backends whose load runs 0..9 in-flight: each goes to the
+    least loaded of three draws, so they spread over the fleet and keep off its busy half
+    (the mean load of a pick is about 2, against 4.5 for the fleet)."""
+    p = policy()
+    members = [B(f"b{i}", inflight=i % 10) for i in range(200)]
+    chosen = [p.pick(_new_prompt(i, 800), view(members)).backend for i in range(1, 301)]
+    assert len({b.name for b in chosen}) > 100
+    assert sum(b.inflight for b in chosen) / len(chosen) < 3
+
+
+def test_draws_are_agreed_for_a_prompt_and_differ_between_prompts() -> None:
+    """Two policies (other seeds, own indexes) draw the same backends for one prompt, so
+    replicas still place a new prefix alike in an idle fleet of 64."""
+    members = [B(f"b{i}") for i in range(64)]
+    first, second = create(KvAwareParams(seed=1)), create(KvAwareParams(seed=2))
+    picks = [
+        [p.pick(_new_prompt(i), view(members)).backend.name for i in range(40)]
+        for p in (first, second)
+    ]
+    assert picks[0] == picks[1]
+    assert len(set(picks[0])) > 20
+
+
+def test_pruned_never_scores_a_backend_outside_the_view() -> None:
+    """Backends that are down or already tried (not candidates) and holders at the cap
+    are never scored, whether they hold the prefix or are drawn."""
+    p = policy(concurrency_threshold=4)
+    members = [B(f"b{i}", inflight=i % 5) for i in range(64)]
+    out = {f"b{i}" for i in range(0, 64, 3)}
+    candidates = tuple(b for b in members if b.name not in out)
+    excluded = FleetView(tuple(members), candidates, frozenset(b.name for b in candidates))
+    for name in ("b0", "b3", "b4", "b5"):  # two out of the view, one at the cap, one fine
+        hold(p, name, 500)
+    full = {b.name for b in members if b.inflight >= 4} | out
+    for i in range(200):
+        req = request() if i % 2 else _new_prompt(i)
+        pick = p.pick(req, excluded)
+        assert not set(p.recent[-1]["scores"]) & full, p.recent[-1]["scores"]
+        assert pick.backend.name not in full
+    assert p.pick(request(), excluded).backend.name == "b5"
+
+
+def test_pruned_draws_again_under_the_cap_when_every_draw_is_full() -> None:
+    """60 of 64 backends at the cap: when the draws all land on them, the pick draws
+    among the four under it rather than calling the fleet saturated."""
+    p = policy(concurrency_threshold=2)
+    members = [B(f"b{i}", inflight=2 if i >= 4 else 0) for i in range(64)]
+    picks = [p.pick(_new_prompt(i, 800), view(members)) for i in range(1, 101)]
+    assert {pick.backend.name for pick in picks} <= {"b0", "b1", "b2", "b3"}
+    assert all(pick.reason is Reason.KV_COLD for pick in picks)
+
+
+def test_a_small_fleet_is_scored_whole() -> None:
+    """A fleet no larger than the holders plus `sample` scores every candidate, as
+    sample 0 does at any size."""
+    p = policy()
+    members = [B(n) for n in "abcd"]
+    hold(p, "a", 100)
+    p.pick(request(), view(members))
+    assert set(p.recent[-1]["scores"]) == set("abcd")
+    p = policy(sample=0)
+    members = _fleet(256, 1)
+    p.pick(request(), view(members))
+    assert len(p.recent[-1]["scores"]) == 256
+
+
+def test_sample_zero_picks_the_minimum_over_every_candidate() -> None:
+    """sample 0 is the exhaustive pick, from the scores it records of every candidate:
+    among those within tie_fraction of the lowest estimate plus miss penalty, one holding
+    the longest prefix."""
+    for trial in range(20):
+        members = _fleet(64, trial)
+        p = policy(sample=0)
+        hold(p, f"b{trial}", 200 + trial)
+        pick = p.pick(request(), view(members))
+        scores = p.recent[-1]["scores"]
+        assert len(scores) == 64
+        judged = {n: s["ttft_s"] + (len(IDS) - s["cached"]) / 10_000 for n, s in scores.items()}
+        best = min(judged.values())
+        ties = [n for n, cost in judged.items() if cost <= best * 1.1 + 1e-6]
+        most = max(scores[n]["cached"] for n in ties)
+        assert pick.backend.name in ties and pick.predicted_cached == most, trial
+
+
+class Placed:
+    """Another worker's placement of the whole prompt on `name`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def place(self, backend: str, keys, start: int, expires_at: float) -> None:
+        pass
+
+    def held(self, keys, start: int):
+        return self.name, len(keys) - start, float("inf")
+
+
+def test_pruned_adopts_a_placement_on_a_backend_it_did_not_draw() -> None:
+    members = [B(f"b{i}") for i in range(64)]
+    for target in members:
+        p = policy()
+        p.share(Placed(target.name))
+        pick = p.pick(request(), view(members))
+        assert (pick.backend.name, pick.reason) == (target.name, Reason.KV_HIT)
