@@ -23,7 +23,6 @@ from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
 from router.metrics import Labelled, Metrics, model_label
-from router.request import Kind
 from router.upstream.usage import NO_USAGE, Usage
 
 
@@ -122,18 +121,17 @@ class Accounting:
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
 
-    def rejected(self, error: KvrouteError, call: Call | None = None) -> None:
+    def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known
-        of it (none when it was refused before its body was read)."""
-        kind, model = (call.kind, call.req.model) if call is not None else (Kind.OTHER, None)
-        label = model_label(model, self._fleet.models)
-        self._requests("none", self.strategy, str(error.status), kind.value, label).inc()
+        of it (no routing fields when it was refused before its body was read)."""
+        label = model_label(call.req.model, self._fleet.models)
+        self._requests("none", self.strategy, str(error.status), call.kind.value, label).inc()
         if error.status >= 500:
-            rid = call.request_id if call is not None else "-"
+            rid = call.request_id
             log.requests_failed.warning("request %s: %s %s", rid, error.status, error.message)
-        if call is not None and call.trace is not None:
+        if call.trace is not None:
             call.trace.finish(str(error.status), error, NO_USAGE, "", 0)
-        if self._access is not None and call is not None:
+        if self._access is not None:
             seconds = time.perf_counter() - call.arrived
             status, failure = str(error.status), type(error).__name__
             self._log(call, seconds, None, "", "", status, 0, NO_USAGE, failure)

@@ -196,7 +196,7 @@ class Dispatcher:
         self.draining = True
         await self._open.drain(timeout, CUT_GRACE_SECONDS)
 
-    def rejected(self, error: KvrouteError, call: Call | None = None) -> None:
+    def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend (`call`: what is known
         of it, for the access log)."""
         self._account.rejected(error, call)

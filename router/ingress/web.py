@@ -174,7 +174,7 @@ class HttpIngress:
             self.bodies.give(len(body))
 
     async def _refuse(
-        self, reply: Reply, err: KvrouteError, extra: dict[str, str], call: Call | None = None
+        self, reply: Reply, err: KvrouteError, extra: dict[str, str], call: Call
     ) -> None:
         """Refuse a request before it reached dispatch, and count it; `call`: what is
         known of it."""

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 from router.config import build
 from router.control.worker import Router
 from tests.stub_backend import StubBackend
+
+T = TypeVar("T")
 
 
 @asynccontextmanager
@@ -32,6 +34,20 @@ async def running(
         await router.stop()
         for stub in stubs:
             await stub.stop()
+
+
+async def until_tried_on(
+    stub: StubBackend, send: Callable[[], Awaitable[T]], tries: int = 40
+) -> list[T]:
+    """`send()` until a request reached `stub` (bounded: with RANDOM over two backends,
+    each request tries it first half the time); the answers, in order."""
+    answers = []
+    for _ in range(tries):
+        answers.append(await send())
+        if stub.received:
+            break
+    assert stub.received, f"none of {tries} requests was tried on {stub.url} first"
+    return answers
 
 
 async def settle(router: Router, timeout: float = 5.0) -> None:

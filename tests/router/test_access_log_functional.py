@@ -20,7 +20,7 @@ import pytest
 from router.access_log import Entry, text_lines
 from router.config import build
 from router.control.worker import Router
-from tests.router.conftest import running, settle
+from tests.router.conftest import running, settle, until_tried_on
 from tests.stub_backend import Behaviour, StubBackend
 
 CHAT = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
@@ -124,15 +124,10 @@ async def test_a_retry_is_a_line_with_its_count_and_a_warning(tmp_path, caplog) 
     caplog.set_level(logging.WARNING, logger="kvroute.requests")
     try:
         async with _router(path, failing.url, good.url) as router, aiohttp.ClientSession() as http:
-            answers = []
-            for _ in range(40):  # RANDOM tries the failing one first half the time
-                answers.append(await _chat(http, router))
-                if failing.received:
-                    break
+            answers = await until_tried_on(failing, lambda: _chat(http, router))
     finally:
         await failing.stop()
         await good.stop()
-    assert failing.received, "no request was tried on the failing backend first"
     assert all(status == 200 for status, _ in answers)
     retried = [line for line in _lines(path, "text") if line["retries"] == "1"]
     assert len(retried) == 1
