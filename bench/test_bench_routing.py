@@ -103,7 +103,7 @@ def _warm_fleet(size: int, sample: int):
     docs = [[d * 100_000 + t for t in range(DOC_TOKENS)] for d in range(size)]
     for d, ids in enumerate(docs):
         for b in (d, (d + 1) % size):
-            policy.index.stored(f"b{b}", None, range(DOC_TOKENS // BLOCK), ids, BLOCK, _ROOT)
+            policy.index.gpu.stored(f"b{b}", None, range(DOC_TOKENS // BLOCK), ids, BLOCK, _ROOT)
     requests = []
     for r in range(KV_ROUNDS):
         ids = docs[rng.randrange(size)] + [900_000_000 + r * 1000 + t for t in range(400)]

@@ -14,6 +14,7 @@ and for KV-aware routing:
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts)
+    tiered_index  the same per cache medium: GPU, offload tiers (CPU, storage, shared)
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
@@ -31,6 +32,7 @@ from hashing import (
     prefix_index,
     rendezvous,
     ring,
+    tiered_index,
     tokens,
 )
 
@@ -43,5 +45,6 @@ __all__ = [
     "prefix_index",
     "rendezvous",
     "ring",
+    "tiered_index",
     "tokens",
 ]

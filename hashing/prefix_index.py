@@ -84,24 +84,40 @@ class PrefixIndex:
         token_ids: Sequence[int],
         block_size: int,
         root: int,
+        also: PrefixIndex | None = None,
     ) -> bool:
-        """Apply a BlockStored; False (and nothing stored) when its parent is unknown."""
+        """Apply a BlockStored; False (and nothing stored) when its parent is unknown here
+        and in `also` (another medium's index: an offload tier's chain can continue from a
+        block only the GPU holds)."""
         h = self._of(backend)
         if parent_engine is None:
             parent = root
         else:
             found = h.by_engine.get(parent_engine)
+            if found is None and also is not None:
+                found = also.key_of(backend, parent_engine)
             if found is None:
                 self.orphans += 1
                 return False
             parent = found
-        for engine, key in zip(engine_hashes, chain(parent, token_ids, block_size), strict=False):
+        self.placed(backend, zip(chain(parent, token_ids, block_size), engine_hashes, strict=False))
+        return True
+
+    def placed(self, backend: str, pairs: Iterable[tuple[int, int]]) -> None:
+        """Store known (key, engine hash) pairs: a token-less BlockStored, whose keys come
+        from another medium's index (`key_of`)."""
+        h = self._of(backend)
+        for key, engine in pairs:
             self._hold(key, backend)
             h.confirmed[key] = engine
             h.confirmed.move_to_end(key)
             h.by_engine[engine] = key
         self._trim(backend, h)
-        return True
+
+    def key_of(self, backend: str, engine: int) -> int | None:
+        """The router key of the block `backend` reported as `engine`, if it holds it."""
+        h = self._backends.get(backend)
+        return h.by_engine.get(engine) if h is not None else None
 
     def removed(self, backend: str, engine_hashes: Sequence[int]) -> None:
         h = self._of(backend)
@@ -193,6 +209,15 @@ class PrefixIndex:
         if keys[hi - 1] in h:
             return hi
         return _run(keys, h.confirmed, h.speculative, lo, hi - 1)
+
+    def holdings(self, backend: str) -> tuple[Mapping[int, object], ...]:
+        """`backend`'s keys (confirmed, speculative), for a search over several media."""
+        h = self._backends.get(backend)
+        return (h.confirmed, h.speculative) if h is not None else ()
+
+    def anywhere(self) -> Mapping[int, object]:
+        """Every key some backend holds (the reverse map): a shared tier's contents."""
+        return self._holders
 
     def snapshot(self, backend: str) -> list[tuple[int, int]]:
         """The confirmed (key, engine hash) pairs of `backend`, least recently stored first."""

@@ -64,6 +64,8 @@ class Reason(StrEnum):
     ALL_SATURATED = "all_saturated"
     NO_CANDIDATE = "no_candidate"
     KV_HIT = "kv_hit"
+    #: part of the prompt is loaded from an offload tier (CPU memory, storage) instead
+    KV_TIER = "kv_tier"
     KV_COLD = "kv_cold"
 
 

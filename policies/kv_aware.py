@@ -86,8 +86,8 @@ import msgspec
 from msgspec import Meta
 
 from hashing.chat_tokens import PromptBlocks, make_prompt_blocks
-from hashing.prefix_index import PrefixIndex
 from hashing.rendezvous import name_hash, score
+from hashing.tiered_index import Reach, Tier, TieredIndex
 from policies.base import (
     BackendLike,
     FleetView,
@@ -118,6 +118,26 @@ class KvTokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True,
             raise ValueError("tokenizer.kind 'hf' needs tokenizer.path (a tokenizer directory)")
 
 
+class KvTierParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """An offload tier, named by the KV events' medium (lowercase): what loading one of its
+    tokens into the GPU costs, and whether every backend reads it (a remote store) or only
+    the backend that stored it."""
+
+    load_s_per_token: NonNegative
+    shared: bool = False
+
+
+#: The offload tiers vLLM's connectors publish, priced for the hardware the other defaults
+#: describe (prefill_tokens_per_s 10,000: Llama-3.1-70B BF16 on 8 A100s). A token's KV is
+#: 320 KiB, 40 KiB per GPU. From CPU memory each GPU loads its share over its own PCIe Gen4
+#: x16 link (~25 GB/s): 1.6 µs, a 60th of a prefilled token. From local storage, four Gen4
+#: NVMe drives (~6.5 GB/s each) read 320 KiB in ~13 µs, an eighth of a prefilled token.
+DEFAULT_TIERS = {
+    "cpu": KvTierParams(load_s_per_token=1.6e-6),
+    "storage": KvTierParams(load_s_per_token=1.3e-5),
+}
+
+
 class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     block_size: Annotated[int, Meta(ge=1, le=4096)] = 16
     tokenizer: KvTokenizerParams = KvTokenizerParams()
@@ -133,10 +153,21 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     approximate_ttl_s: Positive = 600.0
     index_capacity: Annotated[int, Meta(ge=1)] = 1_000_000
     sample: Annotated[int, Meta(ge=0)] = 3
+    tiers: dict[str, KvTierParams] = msgspec.field(default_factory=lambda: dict(DEFAULT_TIERS))
     seed: Annotated[int, Meta(ge=0)] | None = None
 
+    def __post_init__(self) -> None:
+        for medium in self.tiers:
+            if medium != medium.lower() or medium == "gpu":
+                raise ValueError(
+                    f"tiers: {medium!r}: name an offload medium in lowercase as the KV "
+                    "events do (cpu, storage, ...); the GPU is not a tier"
+                )
 
-_Scored = tuple[float, int, BackendLike]  # (estimated TTFT, cached tokens, backend)
+
+#: (estimated TTFT, prompt tokens it need not prefill, backend, of them on its GPU,
+#: tokens it reaches on its GPU and each tier of the request's `Reach`, cumulative)
+_Scored = tuple[float, int, BackendLike, int, tuple[int, ...]]
 
 #: at most this many holders of the longest prefixes are scored (the rest are drawn)
 _HOLDERS = 8
@@ -155,7 +186,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
 
     def __init__(self, params: KvAwareParams) -> None:
         super().__init__(params)
-        self.index = PrefixIndex(params.index_capacity)
+        tiers = [Tier(m, t.load_s_per_token, t.shared) for m, t in params.tiers.items()]
+        self.index = TieredIndex(params.index_capacity, tiers)
+        self._gpu = self.index.gpu
         max_blocks = params.max_prefix_tokens // params.block_size
         tok = params.tokenizer
         self._blocks = make_prompt_blocks(params.block_size, max_blocks, tok.kind, tok.path)
@@ -187,59 +220,68 @@ class KvAwarePolicy(Policy[KvAwareParams]):
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)
-        scored = self._scored(req, fleet)
+        reach = self.index.reach()
+        scored = self._scored(req, fleet, reach)
         if not scored:
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
         if self._shared is not None:
-            self._adopt_placement(req, fleet, scored)
-        _, cached, backend = self._agreed(req, self._ties(req, scored))
+            self._adopt_placement(req, fleet, scored, reach)
+        _, covered, backend, cached, _ = self._agreed(req, self._ties(req, scored))
         self._learn(req, backend, cached)
-        self._record(req, backend, scored)
-        reason = Reason.KV_HIT if cached else Reason.KV_COLD
-        return Pick(backend, reason, cached)
+        self._record(req, backend, scored, reach)
+        return Pick(backend, _reason(covered, cached), covered)
 
     def _ties(self, req: RouteRequest, scored: list[_Scored]) -> list[_Scored]:
         """The candidates tied for the lowest estimate plus miss penalty, narrowed to
         those of them holding the longest prefix."""
         p = self.params
         penalty = p.miss_penalty / p.prefill_tokens_per_s
-        judged = [(cost + penalty * (req.prompt_tokens - k), k, b) for cost, k, b in scored]
-        best = min(cost for cost, _, _ in judged)
-        warm = any(k for _, k, _ in judged)
+        prompt = req.prompt_tokens
+        judged = [(s[0] + penalty * (prompt - s[1]), *s[1:]) for s in scored]
+        best = min(s[0] for s in judged)
+        warm = any(s[1] for s in judged)
         margin = max(p.tie_seconds, best * p.tie_fraction) if warm else p.tie_seconds
         ties = [s for s in judged if s[0] <= best + margin]
-        most = max(k for _, k, _ in ties)
+        most = max(s[1] for s in ties)
         return [s for s in ties if s[1] == most]
 
-    def _scored(self, req: RouteRequest, fleet: FleetView) -> list[_Scored]:
+    def _scored(self, req: RouteRequest, fleet: FleetView, reach: Reach) -> list[_Scored]:
         """The estimates of the candidates under the cap that can matter (see above)."""
         sample = self.params.sample
         if sample:
-            held = self.index.holders(req.blocks, _HOLDERS)
+            held = dict(self._gpu.holders(req.blocks, _HOLDERS))
+            for name in self.index.tier_holders(req.blocks, _HOLDERS, reach):
+                held.setdefault(name, self._gpu.longest_prefix(req.blocks, name))
             if len(fleet.candidates) > len(held) + sample:
-                return self._pruned(req, fleet, held)
-        return [self._score(req, b) for b in self._under_cap(fleet.candidates)]
+                return self._pruned(req, fleet, held, reach)
+        return [self._score(req, b, reach) for b in self._under_cap(fleet.candidates)]
 
     def _pruned(
-        self, req: RouteRequest, fleet: FleetView, held: list[tuple[str, int]]
+        self, req: RouteRequest, fleet: FleetView, held: dict[str, int], reach: Reach
     ) -> list[_Scored]:
         """The holders that are candidates under the cap, and `sample` draws beside them."""
         named, names = self._by_name(fleet.members), fleet.candidate_names
         scored = []
-        for name, blocks in held:
+        for name, blocks in held.items():
             backend = named.get(name)
             if backend is not None and name in names and self._fits(backend):
-                scored.append(self._estimate(req, backend, blocks))
-        deepest = max((blocks for _, blocks in held), default=0)
+                scored.append(self._estimate(req, backend, blocks, reach))
+        deepest = max(held.values(), default=0)
         seed = req.blocks[deepest] if deepest < len(req.blocks) else self._rng.getrandbits(64)
-        taken = {b.name for _, _, b in scored}
-        drawn = self._draws(req, fleet.candidates, seed, taken)
+        taken = {s[2].name for s in scored}
+        drawn = self._draws(req, fleet.candidates, seed, taken, reach)
         if not scored and not drawn:  # every one scored is at the cap: draw among the others
-            drawn = self._draws(req, tuple(self._under_cap(fleet.candidates)), seed, taken)
+            pool = tuple(self._under_cap(fleet.candidates))
+            drawn = self._draws(req, pool, seed, taken, reach)
         return scored + drawn
 
     def _draws(
-        self, req: RouteRequest, pool: tuple[BackendLike, ...], seed: int, taken: set[str]
+        self,
+        req: RouteRequest,
+        pool: tuple[BackendLike, ...],
+        seed: int,
+        taken: set[str],
+        reach: Reach,
     ) -> list[_Scored]:
         """Up to `sample` backends of `pool` under the cap and not `taken`, drawn by `seed`
         (at most twice as many draws, so a pool mostly taken or full costs no more)."""
@@ -251,7 +293,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             backend = pool[(((seed + j * _GOLDEN) * _MIX) & _MASK) * n >> 64]
             if backend.name not in taken and self._fits(backend):
                 taken.add(backend.name)
-                drawn.append(self._score(req, backend))
+                drawn.append(self._score(req, backend, reach))
         return drawn
 
     def _by_name(self, members: tuple[BackendLike, ...]) -> dict[str, BackendLike]:
@@ -259,10 +301,12 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             self._members, self._named = members, {b.name: b for b in members}
         return self._named
 
-    def _adopt_placement(self, req: RouteRequest, fleet: FleetView, scored: list[_Scored]) -> None:
+    def _adopt_placement(
+        self, req: RouteRequest, fleet: FleetView, scored: list[_Scored], reach: Reach
+    ) -> None:
         """Take another worker's recent placement of the blocks no candidate holds here:
         its backend holds them (speculatively) for this pick and the ones after it."""
-        start = max(cached for _, cached, _ in scored) // self.params.block_size
+        start = max(s[3] for s in scored) // self.params.block_size
         if start >= len(req.blocks):
             return
         found = self._shared.held(req.blocks, start)
@@ -272,10 +316,10 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         backend = self._by_name(fleet.members).get(name)
         if backend is None or name not in fleet.candidate_names or not self._fits(backend):
             return
-        self.index.learn(name, req.blocks[start : start + count], expires_at)
-        rescored = self._score(req, backend)
-        for i, (_, _, b) in enumerate(scored):
-            if b.name == name:
+        self._gpu.learn(name, req.blocks[start : start + count], expires_at)
+        rescored = self._score(req, backend, reach)
+        for i, s in enumerate(scored):
+            if s[2].name == name:
                 scored[i] = rescored
                 return
         scored.append(rescored)  # pruned: not among those scored before
@@ -307,20 +351,34 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         cap = self.params.concurrency_threshold
         return cap is None or backend.inflight < cap
 
-    def _score(self, req: RouteRequest, backend: BackendLike) -> _Scored:
-        return self._estimate(req, backend, self.index.longest_prefix(req.blocks, backend.name))
+    def _score(self, req: RouteRequest, backend: BackendLike, reach: Reach) -> _Scored:
+        blocks = self._gpu.longest_prefix(req.blocks, backend.name)
+        return self._estimate(req, backend, blocks, reach)
 
-    def _estimate(self, req: RouteRequest, backend: BackendLike, blocks: int) -> _Scored:
-        """The estimate for `backend`, holding the first `blocks` blocks of the prompt."""
+    def _estimate(
+        self, req: RouteRequest, backend: BackendLike, blocks: int, reach: Reach
+    ) -> _Scored:
+        """The estimate for `backend`, holding the first `blocks` blocks of the prompt on
+        its GPU and, beyond them, what it reaches on the tiers of `reach` at their cost
+        (cheapest first: a block is loaded from the cheapest tier that has it)."""
         p = self.params
-        cached = min(req.prompt_tokens, blocks * p.block_size)
-        queued = _attr(backend, "queued_tokens") + req.prompt_tokens - cached
+        prompt = req.prompt_tokens
+        cached = covered = min(prompt, blocks * p.block_size)
+        load, tiers = 0.0, ()
+        if reach:
+            reached = self.index.tier_blocks(req.blocks, backend.name, blocks, reach)
+            tiers = tuple(min(prompt, n * p.block_size) for n in reached)
+            for (tier, _), tokens in zip(reach, tiers, strict=True):
+                load += (tokens - covered) * tier.load_s_per_token
+                covered = tokens
+        queued = _attr(backend, "queued_tokens") + prompt - covered
         cost = (
             queued / p.prefill_tokens_per_s
+            + load
             + p.decode_s_per_request * backend.inflight
             + p.waiting_s_per_request * _attr(backend, "waiting")
         )
-        return cost, cached, backend
+        return cost, covered, backend, cached, tiers
 
     def _learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
         """Speculative insert: the blocks we send are about to be cached there.
@@ -333,24 +391,54 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             return
         ttl = p.speculative_ttl_s if backend.name in self.event_backends else p.approximate_ttl_s
         expires_at = time.monotonic() + ttl
-        self.index.learn(backend.name, new, expires_at)
+        self._gpu.learn(backend.name, new, expires_at)
         if self._shared is not None:
             self._shared.place(backend.name, req.blocks, cached // p.block_size, expires_at)
 
-    def _record(self, req: RouteRequest, chosen: BackendLike, scored: list) -> None:
+    def _record(
+        self, req: RouteRequest, chosen: BackendLike, scored: list[_Scored], reach: Reach
+    ) -> None:
         """Keep the decision as it stands; `recent` formats it only when someone asks."""
-        self._recent.append((time.time(), req.model, req.prompt_tokens, chosen.name, scored))
+        media = tuple(tier.medium for tier, _ in reach)
+        self._recent.append((time.time(), req.model, req.prompt_tokens, chosen.name, scored, media))
 
     @property
     def recent(self) -> list[dict[str, Any]]:
-        """The last decisions with their scores, for /debug/routing."""
+        """The last decisions with their scores, for /debug/routing: per backend the
+        estimate, the prompt tokens it need not prefill (`cached`), and of those how many
+        are on its GPU and, per tier, how many more it reaches there (`tiers`)."""
         return [
             {
                 "at": at,
                 "model": model,
                 "prompt_tokens": tokens,
                 "chosen": chosen,
-                "scores": {b.name: {"ttft_s": round(c, 6), "cached": k} for c, k, b in scored},
+                "scores": {
+                    b.name: _described(cost, covered, gpu, _per_tier(media, reached, gpu))
+                    for cost, covered, b, gpu, reached in scored
+                },
             }
-            for at, model, tokens, chosen, scored in self._recent
+            for at, model, tokens, chosen, scored, media in self._recent
         ]
+
+
+def _reason(covered: int, cached: int) -> Reason:
+    if covered > cached:
+        return Reason.KV_TIER
+    return Reason.KV_HIT if cached else Reason.KV_COLD
+
+
+def _per_tier(media: tuple[str, ...], reached: tuple[int, ...], gpu: int) -> dict[str, int]:
+    """The tokens beyond the GPU's each tier adds (`reached` is cumulative)."""
+    before, added = gpu, {}
+    for medium, tokens in zip(media, reached, strict=True):
+        added[medium], before = tokens - before, tokens
+    return added
+
+
+def _described(cost: float, covered: int, gpu: int, tiers: dict[str, int]) -> dict[str, Any]:
+    found: dict[str, Any] = {"ttft_s": round(cost, 6), "cached": covered}
+    if tiers:
+        found["gpu"] = gpu
+        found["tiers"] = tiers
+    return found

@@ -10,6 +10,7 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
+from hashing.tiered_index import Tier
 from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError, Unauthorized
 from router.fleet.backends import Fleet
@@ -73,7 +74,9 @@ class StatusRoutes:
 
     async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
-        index (source and size) and its last scraped vLLM metrics. Those decisions show
+        index (source, GPU and offload-tier sizes) and its last scraped vLLM metrics; with
+        a KV-aware policy, its offload tiers and the media its events named that it does
+        not index. Those decisions show
         every tenant's recent requests, so with auth on only the admin token opens it."""
         try:
             self._operator(request.headers.get("Authorization"))
@@ -89,13 +92,18 @@ class StatusRoutes:
                 "queued_tokens": b.queued_tokens,
                 "waiting": b.waiting,
                 "index_mode": "events" if b.name in events else "approximate",
-                "index_keys": index.size(b.name) if index is not None else None,
+                "index_keys": index.gpu.size(b.name) if index is not None else None,
+                "tier_keys": index.tier_sizes(b.name) if index is not None else None,
                 "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
             }
             for b in self._fleet.members
         }
         decisions = list(getattr(policy, "recent", ()))
-        return web.json_response({"backends": backends, "decisions": decisions})
+        found = {"backends": backends, "decisions": decisions}
+        if index is not None:
+            found["tiers"] = {t.medium: _tier(t) for t in index.tiers}
+            found["ignored_media"] = index.ignored
+        return web.json_response(found)
 
     def _operator(self, authorization: str | None) -> None:
         """With auth on, Unauthorized unless `authorization` carries the admin token;
@@ -109,3 +117,7 @@ class StatusRoutes:
 
 def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
+
+
+def _tier(tier: Tier) -> dict[str, float | bool]:
+    return {"load_s_per_token": tier.load_s_per_token, "shared": tier.shared}

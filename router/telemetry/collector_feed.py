@@ -15,7 +15,7 @@ from collections.abc import Callable
 import msgspec
 import zmq
 
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router.config import KvEventsConfig
 from router.context import WorkerContext
 from router.fleet.backends import Backend
@@ -83,7 +83,7 @@ class CollectorTelemetry(Telemetry):
         """A subscription's index reset: the workers clear theirs too."""
         self._publish([b"c", backend.encode()])
 
-    def _source(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> Held:
+    def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here and relayed to the workers."""
         return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, self)
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 import zmq.asyncio
 
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router import log
 from router.config import KvEventsConfig
 from router.fleet.backends import Backend, Fleet
@@ -27,7 +27,7 @@ from router.telemetry.scrape import VllmSnapshot
 
 Held = asyncio.Task | EventApplier
 #: a backend's event source: (backend, its endpoints, the index) -> what is held for it
-Source = Callable[[Backend, KvEventsConfig, PrefixIndex], Held]
+Source = Callable[[Backend, KvEventsConfig, TieredIndex], Held]
 
 
 class Sink(Protocol):
@@ -43,7 +43,7 @@ class Relay(Protocol):
     def cleared(self, backend: str) -> None: ...
 
 
-def applier(backend: Backend, index: PrefixIndex, fleet: Fleet) -> EventApplier:
+def applier(backend: Backend, index: TieredIndex, fleet: Fleet) -> EventApplier:
     """What turns the backend's event batches into index updates."""
     block_size = fleet.policy.params.block_size
     return EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
@@ -54,7 +54,7 @@ def subscribe(
     fleet: Fleet,
     backend: Backend,
     cfg: KvEventsConfig,
-    index: PrefixIndex,
+    index: TieredIndex,
     fallback: Callable[[str, str], None],
     relay: Relay | None,
 ) -> asyncio.Task:
@@ -97,7 +97,7 @@ class IndexUpkeep:
         self._source = source
         #: per backend with events: what its source holds, and the endpoints it was made for
         self.held: dict[str, tuple[Held, KvEventsConfig]] = {}
-        self.index: PrefixIndex | None = None
+        self.index: TieredIndex | None = None
 
     async def run(self) -> None:
         """Once a second: sources follow membership, the index ages and resizes."""
@@ -105,17 +105,17 @@ class IndexUpkeep:
             index = getattr(self._fleet.policy, "index", None)
             if index is not None:
                 self._sync(index)
-                index.expire(time.monotonic())
+                index.gpu.expire(time.monotonic())
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:
-                        index.set_capacity(name, snap.num_gpu_blocks)
+                        index.gpu.set_capacity(name, snap.num_gpu_blocks)
             await asyncio.sleep(1.0)
 
     def tasks(self) -> list[asyncio.Task]:
         """The subscription tasks held (to cancel them at stop)."""
         return [held for held, _ in self.held.values() if isinstance(held, asyncio.Task)]
 
-    def _sync(self, index: PrefixIndex) -> None:
+    def _sync(self, index: TieredIndex) -> None:
         """Sources follow the current config: reloads add, drop or re-point them."""
         endpoints = self._kv_events()
         wanted = {b.name: b for b in self._fleet.members if b.name in endpoints}

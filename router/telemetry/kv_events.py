@@ -11,7 +11,11 @@ replay socket (a DEALER sends `[b"", start_seq]`; replies `[b"", topic, seq, pay
 (≥0.26) or `[b"", seq, payload]` (≤0.24), then an end marker with seq 0xFF*8); if replay
 is unavailable or incomplete the backend's entries are cleared, since the index can no
 longer be trusted. A sequence going back means the backend restarted: cleared too.
-Only GPU-tier stores are indexed (CPU/disk offload tiers need a weighted score; not yet).
+
+Each store and removal goes to its medium's index (hashing/tiered_index.py): the GPU's, a
+configured offload tier's, or none (an unconfigured medium, counted). A token-less store is
+an offloading connector's placeholder: an offload tier resolves it through the keys the
+backend's other media hold; on the GPU it carries nothing to index.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from hashing.blocks import root_key
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router import log
 
 END_OF_REPLAY = 2**64 - 1
@@ -87,7 +91,7 @@ class EventApplier:
     """Applies decoded batches of one backend to the index (pure, no sockets)."""
 
     def __init__(
-        self, backend: str, index: PrefixIndex, block_size: int, base_model: Callable[[], str]
+        self, backend: str, index: TieredIndex, block_size: int, base_model: Callable[[], str]
     ) -> None:
         self._backend = backend
         self._index = index
@@ -112,32 +116,28 @@ class EventApplier:
             self._stored(_fields(event, _BLOCK_STORED_FIELDS) or {})
         elif tag == "BlockRemoved":
             fields = _fields(event, _REMOVED_FIELDS) or {}
-            if _gpu(fields.get("medium")):
-                hashes = [as_uint64(h) for h in fields.get("block_hashes") or ()]
-                self._index.removed(self._backend, hashes)
+            hashes = [as_uint64(h) for h in fields.get("block_hashes") or ()]
+            self._index.removed(self._backend, fields.get("medium"), hashes)
         elif tag == "AllBlocksCleared":
             self._index.cleared(self._backend)
 
     def _stored(self, f: dict[str, Any]) -> None:
-        tokens, hashes = f.get("token_ids") or [], f.get("block_hashes") or []
-        if not _gpu(f.get("medium")) or f.get("block_size") != self._block_size or not tokens:
-            self.stats.skipped += 1  # another tier, block size or a token-less placeholder
+        tokens, medium = f.get("token_ids") or [], f.get("medium")
+        hashes = [as_uint64(h) for h in f.get("block_hashes") or ()]
+        if not tokens:
+            if not self._index.placed(self._backend, medium, hashes):
+                self.stats.skipped += 1  # nothing known to resolve it by
+            return
+        if f.get("block_size") != self._block_size:
+            self.stats.skipped += 1
             return
         lora = f.get("lora_name")
         parent = f.get("parent_block_hash")
         root = root_key(lora or self._base_model(), _salt(f.get("extra_keys"), lora))
-        self._index.stored(
-            self._backend,
-            None if parent is None else as_uint64(parent),
-            [as_uint64(h) for h in hashes],
-            tokens,
-            self._block_size,
-            root,
-        )
-
-
-def _gpu(medium: Any) -> bool:
-    return medium is None or str(medium).lower() == "gpu"
+        parent_engine = None if parent is None else as_uint64(parent)
+        bs = self._block_size
+        if not self._index.stored(self._backend, medium, parent_engine, hashes, tokens, bs, root):
+            self.stats.skipped += 1
 
 
 class EventSubscriber:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import aiohttp
 import zmq.asyncio
 
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router.config import KvEventsConfig, TelemetryConfig
 from router.fleet.backends import Backend, Fleet
 from router.metrics import Metrics
@@ -107,7 +107,7 @@ class Telemetry:
     def _scraped(self, backend: str, snap: VllmSnapshot) -> None:
         """A fresh snapshot scraped here (the collector publishes it)."""
 
-    def _source(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> Held:
+    def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here."""
         return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, None)
 

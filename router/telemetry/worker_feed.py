@@ -17,7 +17,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router import log
 from router.config import KvEventsConfig
 from router.context import WorkerContext
@@ -68,7 +68,7 @@ class WorkerTelemetry(Telemetry):
     def _fallback(self, backend: str, reason: str) -> None:
         """Not counted here: the collector counts the router's downgrades once."""
 
-    def _source(self, backend: Backend, cfg: KvEventsConfig, index: PrefixIndex) -> Held:
+    def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The applier of the batches the collector forwards for `backend`."""
         return applier(backend, index, self._fleet)
 
@@ -161,4 +161,4 @@ class WorkerTelemetry(Telemetry):
         if index is None or worker == self._link.index:
             return
         for backend, expires_at, keys in placed:
-            index.learn(backend, keys, expires_at)
+            index.gpu.learn(backend, keys, expires_at)

@@ -27,7 +27,7 @@ import pytest
 import zmq.asyncio
 
 from hashing.blocks import chain, root_key
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router.telemetry.kv_events import EventApplier, EventSubscriber
 
 VLLM_VERSION = "0.33.0"
@@ -126,34 +126,34 @@ def payload(vllm, events: list) -> bytes:
 
 
 def test_vllm_batches_decode_into_the_index(vllm) -> None:
-    index = PrefixIndex()
+    index = TieredIndex()
     applier = EventApplier("pod", index, 16, lambda: MODEL)
     keys = chain(root_key(MODEL, None), IDS, 16)
     applier.apply_payload(payload(vllm, [stored(vllm, [11, 12], None, IDS[:32])]))
     applier.apply_payload(payload(vllm, [stored(vllm, [2**64 - 1, 14], 12, IDS[32:])]))
-    assert index.longest_prefix(keys, "pod") == 4
+    assert index.gpu.longest_prefix(keys, "pod") == 4
     applier.apply_payload(payload(vllm, [vllm.BlockRemoved(block_hashes=[14], medium="GPU")]))
-    assert index.longest_prefix(keys, "pod") == 3
+    assert index.gpu.longest_prefix(keys, "pod") == 3
     applier.apply_payload(payload(vllm, [vllm.AllBlocksCleared()]))
-    assert index.longest_prefix(keys, "pod") == 0
+    assert index.gpu.longest_prefix(keys, "pod") == 0
     assert applier.stats.skipped == 0
 
 
 def test_vllm_salted_and_lora_blocks_are_isolated(vllm) -> None:
-    index = PrefixIndex()
+    index = TieredIndex()
     applier = EventApplier("pod", index, 16, lambda: MODEL)
     event = stored(vllm, [21], None, IDS[:16])
     event.lora_name, event.extra_keys = "sql-adapter", [("sql-adapter", "tenant-a")]
     applier.apply_payload(payload(vllm, [event]))
-    assert index.longest_prefix(chain(root_key("sql-adapter", "tenant-a"), IDS, 16), "pod") == 1
-    assert index.longest_prefix(chain(root_key(MODEL, None), IDS, 16), "pod") == 0
+    assert index.gpu.longest_prefix(chain(root_key("sql-adapter", "tenant-a"), IDS, 16), "pod") == 1
+    assert index.gpu.longest_prefix(chain(root_key(MODEL, None), IDS, 16), "pod") == 0
 
 
 async def test_vllm_publisher_to_our_subscriber_with_replay(vllm, tmp_path: Path) -> None:
     pub_ep, replay_ep = f"ipc://{tmp_path}/pub", f"ipc://{tmp_path}/replay"
     publisher = vllm.ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
     ctx = zmq.asyncio.Context()
-    index = PrefixIndex()
+    index = TieredIndex()
     applier = EventApplier("pod", index, 16, lambda: MODEL)
     resets: list[str] = []
     sub = EventSubscriber(ctx, applier, pub_ep, replay_ep, "kv", resets.append)
@@ -168,7 +168,7 @@ async def test_vllm_publisher_to_our_subscriber_with_replay(vllm, tmp_path: Path
         publisher.publish(vllm.KVEventBatch(ts=2.0, events=[second]))
         keys = chain(root_key(MODEL, None), IDS, 16)
         async with asyncio.timeout(5):
-            while index.longest_prefix(keys, "pod") < 4:
+            while index.gpu.longest_prefix(keys, "pod") < 4:
                 await asyncio.sleep(0.02)
         assert applier.stats.gaps_replayed == 1 and not resets
         task.cancel()

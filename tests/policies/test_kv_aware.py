@@ -6,9 +6,12 @@ import collections
 import random
 from dataclasses import dataclass
 
+import msgspec
+import pytest
+
 from hashing.blocks import chain, root_key
 from policies import FleetView, Reason, RouteRequest, create
-from policies.kv_aware import KvAwareParams
+from policies.kv_aware import KvAwareParams, KvTierParams
 
 ROOT = root_key("m", None)
 IDS = list(range(8000))
@@ -34,7 +37,7 @@ def policy(**params):
 
 
 def hold(p, backend: str, blocks: int) -> None:
-    p.index.stored(backend, None, list(range(blocks)), IDS[: blocks * 16], 16, ROOT)
+    p.index.gpu.stored(backend, None, list(range(blocks)), IDS[: blocks * 16], 16, ROOT)
 
 
 def request() -> RouteRequest:
@@ -352,3 +355,70 @@ def test_pruned_adopts_a_placement_on_a_backend_it_did_not_draw() -> None:
         p.share(Placed(target.name))
         pick = p.pick(request(), view(members))
         assert (pick.backend.name, pick.reason) == (target.name, Reason.KV_HIT)
+
+
+def offload(p, backend: str, blocks: int, medium: str = "cpu") -> None:
+    """`backend` holds the first `blocks` blocks on an offload tier, and not on its GPU."""
+    p.index.stored(backend, medium, None, list(range(blocks)), IDS[: blocks * 16], 16, ROOT)
+
+
+def test_a_prefix_on_the_cpu_tier_is_cheaper_than_a_miss_dearer_than_a_hit() -> None:
+    p = policy()
+    offload(p, "a", 500)
+    pick = p.pick(request(), view([B("b"), B("a")]))
+    assert (pick.backend.name, pick.reason, pick.predicted_cached) == ("a", Reason.KV_TIER, 8000)
+    score = p.recent[-1]["scores"]["a"]
+    assert score == {
+        "ttft_s": pytest.approx(8000 * 1.6e-6),
+        "cached": 8000,
+        "gpu": 0,
+        "tiers": {"cpu": 8000},
+    }
+    p = policy()
+    offload(p, "a", 500)
+    hold(p, "c", 500)
+    assert p.pick(request(), view([B("a"), B("c")])).backend.name == "c"  # a hit beats a load
+
+
+def test_the_gpu_part_is_a_hit_and_the_tier_adds_what_follows() -> None:
+    p = policy()
+    hold(p, "a", 200)
+    offload(p, "a", 500)
+    hold(p, "b", 300)
+    pick = p.pick(request(), view([B("a"), B("b")]))
+    assert (pick.backend.name, pick.reason) == ("a", Reason.KV_TIER)
+    assert p.recent[-1]["scores"]["a"]["tiers"] == {"cpu": 8000 - 3200}
+    assert p.recent[-1]["scores"]["b"]["tiers"] == {"cpu": 0}
+
+
+def test_tier_blind_scores_the_gpu_only() -> None:
+    p = policy(tiers={})
+    offload(p, "a", 500)
+    assert p.index.ignored == {"cpu": 1}
+    pick = p.pick(request(), view([B("a"), B("b")]))
+    assert pick.reason is Reason.KV_COLD and "tiers" not in p.recent[-1]["scores"]["a"]
+
+
+def test_a_shared_tier_serves_every_backend_at_its_cost() -> None:
+    p = policy(tiers={"remote": KvTierParams(load_s_per_token=2e-5, shared=True)})
+    offload(p, "a", 500, "remote")
+    busy = B("a", queued_tokens=40_000)
+    pick = p.pick(request(), view([busy, B("b")]))
+    assert (pick.backend.name, pick.reason, pick.predicted_cached) == ("b", Reason.KV_TIER, 8000)
+
+
+def test_pruned_scoring_finds_the_tier_holders() -> None:
+    p = policy()
+    members = _fleet(256, 0)
+    offload(p, "b77", 500)
+    pick = p.pick(request(), view(members))
+    assert pick.backend.name == "b77" and len(p.recent[-1]["scores"]) == 1 + 3
+
+
+@pytest.mark.parametrize("medium", ["gpu", "CPU"])
+def test_tier_names_are_lowercase_media_other_than_the_gpu(medium: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match="lowercase"):
+        msgspec.convert(
+            {"strategy": "KV_AWARE", "tiers": {medium: {"load_s_per_token": 1e-6}}},
+            KvAwareParams,
+        )

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from hashing.blocks import chain, root_key
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import Tier, TieredIndex
 from router.telemetry.kv_events import EventApplier, as_uint64
 
 MODEL = "m"
@@ -14,8 +14,8 @@ IDS = list(range(32))
 KEYS = chain(root_key(MODEL, None), IDS, 16)
 
 
-def apply(*events) -> tuple[PrefixIndex, EventApplier]:
-    index = PrefixIndex()
+def apply(*events) -> tuple[TieredIndex, EventApplier]:
+    index = TieredIndex()
     applier = EventApplier("pod", index, 16, lambda: MODEL)
     applier.apply_payload(msgspec.msgpack.encode([1.0, list(events), 0]))
     return index, applier
@@ -46,7 +46,7 @@ def stored_map(**extra) -> dict:
         ),
         pytest.param([stored_map(locality="LOCAL", future_field=[1])], 2, id="unknown-fields"),
         pytest.param([{"type": "BlockTeleported", "x": 1}, stored_map()], 2, id="unknown-tag"),
-        pytest.param([stored_map(medium="cpu")], 0, id="cpu-tier-not-indexed"),
+        pytest.param([stored_map(medium="cpu")], 0, id="cpu-tier-not-on-the-gpu"),
         pytest.param([stored_map(block_size=32)], 0, id="other-block-size"),
         pytest.param([stored_map(token_ids=[], block_size=0)], 0, id="token-less-placeholder"),
         pytest.param(
@@ -60,11 +60,11 @@ def stored_map(**extra) -> dict:
 )
 def test_events(events: list, held: int) -> None:
     index, _ = apply(*events)
-    assert index.longest_prefix(KEYS, "pod") == held
+    assert index.gpu.longest_prefix(KEYS, "pod") == held
 
 
 def test_undecodable_payload_is_counted_not_raised() -> None:
-    index = PrefixIndex()
+    index = TieredIndex()
     applier = EventApplier("pod", index, 16, lambda: MODEL)
     applier.apply_payload(b"\xc1 not msgpack")
     assert applier.stats.skipped == 1
@@ -80,3 +80,21 @@ def test_undecodable_payload_is_counted_not_raised() -> None:
 )
 def test_hash_forms(value, expected: int) -> None:
     assert as_uint64(value) == expected
+
+
+def test_offload_events_go_to_their_tier_and_unknown_media_are_counted() -> None:
+    index = TieredIndex(tiers=(Tier("cpu", 1e-6),))
+    applier = EventApplier("pod", index, 16, lambda: MODEL)
+    placeholder = stored_map(block_hashes=[2], token_ids=[], block_size=0, medium="CPU")
+    events = [
+        stored_map(),
+        placeholder,  # the tail block offloaded, as vLLM's offloading connector says it
+        {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"},
+        stored_map(medium="LocalDiskBackend"),
+        {"type": "BlockRemoved", "block_hashes": [1], "medium": "LocalDiskBackend"},
+    ]
+    applier.apply_payload(msgspec.msgpack.encode([1.0, events, 0]))
+    assert index.gpu.longest_prefix(KEYS, "pod") == 1
+    assert index.tier_blocks(KEYS, "pod", 1, index.reach()) == (2,)
+    assert index.ignored == {"localdiskbackend": 2}
+    assert applier.stats.skipped == 1  # the store on the unknown medium

@@ -12,7 +12,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from hashing.canonical import Message
 from hashing.chat_tokens import PromptBlocks
-from hashing.prefix_index import PrefixIndex
+from hashing.tiered_index import TieredIndex
 from router.telemetry.kv_events import EventApplier, EventSubscriber
 
 MODEL = "sim-llama-70b"
@@ -54,7 +54,7 @@ async def until(predicate, timeout: float = 5.0) -> None:
 async def test_index_follows_stores_evictions_and_restarts(encoding: str) -> None:
     fleet = await start_fleet(1, sim_params(encoding))
     ctx = zmq.asyncio.Context()
-    index = PrefixIndex()
+    index = TieredIndex()
     resets: list[str] = []
     backend = fleet.backends[0]
     applier = EventApplier("b0", index, 16, lambda: MODEL)
@@ -65,16 +65,16 @@ async def test_index_follows_stores_evictions_and_restarts(encoding: str) -> Non
         await asyncio.sleep(0.2)  # the SUB connects (a PUB drops what no one receives)
         await chat(backend.url, "who repairs the roof?")
         keys = keys_of("who repairs the roof?")
-        await until(lambda: index.longest_prefix(keys, "b0") > 0)
+        await until(lambda: index.gpu.longest_prefix(keys, "b0") > 0)
         # the prompt's full blocks are all held; a salted twin is not
-        assert index.longest_prefix(keys, "b0") == len(keys)
-        assert index.longest_prefix(keys_of("who repairs the roof?", salt="t1"), "b0") == 0
+        assert index.gpu.longest_prefix(keys, "b0") == len(keys)
+        assert index.gpu.longest_prefix(keys_of("who repairs the roof?", salt="t1"), "b0") == 0
         # a second request shares the document's blocks, and the backend reports the hit
         reply = await chat(backend.url, "and the windows?")
         other = keys_of("and the windows?")
         shared = sum(a == b for a, b in zip(keys, other, strict=False))
         assert reply["usage"]["prompt_tokens_details"]["cached_tokens"] == shared * 16
-        assert index.longest_prefix(other, "b0") >= shared
+        assert index.gpu.longest_prefix(other, "b0") >= shared
         # a restart resets the sequence: the index forgets the backend
         backend.restart()
         await chat(backend.url, "a fresh start")
@@ -90,7 +90,7 @@ async def test_index_follows_stores_evictions_and_restarts(encoding: str) -> Non
 async def test_gap_is_filled_by_replay() -> None:
     fleet = await start_fleet(1, sim_params("map"))
     ctx = zmq.asyncio.Context()
-    index = PrefixIndex()
+    index = TieredIndex()
     backend = fleet.backends[0]
     applier = EventApplier("b0", index, 16, lambda: MODEL)
     pub = backend.publisher
@@ -103,7 +103,7 @@ async def test_gap_is_filled_by_replay() -> None:
         await asyncio.sleep(0.2)
         await chat(backend.url, "second question")
         await until(lambda: applier.stats.gaps_replayed == 1)
-        assert index.longest_prefix(keys_of("first question"), "b0") == len(
+        assert index.gpu.longest_prefix(keys_of("first question"), "b0") == len(
             keys_of("first question")
         )
         task.cancel()
