@@ -3,11 +3,19 @@
 For each candidate b, in seconds:
 
     ttft(b) = (queued_tokens(b) + uncached(b)) / prefill_tokens_per_s
+              + loaded(b)
               + decode_s_per_request * inflight(b)
               + waiting_s_per_request * waiting(b)
 
-- uncached(b) = prompt tokens minus the longest prefix b holds, in blocks, from the prefix
-  index (fed by b's KV events, or learned from our own routing when b publishes none);
+- uncached(b) = prompt tokens minus the longest prefix b reaches, in blocks, from the
+  prefix index (fed by b's KV events, or learned from our own routing when b publishes
+  none): on its GPU, or beyond that on an offload tier;
+- loaded(b) = the tokens b reaches on offload tiers only, each at its tier's
+  `load_s_per_token` (cheapest tier first: CPU memory, storage, a shared remote store
+  that every backend reads). A prefix the GPU evicted but the CPU kept is cheaper than a
+  miss and dearer than a hit. KV events name each block's medium (hashing/tiered_index.py);
+  a medium not in `tiers` is not indexed (counted in /debug/routing's `ignored_media`),
+  and `tiers: {}` scores the GPU alone;
 - queued_tokens(b) = uncached prompt tokens the router has sent to b whose first token
   has not come back yet (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
@@ -47,7 +55,8 @@ would in one process.
 
 Only the candidates that can matter are scored (`sample` > 0, the default): the backends
 holding the prompt's longest prefixes, which the index names without visiting the others
-(at most 8; `PrefixIndex.holders`), plus `sample` others drawn uniformly from the
+(at most 8 on the GPU and 8 per local offload tier; `PrefixIndex.holders`; a shared tier
+reaches every backend, drawn ones included), plus `sample` others drawn uniformly from the
 candidates ("power of k choices"; each is scored like the holders, so the least loaded of
 them is the cold choice, and one that holds a shorter prefix gets its credit). The draws
 are seeded by the first block no backend holds, so every worker and replica scores the same
@@ -69,8 +78,10 @@ chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
 (0.05), miss_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold
 (null), speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s
-(600, when it does not), index_capacity (1_000_000 keys per backend), sample (3; 0 scores
-every candidate), seed.
+(600, when it does not), index_capacity (1_000_000 keys per backend and medium), sample
+(3; 0 scores every candidate), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
+{load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true` marks a store every
+backend reads), seed.
 YAML:
   routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000, sample: 3}
 """
