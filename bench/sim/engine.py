@@ -34,6 +34,7 @@ class EngineStats(msgspec.Struct):
     requests_dropped: int = 0  # killed by a restart or stop
     prefix_cache_queries: int = 0  # prompt tokens looked up on first admission
     prefix_cache_hits: int = 0  # of which were served from the prefix cache
+    cpu_hit_tokens: int = 0  # of the others, loaded from the CPU tier
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -98,7 +99,7 @@ class SimEngine:
 
     def _reset_state(self) -> None:
         p = self.params
-        self.kv = KVCache(p.num_gpu_blocks, p.block_size, p.enable_prefix_caching)
+        self.kv = KVCache(p.num_gpu_blocks, p.block_size, p.enable_prefix_caching, p.num_cpu_blocks)
         self.scheduler = Scheduler(p, self.kv)
         self.metrics = SimMetrics(p)
 
@@ -138,10 +139,15 @@ class SimEngine:
     def _account(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
         m, st = self.metrics, self.stats
         for req in plan.admitted:  # a first admission looks up exactly the prompt
+            hits = req.num_cached_tokens - req.num_loaded_tokens
             m.prefix_queries.inc(req.prompt_len)
-            m.prefix_hits.inc(req.num_cached_tokens)
+            m.prefix_hits.inc(hits)
             st.prefix_cache_queries += req.prompt_len
-            st.prefix_cache_hits += req.num_cached_tokens
+            st.prefix_cache_hits += hits
+            if self.params.num_cpu_blocks:  # the connector is asked what the GPU missed
+                m.external_queries.inc(req.prompt_len - hits)
+                m.external_hits.inc(req.num_loaded_tokens)
+                st.cpu_hit_tokens += req.num_loaded_tokens
         m.preemptions.inc(plan.num_preempted)
         st.preemptions += plan.num_preempted
         for req in outcome.sampled:

@@ -124,6 +124,7 @@ class SimBackend:
             "inflight": self.inflight,
             "kv_cache_usage": e.kv.usage,
             "cached_blocks": e.kv.num_cached,
+            "cpu_cached_blocks": e.kv.num_cpu_cached,
             "fault": msgspec.to_builtins(self.fault),
         }
         return {**msgspec.to_builtins(self.stats), **live}

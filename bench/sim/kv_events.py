@@ -16,6 +16,7 @@ import msgspec
 
 Encoding = Literal["array", "map"]
 MEDIUM_GPU = "GPU"
+MEDIUM_CPU = "CPU"
 
 
 class BlockStored(msgspec.Struct, tag=True, omit_defaults=True, gc=False):

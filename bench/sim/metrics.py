@@ -57,6 +57,16 @@ class SimMetrics:
         self.prefix_hits = counter(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
         )
+        self.external_queries = counter(
+            "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, "
+            "in terms of number of queried tokens.",
+        )
+        self.external_hits = counter(
+            "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, "
+            "in terms of number of cached tokens.",
+        )
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter(
             "vllm:generation_tokens", "Number of generation tokens processed."
@@ -92,7 +102,7 @@ class SimMetrics:
             "enable_prefix_caching": str(params.enable_prefix_caching),
             "gpu_memory_utilization": "0.9",
             "hash_block_size": str(params.block_size),
-            "num_cpu_blocks": "None",
+            "num_cpu_blocks": str(params.num_cpu_blocks or None),
             "num_gpu_blocks": str(params.num_gpu_blocks),
             "prefix_caching_hash_algo": "xxhash",
         }

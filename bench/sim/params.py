@@ -59,6 +59,13 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
       defaults on large GPUs (chunked prefill always on).
     - `max_model_len` = 32768: a usual serving limit; it must fit in the KV capacity.
 
+    - CPU tier, `num_cpu_blocks` = 0 (off): KV offloading to CPU memory (vLLM's
+      OffloadingConnector, LMCache), as a victim cache of the blocks the GPU pool evicts.
+      `cpu_load_per_token_ms` = 0.0016: each GPU loads its 40 KiB share of a token over
+      its own PCIe Gen4 x16 link (~25 GB/s effective): 1.6 µs, a 60th of a prefilled
+      token. The load is part of the step that admits the request (as LMCache loads layer
+      by layer inside the forward pass).
+
     `time_scale` multiplies every simulated duration (0.1 = ten times faster); metrics and
     client-visible latencies are wall-clock, i.e. already scaled.
     """
@@ -73,6 +80,12 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
         int, Meta(ge=2, description="KV capacity in blocks (one is vLLM's reserved null block)")
     ] = 24000
     enable_prefix_caching: Annotated[bool, Meta(description="reuse cached prefix blocks")] = True
+    num_cpu_blocks: Annotated[
+        int, Meta(ge=0, description="CPU offload tier in blocks: what the GPU evicts (0 = off)")
+    ] = 0
+    cpu_load_per_token_ms: Annotated[
+        float, Meta(ge=0, description="step cost per token loaded from the CPU tier, ms")
+    ] = 0.0016
     max_num_seqs: Annotated[int, Meta(ge=1, description="max running requests per step")] = 256
     max_num_batched_tokens: Annotated[
         int, Meta(ge=1, description="token budget per engine step (chunked prefill)")

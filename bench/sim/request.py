@@ -84,6 +84,7 @@ class SimRequest:
         "num_cached_blocks",
         "num_cached_tokens",
         "num_computed_tokens",
+        "num_loaded_tokens",
         "num_preemptions",
         "on_update",
         "prompt_len",
@@ -123,6 +124,7 @@ class SimRequest:
         self.num_cached_blocks = 0
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set at first admission, like vLLM
+        self.num_loaded_tokens = 0  # of those, loaded from the CPU tier
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None

@@ -10,12 +10,14 @@ Each engine step (`schedule`, then the step's duration passes, then `commit`):
 2. If nothing was preempted, waiting requests are admitted FCFS while budget remains and
    fewer than `max_num_seqs` run. A newly admitted request first takes its prefix-cache
    hit, so only uncached tokens use budget; if its blocks do not fit, admission stops.
+   With a CPU tier, the blocks it holds right after the hit are loaded, not prefilled.
 3. After the step, every request whose computed tokens reached its length samples one
    token; a request that reached `max_tokens` finishes and frees its blocks.
 
 Step time (simulated ms) = step_base_ms + decode_per_seq_ms * decoding requests
 + prefill_per_token_ms * prefill tokens (recomputed tokens after a preemption count as
-prefill). Prefix-cache hits cost nothing, so TTFT grows with uncached prompt tokens and
+prefill) + cpu_load_per_token_ms * tokens loaded from the CPU tier. Prefix-cache hits cost
+nothing, so TTFT grows with uncached prompt tokens and
 with the queue ahead. Cost of a step: O(running + admitted) Python work.
 """
 
@@ -33,6 +35,7 @@ class StepPlan(NamedTuple):
     num_preempted: int
     prefill_tokens: int
     decode_seqs: int
+    loaded_tokens: int = 0  # of the scheduled prompt tokens, loaded from the CPU tier
 
 
 class StepOutcome(NamedTuple):
@@ -83,8 +86,8 @@ class Scheduler:
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
-        admitted = [] if preempted else self._admit(budget, scheduled)
-        return self._plan(scheduled, admitted, len(preempted))
+        admitted, loaded = ([], 0) if preempted else self._admit(budget, scheduled)
+        return self._plan(scheduled, admitted, len(preempted), loaded)
 
     def step_ms(self, plan: StepPlan) -> float:
         p = self.params
@@ -92,6 +95,7 @@ class Scheduler:
             p.step_base_ms
             + p.decode_per_seq_ms * plan.decode_seqs
             + p.prefill_per_token_ms * plan.prefill_tokens
+            + p.cpu_load_per_token_ms * plan.loaded_tokens
         )
 
     def commit(self, plan: StepPlan) -> StepOutcome:
@@ -112,24 +116,32 @@ class Scheduler:
                 finished.append(req)
         return StepOutcome(sampled, finished)
 
-    def _admit(self, budget: int, scheduled: list[tuple[SimRequest, int]]) -> list[SimRequest]:
+    def _admit(
+        self, budget: int, scheduled: list[tuple[SimRequest, int]]
+    ) -> tuple[list[SimRequest], int]:
+        """Admit waiting requests; returns them and the tokens they load from the CPU."""
         admitted: list[SimRequest] = []
+        loaded_total = 0
+        bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.params.max_num_seqs:
             req = self.waiting[0]
             computed = self.kv.computed_blocks(req)
-            num_new = min(req.num_tokens - len(computed) * self.kv.block_size, budget)
+            num_new = min(req.num_tokens - len(computed) * bs, budget)
             if not self.kv.allocate(req, num_new, computed):
                 break
+            loaded = min(self.kv.offloaded(req, len(computed)) * bs, num_new)
             self.waiting.popleft()
-            req.num_computed_tokens = len(computed) * self.kv.block_size
+            req.num_computed_tokens = len(computed) * bs
             req.status = Status.RUNNING
             self.running.append(req)
             if req.num_cached_tokens < 0:
-                req.num_cached_tokens = req.num_computed_tokens
+                req.num_cached_tokens = req.num_computed_tokens + loaded
+                req.num_loaded_tokens = loaded
                 admitted.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
-        return admitted
+            loaded_total += loaded
+        return admitted, loaded_total
 
     def _fit(self, req: SimRequest, num_new: int, preempted: list[SimRequest]) -> bool:
         """Allocate for a running request, preempting from the back; False if it was itself."""
@@ -150,11 +162,15 @@ class Scheduler:
         return victim
 
     def _plan(
-        self, scheduled: list[tuple[SimRequest, int]], admitted: list[SimRequest], preempted: int
+        self,
+        scheduled: list[tuple[SimRequest, int]],
+        admitted: list[SimRequest],
+        preempted: int,
+        loaded: int,
     ) -> StepPlan:
         decode_seqs = sum(1 for req, n in scheduled if _is_decode(req, n))
-        prefill = sum(n for req, n in scheduled if not _is_decode(req, n))
-        return StepPlan(scheduled, admitted, preempted, prefill, decode_seqs)
+        prefill = sum(n for req, n in scheduled if not _is_decode(req, n)) - loaded
+        return StepPlan(scheduled, admitted, preempted, prefill, decode_seqs, loaded)
 
     @staticmethod
     def _finish(req: SimRequest, reason: FinishReason) -> None:
