@@ -120,10 +120,16 @@ class PrefixIndex:
         return h.by_engine.get(engine) if h is not None else None
 
     def removed(self, backend: str, engine_hashes: Sequence[int]) -> None:
+        """Apply a BlockRemoved. The backend's word is final: a speculative entry for the
+        same block (the router sent it there earlier) goes too, or the router would keep
+        crediting a block the backend has just said it evicted until its TTL ran out."""
         h = self._of(backend)
         for engine in engine_hashes:
             key = h.by_engine.pop(engine, None)
-            if key is not None and h.confirmed.pop(key, None) is not None:
+            if key is None:
+                continue
+            confirmed = h.confirmed.pop(key, None) is not None
+            if h.speculative.pop(key, None) is not None or confirmed:
                 self._unheld(key, backend, h)
 
     def cleared(self, backend: str) -> None:

@@ -1,6 +1,8 @@
 """KV event publisher of one backend: vLLM's ZmqEventPublisher wire protocol over ZMQ.
 
-PUB socket: one message per batch, frames `[topic, seq (8-byte big-endian), payload]`.
+PUB socket (an XPUB, so it sees subscriptions arrive: `subscribed` is set once a
+subscriber's filter for the topic is in place, the moment from which no batch is lost to
+it): one message per batch, frames `[topic, seq (8-byte big-endian), payload]`.
 `seq` starts at 0 and grows by one per batch; `reset()` (a simulated restart) sets it
 back to 0 and empties the replay ring, as a new vLLM process would.
 Replay ROUTER socket (vLLM >=0.26 layout): a request `[identity, b"", start_seq]` gets
@@ -41,7 +43,8 @@ class KVEventPublisher:
         self._encoding: Encoding = encoding
         self._ring: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = 0
-        self._pub = ctx.socket(zmq.PUB)
+        self.subscribed = asyncio.Event()
+        self._pub = ctx.socket(zmq.XPUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 2 * (buffer_steps + 1))  # vLLM >=0.31
@@ -49,7 +52,10 @@ class KVEventPublisher:
             sock.setsockopt(zmq.LINGER, 0)
         self.endpoint = _bind(self._pub, host, pub_port)
         self.replay_endpoint = _bind(self._router, host, replay_port)
-        self._replay_task = asyncio.create_task(self._serve_replay())
+        self._tasks = [
+            asyncio.create_task(self._serve_replay()),
+            asyncio.create_task(self._watch_subscriptions()),
+        ]
 
     async def publish(self, events: list[KVEvent]) -> None:
         """Send one batch (one engine step's events) and keep it for replay."""
@@ -64,11 +70,19 @@ class KVEventPublisher:
         self._ring.clear()
 
     async def close(self) -> None:
-        self._replay_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._replay_task
+        for task in self._tasks:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         self._pub.close()
         self._router.close()
+
+    async def _watch_subscriptions(self) -> None:
+        """Set `subscribed` on the first subscription that matches the topic."""
+        while True:
+            frame = await self._pub.recv()
+            if frame[:1] == b"\x01" and self._topic.startswith(frame[1:]):
+                self.subscribed.set()
 
     async def _serve_replay(self) -> None:
         while True:

@@ -57,6 +57,17 @@ def test_store_lookup_remove_clear() -> None:
     assert index.longest_prefix(keys, "a") == 0
 
 
+def test_a_removal_also_drops_the_routers_own_guess_of_that_block() -> None:
+    index = PrefixIndex()
+    keys = chain(ROOT, IDS, 16)
+    index.learn("a", keys, expires_at=float("inf"))  # routed there: speculative
+    assert stored(index)  # then confirmed by the backend's events
+    index.removed("a", [1002, 1003])
+    assert index.longest_prefix(keys, "a") == 2
+    assert index.size("a") == (2, 2)
+    assert index.holders(keys[2:], 4) == []
+
+
 def test_store_continues_from_a_known_parent_and_skips_orphans() -> None:
     index = PrefixIndex()
     keys = chain(ROOT, IDS, 16)

@@ -26,9 +26,16 @@ def document(i: int) -> str:
 
 @asynccontextmanager
 async def kv_fleet(
-    n: int, encoding: str = "map", events: bool = True
+    n: int,
+    encoding: str = "map",
+    events: bool = True,
+    routing: dict | None = None,
+    **sim: object,
 ) -> AsyncIterator[tuple[Router, SimFleet]]:
-    params = SimParams(kv_events=True, kv_events_encoding=encoding, time_scale=0.01)
+    """`n` simulated backends (`sim` overrides their SimParams) and a KV_AWARE router
+    (`routing` adds to its section); with events, yields once every subscription is in
+    place on its publisher, so no batch is lost to the router."""
+    params = SimParams(kv_events=True, kv_events_encoding=encoding, time_scale=0.01, **sim)
     fleet = await start_fleet(n, params)
     backends = []
     for i, b in enumerate(fleet.backends):
@@ -40,17 +47,38 @@ async def kv_fleet(
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "backends": backends,
-        "routing": {"strategy": "KV_AWARE", "seed": 3},
+        "routing": {"strategy": "KV_AWARE", "seed": 3, **(routing or {})},
         "telemetry": {"scrape_interval": 0.2},
     }
     router = Router(build(config))
     await router.start()
     try:
-        await asyncio.sleep(1.2)  # subscriptions connect (the index loop runs each second)
+        if events:
+            async with asyncio.timeout(10):
+                for b in fleet.backends:
+                    await b.publisher.subscribed.wait()
         yield router, fleet
     finally:
         await router.stop()
         await fleet.stop()
+
+
+async def debug_routing(router: Router) -> dict:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(router.url + "/debug/routing") as resp:
+            return await resp.json()
+
+
+async def until_indexed(router: Router, backend: str, keys: int, tier: str | None = None) -> None:
+    """Wait (bounded) until the index holds at least `keys` confirmed block keys of
+    `backend`, on the GPU or, with `tier`, on that offload tier: the events arrived."""
+    async with asyncio.timeout(10):
+        while True:
+            state = (await debug_routing(router))["backends"][backend]
+            held = state["tier_keys"].get(tier, 0) if tier else state["index_keys"][0]
+            if held >= keys:
+                return
+            await asyncio.sleep(0.02)
 
 
 async def ask(router: Router, doc: str, question: str) -> tuple[str, int]:
@@ -71,20 +99,17 @@ async def test_requests_follow_the_cache(encoding: str) -> None:
         for i in range(6):
             homes[i], cached = await ask(router, document(i), "first question")
             assert cached == 0
-        await asyncio.sleep(0.3)  # the BlockStored events arrive
+        for home in set(homes.values()):  # the BlockStored events arrive
+            await until_indexed(router, home, 37 * list(homes.values()).count(home))
         for i in range(6):
             backend, cached = await ask(router, document(i), "a follow-up question")
             assert backend == homes[i]
             assert cached > 600  # the document's blocks were reused
-        async with aiohttp.ClientSession() as http:
-            async with http.get(router.url + "/debug/routing") as resp:
-                debug = await resp.json()
+        debug = await debug_routing(router)
         assert {b["index_mode"] for b in debug["backends"].values()} == {"events"}
 
         async def scraped() -> dict:
-            async with aiohttp.ClientSession() as http:
-                async with http.get(router.url + "/debug/routing") as resp:
-                    return (await resp.json())["backends"][homes[5]]["scraped"] or {}
+            return (await debug_routing(router))["backends"][homes[5]]["scraped"] or {}
 
         async with asyncio.timeout(5):  # the next scrape sees the follow-ups' hits
             while not (await scraped()).get("prefix_cache_hit_rate"):
@@ -109,7 +134,7 @@ async def test_approximate_mode_without_events_keeps_prefixes_together() -> None
 async def test_a_dead_backend_stops_being_preferred() -> None:
     async with kv_fleet(2) as (router, fleet):
         home, _ = await ask(router, document(0), "q")
-        await asyncio.sleep(0.3)
+        await until_indexed(router, home, 37)
         dead = next(b for i, b in enumerate(fleet.backends) if f"sim{i}" == home)
         await dead.stop()
         router.fleet.set_healthy(router.fleet.find(home), False)  # what health checks do
@@ -119,24 +144,10 @@ async def test_a_dead_backend_stops_being_preferred() -> None:
 
 async def test_exact_ids_from_the_backends_tokenize_endpoint() -> None:
     """tokenizer kind "backend": ids come from /tokenize (cached), not a local tokenizer."""
-    params = SimParams(kv_events=True, time_scale=0.01)
-    fleet = await start_fleet(2, params)
-    backends = [
-        {
-            "url": b.url,
-            "name": f"sim{i}",
-            "kv_events": {"endpoint": b.publisher.endpoint},
-        }
-        for i, b in enumerate(fleet.backends)
-    ]
-    routing = {"strategy": "KV_AWARE", "seed": 1, "tokenizer": {"kind": "backend"}}
-    config = {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends, "routing": routing}
-    router = Router(build(config))
-    await router.start()
-    try:
-        await asyncio.sleep(1.2)
+    routing = {"seed": 1, "tokenizer": {"kind": "backend"}}
+    async with kv_fleet(2, routing=routing) as (router, _):
         home, _ = await ask(router, document(7), "q")
-        await asyncio.sleep(0.3)
+        await until_indexed(router, home, 37)
         for question in ("q", "another"):  # a repeat (cached ids) and a new prompt
             backend, cached = await ask(router, document(7), question)
             assert (backend, cached > 600) == (home, True)
@@ -147,9 +158,6 @@ async def test_exact_ids_from_the_backends_tokenize_endpoint() -> None:
             s.value for s in fallbacks.samples if s.labels["reason"] == "tokenize_failed"
         )
         assert len(router.dispatcher._tokenizer._cache) == 2  # the two distinct prompts
-    finally:
-        await router.stop()
-        await fleet.stop()
 
 
 async def test_hf_tokenizer_runs_off_the_loop_and_template_errors_are_400(tmp_path) -> None:
@@ -199,16 +207,86 @@ async def test_a_reload_that_adds_kv_events_starts_the_subscription(tmp_path) ->
     path.write_text(yaml.safe_dump(data))
     router = Router(build(data), ConfigSource(str(path)))
     await router.start()
-    mode = 'kvroute_backend_index_mode{backend="sim0",mode="events"} 1.0'
+    mode = 'kvroute_backend_index_mode{{backend="sim0",mode="{}"}} 1.0'
+    publisher = fleet.backends[0].publisher
     try:
-        await asyncio.sleep(1.2)
-        assert mode not in router.metrics.render().decode()
-        backend["kv_events"] = {"endpoint": fleet.backends[0].publisher.endpoint}
+        async with asyncio.timeout(5):  # the index sources have synced with the config
+            while mode.format("approximate") not in router.metrics.render().decode():
+                await asyncio.sleep(0.05)
+        assert not publisher.subscribed.is_set()
+        backend["kv_events"] = {"endpoint": publisher.endpoint}
         path.write_text(yaml.safe_dump(data))
         await router.reloader.reload()
         async with asyncio.timeout(5):
-            while mode not in router.metrics.render().decode():
-                await asyncio.sleep(0.1)
+            await publisher.subscribed.wait()
+            while mode.format("events") not in router.metrics.render().decode():
+                await asyncio.sleep(0.05)
     finally:
         await router.stop()
         await fleet.stop()
+
+
+async def pushed_off_the_gpu(router: Router, fleet: SimFleet) -> tuple[str, list[int]]:
+    """Route document 0, then fill its home's GPU with other documents sent to the home
+    directly, until none of document 0's blocks is left there; wait for the events of
+    its removal. Its home, and its blocks' engine hashes."""
+    home, _ = await ask(router, document(0), "q")
+    sim = fleet.backends[int(home.removeprefix("sim"))]
+    kv = sim.engine.kv
+    doc0 = list(kv._cached)  # the home held nothing else
+    async with aiohttp.ClientSession() as http:
+        for i in range(1, 6):
+            if not kv._cached.keys() & set(doc0):
+                break
+            body = {"model": MODEL, "messages": [{"role": "user", "content": document(i)}]}
+            async with http.post(sim.url + "/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200
+    assert not kv._cached.keys() & set(doc0)
+    gpu = router.fleet.policy.index.gpu
+    async with asyncio.timeout(10):
+        while any(gpu.key_of(home, h) is not None for h in doc0):
+            await asyncio.sleep(0.02)
+    return home, doc0
+
+
+def tier_decisions(router: Router) -> float:
+    (family,) = router.metrics.decisions.collect()
+    return sum(s.value for s in family.samples if s.labels.get("reason") == "kv_tier")
+
+
+TIERED = {"num_gpu_blocks": 60, "num_cpu_blocks": 2000, "max_model_len": 900}
+
+
+async def test_a_prefix_the_gpu_evicted_is_routed_to_its_cpu_copy() -> None:
+    """GPU room for one document, CPU room for all: the document goes back home, scored
+    at the CPU tier's load cost, and is served from CPU memory there."""
+    async with kv_fleet(2, **TIERED) as (router, fleet):
+        home, doc0 = await pushed_off_the_gpu(router, fleet)
+        cpu = router.fleet.policy.index.index_of("cpu")
+        async with asyncio.timeout(10):
+            while any(cpu.key_of(home, h) is None for h in doc0):
+                await asyncio.sleep(0.02)
+        backend, cached = await ask(router, document(0), "again")
+        assert (backend, cached > 600) == (home, True)
+        sim = fleet.backends[int(home.removeprefix("sim"))]
+        assert sim.stats.cpu_hit_tokens > 600
+        score = router.fleet.policy.recent[-1]["scores"][home]
+        assert (score["gpu"], score["tiers"]["cpu"] > 600) == (0, True)
+        assert tier_decisions(router) == 1
+        debug = await debug_routing(router)
+        assert debug["tiers"]["cpu"]["shared"] is False
+        assert debug["backends"][home]["tier_keys"]["cpu"] >= len(doc0)
+
+
+async def test_tier_blind_scoring_ignores_the_cpu_copy_and_counts_it() -> None:
+    async with kv_fleet(2, routing={"tiers": {}}, **TIERED) as (router, fleet):
+        home, _ = await pushed_off_the_gpu(router, fleet)
+        await ask(router, document(0), "again")
+        scores = router.fleet.policy.recent[-1]["scores"].values()
+        assert [s["cached"] for s in scores] == [0, 0]
+        assert not any("tiers" in s for s in scores)
+        assert tier_decisions(router) == 0
+        debug = await debug_routing(router)
+        assert debug["tiers"] == {}
+        assert debug["ignored_media"]["cpu"] > 0  # the CPU copies' events, counted
+        assert debug["backends"][home]["tier_keys"] == {}
