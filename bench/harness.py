@@ -61,6 +61,7 @@ import aiohttp
 import msgspec
 import orjson
 import uvloop
+import yaml
 
 import policies
 from bench import processes, procstat, scrape
@@ -81,7 +82,7 @@ from bench.report import (
     table,
 )
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
-from router.config import Config, build
+from router.config import Config, ConfigError, build
 from router.control.supervisor import worker_count
 
 __all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
@@ -185,6 +186,16 @@ def _add_fleet_options(run: _Group) -> None:
         "--sample",
         type=_non_negative,
         help="router sample (KV_AWARE): backends drawn beside the holders; 0 scores all",
+    )
+    run.add_argument(
+        "--param",
+        action="append",
+        default=[],
+        type=_param,
+        metavar="KEY=VALUE",
+        help="any other routing parameter, VALUE in YAML, for the strategies that have KEY, "
+        "e.g. --param 'tiers={}' (KV_AWARE scoring the GPU alone) or "
+        "--param prefill_tokens_per_s=8000; repeatable",
     )
 
 
@@ -320,6 +331,41 @@ def _positive(kind: type) -> Callable[[str], float]:
     return parse
 
 
+def _param(text: str) -> tuple[str, object]:
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{key}: not a YAML value: {exc}") from None
+
+
+def _routing_knobs(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, object]:
+    """The routing parameters given, flags and --param alike; a --param key that none of
+    `strategies` has is an error, not a silent no-op."""
+    knobs = {
+        "prefix_length": args.prefix_length,
+        "concurrency_threshold": args.concurrency_threshold,
+        "sample": args.sample,
+    }
+    known = {f for s in strategies for f in policies.policy_class(s).params_type.__struct_fields__}
+    for key, value in args.param:
+        if key not in known:
+            raise ValueError(
+                f"--param {key}: no routing parameter of {', '.join(strategies)} is named so; "
+                f"known: {', '.join(sorted(known))}"
+            )
+        knobs[key] = value
+    given = {k: v for k, v in knobs.items() if v is not None}
+    for strategy in strategies:  # a bad value fails here, before any process starts
+        try:
+            router_config(strategy, [{"url": "http://127.0.0.1:1"}], given)
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("kvroute bench: ")) from None
+    return given
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -341,7 +387,7 @@ class Options(NamedTuple):
     backends: int
     time_scale: float
     sim_args: list[str]
-    routing: dict[str, int]
+    routing: dict[str, object]
     target: str | None
     model: str | None
     concurrency: int | None
@@ -422,17 +468,12 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     except msgspec.ValidationError as exc:  # "... - at `$.prefix_tokens`" -> --prefix-tokens
         flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
         raise ValueError(flag.replace("--shape", "--workload")) from None
-    knobs = {
-        "prefix_length": args.prefix_length,
-        "concurrency_threshold": args.concurrency_threshold,
-        "sample": args.sample,
-    }
     options = Options(
         strategies=["target"] if args.target else strategies,
         backends=args.backends,
         time_scale=args.time_scale or (1.0 if args.target else DEFAULT_TIME_SCALE),
         sim_args=args.sim_arg,
-        routing={k: v for k, v in knobs.items() if v is not None},
+        routing=_routing_knobs(args, strategies),
         target=args.target.rstrip("/") if args.target else None,
         model=args.model,
         concurrency=args.concurrency,
@@ -631,7 +672,7 @@ def _peer_setup(peer: Peer, options: Options) -> Setup:
 
 
 def router_config(
-    strategy: str, backends: list[dict], knobs: dict[str, int], workers: int = 0
+    strategy: str, backends: list[dict], knobs: dict[str, object], workers: int = 0
 ) -> Config:
     """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
     `workers` 0 is one per usable core, as `kvroute serve` runs by default."""
@@ -722,6 +763,7 @@ def _backend_deltas(
                 busy_seconds=scrape.stat_delta(s0, s1, "busy_seconds"),
                 prefix_hits=scrape.delta(m0, m1, "vllm:prefix_cache_hits_total"),
                 prefix_queries=scrape.delta(m0, m1, "vllm:prefix_cache_queries_total"),
+                tier_hits=scrape.delta(m0, m1, "vllm:external_prefix_cache_hits_total"),
             )
         )
     return out

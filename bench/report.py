@@ -13,6 +13,9 @@ queries), the router's decision-time histogram delta and the calibrated hop cost
 - Fleet KV hit rate: sum of prefix-cache hit deltas / sum of query deltas over backends
   (vLLM's `vllm:prefix_cache_{hits,queries}_total`: tokens), else the clients'
   `cached_tokens / prompt_tokens` when the target reported them, else n/a.
+- Tier hit rate, with KV offloading: the prompt tokens loaded from an offload tier
+  (`vllm:external_prefix_cache_hits_total`) over the same queries; its column shows only
+  when some row has one.
 - Load spread: max / mean over backends of requests and of busy time (1.0 = even).
 
 A row that could not be measured (a peer router that is not installed or did not start)
@@ -57,6 +60,7 @@ class BackendDelta(msgspec.Struct, kw_only=True):
     busy_seconds: float | None = None
     prefix_hits: float | None = None
     prefix_queries: float | None = None
+    tier_hits: float | None = None  # loaded from an offload tier (vLLM's external hits)
 
 
 class Setup(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,6 +110,7 @@ class Summary(msgspec.Struct, kw_only=True):
     throughput: float | None
     hit_rate: float | None
     hit_rate_source: str
+    tier_hit_rate: float | None
     spread_requests: float | None
     spread_busy: float | None
     decision_us: float | None  # P50 from the histogram's buckets
@@ -171,6 +176,7 @@ def summarize(run: Run) -> Summary:
         throughput=_throughput(ok, run.time_scale),
         hit_rate=hit_rate,
         hit_rate_source=source,
+        tier_hit_rate=_tier_hit_rate(run),
         spread_requests=_spread(b.requests for b in run.backends),
         spread_busy=_spread(b.busy_seconds for b in run.backends),
         decision_us=_micros(bucket_quantile(run.decision_buckets, 0.5)),
@@ -204,6 +210,13 @@ def _hit_rate(run: Run) -> tuple[float | None, str]:
     return None, "n/a"
 
 
+def _tier_hit_rate(run: Run) -> float | None:
+    hits = [b.tier_hits for b in run.backends]
+    if not hits or None in hits or not any(hits):
+        return None
+    return _ratio(sum(hits), sum(b.prefix_queries or 0.0 for b in run.backends))
+
+
 def _spread(values: Iterable[float | None]) -> float | None:
     """max / mean; None if any backend's value is unknown or all are zero."""
     values = list(values)
@@ -229,6 +242,7 @@ _COLUMNS = (
     ("E2E p50", "e2e_p50", "ms"),
     ("req/s", "throughput", "{:.2f}"),
     ("KV hit", "hit_rate", "pct"),
+    ("tier hit", "tier_hit_rate", "pct"),
     ("spread req", "spread_requests", "{:.2f}"),
     ("spread busy", "spread_busy", "{:.2f}"),
     ("decide µs", "decision_us", "{:.1f}"),
@@ -242,6 +256,7 @@ _MEAN_COLUMNS = (
     ("p90", "ttft_p90", "ms"),
     ("p99", "ttft_p99", "ms"),
     ("KV hit", "hit_rate", "pct"),
+    ("tier hit", "tier_hit_rate", "pct"),
 )
 
 
@@ -263,6 +278,7 @@ def _cell(value: object, fmt: str) -> str:
 LEGEND = (
     "TTFT, ITL (inter-token) and E2E: percentiles in simulated ms; req/s: successful "
     "requests per second; KV hit: the fleet's prefix-cache hit rate (prompt tokens); "
+    "tier hit (with KV offloading): the prompt tokens loaded from an offload tier; "
     "spread req / spread busy: the busiest backend's requests / busy time over the mean "
     "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
     "what one pass through the router adds (/tokenize pairs, real time)."
@@ -271,7 +287,15 @@ LEGEND = (
 
 def table(summaries: Sequence[Summary]) -> str:
     """A fixed-width text table, one row per strategy."""
-    return _fixed_width(summaries, _COLUMNS)
+    return _fixed_width(summaries, _present(summaries, _COLUMNS))
+
+
+def _present(
+    items: Sequence[object], columns: Sequence[tuple[str, str, str]]
+) -> list[tuple[str, str, str]]:
+    """The columns, less the tier hit rate when no row has one (no offloading)."""
+    tiers = any(getattr(s, "tier_hit_rate", None) for s in items)
+    return [c for c in columns if tiers or c[1] != "tier_hit_rate"]
 
 
 def _fixed_width(items: Sequence[object], columns: Sequence[tuple[str, str, str]]) -> str:
@@ -298,6 +322,7 @@ class SeedMean(msgspec.Struct, kw_only=True):
     ttft_p90: float | None
     ttft_p99: float | None
     hit_rate: float | None
+    tier_hit_rate: float | None
 
 
 def seed_means(summaries: Sequence[Summary]) -> list[SeedMean]:
@@ -313,6 +338,7 @@ def seed_means(summaries: Sequence[Summary]) -> list[SeedMean]:
             ttft_p90=_mean(s.ttft_p90 for s in group),
             ttft_p99=_mean(s.ttft_p99 for s in group),
             hit_rate=_mean(s.hit_rate for s in group),
+            tier_hit_rate=_mean(s.tier_hit_rate for s in group),
         )
         for label, group in rows.items()
     ]
@@ -324,7 +350,7 @@ def _mean(values: Iterable[float | None]) -> float | None:
 
 
 def means_table(means: Sequence[SeedMean]) -> str:
-    return _fixed_width(means, _MEAN_COLUMNS)
+    return _fixed_width(means, _present(means, _MEAN_COLUMNS))
 
 
 def reading(summaries: Sequence[Summary]) -> list[str]:

@@ -59,6 +59,10 @@ def _rows(out: str) -> dict[str, list[str]]:
     return rows
 
 
+def _header(out: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith("strategy "))
+
+
 def _results(out: Path) -> dict:
     return orjson.loads((out / "results.json").read_bytes())
 
@@ -73,6 +77,7 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
         assert cells[1:3] == ["20", "0"]  # ok, failed
         assert cells[10].endswith("%")  # fleet KV hit rate
     assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
+    assert "tier hit" not in _header(out)  # no offload tier, no column
     doc = _results(tmp_path)
     assert [s["strategy"] for s in doc["summaries"]] == ["RANDOM", "PREFIX_AWARE"]
     cores = usable_cores()
@@ -175,11 +180,33 @@ def test_demo_runs_four_strategies_and_explains(capsys):
     assert "Next:" in out and "kvroute sim" in out.split("Next:")[1]
 
 
-def test_bad_arguments_exit_2(capsys):
+def test_a_cpu_tier_adds_its_hit_rate_and_param_sets_any_routing_parameter(tmp_path, capsys):
+    """GPU room for one of the four documents per backend, CPU room for all of them."""
+    tier = ["--sim-arg=--kv-events", "--sim-arg=--num-gpu-blocks=200"]
+    tier += ["--sim-arg=--num-cpu-blocks=4000", "--sim-arg=--max-model-len=3000"]
+    argv = [*TINY, "--strategies=KV_AWARE", "--param=miss_penalty=2.5", *tier, f"--out={tmp_path}"]
+    assert harness.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "tier hit" in _header(out) and "miss_penalty=2.5" in out
+    doc = _results(tmp_path)
+    assert doc["runs"][0]["setup"]["params"]["miss_penalty"] == 2.5
+    assert 0 < doc["summaries"][0]["tier_hit_rate"] < 1
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--strategies=NOPE"], "unknown strategies"),
+        (["--param=miss_penalty"], "expected KEY=VALUE"),
+        (["--strategies=RANDOM", "--param=tiers={}"], "--param tiers: no routing parameter"),
+        (["--strategies=KV_AWARE", "--param=tiers=5"], "$.routing.tiers"),
+    ],
+)
+def test_bad_arguments_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exc:
-        harness.main(["--strategies=NOPE"])
+        harness.main(argv)
     assert exc.value.code == 2
-    assert "unknown strategies" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 async def test_target_mode_reads_what_a_kvroute_target_exposes():
