@@ -123,7 +123,7 @@ class TieredIndex:
     def reach(self) -> Reach:
         """The tiers that hold anything, cheapest first (empty, and cheap, when none does):
         what a request's scoring looks at beyond the GPU."""
-        return tuple((t, index) for t, index in self._indexed if index.holder_keys())
+        return tuple([pair for pair in self._indexed if pair[1].holder_keys()])
 
     def tier_blocks(
         self, keys: Sequence[int], backend: str, gpu_blocks: int, reach: Reach

@@ -248,11 +248,11 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         p = self.params
         penalty = p.miss_penalty / p.prefill_tokens_per_s
         prompt = req.prompt_tokens
-        judged = [(s[0] + penalty * (prompt - s[1]), *s[1:]) for s in scored]
-        best = min(s[0] for s in judged)
-        warm = any(s[1] for s in judged)
-        margin = max(p.tie_seconds, best * p.tie_fraction) if warm else p.tie_seconds
-        ties = [s for s in judged if s[0] <= best + margin]
+        judged = [s[0] + penalty * (prompt - s[1]) for s in scored]
+        best = min(judged)
+        warm = any(s[1] for s in scored)
+        limit = best + (max(p.tie_seconds, best * p.tie_fraction) if warm else p.tie_seconds)
+        ties = [s for s, cost in zip(scored, judged, strict=True) if cost <= limit]
         most = max(s[1] for s in ties)
         return [s for s in ties if s[1] == most]
 
@@ -260,24 +260,33 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         """The estimates of the candidates under the cap that can matter (see above)."""
         sample = self.params.sample
         if sample:
-            held = dict(self._gpu.holders(req.blocks, _HOLDERS))
-            for name in self.index.tier_holders(req.blocks, _HOLDERS, reach):
-                held.setdefault(name, self._gpu.longest_prefix(req.blocks, name))
+            held = self._gpu.holders(req.blocks, _HOLDERS)
+            if reach:
+                held = self._with_tier_holders(req, held, reach)
             if len(fleet.candidates) > len(held) + sample:
                 return self._pruned(req, fleet, held, reach)
         return [self._score(req, b, reach) for b in self._under_cap(fleet.candidates)]
 
+    def _with_tier_holders(
+        self, req: RouteRequest, held: list[tuple[str, int]], reach: Reach
+    ) -> list[tuple[str, int]]:
+        """`held` (GPU holders and their blocks) and the holders on the local tiers of
+        `reach`, with the blocks their GPU holds."""
+        known = {name for name, _ in held}
+        more = self.index.tier_holders(req.blocks, _HOLDERS, reach) - known
+        return held + [(name, self._gpu.longest_prefix(req.blocks, name)) for name in more]
+
     def _pruned(
-        self, req: RouteRequest, fleet: FleetView, held: dict[str, int], reach: Reach
+        self, req: RouteRequest, fleet: FleetView, held: list[tuple[str, int]], reach: Reach
     ) -> list[_Scored]:
         """The holders that are candidates under the cap, and `sample` draws beside them."""
         named, names = self._by_name(fleet.members), fleet.candidate_names
         scored = []
-        for name, blocks in held.items():
+        for name, blocks in held:
             backend = named.get(name)
             if backend is not None and name in names and self._fits(backend):
                 scored.append(self._estimate(req, backend, blocks, reach))
-        deepest = max(held.values(), default=0)
+        deepest = max((blocks for _, blocks in held), default=0)
         seed = req.blocks[deepest] if deepest < len(req.blocks) else self._rng.getrandbits(64)
         taken = {s[2].name for s in scored}
         drawn = self._draws(req, fleet.candidates, seed, taken, reach)
@@ -410,7 +419,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self, req: RouteRequest, chosen: BackendLike, scored: list[_Scored], reach: Reach
     ) -> None:
         """Keep the decision as it stands; `recent` formats it only when someone asks."""
-        media = tuple(tier.medium for tier, _ in reach)
+        media = tuple([tier.medium for tier, _ in reach]) if reach else ()
         self._recent.append((time.time(), req.model, req.prompt_tokens, chosen.name, scored, media))
 
     @property
