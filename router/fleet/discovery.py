@@ -25,6 +25,7 @@ import ipaddress
 import os
 import socket
 import ssl
+import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -47,6 +48,9 @@ from router.config import (
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _RETRY_S = 1.0
+#: while a source keeps failing, its warning is repeated at most this often (the metric
+#: kvroute_discovery_errors_total counts every failure)
+_REPEAT_WARNING_S = 300.0
 
 
 class _Counters(Protocol):
@@ -109,6 +113,8 @@ class Discovery:
         self.found: dict[str, list[BackendConfig]] = {}
         self._merged: set[str] = set()
         self._changed = asyncio.Event()
+        #: per failing source: failures in a row, and when the last warning was logged
+        self._outages: dict[str, tuple[int, float | None]] = {}
 
     def merge(self, config: Config) -> Config:
         """`config` with the discovered backends in place of the previously merged ones."""
@@ -189,6 +195,11 @@ class Discovery:
     def _update(self, source, addresses: Iterable[str]) -> None:
         backends = backend_configs(source, addresses)
         self._host.metrics.discovered_backends.labels(source.label).set(len(backends))
+        outage = self._outages.pop(source.label, None)
+        if outage is not None:
+            log.backends.info(
+                "discovery from %s answers again, after %d failures", source.label, outage[0]
+            )
         before = self.found.get(source.label)
         if backends != before:
             self.found[source.label] = backends
@@ -196,8 +207,20 @@ class Discovery:
             _log_change(source.label, before or [], backends)
 
     def _failed(self, label: str, exc: BaseException) -> None:
+        """Count a failure; warn on the first of a run, then at most every few minutes (a
+        source retried each second would otherwise flood the log)."""
         self._host.metrics.discovery_errors.labels(label).inc()
-        log.backends.warning("discovery from %s failed, keeping the last list: %s", label, exc)
+        failures, warned = self._outages.get(label, (0, None))
+        now = time.monotonic()
+        if warned is None or now - warned >= _REPEAT_WARNING_S:
+            warned = now
+            log.backends.warning(
+                "discovery from %s failed (%d in a row), keeping the last list: %s",
+                label,
+                failures + 1,
+                exc,
+            )
+        self._outages[label] = (failures + 1, warned)
 
 
 def _log_change(label: str, before: list[BackendConfig], after: list[BackendConfig]) -> None:

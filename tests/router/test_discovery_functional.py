@@ -37,6 +37,11 @@ async def until(predicate, timeout: float = 5.0) -> None:
             await asyncio.sleep(0.02)
 
 
+def errors(router: Router) -> float:
+    (family,) = router.metrics.discovery_errors.collect()
+    return sum(s.value for s in family.samples if s.name.endswith("_total"))
+
+
 def members(router: Router) -> set[str]:
     return {b.name for b in router.fleet.members}
 
@@ -74,9 +79,15 @@ async def test_membership_follows_dns_without_dropping_requests(caplog) -> None:
             served_by_3 = len(stubs[1].received)
             await asyncio.sleep(0.3)
             dns.failing = True  # a resolver outage keeps the last good list
-            await asyncio.sleep(0.3)
+            await until(lambda: errors(router) >= 5)
             stop.set()
             await asyncio.gather(*load)
+        warned = [r.getMessage() for r in caplog.records if "failed (" in r.getMessage()]
+        assert warned == [
+            "discovery from vllm.test failed (1 in a row), keeping the last list: SERVFAIL"
+        ]
+        dns.failing = False
+        await until(lambda: any("answers again" in r.getMessage() for r in caplog.records))
         assert failures == []
         assert len(stubs[1].received) <= served_by_3 + 4  # at most what was already sent
         assert len(stubs[2].received) > 0
