@@ -44,7 +44,9 @@ backend's full prefill plus the miss penalty, the next request goes to another b
 which then holds the prefix too (the speculative insert keeps a burst together there
 until its KV events confirm it), so the holder set grows only as demand needs.
 `concurrency_threshold` is a hard cap: backends at it are skipped unless all are (then
-the least loaded, ties at random).
+the least loaded, ties at random); `max_queue_s` caps a backend's estimated queue the
+same way (the work ahead of a new request, in seconds). Either cap is KV_AWARE's
+saturation point, where a fleet with pools passes a request to the next pool.
 
 With several worker processes, each decision is also written to the router's shared
 placements (`share`, router/fleet/placements.py) before `pick` returns, and each pick first
@@ -77,9 +79,9 @@ Parameters (defaults): block_size (16, the backends' KV block size), tokenizer (
 chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
 (32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
 (0.05), miss_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold
-(null), speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s
-(600, when it does not), index_capacity (1_000_000 keys per backend and medium), sample
-(3; 0 scores every candidate), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
+(null), max_queue_s (null), speculative_ttl_s (2.0, when the backend publishes events),
+approximate_ttl_s (600, when it does not), index_capacity (1_000_000 keys per backend and
+medium), sample (3; 0 scores every candidate), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
 {load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true` marks a store every
 backend reads), seed.
 YAML:
@@ -160,6 +162,7 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     tie_fraction: NonNegative = 0.1
     tie_seconds: NonNegative = 0.005
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = None
+    max_queue_s: Positive | None = None
     speculative_ttl_s: Positive = 2.0
     approximate_ttl_s: Positive = 600.0
     index_capacity: Annotated[int, Meta(ge=1)] = 1_000_000
@@ -362,14 +365,28 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         return found
 
     def _under_cap(self, candidates: tuple[BackendLike, ...]) -> list[BackendLike]:
-        cap = self.params.concurrency_threshold
-        if cap is None:
+        p = self.params
+        if p.concurrency_threshold is None and p.max_queue_s is None:
             return list(candidates)
-        return [b for b in candidates if b.inflight < cap]
+        return [b for b in candidates if self._fits(b)]
 
     def _fits(self, backend: BackendLike) -> bool:
-        cap = self.params.concurrency_threshold
-        return cap is None or backend.inflight < cap
+        """Below the caps: `concurrency_threshold` requests in flight, and `max_queue_s`
+        of estimated queue (the work ahead of a new request: queued prompt tokens at
+        the prefill rate, the running and the waiting requests)."""
+        p = self.params
+        cap = p.concurrency_threshold
+        if cap is not None and backend.inflight >= cap:
+            return False
+        return p.max_queue_s is None or self._queue_s(backend) <= p.max_queue_s
+
+    def _queue_s(self, backend: BackendLike) -> float:
+        p = self.params
+        return (
+            _attr(backend, "queued_tokens") / p.prefill_tokens_per_s
+            + p.decode_s_per_request * backend.inflight
+            + p.waiting_s_per_request * _attr(backend, "waiting")
+        )
 
     def _score(self, req: RouteRequest, backend: BackendLike, reach: Reach) -> _Scored:
         blocks = self._gpu.longest_prefix(req.blocks, backend.name)

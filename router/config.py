@@ -99,6 +99,8 @@ class _Discovered(
     kv_events_port: Port | None = None
     kv_replay_port: Port | None = None
     kv_topic: str = ""
+    #: the pool its backends belong to (set from `pools`)
+    pool: str | None = None
 
 
 class DnsDiscoveryConfig(_Discovered, tag="dns"):
@@ -191,6 +193,8 @@ class BackendConfig(BackendCredentials, kw_only=True):
     models: list[str] | None = None
     weight: Annotated[int, Meta(ge=1, le=1000)] = 1
     kv_events: KvEventsConfig | None = None
+    #: the pool it belongs to (set from `pools`; None: the one pool of a flat fleet)
+    pool: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -214,6 +218,23 @@ class BackendConfig(BackendCredentials, kw_only=True):
             return self.name
         url = URL(self.url)
         return f"{url.host}:{url.port}{self.prefix}"
+
+
+#: at most this many pools, as the managed endpoints kvroute is modelled on allow
+MAX_POOLS = 5
+
+
+class PoolConfig(_Strict):
+    """A pool of backends tried in `priority` order (lowest first): a request goes to
+    the first pool with a backend below its saturation point (the strategy's cap), else
+    on to the next. `model_map` renames the client's model for this pool's backends
+    (a fallback pool serving a quantised variant under the same public name). Its
+    backends and discovery sources are listed here and kept in the top-level lists,
+    each marked with the pool's name."""
+
+    name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
+    priority: Annotated[int, Meta(ge=0)]
+    model_map: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class TimeoutsConfig(_Strict):
@@ -398,6 +419,10 @@ class TracingConfig(_Strict):
 
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
+    #: the pools, when the fleet has several (see PoolConfig); none: one flat pool
+    pools: Annotated[list[PoolConfig], Meta(max_length=MAX_POOLS)] = msgspec.field(
+        default_factory=list
+    )
     #: credentials and headers of every backend that sets none of its own
     backend_defaults: BackendCredentials = BackendCredentials()
     #: DNS names whose addresses are backends too, beside the static list
@@ -442,12 +467,35 @@ class Config(_Strict):
             raise ValueError("auth.tenant_header_trusted needs a tenant_header to trust")
         if self.metrics.listen == "admin" and self.admin is None:
             raise ValueError("metrics.listen: admin needs an admin section")
+        self._check_pools()
         seen: set[str] = set()
         for backend in self.backends:
             for key in {backend.key, str(URL(backend.url))}:
                 if key in seen:
                     raise ValueError(f"duplicate backend {key!r}")
                 seen.add(key)
+
+    def _check_pools(self) -> None:
+        names = [p.name for p in self.pools]
+        if len(set(names)) < len(names):
+            raise ValueError(f"pools: names must be unique, got {names}")
+        priorities = [p.priority for p in self.pools]
+        if len(set(priorities)) < len(priorities):
+            raise ValueError(f"pools: priorities must be unique, got {priorities}")
+        for member in (*self.backends, *self.discovery):
+            if self.pools and member.pool not in names:
+                which = getattr(member, "url", None) or member.label
+                raise ValueError(
+                    f"{which}: with pools, every backend and discovery source belongs to "
+                    f"one of them ({', '.join(names)}); it names {member.pool!r}"
+                )
+            if not self.pools and member.pool is not None:
+                raise ValueError(f"pool {member.pool!r} is not defined under pools")
+
+    @property
+    def pools_in_order(self) -> list[PoolConfig]:
+        """The pools by priority, the preferred first."""
+        return sorted(self.pools, key=lambda p: p.priority)
 
 
 class ConfigError(ValueError):
@@ -472,6 +520,8 @@ def build(data: dict[str, Any], source: str = "config") -> Config:
     routing = data.get("routing")
     if isinstance(routing, dict):
         data = {**data, "routing": _with_strategy(routing, source)}
+    if isinstance(data.get("pools"), list):
+        data = _flat_pools(data)
     try:
         return msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
@@ -525,6 +575,26 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
         target = out.setdefault(section, {}) if section else out
         target[key] = value
     return out
+
+
+def _flat_pools(data: dict[str, Any]) -> dict[str, Any]:
+    """`pools[].backends` and `pools[].discovery` moved to the top-level lists, each
+    entry marked with its pool: the one list the rest of the router reads."""
+    backends, discovery = list(data.get("backends") or []), list(data.get("discovery") or [])
+    pools = []
+    for pool in data["pools"]:
+        if not isinstance(pool, dict):
+            pools.append(pool)  # msgspec names the type error
+            continue
+        rest = {k: v for k, v in pool.items() if k not in ("backends", "discovery")}
+        name = pool.get("name")
+        for key, into in (("backends", backends), ("discovery", discovery)):
+            entries = pool.get(key) or []
+            if not isinstance(entries, list):
+                raise ConfigError(f"pools: {name}: {key} must be a list")
+            into.extend({**e, "pool": name} if isinstance(e, dict) else e for e in entries)
+        pools.append(rest)
+    return {**data, "backends": backends, "discovery": discovery, "pools": pools}
 
 
 def _strategy_fields(strategy: str) -> set[str]:

@@ -92,3 +92,15 @@ def parse(kind: Kind, body: bytes) -> _Common:
         if not value:  # [] or ""
             raise BadRequest(f"`{field}` must not be empty.", param=field)
     return req
+
+
+_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
+_ENCODE = msgspec.json.Encoder()
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """`body` (a JSON object that `parse` accepted) naming `model` instead: every other
+    field's bytes are kept as they came, unparsed (a pool's `model_map`)."""
+    fields = _FIELDS.decode(body)
+    fields["model"] = msgspec.Raw(_ENCODE.encode(model))
+    return _ENCODE.encode(fields)

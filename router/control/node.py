@@ -57,6 +57,7 @@ class Node(ABC):
         self.fleet = Fleet(
             config.backends, routing, config.breaker, table, placements, config.backend_defaults
         )
+        self.fleet.set_pools(config.pools)
         self.auth = Authenticator(config.auth)
         self.admin_token = None if config.admin is None else AdminToken(config.admin)
         check_admin_token(self.admin_token, self.auth)

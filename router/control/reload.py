@@ -164,6 +164,7 @@ class Reloader:
         kept = {id(b) for b in backends}
         removed = [b.name for b in fleet.members if id(b) not in kept]
         fleet.update(new.backends, backends, policy, new.breaker)
+        fleet.set_pools(new.pools)
         router.configure(new)
         router.health.cfg = new.health
         router.auth.adopt(auth)

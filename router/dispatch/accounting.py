@@ -66,6 +66,15 @@ class Accounting:
         if pick.reason in SPILL_REASONS:
             self._spillovers(pick.reason).inc()
 
+    def pooled(self, passed: list[tuple[str, bool]], pick: Pick) -> None:
+        """Count a fleet with pools' decision: the pools passed on (saturated, or with no
+        usable backend for the model) and the pool that took the request."""
+        m = self._metrics
+        for name, had_backend in passed:
+            m.pool_spills.labels(name, "saturated" if had_backend else "unavailable").inc()
+        if pick.backend is not None and pick.backend.pool is not None:
+            m.pool_picks.labels(pick.backend.pool).inc()
+
     def finish(self, attempt: Attempt, ok: bool, retried: bool = False) -> None:
         """Release the attempt; account the request if this was its last attempt."""
         attempt.release(clean=ok)

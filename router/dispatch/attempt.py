@@ -22,6 +22,7 @@ from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.metrics import Labelled, Metrics, model_label
+from router.request import with_model
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 
@@ -106,7 +107,7 @@ class Attempt:
                 backend.url,
                 backend.prefix + call.path,
                 call.method,
-                call.body,
+                self._body(),
                 call.headers,
                 t.connect,
                 t.idle,
@@ -119,11 +120,19 @@ class Attempt:
             self._note(exc)
             return
         upstream.backend_name = backend.name
+        upstream.pool = backend.pool
         self.upstream = upstream
         self.status = str(upstream.status)
         verdict = outcome(upstream.status)
         if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
             self._verdict(verdict)
+
+    def _body(self) -> bytes:
+        """The request's body as this backend is to get it: the model renamed where its
+        pool's `model_map` says so, else the client's bytes as they came."""
+        call = self.call
+        model = self._fleet.renamed(self.backend, call.req.model)
+        return call.body if model is None else with_model(call.body, model)
 
     def __enter__(self) -> Attempt:
         return self

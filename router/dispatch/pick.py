@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Collection
 
-from policies import RouteRequest
+from policies import FleetView, Pick, Reason, RouteRequest
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
@@ -38,12 +38,34 @@ class Picker:
         """The policy's pick for a described request, none named in `tried`; `t0`: when
         its decision began. NoBackendAvailable (a 503) if there is none."""
         fleet = self._fleet
-        view = fleet.view(route_req.model)  # cached per model
-        pick = fleet.policy.pick(route_req, excluding(view, tried) if tried else view)
+        pick, view, passed = self._first_with_room(route_req, tried)
+        if fleet.pools:
+            self._account.pooled(passed, pick)
         self._account.decided(pick, view.panic, t0)
         if pick.backend is None:
             raise NoBackendAvailable(unavailable(route_req.model), retry_after=1)
         return Routed(pick.backend, pick.reason, route_req.prompt_tokens, pick.predicted_cached)
+
+    def _first_with_room(
+        self, route_req: RouteRequest, tried: Collection[str]
+    ) -> tuple[Pick, FleetView, list[tuple[str, bool]]]:
+        """The pick of the first pool (by priority) where the policy finds a backend
+        below its cap, its view, and the pools passed on before it (name, and whether
+        it had a backend: saturated, or none usable). When every pool is saturated, the
+        most preferred one with a backend takes the request, as a flat fleet's saturated
+        pick does. A flat fleet is one pool without a name."""
+        policy = self._fleet.policy
+        passed: list[tuple[str, bool]] = []
+        saturated: tuple[Pick, FleetView, list[tuple[str, bool]]] | None = None
+        for pool, view in self._fleet.pool_views(route_req.model):  # cached per model
+            pick = policy.pick(route_req, excluding(view, tried) if tried else view)
+            if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
+                return pick, view, passed
+            if pick.backend is not None and saturated is None:
+                saturated = (pick, view, list(passed))
+            if pool is not None:
+                passed.append((pool.name, pick.backend is not None))
+        return saturated if saturated is not None else (pick, view, [])
 
 
 def unavailable(model: str) -> str:

@@ -38,6 +38,7 @@ class Backend:
         "local_queued",
         "model_cards",
         "name",
+        "pool",
         "prefix",
         "slot",
         "table",
@@ -64,6 +65,8 @@ class Backend:
         #: the URL's path, before every path asked for of it ("" for none)
         self.prefix = cfg.prefix
         self.weight = cfg.weight
+        #: its pool's name (None in a flat fleet)
+        self.pool = cfg.pool
         self.configured_models = frozenset(cfg.models) if cfg.models else None
         self.discovered_models: frozenset[str] | None = None
         self.breaker = Breaker(breaker)
@@ -119,6 +122,7 @@ class Backend:
     def reconfigure(self, cfg: BackendConfig, reach: Reach | None = None) -> None:
         """Apply a reloaded config of the same backend (same name and URL)."""
         self.weight = cfg.weight
+        self.pool = cfg.pool
         self.configured_models = frozenset(cfg.models) if cfg.models else None
         if reach is not None:
             self.set_reach(reach)

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from yarl import URL
 
 from policies import FleetView, Policy
-from router.config import BackendConfig, BackendCredentials, BreakerConfig
+from router.config import BackendConfig, BackendCredentials, BreakerConfig, PoolConfig
 from router.fleet.backend import DEFAULT_BREAKER, Backend
 from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
@@ -51,7 +51,22 @@ class Fleet(Usability):
         self.policy = policy
         self.breaker_cfg = breaker
         self._views: dict[str, FleetView] = {}
+        self._pool_views = {}
+        self._model_maps: dict[str, dict[str, str]] = {}
         self._attach(policy, self.members)
+
+    def set_pools(self, pools: Iterable[PoolConfig]) -> None:
+        """The pools, preferred first (a reload may change them; none: a flat fleet)."""
+        self.pools = tuple(sorted(pools, key=lambda p: p.priority))
+        self._model_maps = {p.name: p.model_map for p in self.pools if p.model_map}
+        self.changed()
+
+    def renamed(self, backend: Backend, model: str | None) -> str | None:
+        """The name `backend`'s pool serves `model` under, when its `model_map` renames
+        it; None: the client's name stands."""
+        if not self._model_maps or backend.pool is None or model is None:
+            return None
+        return self._model_maps.get(backend.pool, {}).get(model)
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements."""

@@ -91,7 +91,11 @@ def _backend(source: DnsDiscoveryConfig | KubernetesDiscoveryConfig, address: st
         replay = f"tcp://{host}:{source.kv_replay_port}" if source.kv_replay_port else None
         kv = KvEventsConfig(f"tcp://{host}:{source.kv_events_port}", replay, source.kv_topic)
     return BackendConfig(
-        url=f"http://{host}:{source.port}", weight=source.weight, models=source.models, kv_events=kv
+        url=f"http://{host}:{source.port}",
+        weight=source.weight,
+        models=source.models,
+        kv_events=kv,
+        pool=source.pool,
     )
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 
 from policies import FleetView, Policy
-from router.config import BreakerConfig
+from router.config import BreakerConfig, PoolConfig
 from router.fleet.backend import Backend
 from router.fleet.placements import PlacementTable
 
@@ -29,6 +29,9 @@ class Views:
     breaker_cfg: BreakerConfig
     _views: dict[str, FleetView]
     _models: frozenset[str] | None = None
+    #: the pools, preferred first (none: one flat pool), and each model's view in each
+    pools: tuple[PoolConfig, ...] = ()
+    _pool_views: dict[str, tuple[tuple[PoolConfig, FleetView], ...]]
 
     def picking(self) -> contextlib.AbstractContextManager[object]:
         """Held around a pick and the count of its request in the shared load table: with
@@ -47,9 +50,28 @@ class Views:
             view = self._views[model] = self._build_view(model)
         return view
 
+    def pool_views(self, model: str) -> tuple[tuple[PoolConfig | None, FleetView], ...]:
+        """The view of `model` in each pool, preferred first, each over the pool's
+        backends serving the name its `model_map` gives; one (None, view) without pools."""
+        if not self.pools:
+            return ((None, self.view(model)),)
+        found = self._pool_views.get(model)
+        if found is None:
+            if len(self._pool_views) >= _MAX_CACHED_VIEWS:
+                self._pool_views = {}
+            found = self._pool_views[model] = tuple(
+                (pool, self._build_view(pool.model_map.get(model, model), pool.name))
+                for pool in self.pools
+            )
+        return found
+
     def known_model(self, model: str) -> bool:
-        """False when every backend's model list is known and none lists `model`."""
-        return any(b.serves(model) for b in self.members)
+        """False when every backend's model list is known and none lists `model` (under
+        its pool's name for it)."""
+        if not self.pools:
+            return any(b.serves(model) for b in self.members)
+        named = {p.name: p.model_map.get(model, model) for p in self.pools}
+        return any(b.serves(named.get(b.pool or "", model)) for b in self.members)
 
     @property
     def models(self) -> frozenset[str]:
@@ -62,6 +84,7 @@ class Views:
     def changed(self) -> None:
         """Health or model lists changed: drop the cached views and models."""
         self._views = {}
+        self._pool_views = {}
         self._models = None
 
     def any_usable(self) -> bool:
@@ -70,9 +93,15 @@ class Views:
         panic = self.breaker_cfg.panic_threshold_percent > 0
         return any(b.usable or (panic and _alive(b)) for b in self.members)
 
-    def _build_view(self, model: str) -> FleetView:
-        """The usable backends serving `model`; in panic, every one passing checks."""
-        serving = tuple(b for b in self.members if not b.draining and b.serves(model))
+    def _build_view(self, model: str, pool: str | None = None) -> FleetView:
+        """The usable backends serving `model` (of `pool` only, if given); in panic,
+        every one passing checks. Every view's members are the whole fleet's, so a
+        policy's per-member state stays one (a ring, names by backend)."""
+        serving = tuple(
+            b
+            for b in self.members
+            if not b.draining and b.serves(model) and (pool is None or b.pool == pool)
+        )
         candidates = usable = tuple(b for b in serving if b.usable)
         if len(usable) * 100 < self.breaker_cfg.panic_threshold_percent * len(serving):
             candidates = tuple(b for b in serving if _alive(b))

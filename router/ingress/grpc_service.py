@@ -66,6 +66,7 @@ SERVICE = SERVICES[0].full_name
 #: (it gives the tenant), and health is a probe, as HTTP's /health
 _UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
+POOL_KEY = "x-kvroute-pool"
 REQUEST_ID_KEY = "x-request-id"
 #: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
@@ -216,7 +217,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, request, context, stream=False)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.append((BACKEND_KEY, upstream.backend_name))
+                trailers.extend(_served_by(upstream))
                 body = await upstream.read()
                 status = upstream.status
                 reply = grpc_convert.decode(convert, body) if status == 200 else None
@@ -231,7 +232,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, request, context, stream=True)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.append((BACKEND_KEY, upstream.backend_name))
+                trailers.extend(_served_by(upstream))
                 if upstream.status == 200 and upstream.streaming:
                     error = await _relay(upstream, context, convert)
                 else:
@@ -338,6 +339,14 @@ async def _relay(upstream: Upstream, context, convert: grpc_convert.Convert) -> 
                 continue
             await context.write(grpc_convert.build(convert, obj))
     return error
+
+
+def _served_by(upstream: Upstream) -> list[tuple[str, str]]:
+    """The trailers naming the backend that answered, and its pool when it has one."""
+    found = [(BACKEND_KEY, upstream.backend_name)]
+    if upstream.pool is not None:
+        found.append((POOL_KEY, upstream.pool))
+    return found
 
 
 def _blaming(trailers: list[tuple[str, str]], err: KvrouteError) -> list[tuple[str, str]]:

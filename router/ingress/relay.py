@@ -1,7 +1,8 @@
 """The answer relayed: the backend's answer to a `Call`, whole or streamed, or the
 failure. Before the first byte reaches the client a failure is an OpenAI-style JSON
 error; after it, an error event and `[DONE]` end the stream. An answer from a backend,
-and a 502/504 about one, names it in x-kvroute-backend.
+and a 502/504 about one, names it in x-kvroute-backend (and its pool, in a fleet with
+pools, in x-kvroute-pool).
 
 `Reply` is where an answer goes, whichever server read the request: aiohttp's
 (`AiohttpReply`) or the fast path's (router/ingress/fast.py).
@@ -28,6 +29,7 @@ from router.errors import (
 from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"
+POOL_HEADER = "x-kvroute-pool"
 
 
 class Reply(Protocol):
@@ -85,6 +87,8 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
     try:
         async with dispatcher.exchange(call) as upstream:
             extra[BACKEND_HEADER] = upstream.backend_name
+            if upstream.pool is not None:
+                extra[POOL_HEADER] = upstream.pool
             if not upstream.streaming:
                 body = await upstream.read()
                 await reply.whole(upstream.status, _headers(upstream, extra), body)

@@ -90,6 +90,19 @@ class RequestMetrics:
             ["reason"],
             registry=r,
         )
+        self.pool_picks = Counter(
+            "kvroute_pool_picks",
+            "Requests routed to a pool's backend, by pool (a fleet with pools)",
+            ["pool"],
+            registry=r,
+        )
+        self.pool_spills = Counter(
+            "kvroute_pool_spills",
+            "Requests passed from a pool to the next, by pool left and why (saturated: "
+            "every backend at the strategy's cap; unavailable: none usable for the model)",
+            ["pool", "reason"],
+            registry=r,
+        )
         self.decision_seconds = Histogram(
             "kvroute_routing_decision_seconds",
             "Time to describe the prompt and pick, with any wait for the workers' pick lock "

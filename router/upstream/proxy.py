@@ -114,6 +114,7 @@ class Upstream:
         "_payload",
         "backend_name",
         "headers",
+        "pool",
         "status",
         "streaming",
     )
@@ -135,6 +136,8 @@ class Upstream:
         self._payload = payload
         self._clock = BodyClock(self._loop, idle, end, itl, on_first)
         self.backend_name = ""
+        #: the backend's pool (None in a flat fleet): the answer's x-kvroute-pool
+        self.pool: str | None = None
         self.status: int = message.status
         self.headers: CIMultiDictProxy[str] = message.headers
         media_type = self.headers.get("Content-Type", "").partition(";")[0]

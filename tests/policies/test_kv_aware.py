@@ -107,6 +107,17 @@ def test_concurrency_threshold_is_a_hard_cap() -> None:
     assert (pick.backend.name, pick.reason) == ("a", Reason.ALL_SATURATED)
 
 
+def test_max_queue_s_caps_the_estimated_queue() -> None:
+    """10,000 queued tokens at 10,000 a second is a 1 s queue: over a 0.5 s cap, even
+    holding the prefix; with every backend over it, saturated (a pool passes it on)."""
+    p = policy(max_queue_s=0.5)
+    hold(p, "a", 500)
+    pick = p.pick(request(), view([B("a", queued_tokens=10_000), B("b", waiting=2)]))
+    assert pick.backend.name == "b"  # 2 waiting x 0.05 s: under the cap
+    pick = p.pick(request(), view([B("a", queued_tokens=10_000), B("b", waiting=20)]))
+    assert pick.reason is Reason.ALL_SATURATED
+
+
 def test_no_candidate() -> None:
     pick = policy().pick(request(), FleetView((), (), frozenset()))
     assert (pick.backend, pick.reason) == (None, Reason.NO_CANDIDATE)

@@ -9,8 +9,29 @@ import textwrap
 import pytest
 
 from router.config import ConfigError, apply_overrides, build, load
+from router.fleet.discovery import backend_configs
 
 ONE = [{"url": "http://127.0.0.1:9001"}]
+
+
+def _pool(name: str, priority: int, port: int = 0) -> dict:
+    backends = [{"url": f"http://127.0.0.1:{9100 + port + priority}"}]
+    return {"name": name, "priority": priority, "backends": backends}
+
+
+def test_pools_put_their_backends_and_sources_in_the_one_list_marked_with_the_pool() -> None:
+    dns = {"kind": "dns", "name": "vllm-awq.test", "port": 8000}
+    spare = {**_pool("spare", 5), "discovery": [dns], "model_map": {"m": "m-awq"}}
+    config = build({"pools": [spare, _pool("main", 1)]})
+    assert [(b.url, b.pool) for b in config.backends] == [
+        ("http://127.0.0.1:9105", "spare"),
+        ("http://127.0.0.1:9101", "main"),
+    ]
+    assert [(d.label, d.pool) for d in config.discovery] == [("vllm-awq.test", "spare")]
+    assert [p.name for p in config.pools_in_order] == ["main", "spare"]
+    assert config.pools_in_order[1].model_map == {"m": "m-awq"}
+    (found,) = backend_configs(config.discovery[0], ["127.0.0.7"])
+    assert (found.url, found.pool) == ("http://127.0.0.7:8000", "spare")
 
 
 def test_defaults_need_only_backends() -> None:
@@ -96,6 +117,31 @@ def test_defaults_need_only_backends() -> None:
             {"backends": ONE, "metrics": {"tenants": ["not one"]}},
             "at `$.metrics.tenants[0]`",
             id="metrics-tenant-not-a-tenant-id",
+        ),
+        pytest.param(
+            {"pools": [_pool(f"p{i}", i) for i in range(6)]},
+            "at `$.pools`",
+            id="more-than-five-pools",
+        ),
+        pytest.param(
+            {"pools": [_pool("a", 0), _pool("a", 1)]},
+            "pools: names must be unique",
+            id="pool-names-twice",
+        ),
+        pytest.param(
+            {"pools": [_pool("a", 0), _pool("b", 0)]},
+            "pools: priorities must be unique",
+            id="pool-priorities-twice",
+        ),
+        pytest.param(
+            {"pools": [_pool("a", 0, 1)], "backends": ONE},
+            "http://127.0.0.1:9001: with pools, every backend and discovery source belongs",
+            id="a-backend-outside-the-pools",
+        ),
+        pytest.param(
+            {"backends": [{"url": "http://127.0.0.1:9001", "pool": "x"}]},
+            "pool 'x' is not defined under pools",
+            id="a-pool-never-defined",
         ),
     ],
 )

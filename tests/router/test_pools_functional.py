@@ -1,0 +1,119 @@
+"""Pools end to end: stub backends in a preferred and a fallback pool, the router in
+front, the openai SDK and aiohttp as clients over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import aiohttp
+import orjson
+from openai import AsyncOpenAI
+
+from router.config import build
+from router.control.worker import Router
+from tests.stub_backend import StubBackend
+
+MESSAGES = [{"role": "user", "content": "the same question every time"}]
+
+
+@asynccontextmanager
+async def two_pools(**routing: object) -> AsyncIterator[tuple[Router, StubBackend, StubBackend]]:
+    """`main` alone in pool `preferred`; `spare` in pool `fallback`, which serves the
+    public name stub-model as its own stub-model-awq."""
+    main = await StubBackend().start()
+    spare = await StubBackend(model="stub-model-awq").start()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {"name": "preferred", "priority": 0, "backends": [{"url": main.url, "name": "main"}]},
+            {
+                "name": "fallback",
+                "priority": 1,
+                "model_map": {"stub-model": "stub-model-awq"},
+                "backends": [{"url": spare.url, "name": "spare", "models": ["stub-model-awq"]}],
+            },
+        ],
+        "routing": {"strategy": "PREFIX_AWARE", "concurrency_threshold": 1, **routing},
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        yield router, main, spare
+    finally:
+        await router.stop()
+        await main.stop()
+        await spare.stop()
+
+
+async def ask(oai: AsyncOpenAI, stream: bool = False) -> tuple[str, str]:
+    """One request through the SDK, read whole; (pool, backend) from the headers."""
+    raw = await oai.chat.completions.with_raw_response.create(
+        model="stub-model", messages=MESSAGES, max_tokens=3, stream=stream
+    )
+    answer = raw.parse()
+    if stream:
+        assert [c async for c in answer]
+    else:
+        assert answer.choices[0].message.content
+    return raw.headers["x-kvroute-pool"], raw.headers["x-kvroute-backend"]
+
+
+def counted(router: Router, name: str, **labels: str) -> float:
+    family = next(iter(getattr(router.metrics, name).collect()))
+    return sum(
+        s.value
+        for s in family.samples
+        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_is_full() -> None:
+    async with two_pools() as (router, main, spare):
+        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        assert await ask(oai) == ("preferred", "main")  # room: the preferred pool
+        main.behaviour.hang_after_chunks = 1  # the next stream holds main's one slot
+        body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(router.url + "/v1/chat/completions", json=body) as held:
+                assert held.headers["x-kvroute-pool"] == "preferred"
+                assert (await held.content.readline()).startswith(b"data: ")
+                assert await ask(oai) == ("fallback", "spare")  # full: the overflow
+                assert await ask(oai, stream=True) == ("fallback", "spare")
+        async with asyncio.timeout(5):  # the held stream's slot is given back
+            while router.fleet.find("main").inflight:
+                await asyncio.sleep(0.01)
+        main.behaviour.hang_after_chunks = None
+        assert await ask(oai) == ("preferred", "main")  # room again: back home
+        assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 2
+        assert counted(router, "pool_picks", pool="preferred") == 3
+        assert counted(router, "pool_picks", pool="fallback") == 2
+        assert [r["model"] for r in spare.received] == ["stub-model-awq"] * 2
+        assert spare.completed == 2 and main.completed == 2  # nothing lost
+
+
+async def test_the_model_map_rewrites_the_model_field_and_nothing_else() -> None:
+    async with two_pools() as (router, main, spare):
+        main.behaviour.status = 503  # a failing preferred backend: its breaker opens
+        router.fleet.set_healthy(router.fleet.find("main"), False)  # what checks would do
+        body = (
+            b'{"messages": [ {"role": "user",   "content": "keep \\u00e9 as sent"} ],'
+            b'"model":"stub-model", "max_tokens": 3, "extra": {"b": 1, "a": [1.50, 2]}}'
+        )
+        headers = {"Content-Type": "application/json"}
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                router.url + "/v1/chat/completions", data=body, headers=headers
+            ) as resp:
+                assert resp.status == 200
+                assert resp.headers["x-kvroute-pool"] == "fallback"
+        (sent,) = spare.raw
+        assert orjson.loads(sent) == {**orjson.loads(body), "model": "stub-model-awq"}
+        assert b'[ {"role": "user",   "content": "keep \\u00e9 as sent"} ]' in sent
+        assert b'{"b": 1, "a": [1.50, 2]}' in sent
+        assert counted(router, "pool_spills", pool="preferred", reason="unavailable") == 1
+        async with aiohttp.ClientSession() as http:  # a name no pool serves: still a 404
+            unknown = {"model": "nope", "messages": MESSAGES}
+            async with http.post(router.url + "/v1/chat/completions", json=unknown) as resp:
+                assert resp.status == 404
