@@ -196,7 +196,7 @@ class SimConfig(SimParams, kw_only=True):
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.roles and len(self.roles) != self.instances:
-            raise ValueError(f"roles names {len(self.roles)} roles for {self.instances} instances")
+            raise ValueError(f"{len(self.roles)} roles for {self.instances} instances")
         unknown = sorted(i for i in self.faults if not 0 <= i < self.instances)
         if unknown:
             raise ValueError(
