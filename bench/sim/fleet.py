@@ -159,6 +159,7 @@ class SimBackend:
             "lora_loads": self.loras.loads,
             "lora_unloads": self.loras.unloads,
             "loaded_adapters": self.loras.names,
+            "loading_adapters": self.loras.loading,
         }
         return {**msgspec.to_builtins(self.stats), **live}
 

@@ -37,6 +37,10 @@ class LoraAdapters:
     def names(self) -> list[str]:
         return list(self._roots)
 
+    @property
+    def loading(self) -> list[str]:
+        return sorted(self._loading)
+
     def reset(self) -> None:
         """Back to the static adapters only (a process restart)."""
         self._roots = {n: f"/sim/lora/{n}" for n in self.params.lora_adapters}
