@@ -5,10 +5,11 @@ Struct so the help text is the field's description; `--config FILE` reads the sa
 from YAML, and explicit flags win over the file. Faults use `--fault INDEX:MODE[:ARG]`.
 `--instances N` says how many servers to run; it is a count, not an address, so it is
 not named like `kvroute serve --backend URL`. `--roles prefill decode ...` gives each
-instance its P/D kv_role, for a disaggregated fleet. Once every socket is bound, stderr names the
-served model, and stdout gets one line per instance, `http://HOST:PORT`, then (with
---kv-events) one line per instance, `kv-events http://HOST:PORT pub=tcp://...
-replay=tcp://...`, flushed, so a harness can read the addresses when ports are free-picked.
+instance its P/D kv_role, for a disaggregated fleet. Once every socket is bound, stderr
+names the served model (and the roles, if any is not "both"), and stdout gets one line
+per instance, `http://HOST:PORT`, then (with --kv-events) one line per instance,
+`kv-events http://HOST:PORT pub=tcp://... replay=tcp://...`, flushed, so a harness can
+read the addresses when ports are free-picked.
 """
 
 import argparse
