@@ -4,10 +4,12 @@ Every SimConfig field is a flag (`--time-scale` for `time_scale`), generated fro
 Struct so the help text is the field's description; `--config FILE` reads the same keys
 from YAML, and explicit flags win over the file. Faults use `--fault INDEX:MODE[:ARG]`.
 `--instances N` says how many servers to run; it is a count, not an address, so it is
-not named like `kvroute serve --backend URL`. Once every socket is bound, stderr names the
-served model, and stdout gets one line per instance, `http://HOST:PORT`, then (with
---kv-events) one line per instance, `kv-events http://HOST:PORT pub=tcp://...
-replay=tcp://...`, flushed, so a harness can read the addresses when ports are free-picked.
+not named like `kvroute serve --backend URL`. `--roles prefill decode ...` gives each
+instance its P/D kv_role, for a disaggregated fleet. Once every socket is bound, stderr
+names the served model (and the roles, if any is not "both"), and stdout gets one line
+per instance, `http://HOST:PORT`, then (with --kv-events) one line per instance,
+`kv-events http://HOST:PORT pub=tcp://... replay=tcp://...`, flushed, so a harness can
+read the addresses when ports are free-picked.
 """
 
 import argparse
@@ -39,7 +41,10 @@ _EPILOG = f"""example:
   kvroute sim --instances 2 --base-port 8100
       two servers, http://127.0.0.1:8100 and http://127.0.0.1:8101, serving {SimParams().model}
   kvroute serve --backend http://127.0.0.1:8100 --backend http://127.0.0.1:8101
-      the router in front of them, in another terminal"""
+      the router in front of them, in another terminal
+  kvroute sim --instances 3 --roles prefill prefill decode
+      prefill/decode disaggregation (NixlConnector's kv_transfer_params): two prefill
+      instances and one decode instance"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,7 +101,11 @@ def _add_flag(group: Any, field: msgspec.structs.FieldInfo) -> None:
         kwargs["choices"] = typing.get_args(base)
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "*"
-        kwargs["metavar"] = "NAME"
+        (item,) = typing.get_args(base)
+        if typing.get_origin(item) is Literal:
+            kwargs["choices"] = typing.get_args(item)
+        else:
+            kwargs["metavar"] = "NAME"
     else:
         kwargs["type"] = base
         kwargs["metavar"] = _METAVARS[base]
@@ -119,7 +128,8 @@ def _parse_fault(spec: str) -> tuple[int, Fault]:
 
 
 async def _serve(config: SimConfig) -> None:
-    fleet = await start_fleet(config.instances, config, config.host, config.base_port)
+    roles = config.roles or None
+    fleet = await start_fleet(config.instances, config, config.host, config.base_port, roles)
     try:
         _announce(fleet, config.model)
         task = asyncio.current_task()
@@ -136,7 +146,9 @@ async def _serve(config: SimConfig) -> None:
 def _announce(fleet: SimFleet, model: str) -> None:
     """The addresses on stdout (a harness reads them); for a person, on stderr, the
     model name requests must ask for."""
-    print(f"kvroute sim: {len(fleet.backends)} servers of model {model!r}", file=sys.stderr)
+    roles = [b.params.kv_role for b in fleet.backends]
+    pd = "" if set(roles) == {"both"} else f" (kv roles: {', '.join(roles)})"
+    print(f"kvroute sim: {len(fleet.backends)} servers of model {model!r}{pd}", file=sys.stderr)
     for backend in fleet.backends:
         print(backend.url)
     for backend in fleet.backends:

@@ -11,6 +11,13 @@ Invariant: each request is in exactly one of waiting / running / finished; only 
 loop, `submit`, `abort` and `restart` move it, all on the event loop thread.
 `stats` are the simulator's own totals for benchmarks and survive restarts; the
 Prometheus metrics start over on restart like a new vLLM process.
+
+Tokens read from a remote prefill count as vLLM counts a connector's tokens: in the
+request's `num_cached_tokens` (hence usage's cached_tokens, as vLLM sets it from local
+plus external computed tokens), in `vllm:external_prefix_cache_hits`, and in the
+`kv_transfer_tokens` stat; not in `vllm:prefix_cache_hits`. The external counters run
+on a server with a connector: a CPU tier, a P/D role, or a request decoding from a
+remote prefill.
 """
 
 import asyncio
@@ -35,6 +42,10 @@ class EngineStats(msgspec.Struct):
     prefix_cache_queries: int = 0  # prompt tokens looked up on first admission
     prefix_cache_hits: int = 0  # of which were served from the prefix cache
     cpu_hit_tokens: int = 0  # of the others, loaded from the CPU tier
+    kv_transfer_tokens: int = 0  # of the others, read from a remote prefill instance
+    prefills_for_remote_decode: int = 0  # requests with do_remote_decode
+    decodes_from_remote_prefill: int = 0  # requests with do_remote_prefill
+    plain_requests_on_pd_role: int = 0  # no transfer, on a prefill- or decode-only server
     prompt_tokens: int = 0
     generation_tokens: int = 0
     preemptions: int = 0
@@ -71,7 +82,14 @@ class SimEngine:
         self._drop_all()
 
     def submit(self, req: SimRequest) -> None:
-        self.stats.requests_received += 1
+        st = self.stats
+        st.requests_received += 1
+        if req.remote_decode:
+            st.prefills_for_remote_decode += 1
+        elif req.remote_prefill:
+            st.decodes_from_remote_prefill += 1
+        elif self.params.kv_role != "both":
+            st.plain_requests_on_pd_role += 1
         self.scheduler.add(req)
         self._wake.set()
 
@@ -137,17 +155,20 @@ class SimEngine:
             await self.publisher.publish(events)
 
     def _account(self, plan: StepPlan, outcome: StepOutcome, now: float) -> None:
-        m, st = self.metrics, self.stats
+        m, st, p = self.metrics, self.stats, self.params
+        connector = p.num_cpu_blocks > 0 or p.kv_role != "both"
         for req in plan.admitted:  # a first admission looks up exactly the prompt
-            hits = req.num_cached_tokens - req.num_loaded_tokens
+            external = req.num_loaded_tokens + req.num_transferred_tokens
+            hits = req.num_cached_tokens - external
             m.prefix_queries.inc(req.prompt_len)
             m.prefix_hits.inc(hits)
             st.prefix_cache_queries += req.prompt_len
             st.prefix_cache_hits += hits
-            if self.params.num_cpu_blocks:  # the connector is asked what the GPU missed
+            st.cpu_hit_tokens += req.num_loaded_tokens
+            st.kv_transfer_tokens += req.num_transferred_tokens
+            if connector or req.remote_prefill:  # the connector is asked what the GPU missed
                 m.external_queries.inc(req.prompt_len - hits)
-                m.external_hits.inc(req.num_loaded_tokens)
-                st.cpu_hit_tokens += req.num_loaded_tokens
+                m.external_hits.inc(external)
         m.preemptions.inc(plan.num_preempted)
         st.preemptions += plan.num_preempted
         for req in outcome.sampled:

@@ -4,12 +4,14 @@ A backend = engine (scheduler + KV cache + metrics) + aiohttp server + optional 
 event publisher + a fault setting. Every socket is bound before anything is served, with
 port 0 meaning "any free port" (the real port is read back). Startup runs in order and
 shutdown in reverse: stop the engine (in-flight requests are dropped, hung handlers
-released), close the HTTP server, then the ZMQ sockets.
+released), close the HTTP server, then the ZMQ sockets. A fleet for prefill/decode
+disaggregation gives each backend its own `kv_role` (`roles`); all else is shared.
 """
 
 import asyncio
 import socket
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -17,8 +19,10 @@ import zmq.asyncio
 from aiohttp import web
 
 from bench.sim.engine import EngineStats, SimEngine
-from bench.sim.params import NO_FAULT, Fault, SimParams
+from bench.sim.lora import LoraAdapters
+from bench.sim.params import NO_FAULT, Fault, KVRole, SimParams
 from bench.sim.publisher import KVEventPublisher
+from bench.sim.request import SimRequest
 from bench.sim.server import make_app
 
 
@@ -37,6 +41,7 @@ class SimBackend:
         self.host, self.port = sock.getsockname()[:2]
         self.publisher = publisher
         self.engine = SimEngine(params, publisher)
+        self.loras = LoraAdapters(params)
         self.fault = NO_FAULT
         self.inflight = 0  # HTTP generation requests in progress (GET /load)
         self._sock = sock
@@ -48,6 +53,11 @@ class SimBackend:
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
+
+    @property
+    def engine_id(self) -> str:
+        """The id a decode instance is told to read this backend's KV from (stable)."""
+        return f"sim-{self.host}-{self.port}"
 
     @property
     def stats(self) -> EngineStats:
@@ -76,6 +86,7 @@ class SimBackend:
     def restart(self) -> None:
         """Like a process restart: requests die, cache, metrics, event seq and fault reset."""
         self.engine.restart()
+        self.loras.reset()
         self.set_fault(NO_FAULT)
         self._dropped.set()
         self._dropped = asyncio.Event()
@@ -91,13 +102,31 @@ class SimBackend:
         """
         if not model or model == self.params.model:
             return None
-        return self.params.lora_adapters.index(model) + 1
+        try:
+            return self.loras.id(model)
+        except KeyError:
+            raise ValueError(model) from None
 
     def model_cards(self) -> list[dict[str, Any]]:
         """GET /v1/models `data`: the base model, then one card per LoRA adapter."""
         base = self.params.model
-        adapters = [(n, f"/sim/lora/{n}", base) for n in self.params.lora_adapters]
+        adapters = [(n, self.loras.root(n), base) for n in self.loras.names]
         return [self._card(*card) for card in [(base, base, None), *adapters]]
+
+    def kv_transfer_params(self, req: SimRequest) -> dict[str, Any] | None:
+        """What a finished prefill for a remote decode tells the decode instance."""
+        if not req.remote_decode:
+            return None
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_block_ids": req.remote_block_ids,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": req.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": 1,
+        }
 
     def kv_event_sources(self) -> dict[str, Any]:
         if self.publisher is None:
@@ -126,6 +155,11 @@ class SimBackend:
             "cached_blocks": e.kv.num_cached,
             "cpu_cached_blocks": e.kv.num_cpu_cached,
             "fault": msgspec.to_builtins(self.fault),
+            "kv_role": self.params.kv_role,
+            "lora_loads": self.loras.loads,
+            "lora_unloads": self.loras.unloads,
+            "loaded_adapters": self.loras.names,
+            "loading_adapters": self.loras.loading,
         }
         return {**msgspec.to_builtins(self.stats), **live}
 
@@ -181,15 +215,22 @@ class SimFleet:
 
 
 async def start_fleet(
-    n: int, params: SimParams | None = None, host: str = "127.0.0.1", base_port: int = 0
+    n: int,
+    params: SimParams | None = None,
+    host: str = "127.0.0.1",
+    base_port: int = 0,
+    roles: Sequence[KVRole] | None = None,
 ) -> SimFleet:
     """Start `n` simulated vLLM servers on `host`; backend i listens on base_port + i.
 
     base_port 0 picks free ports (read them from `fleet.urls`). With params.kv_events,
     backend i publishes on kv_events_base_port + i and serves replay on
-    kv_events_base_port + n + i (free ports when that is 0).
+    kv_events_base_port + n + i (free ports when that is 0). `roles`, one per backend,
+    overrides params.kv_role, e.g. ["prefill", "decode"] for a 1P1D fleet.
     """
     params = params or SimParams()
+    if roles is not None and len(roles) != n:
+        raise ValueError(f"{len(roles)} roles for {n} backends")
     ctx = zmq.asyncio.Context() if params.kv_events else None
     fleet = SimFleet([], ctx)
     try:
@@ -200,7 +241,8 @@ async def start_fleet(
             except BaseException:
                 sock.close()
                 raise
-            backend = SimBackend(i, params, sock, publisher)
+            own = params if roles is None else msgspec.structs.replace(params, kv_role=roles[i])
+            backend = SimBackend(i, own, sock, publisher)
             fleet.backends.append(backend)
             await backend.start()
     except BaseException:

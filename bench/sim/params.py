@@ -13,6 +13,7 @@ import yaml
 from msgspec import Meta
 
 FaultMode = Literal["none", "fail", "hang", "close_midstream", "slow"]
+KVRole = Literal["both", "prefill", "decode"]
 
 
 class Fault(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -66,6 +67,20 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
       token. The load is part of the step that admits the request (as LMCache loads layer
       by layer inside the forward pass).
 
+    - Prefill/decode disaggregation (vLLM's NixlConnector), `kv_role`: "prefill" is vLLM's
+      kv_producer (it only serves `do_remote_decode` transfers), "decode" is kv_consumer
+      (only `do_remote_prefill`), "both" is kv_both and also what a server without a
+      connector would be. `kv_transfer_per_token_ms` = 0.002: the decode side reads each
+      GPU's 40 KiB share of a token from its prefill peer over NIXL/UCX on RDMA, one
+      200 Gb/s HDR InfiniBand NIC per GPU (as in a DGX A100) at ~20 GB/s effective: 2 µs.
+      The read is charged to the step that admits the request, like a CPU-tier load.
+    - Runtime LoRA loading (`runtime_lora_updating`, vLLM's
+      VLLM_ALLOW_RUNTIME_LORA_UPDATING): `max_loras` bounds the adapters served at once
+      (static `lora_adapters` included; vLLM splits this into max_loras per batch and
+      max_cpu_loras resident, the simulator keeps the one resident bound). A load takes
+      `lora_load_ms` = 200 (reading a ~1 GB rank-16 70B adapter from local NVMe and
+      copying it to the GPUs), during which the adapter is not served yet.
+
     `time_scale` multiplies every simulated duration (0.1 = ten times faster); metrics and
     client-visible latencies are wall-clock, i.e. already scaled.
     """
@@ -86,6 +101,22 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     cpu_load_per_token_ms: Annotated[
         float, Meta(ge=0, description="step cost per token loaded from the CPU tier, ms")
     ] = 0.0016
+    kv_role: Annotated[
+        KVRole,
+        Meta(description="P/D role: prefill = kv_producer, decode = kv_consumer, both = kv_both"),
+    ] = "both"
+    kv_transfer_per_token_ms: Annotated[
+        float, Meta(ge=0, description="step cost per token read from a remote prefill, ms")
+    ] = 0.002
+    runtime_lora_updating: Annotated[
+        bool, Meta(description="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter")
+    ] = False
+    max_loras: Annotated[
+        int, Meta(ge=1, description="LoRA adapters served at once (static ones included)")
+    ] = 4
+    lora_load_ms: Annotated[
+        float, Meta(ge=0, description="simulated time a runtime LoRA load takes, ms")
+    ] = 200.0
     max_num_seqs: Annotated[int, Meta(ge=1, description="max running requests per step")] = 256
     max_num_batched_tokens: Annotated[
         int, Meta(ge=1, description="token budget per engine step (chunked prefill)")
@@ -134,6 +165,10 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
             )
         if self.model in self.lora_adapters:
             raise ValueError(f"LoRA adapter name {self.model!r} equals the model name")
+        if len(set(self.lora_adapters)) > self.max_loras:
+            raise ValueError(
+                f"{len(set(self.lora_adapters))} LoRA adapters exceed max_loras {self.max_loras}"
+            )
         try:
             self.kv_events_topic.format(host="", port=0, model="")
         except (KeyError, IndexError, ValueError) as e:
@@ -150,9 +185,18 @@ class SimConfig(SimParams, kw_only=True):
     base_port: Annotated[
         int, Meta(ge=0, le=65535, description="HTTP port of instance i is P+i; 0 = free ports")
     ] = 0
+    roles: Annotated[
+        list[KVRole],
+        Meta(
+            description="kv_role of each instance in order, e.g. --roles prefill prefill "
+            "decode; empty = every instance has --kv-role"
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.roles and len(self.roles) != self.instances:
+            raise ValueError(f"{len(self.roles)} roles for {self.instances} instances")
         unknown = sorted(i for i in self.faults if not 0 <= i < self.instances)
         if unknown:
             raise ValueError(

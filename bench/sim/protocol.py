@@ -7,6 +7,8 @@ ids `chatcmpl-<id>` / `cmpl-<id>`, SSE chunks `data: <json>\\n\\n` ending with
 `data: [DONE]\\n\\n`, an extra `choices: []` usage chunk with include_usage, and
 `usage.prompt_tokens_details.cached_tokens` always present (as with
 --enable-prompt-tokens-details). The two endpoints differ only through `ResponseFormat`.
+`kv_transfer_params` is NixlConnector's P/D field: in a request, the direction of the
+transfer; in a non-streamed response of a prefill for a remote decode, where to read it.
 """
 
 import time
@@ -38,6 +40,26 @@ class StreamOptions(msgspec.Struct):
     continuous_usage_stats: bool = False
 
 
+class KVTransferParams(msgspec.Struct, kw_only=True):
+    """A request's `kv_transfer_params`. The simulator reads no remote memory, so of the
+    peer's coordinates only the engine id is required, as the one vLLM needs to look up."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    remote_engine_id: str | None = None
+    remote_block_ids: list[int] | None = None
+    remote_request_id: str | None = None
+    remote_host: str | None = None
+    remote_port: int | None = None
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.do_remote_decode and self.do_remote_prefill:
+            raise ValueError("do_remote_decode and do_remote_prefill cannot both be true")
+        if self.do_remote_prefill and self.remote_engine_id is None:
+            raise ValueError("do_remote_prefill needs the remote_engine_id to read from")
+
+
 class GenerateBody(msgspec.Struct, kw_only=True):
     model: str | None = None
     max_tokens: Annotated[int, Meta(ge=1)] | None = None
@@ -46,6 +68,7 @@ class GenerateBody(msgspec.Struct, kw_only=True):
     cache_salt: CacheSalt | None = None
     request_id: str | None = None
     n: Annotated[int, Meta(ge=1, le=1, description="the simulator samples one choice")] = 1
+    kv_transfer_params: KVTransferParams | None = None
 
     def __post_init__(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -101,6 +124,15 @@ class TokenizeBody(msgspec.Struct, kw_only=True):
             add_generation_prompt=self.add_generation_prompt,
             continue_final_message=self.continue_final_message,
         )
+
+
+class LoadLoraBody(msgspec.Struct, kw_only=True):
+    lora_name: str = ""  # missing names are refused with vLLM's message, not a schema error
+    lora_path: str = ""
+
+
+class UnloadLoraBody(msgspec.Struct, kw_only=True):
+    lora_name: str = ""
 
 
 def error_json(status: int, message: str, param: str | None = None) -> bytes:
@@ -207,13 +239,13 @@ class Responder:
         finish = self.req.finish_reason if end == self.req.num_output else None
         return self.chunk([self.fmt.chunk_choice(output_text(start, end), finish)], with_usage)
 
-    def full(self) -> bytes:
+    def full(self, kv_transfer_params: dict[str, Any] | None = None) -> bytes:
         text = output_text(0, self.req.num_output)
         body = {
             **self._head,
             "object": self.fmt.object_name,
             "choices": [self.fmt.full_choice(text, self.req.finish_reason)],
             "usage": usage(self.req),
-            "kv_transfer_params": None,
+            "kv_transfer_params": kv_transfer_params,
         }
         return orjson.dumps(body)

@@ -4,6 +4,9 @@ Invariants: `token_ids` is the prompt followed by every output token so far;
 `block_hashes[i]` is the chain hash of full block i of `token_ids` (prompt and output
 alike, as vLLM hashes decode output too); `blocks` are the physical KV blocks it holds,
 of which the first `num_cached_blocks` went through the prefix-cache commit.
+A P/D transfer marks a request: `remote_decode` prefills for a remote decode (its prompt
+blocks are reported in `remote_block_ids` when it finishes), `remote_prefill` decodes from
+a remote prefill (its prompt, bar the last token, is read at first admission).
 Output tokens are a fixed filler cycle, 4 characters each, so `tokenize(output_text(n))`
 gives back exactly n tokens.
 """
@@ -86,8 +89,12 @@ class SimRequest:
         "num_computed_tokens",
         "num_loaded_tokens",
         "num_preemptions",
+        "num_transferred_tokens",
         "on_update",
         "prompt_len",
+        "remote_block_ids",
+        "remote_decode",
+        "remote_prefill",
         "request_id",
         "root",
         "salt",
@@ -107,6 +114,8 @@ class SimRequest:
         lora_id: int | None = None,
         salt: str | None = None,
         arrival: float = 0.0,
+        remote_decode: bool = False,
+        remote_prefill: bool = False,
     ) -> None:
         self.request_id = request_id
         self.token_ids = list(prompt_token_ids)
@@ -125,6 +134,10 @@ class SimRequest:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # set at first admission, like vLLM
         self.num_loaded_tokens = 0  # of those, loaded from the CPU tier
+        self.num_transferred_tokens = 0  # of those, read from a remote prefill instance
+        self.remote_decode = remote_decode
+        self.remote_prefill = remote_prefill
+        self.remote_block_ids: list[int] = []
         self.num_preemptions = 0
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None

@@ -11,6 +11,9 @@ Each engine step (`schedule`, then the step's duration passes, then `commit`):
    fewer than `max_num_seqs` run. A newly admitted request first takes its prefix-cache
    hit, so only uncached tokens use budget; if its blocks do not fit, admission stops.
    With a CPU tier, the blocks it holds right after the hit are loaded, not prefilled.
+   A request decoding from a remote prefill has, on its first admission, every prompt
+   token after the hit but the last read from the remote instance: they are computed
+   without using budget, and only the last prompt token is prefilled (vLLM's consumer).
 3. After the step, every request whose computed tokens reached its length samples one
    token; a request that reached `max_tokens` finishes and frees its blocks.
 
@@ -36,6 +39,7 @@ class StepPlan(NamedTuple):
     prefill_tokens: int
     decode_seqs: int
     loaded_tokens: int = 0  # of the scheduled prompt tokens, loaded from the CPU tier
+    transferred_tokens: int = 0  # read from remote prefills (not among the scheduled ones)
 
 
 class StepOutcome(NamedTuple):
@@ -86,8 +90,8 @@ class Scheduler:
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
-        admitted, loaded = ([], 0) if preempted else self._admit(budget, scheduled)
-        return self._plan(scheduled, admitted, len(preempted), loaded)
+        admitted, loaded, transferred = ([], 0, 0) if preempted else self._admit(budget, scheduled)
+        return self._plan(scheduled, admitted, len(preempted), loaded, transferred)
 
     def step_ms(self, plan: StepPlan) -> float:
         p = self.params
@@ -96,6 +100,7 @@ class Scheduler:
             + p.decode_per_seq_ms * plan.decode_seqs
             + p.prefill_per_token_ms * plan.prefill_tokens
             + p.cpu_load_per_token_ms * plan.loaded_tokens
+            + p.kv_transfer_per_token_ms * plan.transferred_tokens
         )
 
     def commit(self, plan: StepPlan) -> StepOutcome:
@@ -111,6 +116,8 @@ class Scheduler:
             sampled.append(req)
             if req.num_output >= req.max_tokens:
                 self.running.remove(req)
+                if req.remote_decode:  # what the decode instance will read
+                    req.remote_block_ids = req.blocks[: req.prompt_len // self.kv.block_size]
                 self.kv.free(req)
                 self._finish(req, req.limit_reason)
                 finished.append(req)
@@ -118,30 +125,36 @@ class Scheduler:
 
     def _admit(
         self, budget: int, scheduled: list[tuple[SimRequest, int]]
-    ) -> tuple[list[SimRequest], int]:
-        """Admit waiting requests; returns them and the tokens they load from the CPU."""
+    ) -> tuple[list[SimRequest], int, int]:
+        """Admit waiting requests; returns them, the tokens they load from the CPU and
+        those they read from remote prefills."""
         admitted: list[SimRequest] = []
-        loaded_total = 0
+        loaded_total = transferred_total = 0
         bs = self.kv.block_size
         while self.waiting and budget > 0 and len(self.running) < self.params.max_num_seqs:
             req = self.waiting[0]
             computed = self.kv.computed_blocks(req)
-            num_new = min(req.num_tokens - len(computed) * bs, budget)
-            if not self.kv.allocate(req, num_new, computed):
+            hit = len(computed) * bs
+            first = req.num_cached_tokens < 0
+            remote = req.prompt_len - 1 - hit if req.remote_prefill and first else 0
+            num_new = min(req.num_tokens - hit - remote, budget)
+            if not self.kv.allocate(req, remote + num_new, computed):
                 break
-            loaded = min(self.kv.offloaded(req, len(computed)) * bs, num_new)
+            loaded = 0 if remote else min(self.kv.offloaded(req, len(computed)) * bs, num_new)
             self.waiting.popleft()
-            req.num_computed_tokens = len(computed) * bs
+            req.num_computed_tokens = hit + remote
             req.status = Status.RUNNING
             self.running.append(req)
-            if req.num_cached_tokens < 0:
+            if first:
                 req.num_cached_tokens = req.num_computed_tokens + loaded
                 req.num_loaded_tokens = loaded
+                req.num_transferred_tokens = remote
                 admitted.append(req)
             scheduled.append((req, num_new))
             budget -= num_new
             loaded_total += loaded
-        return admitted, loaded_total
+            transferred_total += remote
+        return admitted, loaded_total, transferred_total
 
     def _fit(self, req: SimRequest, num_new: int, preempted: list[SimRequest]) -> bool:
         """Allocate for a running request, preempting from the back; False if it was itself."""
@@ -167,10 +180,11 @@ class Scheduler:
         admitted: list[SimRequest],
         preempted: int,
         loaded: int,
+        transferred: int,
     ) -> StepPlan:
         decode_seqs = sum(1 for req, n in scheduled if _is_decode(req, n))
         prefill = sum(n for req, n in scheduled if not _is_decode(req, n)) - loaded
-        return StepPlan(scheduled, admitted, preempted, prefill, decode_seqs, loaded)
+        return StepPlan(scheduled, admitted, preempted, prefill, decode_seqs, loaded, transferred)
 
     @staticmethod
     def _finish(req: SimRequest, reason: FinishReason) -> None:

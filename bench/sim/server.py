@@ -2,7 +2,9 @@
 
 Routes (vLLM 0.33 shapes, docs/vllm-telemetry.md §5): POST /v1/chat/completions,
 POST /v1/completions, GET /v1/models, GET /health, POST /tokenize, GET /metrics,
-GET /load, GET /version, GET /kv_event_sources, POST /reset_prefix_cache; and the
+GET /load, GET /version, GET /kv_event_sources, POST /reset_prefix_cache; with
+runtime_lora_updating, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (absent
+otherwise, so 404, as in vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); and the
 simulator's admin routes GET|POST /sim/fault, POST /sim/restart, GET /sim/stats.
 
 A generation request: fault gate -> decode body -> resolve model (base or LoRA name) ->
@@ -10,7 +12,8 @@ tokenize -> submit to the engine -> JSON or SSE out. The handler is cancelled wh
 client disconnects (AppRunner handler_cancellation) and its `finally` aborts the engine
 request, as vLLM aborts on disconnect. The fault in force when a request arrives governs
 it (except `slow`, which acts on the engine at once). `X-Request-Id` names the request
-and is echoed on every response.
+and is echoed on every response. A `kv_transfer_params` direction the server's kv_role
+does not serve is a 400; a request without one is served whatever the role, as vLLM does.
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ import orjson
 from aiohttp import web
 
 from bench.sim.engine import updates
+from bench.sim.lora import LoraError
 from bench.sim.metrics import CONTENT_TYPE
-from bench.sim.params import Fault
+from bench.sim.params import Fault, KVRole
 from bench.sim.protocol import (
     CHAT,
     COMPLETION,
@@ -33,9 +37,12 @@ from bench.sim.protocol import (
     ChatBody,
     CompletionBody,
     GenerateBody,
+    KVTransferParams,
+    LoadLoraBody,
     Responder,
     ResponseFormat,
     TokenizeBody,
+    UnloadLoraBody,
     error_json,
 )
 from bench.sim.request import SimRequest
@@ -49,6 +56,9 @@ _CHAT = msgspec.json.Decoder(ChatBody)
 _COMPLETION = msgspec.json.Decoder(CompletionBody)
 _TOKENIZE = msgspec.json.Decoder(TokenizeBody)
 _FAULT = msgspec.json.Decoder(Fault)
+_LOAD_LORA = msgspec.json.Decoder(LoadLoraBody)
+_UNLOAD_LORA = msgspec.json.Decoder(UnloadLoraBody)
+_ROLE_NAMES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 VLLM_VERSION = "0.33.0"
 
@@ -88,6 +98,13 @@ def make_app(backend: SimBackend) -> web.Application:
             web.get("/sim/stats", sim.stats),
         ]
     )
+    if backend.params.runtime_lora_updating:
+        app.add_routes(
+            [
+                web.post("/v1/load_lora_adapter", vllm.load_lora_adapter),
+                web.post("/v1/unload_lora_adapter", vllm.unload_lora_adapter),
+            ]
+        )
     return app
 
 
@@ -150,6 +167,24 @@ def _lora_id(backend: SimBackend, model: str | None) -> int | None:
         raise ApiError(404, f"The model `{model}` does not exist.", "model") from None
 
 
+def _check_kv_role(role: KVRole, params: KVTransferParams | None) -> None:
+    """A 400 for a transfer direction this server's kv_role does not take part in."""
+    if params is None:
+        return
+    if params.do_remote_decode and role == "decode":
+        wrong = "do_remote_decode (prefill for a remote decode)"
+    elif params.do_remote_prefill and role == "prefill":
+        wrong = "do_remote_prefill (decode from a remote prefill)"
+    else:
+        return
+    raise ApiError(
+        400,
+        f"kv_transfer_params asks for {wrong}, but this server's kv_role is "
+        f"{_ROLE_NAMES[role]} ({role}).",
+        "kv_transfer_params",
+    )
+
+
 class _Generation:
     """POST /v1/chat/completions and /v1/completions: fault gate to engine to JSON or SSE."""
 
@@ -190,6 +225,8 @@ class _Generation:
     ) -> SimRequest:
         p = self.b.params
         lora_id = _lora_id(self.b, body.model)
+        transfer = body.kv_transfer_params
+        _check_kv_role(p.kv_role, transfer)
         if not prompt:
             raise ApiError(400, "The prompt is empty.", "prompt")
         room = p.max_model_len - len(prompt)
@@ -212,6 +249,8 @@ class _Generation:
             lora_id=lora_id,
             salt=body.cache_salt,
             arrival=asyncio.get_running_loop().time(),
+            remote_decode=transfer is not None and transfer.do_remote_decode,
+            remote_prefill=transfer is not None and transfer.do_remote_prefill,
         )
 
     async def _complete(
@@ -221,7 +260,7 @@ class _Generation:
             pass
         if cut or responder.req.dropped:
             _cut(request)
-        resp = _json_bytes(responder.full())
+        resp = _json_bytes(responder.full(self.b.kv_transfer_params(responder.req)))
         resp.headers["X-Request-Id"] = responder.req.request_id
         return resp
 
@@ -255,7 +294,7 @@ class _Generation:
 
 
 class _VllmRoutes:
-    """vLLM's other routes: health, models, tokenize, metrics, load, cache reset."""
+    """vLLM's other routes: health, models, tokenize, metrics, load, cache reset, LoRA."""
 
     def __init__(self, backend: SimBackend) -> None:
         self.b = backend
@@ -297,6 +336,22 @@ class _VllmRoutes:
         if not await self.b.engine.reset_prefix_cache():
             raise ApiError(503, "Failed to reset prefix cache: KV blocks are in use.")
         return web.Response()
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _decode(request, _LOAD_LORA)
+        try:
+            await self.b.loras.load(body.lora_name, body.lora_path)
+        except LoraError as e:
+            raise ApiError(e.status, str(e), "lora_name") from None
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        body = await _decode(request, _UNLOAD_LORA)
+        try:
+            self.b.loras.unload(body.lora_name)
+        except LoraError as e:
+            raise ApiError(e.status, str(e), "lora_name") from None
+        return web.Response(text=f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 class _SimRoutes:
