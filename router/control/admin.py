@@ -16,6 +16,11 @@ refused at start and on reload. With auth on, the same token opens the data port
   POST   /admin/backends/{name}/drain  no new requests, but it keeps its place on the
                                        hash ring, so `undrain` brings its prefixes back
   POST   /admin/backends/{name}/undrain
+  GET    /admin/pools                  each pool, preferred first: backends, usable,
+                                       in flight, saturation, and the backends wanted
+                                       and removable without losing capacity
+                                       (fallbacks first: router/fleet/pools.py); empty
+                                       for a flat fleet
   GET    /admin/config                 the effective config (it names where secrets
                                        are read from, never the secrets)
   POST   /admin/reload                 re-read the config file, as SIGHUP does
@@ -54,6 +59,7 @@ from router.errors import KvrouteError, Unauthorized
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
 from router.fleet.health import HealthChecker
+from router.fleet.pools import pool_states
 from router.ingress.auth import AdminToken
 from router.ingress.web import (
     IngressSite,
@@ -103,6 +109,7 @@ class AdminServer:
                 web.delete("/admin/backends/{name}", self.remove),
                 web.post("/admin/backends/{name}/drain", self.drain),
                 web.post("/admin/backends/{name}/undrain", self.undrain),
+                web.get("/admin/pools", self.pools),
                 web.get("/admin/config", self.config),
                 web.post("/admin/reload", self.reload),
             ]
@@ -165,6 +172,9 @@ class AdminServer:
         backend = self._known(request)
         await self._edit({"op": "drain", "name": backend.name, "draining": False})
         return _json(self._describe(backend, "active"))
+
+    async def pools(self, request: web.Request) -> web.Response:
+        return _json({"pools": [msgspec.to_builtins(s) for s in pool_states(self._router.fleet)]})
 
     async def config(self, request: web.Request) -> web.Response:
         return _json(msgspec.to_builtins(self._router.config))

@@ -29,6 +29,7 @@ from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
 from router.fleet.health import HealthChecker, ModelPoller, Verdicts
 from router.fleet.placements import PlacementTable
+from router.fleet.pools import pool_states
 from router.fleet.shared_load import LoadTable
 from router.ingress.auth import AdminToken, Authenticator
 from router.metrics import Metrics
@@ -65,7 +66,10 @@ class Node(ABC):
         self.reloader = Reloader(self, source)  # SIGHUP and the admin API
         self.discovery = Discovery(self)  # backends from DNS names
         self.metrics = Metrics(
-            lambda: self.fleet.members, context is not None, config.metrics.tenants
+            lambda: self.fleet.members,
+            context is not None,
+            config.metrics.tenants,
+            lambda: pool_states(self.fleet),
         )
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None

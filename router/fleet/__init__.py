@@ -12,6 +12,7 @@
   shared_load.py  in-flight counts and queued prompt tokens in shared memory (workers)
   placements.py   recent placements shared between workers (approximate prefix mode)
   discovery.py    backends from DNS names and Kubernetes EndpointSlices
+  pools.py        each pool's load, and its backends an autoscaler could remove
 
 May import: the vocabulary (config, context, errors, log, request), policies, hashing.
 """

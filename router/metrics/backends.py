@@ -13,6 +13,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.breaker import BreakerState
+from router.fleet.pools import PoolState
 
 #: the `kind` of kvroute_upstream_errors_total (and the `reason` of a retry after one)
 UPSTREAM_KINDS = tuple(
@@ -106,3 +107,44 @@ class BackendCollector:
             for to, count in {**dict.fromkeys(_STATES, 0), **b.transitions}.items():
                 changes.add_metric([b.name, to], count)
         return [inflight, up, checks, circuit, changes]
+
+
+class PoolCollector:
+    """Each pool's backends, load, saturation and the backends an autoscaler could
+    remove, fallbacks first (router/fleet/pools.py), read when /metrics is scraped."""
+
+    _GAUGES = (
+        ("backends", "kvroute_pool_backends", "Backends configured or discovered in the pool"),
+        ("usable", "kvroute_pool_usable_backends", "The pool's backends usable for routing"),
+        ("inflight", "kvroute_pool_inflight_requests", "Requests in flight to the pool"),
+        (
+            "saturation",
+            "kvroute_pool_saturation",
+            "In flight over the usable backends' capacity (concurrency_threshold each)",
+        ),
+        (
+            "wanted",
+            "kvroute_pool_wanted_backends",
+            "Backends of the pool that carry what is in flight, preferred pools first",
+        ),
+        (
+            "removable",
+            "kvroute_pool_removable_backends",
+            "Backends of the pool that could be removed without losing capacity",
+        ),
+    )
+
+    def __init__(self, states: Callable[[], list[PoolState]]) -> None:
+        self._states = states
+
+    def collect(self) -> Iterable[Metric]:
+        states = self._states()  # none for a flat fleet: each family without a series
+        families = []
+        for field, name, doc in self._GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["pool"])
+            for state in states:
+                value = getattr(state, field)
+                if value is not None:
+                    family.add_metric([state.name], value)
+            families.append(family)
+        return families

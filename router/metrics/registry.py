@@ -20,7 +20,8 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 
 from router.fleet.backend import Backend
-from router.metrics.backends import BackendCollector, BackendMetrics
+from router.fleet.pools import PoolState
+from router.metrics.backends import BackendCollector, BackendMetrics, PoolCollector
 from router.metrics.process import ProcessMetrics, exported
 from router.metrics.requests import RequestMetrics
 from router.metrics.telemetry import TelemetryMetrics
@@ -40,8 +41,10 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
         members: Callable[[], Iterable[Backend]],
         multiprocess: bool = False,
         tenants: Iterable[str] = (),
+        pools: Callable[[], list[PoolState]] | None = None,
     ) -> None:
-        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones."""
+        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones;
+        `pools`: the pools' states, for a fleet that has pools."""
         self._tenants = frozenset(tenants)
         self._members = members
         #: the routing strategy's name, as the metrics label it (dispatch sets it)
@@ -51,6 +54,8 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
         #: what /metrics shows: this registry, or with several workers every process's
         self._exported = exported(r, multiprocess)
         self._exported.register(BackendCollector(members))
+        if pools is not None:
+            self._exported.register(PoolCollector(pools))
         self._declare_requests(r)
         self._declare_admission(r)
         self._declare_latencies(r)

@@ -18,13 +18,16 @@ from tests.stub_backend import StubBackend
 MESSAGES = [{"role": "user", "content": "the same question every time"}]
 
 
+ADMIN_TOKEN = "admin-token-for-pool-tests"
+
+
 @asynccontextmanager
-async def two_pools(**routing: object) -> AsyncIterator[tuple[Router, StubBackend, StubBackend]]:
+async def two_pools(**config: object) -> AsyncIterator[tuple[Router, StubBackend, StubBackend]]:
     """`main` alone in pool `preferred`; `spare` in pool `fallback`, which serves the
     public name stub-model as its own stub-model-awq."""
     main = await StubBackend().start()
     spare = await StubBackend(model="stub-model-awq").start()
-    config = {
+    data = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [
             {"name": "preferred", "priority": 0, "backends": [{"url": main.url, "name": "main"}]},
@@ -35,9 +38,10 @@ async def two_pools(**routing: object) -> AsyncIterator[tuple[Router, StubBacken
                 "backends": [{"url": spare.url, "name": "spare", "models": ["stub-model-awq"]}],
             },
         ],
-        "routing": {"strategy": "PREFIX_AWARE", "concurrency_threshold": 1, **routing},
+        "routing": {"strategy": "PREFIX_AWARE", "concurrency_threshold": 1},
+        **config,
     }
-    router = Router(build(config))
+    router = Router(build(data))
     await router.start()
     try:
         yield router, main, spare
@@ -69,8 +73,18 @@ def counted(router: Router, name: str, **labels: str) -> float:
     )
 
 
-async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_is_full() -> None:
-    async with two_pools() as (router, main, spare):
+async def pools(router: Router, http: aiohttp.ClientSession) -> dict[str, dict]:
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with http.get(router.admin.url + "/admin/pools", headers=headers) as resp:
+        assert resp.status == 200
+        return {p["name"]: p for p in (await resp.json())["pools"]}
+
+
+async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_is_full(
+    monkeypatch,
+) -> None:
+    monkeypatch.setenv("KV_ADMIN", ADMIN_TOKEN)
+    async with two_pools(admin={"port": 0, "token_env": "KV_ADMIN"}) as (router, main, spare):
         oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
         assert await ask(oai) == ("preferred", "main")  # room: the preferred pool
         main.behaviour.hang_after_chunks = 1  # the next stream holds main's one slot
@@ -81,6 +95,18 @@ async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_
                 assert (await held.content.readline()).startswith(b"data: ")
                 assert await ask(oai) == ("fallback", "spare")  # full: the overflow
                 assert await ask(oai, stream=True) == ("fallback", "spare")
+                full = await pools(router, http)  # one in flight: the preferred pool's
+        one = {"backends": 1, "usable": 1}
+        assert full["preferred"] == {
+            **one, "name": "preferred", "priority": 0, "inflight": 1, "saturation": 1.0,
+            "wanted": 1, "removable": 0,
+        }  # fmt: skip
+        assert full["fallback"] == {
+            **one, "name": "fallback", "priority": 1, "inflight": 0, "saturation": 0.0,
+            "wanted": 0, "removable": 1,
+        }  # fmt: skip
+        text = router.metrics.render().decode()
+        assert 'kvroute_pool_removable_backends{pool="fallback"} 1.0' in text
         async with asyncio.timeout(5):  # the held stream's slot is given back
             while router.fleet.find("main").inflight:
                 await asyncio.sleep(0.01)

@@ -1,0 +1,61 @@
+"""Each pool's load, and how many of its backends could go without losing capacity.
+
+What an autoscaler needs to drain the fallbacks first (GET /admin/pools and the
+kvroute_pool_* gauges). The backends wanted are the fewest that carry what is in flight
+now, taken from the preferred pool down: with the strategy's `concurrency_threshold`
+as each backend's capacity, ceil(in flight / threshold); without one, as many as are
+busy. At least one usable backend is always wanted, so an idle fleet keeps one in its
+preferred pool. A pool's removable backends are its backends beyond those wanted of it.
+Cost: O(backends), at a scrape or an admin call, never on the request path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import msgspec
+
+from router.fleet.backends import Fleet
+
+
+class PoolState(msgspec.Struct, frozen=True, kw_only=True):
+    name: str
+    priority: int
+    backends: int
+    usable: int
+    inflight: int
+    #: in flight over the usable backends' capacity (None without a threshold)
+    saturation: float | None
+    wanted: int
+    removable: int
+
+
+def pool_states(fleet: Fleet) -> list[PoolState]:
+    """The pools' states, preferred first; none for a flat fleet."""
+    if not fleet.pools:
+        return []
+    cap = getattr(fleet.policy.params, "concurrency_threshold", None)
+    members = fleet.members
+    total = sum(b.inflight for b in members)
+    busy = sum(1 for b in members if b.inflight)
+    needed = max(1, math.ceil(total / cap) if cap else busy)
+    states = []
+    for pool in fleet.pools:
+        backends = [b for b in members if b.pool == pool.name]
+        usable = sum(1 for b in backends if b.usable)
+        inflight = sum(b.inflight for b in backends)
+        wanted = min(usable, needed)
+        needed -= wanted
+        states.append(
+            PoolState(
+                name=pool.name,
+                priority=pool.priority,
+                backends=len(backends),
+                usable=usable,
+                inflight=inflight,
+                saturation=inflight / (usable * cap) if cap and usable else None,
+                wanted=wanted,
+                removable=len(backends) - wanted,
+            )
+        )
+    return states
