@@ -279,6 +279,28 @@ class LimitsConfig(_Strict):
             raise ValueError("limits.max_buffered_body_bytes must be at least max_body_bytes")
 
 
+class LoraConfig(_Strict):
+    """LoRA adapters loaded on demand (vLLM's POST /v1/load_lora_adapter, which needs
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=True on the backends): a request for one of
+    `adapters` that no backend serves loads it on one backend first, from `source` with
+    `{name}` replaced by the adapter's name. A backend keeps at most `max_loras` adapters
+    the router loaded; one more unloads its least recently used. Only the listed names
+    are ever loaded, so a client cannot make the router load what it likes."""
+
+    load_on_demand: bool = False
+    adapters: list[Annotated[str, Meta(min_length=1)]] = msgspec.field(default_factory=list)
+    source: str = "{name}"
+    max_loras: Annotated[int, Meta(ge=1)] = 4
+    #: how long a load may take, listed by the backend's /v1/models included
+    load_timeout: Seconds = 120.0
+
+    def __post_init__(self) -> None:
+        if self.load_on_demand and not self.adapters:
+            raise ValueError("lora.load_on_demand needs lora.adapters: the names it may load")
+        if "{name}" not in self.source:
+            raise ValueError("lora.source must contain {name}, e.g. /models/loras/{name}")
+
+
 class HealthConfig(_Strict):
     """Active checks: GET `path` on each backend every `interval` seconds.
 
@@ -435,6 +457,7 @@ class Config(_Strict):
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
     health: HealthConfig = HealthConfig()
+    lora: LoraConfig = LoraConfig()
     breaker: BreakerConfig = BreakerConfig()
     retries: RetryConfig = RetryConfig()
     shutdown: ShutdownConfig = ShutdownConfig()

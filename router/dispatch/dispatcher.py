@@ -39,6 +39,7 @@ from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.shutdown import OpenExchanges, shutting_down
 from router.errors import KvrouteError, UpstreamTimeout
+from router.fleet.adapters import AdapterLoader
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
@@ -96,6 +97,7 @@ class Dispatcher:
         self.admission = Admission(config.limits, counts, metrics)
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
+        self._adapters = AdapterLoader(fleet, session, config.lora)
         self._account = Accounting(metrics, fleet, records and records.access_log)
         self._account.tenants = tenants
         self._tracing = records and records.tracing
@@ -112,6 +114,7 @@ class Dispatcher:
         self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
         self._connector.configure(config)
         self.admission.configure(config.limits)
+        self._adapters.configure(config.lora)
 
     def close(self) -> None:
         """Close the idle connections to the backends (at shutdown, after the listeners)."""
@@ -152,6 +155,8 @@ class Dispatcher:
             held = await self.admission.enter(call.tenant)
             try:
                 async with asyncio.timeout(None) as deadline:
+                    if self._adapters.wanted(call.req.model):
+                        await self._adapters.ensure(call.req.model)
                     describer = self._describer
                     if (block_keys := describer.exact_ids()) is not None:
                         call.token_ids = await describer.token_ids(call, block_keys)

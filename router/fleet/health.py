@@ -166,10 +166,11 @@ class ModelPoller:
         except (aiohttp.ClientError, OSError, TimeoutError):
             return
         if resp.status == 200:
-            self._fleet.set_discovered(backend, _cards(body))
+            self._fleet.set_discovered(backend, cards_of(body))
 
 
-def _cards(body: bytes) -> list[dict]:
+def cards_of(body: bytes) -> list[dict]:
+    """The model cards of a /v1/models answer (none if it is not one)."""
     try:
         data = orjson.loads(body).get("data")
     except (orjson.JSONDecodeError, AttributeError):

@@ -143,6 +143,16 @@ def test_defaults_need_only_backends() -> None:
             "pool 'x' is not defined under pools",
             id="a-pool-never-defined",
         ),
+        pytest.param(
+            {"backends": ONE, "lora": {"load_on_demand": True}},
+            "lora.load_on_demand needs lora.adapters",
+            id="lora-loads-anything",
+        ),
+        pytest.param(
+            {"backends": ONE, "lora": {"adapters": ["a"], "source": "/models/loras"}},
+            "lora.source must contain {name}",
+            id="lora-source-without-the-name",
+        ),
     ],
 )
 def test_bad_config_names_the_problem(data: dict, message: str) -> None:
