@@ -235,6 +235,9 @@ class PoolConfig(_Strict):
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     priority: Annotated[int, Meta(ge=0)]
     model_map: dict[str, str] = msgspec.field(default_factory=dict)
+    #: disaggregated serving (vLLM's KV connectors): a chat or completion request is
+    #: prefilled in a `prefill` pool, then decoded in a `decode` pool; `both` serves whole
+    role: Literal["both", "prefill", "decode"] = "both"
 
 
 class TimeoutsConfig(_Strict):
@@ -505,6 +508,12 @@ class Config(_Strict):
         priorities = [p.priority for p in self.pools]
         if len(set(priorities)) < len(priorities):
             raise ValueError(f"pools: priorities must be unique, got {priorities}")
+        roles = {p.role for p in self.pools} - {"both"}
+        if len(roles) == 1:
+            raise ValueError(
+                f"pools: a {roles.pop()} pool needs a pool of the other role (prefill and "
+                "decode go together)"
+            )
         for member in (*self.backends, *self.discovery):
             if self.pools and member.pool not in names:
                 which = getattr(member, "url", None) or member.label

@@ -98,9 +98,13 @@ _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ENCODE = msgspec.json.Encoder()
 
 
-def with_model(body: bytes, model: str) -> bytes:
-    """`body` (a JSON object that `parse` accepted) naming `model` instead: every other
-    field's bytes are kept as they came, unparsed (a pool's `model_map`)."""
+def with_fields(body: bytes, values: dict[str, object], drop: tuple[str, ...] = ()) -> bytes:
+    """`body` (a JSON object that `parse` accepted) with `values` set and `drop` left
+    out: every other field's bytes are kept as they came, unparsed (a pool's
+    `model_map`, the two legs of a disaggregated request)."""
     fields = _FIELDS.decode(body)
-    fields["model"] = msgspec.Raw(_ENCODE.encode(model))
+    for name in drop:
+        fields.pop(name, None)
+    for name, value in values.items():
+        fields[name] = msgspec.Raw(_ENCODE.encode(value))
     return _ENCODE.encode(fields)

@@ -8,8 +8,10 @@
   shared_admission.py admission's counts in shared memory, with several workers
   describe.py         the model check (404) and the prompt described for the policy
                       (exact tokens, fingerprint, block keys)
-  pick.py             the policy's pick, and the first attempt begun under the workers'
-                      pick lock (the shared load table)
+  pick.py             the policy's pick, pool by pool, and the first attempt begun
+                      under the workers' pick lock (the shared load table)
+  disaggregation.py   the prefill leg of a request split between a prefill and a
+                      decode pool (vLLM's KV connectors)
   connect.py          the attempt loop: retries before the first byte, the 503 when
                       every backend failed
   attempt.py          one attempt on one backend: its in-flight slot, the upstream

@@ -22,7 +22,7 @@ from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.metrics import Labelled, Metrics, model_label
-from router.request import with_model
+from router.request import with_fields
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
 
 
@@ -132,7 +132,7 @@ class Attempt:
         pool's `model_map` says so, else the client's bytes as they came."""
         call = self.call
         model = self._fleet.renamed(self.backend, call.req.model)
-        return call.body if model is None else with_model(call.body, model)
+        return call.body if model is None else with_fields(call.body, {"model": model})
 
     def __enter__(self) -> Attempt:
         return self

@@ -59,6 +59,11 @@ class Call:
     trace: Trace | None = None
     #: the prompt's exact token ids, when a backend's /tokenize supplied them
     token_ids: list[int] | None = None
+    #: the pool roles its picks are made in (None: every pool); "decode" once its
+    #: prompt was prefilled on another backend (disaggregated serving)
+    role: str | None = None
+    #: the backend that prefilled it, with disaggregated serving
+    prefilled_by: str | None = None
 
 
 class Routed(NamedTuple):

@@ -7,6 +7,7 @@ routing, retries, accounting and metrics. Each step has its module:
   admission.py   the wait queue and concurrency caps (429)
   describe.py    the model check (404) and what the policy reads of the prompt
   pick.py        the policy's pick, and the first attempt begun under the pick lock
+  disaggregation.py  the prefill leg, with prefill and decode pools
   connect.py     the attempts until a backend answers, retrying before the first byte
   attempt.py     one attempt: its slots and the breaker's verdict
   accounting.py  the metrics, for the last attempt once the answer ended
@@ -35,6 +36,7 @@ from router.dispatch.attempt import Attempts, blame
 from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
+from router.dispatch.disaggregation import Disaggregation
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.shutdown import OpenExchanges, shutting_down
@@ -103,6 +105,7 @@ class Dispatcher:
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
         self._picker = Picker(fleet, self._account, attempts)
+        self._pd = Disaggregation(fleet, self._picker, session)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
         #: shutting down: readiness is false (requests in flight still finish)
         self.draining = False
@@ -115,6 +118,7 @@ class Dispatcher:
         self._connector.configure(config)
         self.admission.configure(config.limits)
         self._adapters.configure(config.lora)
+        self._pd.configure(config)
 
     def close(self) -> None:
         """Close the idle connections to the backends (at shutdown, after the listeners)."""
@@ -134,7 +138,7 @@ class Dispatcher:
         """Pick the backend for `call`, none named in `tried`; raise the client-facing
         error if there is none."""
         t0 = time.perf_counter()
-        return self._picker.pick(self._describer.describe(call), t0, tried)
+        return self._picker.pick(self._describer.describe(call), t0, tried, call.role)
 
     @asynccontextmanager
     async def exchange(self, call: Call) -> AsyncIterator[Upstream]:
@@ -162,6 +166,8 @@ class Dispatcher:
                         call.token_ids = await describer.token_ids(call, block_keys)
                     t0 = time.perf_counter()
                     route_req = describer.describe(call)
+                    if self._pd.applies(call):
+                        await self._pd.prefill(call, route_req, t0)
                     first = self._picker.first(route_req, t0, call, deadline)
                     if call.trace is not None:
                         call.trace.routed(first.routed, self._account.strategy, t0)

@@ -6,9 +6,11 @@ it is counted in the shared load before another worker picks.
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Collection
 
 from policies import FleetView, Pick, Reason, RouteRequest
+from policies.least_outstanding_requests import least_loaded
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
@@ -20,25 +22,34 @@ from router.upstream.retry import excluding
 class Picker:
     """The fleet's current policy, asked for a backend (the policy changes on reload)."""
 
-    __slots__ = ("_account", "_attempts", "_fleet")
+    __slots__ = ("_account", "_attempts", "_fleet", "_rng")
 
     def __init__(self, fleet: Fleet, account: Accounting, attempts: Attempts) -> None:
         self._fleet = fleet
         self._account = account
         self._attempts = attempts
+        self._rng = random.Random()
 
     def first(
         self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
     ) -> Attempt:
         """The pick for `call` and its attempt, begun while the pick lock is held."""
         with self._fleet.picking():
-            return self._attempts.begin(self.pick(route_req, t0), call, timeout)
+            return self._attempts.begin(self.pick(route_req, t0, (), call.role), call, timeout)
 
-    def pick(self, route_req: RouteRequest, t0: float, tried: Collection[str] = ()) -> Routed:
-        """The policy's pick for a described request, none named in `tried`; `t0`: when
-        its decision began. NoBackendAvailable (a 503) if there is none."""
+    def pick(
+        self,
+        route_req: RouteRequest,
+        t0: float,
+        tried: Collection[str] = (),
+        role: str | None = None,
+    ) -> Routed:
+        """The policy's pick for a described request, none named in `tried`, in the
+        pools of `role` if given; `t0`: when its decision began. NoBackendAvailable (a
+        503) if there is none. A decode (its prompt prefilled elsewhere) balances on
+        decode load: the decode backend with the fewest requests in flight."""
         fleet = self._fleet
-        pick, view, passed = self._first_with_room(route_req, tried)
+        pick, view, passed = self._first_with_room(route_req, tried, role)
         if fleet.pools:
             self._account.pooled(passed, pick)
         self._account.decided(pick, view.panic, t0)
@@ -47,18 +58,18 @@ class Picker:
         return Routed(pick.backend, pick.reason, route_req.prompt_tokens, pick.predicted_cached)
 
     def _first_with_room(
-        self, route_req: RouteRequest, tried: Collection[str]
+        self, route_req: RouteRequest, tried: Collection[str], role: str | None
     ) -> tuple[Pick, FleetView, list[tuple[str, bool]]]:
         """The pick of the first pool (by priority) where the policy finds a backend
         below its cap, its view, and the pools passed on before it (name, and whether
         it had a backend: saturated, or none usable). When every pool is saturated, the
         most preferred one with a backend takes the request, as a flat fleet's saturated
         pick does. A flat fleet is one pool without a name."""
-        policy = self._fleet.policy
+        choose = self._least_loaded if role == "decode" else self._fleet.policy.pick
         passed: list[tuple[str, bool]] = []
         saturated: tuple[Pick, FleetView, list[tuple[str, bool]]] | None = None
-        for pool, view in self._fleet.pool_views(route_req.model):  # cached per model
-            pick = policy.pick(route_req, excluding(view, tried) if tried else view)
+        for pool, view in self._fleet.pool_views(route_req.model, role):  # cached
+            pick = choose(route_req, excluding(view, tried) if tried else view)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed
             if pick.backend is not None and saturated is None:
@@ -66,6 +77,10 @@ class Picker:
             if pool is not None:
                 passed.append((pool.name, pick.backend is not None))
         return saturated if saturated is not None else (pick, view, [])
+
+    def _least_loaded(self, route_req: RouteRequest, view: FleetView) -> Pick:
+        backend = least_loaded(view.candidates, self._rng)
+        return Pick(backend, Reason.LEAST_OUTSTANDING if backend else Reason.NO_CANDIDATE)
 
 
 def unavailable(model: str) -> str:

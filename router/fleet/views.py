@@ -31,7 +31,7 @@ class Views:
     _models: frozenset[str] | None = None
     #: the pools, preferred first (none: one flat pool), and each model's view in each
     pools: tuple[PoolConfig, ...] = ()
-    _pool_views: dict[str, tuple[tuple[PoolConfig, FleetView], ...]]
+    _pool_views: dict[tuple[str, str | None], tuple[tuple[PoolConfig, FleetView], ...]]
 
     def picking(self) -> contextlib.AbstractContextManager[object]:
         """Held around a pick and the count of its request in the shared load table: with
@@ -50,20 +50,29 @@ class Views:
             view = self._views[model] = self._build_view(model)
         return view
 
-    def pool_views(self, model: str) -> tuple[tuple[PoolConfig | None, FleetView], ...]:
-        """The view of `model` in each pool, preferred first, each over the pool's
-        backends serving the name its `model_map` gives; one (None, view) without pools."""
+    def pool_views(
+        self, model: str, role: str | None = None
+    ) -> tuple[tuple[PoolConfig | None, FleetView], ...]:
+        """The view of `model` in each pool (of `role` only, if given), preferred first,
+        each over the pool's backends serving the name its `model_map` gives; one
+        (None, view) without pools."""
         if not self.pools:
             return ((None, self.view(model)),)
-        found = self._pool_views.get(model)
+        found = self._pool_views.get((model, role))
         if found is None:
             if len(self._pool_views) >= _MAX_CACHED_VIEWS:
                 self._pool_views = {}
-            found = self._pool_views[model] = tuple(
+            found = self._pool_views[(model, role)] = tuple(
                 (pool, self._build_view(pool.model_map.get(model, model), pool.name))
                 for pool in self.pools
+                if role is None or pool.role == role
             )
         return found
+
+    @property
+    def disaggregated(self) -> bool:
+        """Prefill and decode pools: chat and completion requests take both."""
+        return any(p.role == "prefill" for p in self.pools)
 
     def known_model(self, model: str) -> bool:
         """False when every backend's model list is known and none lists `model` (under

@@ -144,6 +144,11 @@ def test_defaults_need_only_backends() -> None:
             id="a-pool-never-defined",
         ),
         pytest.param(
+            {"pools": [{**_pool("p", 0), "role": "prefill"}, _pool("b", 1)]},
+            "pools: a prefill pool needs a pool of the other role",
+            id="prefill-without-decode",
+        ),
+        pytest.param(
             {"backends": ONE, "lora": {"load_on_demand": True}},
             "lora.load_on_demand needs lora.adapters",
             id="lora-loads-anything",

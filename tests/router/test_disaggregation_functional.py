@@ -1,0 +1,110 @@
+"""Prefill/decode disaggregation end to end: simulated vLLM servers in prefill and decode
+roles (NixlConnector's kv_transfer_params), the router in front, the openai SDK as
+client."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import openai
+import pytest
+from openai import AsyncOpenAI
+
+from bench.sim.fleet import SimFleet, start_fleet
+from bench.sim.params import Fault, SimParams
+from router.config import build
+from router.control.worker import Router
+
+MODEL = "sim-llama-70b"
+DOC = "".join(f"clause {k}: the tenant keeps the premises in good order. " for k in range(60))
+
+
+@asynccontextmanager
+async def pd_fleet(pools: list[tuple[str, str]]) -> AsyncIterator[tuple[SimFleet, AsyncOpenAI]]:
+    """One simulated backend per (pool name, role), the pools in that priority order."""
+    roles = [role for _, role in pools]
+    fleet = await start_fleet(len(pools), SimParams(time_scale=0.05), roles=roles)
+    backends = [[{"url": b.url, "name": f"sim{i}"}] for i, b in enumerate(fleet.backends)]
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [
+            {"name": name, "priority": i, "role": role, "backends": backends[i]}
+            for i, (name, role) in enumerate(pools)
+        ],
+        "health": {"interval": 60},  # a backend killed here stays "usable": the retry is tested
+    }
+    router = Router(build(config))
+    await router.start()
+    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    try:
+        yield fleet, oai
+    finally:
+        await oai.close()
+        await router.stop()
+        await fleet.stop()
+
+
+async def ask(oai: AsyncOpenAI, stream: bool = False) -> tuple[str, str, int, int]:
+    """(pool, backend, prompt tokens, completion tokens) of one answer read whole."""
+    messages = [{"role": "system", "content": DOC}, {"role": "user", "content": "summarise"}]
+    raw = await oai.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, max_tokens=5, stream=stream,
+        **({"stream_options": {"include_usage": True}} if stream else {}),
+    )  # fmt: skip
+    answer = raw.parse()
+    if stream:
+        chunks = [c async for c in answer]
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        usage = chunks[-1].usage
+    else:
+        text, usage = answer.choices[0].message.content, answer.usage
+    assert text
+    pool, backend = raw.headers["x-kvroute-pool"], raw.headers["x-kvroute-backend"]
+    return pool, backend, usage.prompt_tokens, usage.completion_tokens
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_prefill_then_decode_with_the_usage_of_a_whole_request(stream: bool) -> None:
+    async with pd_fleet([("prefill", "prefill"), ("decode", "decode")]) as (fleet, oai):
+        pool, backend, prompt, completion = await ask(oai, stream)
+        assert (pool, backend, completion) == ("decode", "sim1", 5)
+        prefill, decode = fleet.backends
+        assert prefill.stats.prefills_for_remote_decode == 1
+        assert decode.stats.decodes_from_remote_prefill == 1
+        assert decode.stats.kv_transfer_tokens == prompt - 1  # vLLM recomputes the last
+        assert prefill.stats.prompt_tokens == prompt  # the prefill saw the whole prompt
+
+
+async def test_a_prefill_backend_killed_mid_request_is_retried_on_another() -> None:
+    pools = [("p-first", "prefill"), ("p-second", "prefill"), ("decode", "decode")]
+    async with pd_fleet(pools) as (fleet, oai):
+        first, second, decode = fleet.backends
+        first.set_fault(Fault(mode="slow", factor=1000.0))  # holds the prefill
+        answer = asyncio.create_task(ask(oai))
+        async with asyncio.timeout(10):  # the prefill leg reached the first backend
+            while not first.inflight:
+                await asyncio.sleep(0.01)
+        await first.stop()  # killed while it holds the request
+        pool, backend, _, completion = await answer
+        assert (pool, backend, completion) == ("decode", "sim2", 5)
+        assert second.stats.prefills_for_remote_decode == 1
+        assert decode.stats.decodes_from_remote_prefill == 1
+
+
+@pytest.mark.parametrize("whole", [True, False])
+async def test_with_every_prefill_failing_a_whole_pool_serves_or_it_is_a_502(whole) -> None:
+    pools = [("prefill", "prefill"), ("decode", "decode")] + [("whole", "both")] * whole
+    async with pd_fleet(pools) as (fleet, oai):
+        fleet.backends[0].set_fault(Fault(mode="fail", status=500))
+        if whole:
+            pool, backend, _, _ = await ask(oai)
+            assert (pool, backend) == ("whole", "sim2")
+            assert fleet.backends[2].stats.decodes_from_remote_prefill == 0
+        else:
+            with pytest.raises(openai.APIStatusError) as info:
+                await ask(oai)
+            assert info.value.status_code == 502
+            assert "The prefill failed on every prefill backend tried" in info.value.message
+        assert fleet.backends[1].stats.requests_received == 0
