@@ -53,6 +53,7 @@ class Entry(NamedTuple):
     strategy: str
     backend: str
     reason: str  # why the policy picked the backend
+    prefill: str  # the backend that prefilled it (disaggregated serving), else ""
     status: str
     retries: int
     prompt_tokens: int | None
@@ -176,6 +177,7 @@ def _fields(entry: Entry, clock: _Clock) -> dict[str, object]:
         "status": int(entry.status) if entry.status.isdigit() else entry.status,
         "backend": entry.backend or None,
         "reason": entry.reason or None,
+        "prefill": entry.prefill or None,
         "strategy": entry.strategy,
         "retries": entry.retries,
         "prompt_tokens": entry.prompt_tokens,

@@ -172,6 +172,7 @@ class Accounting:
                 self.strategy,
                 backend,
                 reason,
+                call.prefilled_by or "",
                 status,
                 retries,
                 *used,

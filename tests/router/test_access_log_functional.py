@@ -200,6 +200,7 @@ def test_a_clients_strings_cannot_forge_fields_or_lines() -> None:
         "RANDOM",
         "",
         "",
+        "",
         "400",
         0,
         None,

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import openai
+import orjson
 import pytest
 from openai import AsyncOpenAI
 
@@ -22,7 +23,9 @@ DOC = "".join(f"clause {k}: the tenant keeps the premises in good order. " for k
 
 
 @asynccontextmanager
-async def pd_fleet(pools: list[tuple[str, str]]) -> AsyncIterator[tuple[SimFleet, AsyncOpenAI]]:
+async def pd_fleet(
+    pools: list[tuple[str, str]], extra: dict | None = None
+) -> AsyncIterator[tuple[SimFleet, AsyncOpenAI]]:
     """One simulated backend per (pool name, role), the pools in that priority order."""
     roles = [role for _, role in pools]
     fleet = await start_fleet(len(pools), SimParams(time_scale=0.05), roles=roles)
@@ -34,6 +37,7 @@ async def pd_fleet(pools: list[tuple[str, str]]) -> AsyncIterator[tuple[SimFleet
             for i, (name, role) in enumerate(pools)
         ],
         "health": {"interval": 60},  # a backend killed here stays "usable": the retry is tested
+        **(extra or {}),
     }
     router = Router(build(config))
     await router.start()
@@ -66,8 +70,13 @@ async def ask(oai: AsyncOpenAI, stream: bool = False) -> tuple[str, str, int, in
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_prefill_then_decode_with_the_usage_of_a_whole_request(stream: bool) -> None:
-    async with pd_fleet([("prefill", "prefill"), ("decode", "decode")]) as (fleet, oai):
+async def test_prefill_then_decode_with_the_usage_of_a_whole_request(
+    stream: bool, tmp_path
+) -> None:
+    log = tmp_path / "access.log"
+    pools = [("prefill", "prefill"), ("decode", "decode")]
+    logged = {"access_log": {"path": str(log)}, "log_format": "json"}
+    async with pd_fleet(pools, logged) as (fleet, oai):
         pool, backend, prompt, completion = await ask(oai, stream)
         assert (pool, backend, completion) == ("decode", "sim1", 5)
         prefill, decode = fleet.backends
@@ -75,6 +84,8 @@ async def test_prefill_then_decode_with_the_usage_of_a_whole_request(stream: boo
         assert decode.stats.decodes_from_remote_prefill == 1
         assert decode.stats.kv_transfer_tokens == prompt - 1  # vLLM recomputes the last
         assert prefill.stats.prompt_tokens == prompt  # the prefill saw the whole prompt
+    (line,) = [orjson.loads(x) for x in log.read_bytes().splitlines()]  # flushed at stop
+    assert (line["backend"], line["prefill"], line["prompt_tokens"]) == ("sim1", "sim0", prompt)
 
 
 async def test_a_prefill_backend_killed_mid_request_is_retried_on_another() -> None:
