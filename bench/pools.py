@@ -13,23 +13,19 @@ spill counts (kvroute_pool_spills_total). Latencies are in simulated time.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-import aiohttp
 import msgspec
 import uvloop
 
-from bench import processes, scrape
-from bench.loadgen import Outcome, replay
+from bench.loadgen import Outcome
 from bench.report import percentile
+from bench.routed import replay_routed
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import build
 
-_MODEL = "sim-llama-70b"
 _SPILLS = "kvroute_pool_spills_total"
 
 
@@ -150,28 +146,17 @@ def table(stages: Sequence[Stage]) -> str:
 async def run(args: argparse.Namespace) -> int:
     rates = [float(r) for r in args.stages.split(",") if r.strip()]
     stages = ramp(args, rates)
-    n = args.preferred + args.fallback
-    async with contextlib.AsyncExitStack() as stack:
-        sim = processes.simulator(n, args.time_scale, [])
-        backends, _ = await stack.enter_async_context(sim)
-        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-pools-")))
-        cmd = processes.kvroute_serve(router_config(args, backends), tmp / "router.yaml")
-        started = processes.replicas(lambda port: [*cmd, "--port", str(port)], "/ready", 1)
-        ((url, _),) = await stack.enter_async_context(started)
-        http = await stack.enter_async_context(aiohttp.ClientSession())
-        before = await scrape.metrics(http, url)
-        specs = [s for stage in stages for s in stage]
-        outcomes = await replay(
-            [url], _MODEL, specs, concurrency=None, time_scale=args.time_scale,
-            deadline=args.max_wall, seed=args.seed,
-        )  # fmt: skip
-        after = await scrape.metrics(http, url)
-    fallback = {b["name"] for b in backends[args.preferred :]}
-    found = summarize(rates, stages, outcomes, fallback, args.time_scale)
+    specs = [s for stage in stages for s in stage]
+    routed = await replay_routed(
+        args.preferred + args.fallback, [], lambda fleet: router_config(args, fleet), specs,
+        time_scale=args.time_scale, max_wall=args.max_wall, seed=args.seed,
+    )  # fmt: skip
+    fallback = {b["name"] for b in routed.backends[args.preferred :]}
+    found = summarize(rates, stages, routed.outcomes, fallback, args.time_scale)
     print(table(found))
     spills = {
-        dict(labels).get("reason", ""): value - before.get((name, labels), 0.0)
-        for (name, labels), value in after.items()
+        dict(labels).get("reason", ""): value - routed.before.get((name, labels), 0.0)
+        for (name, labels), value in routed.after.items()
         if name == _SPILLS and dict(labels).get("pool") == "preferred"
     }
     print(f"spills from the preferred pool: {spills or 'none'}")

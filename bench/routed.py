@@ -1,0 +1,55 @@
+"""One replay through kvroute over a simulated fleet: the simulator in a child process,
+kvroute as `kvroute serve` starts it (one worker per usable core) with a config built
+for the fleet's backends, the workload sent to it, the router's /metrics read before
+and after. What bench.pools and bench.disagg share."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+from bench import processes, scrape
+from bench.loadgen import Outcome, replay
+from bench.workloads import RequestSpec
+
+MODEL = "sim-llama-70b"
+
+
+class Routed(msgspec.Struct, kw_only=True):
+    backends: list[dict]  # the simulated fleet's backend configs, in order
+    outcomes: list[Outcome]
+    before: scrape.Samples  # the router's /metrics
+    after: scrape.Samples
+
+
+async def replay_routed(
+    backends: int,
+    sim_args: Sequence[str],
+    config: Callable[[list[dict]], dict],
+    specs: Sequence[RequestSpec],
+    *,
+    time_scale: float,
+    max_wall: float,
+    seed: int,
+) -> Routed:
+    """Replay `specs` (open loop) through kvroute configured by `config(backends)`."""
+    async with contextlib.AsyncExitStack() as stack:
+        sim = processes.simulator(backends, time_scale, sim_args)
+        fleet, _ = await stack.enter_async_context(sim)
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-")))
+        cmd = processes.kvroute_serve(config(fleet), tmp / "router.yaml")
+        started = processes.replicas(lambda port: [*cmd, "--port", str(port)], "/ready", 1)
+        ((url, _),) = await stack.enter_async_context(started)
+        http = await stack.enter_async_context(aiohttp.ClientSession())
+        before = await scrape.metrics(http, url)
+        outcomes = await replay(
+            [url], MODEL, specs, concurrency=None, time_scale=time_scale,
+            deadline=max_wall, seed=seed,
+        )  # fmt: skip
+        after = await scrape.metrics(http, url)
+    return Routed(backends=fleet, outcomes=outcomes, before=before, after=after)
