@@ -18,11 +18,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-import uvloop
 
 from bench.loadgen import Outcome
 from bench.report import percentile
-from bench.routed import replay_routed
+from bench.routed import replay_routed, run_main
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import build
 
@@ -169,12 +168,7 @@ async def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return uvloop.run(run(args))
-    except ValueError as exc:
-        print(f"bench.pools: {exc}", file=sys.stderr)
-        return 2
+    return run_main(build_parser(), run, argv)
 
 
 if __name__ == "__main__":

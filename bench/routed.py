@@ -5,13 +5,16 @@ and after. What bench.pools and bench.disagg share."""
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import sys
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import aiohttp
 import msgspec
+import uvloop
 
 from bench import processes, scrape
 from bench.loadgen import Outcome, replay
@@ -53,3 +56,18 @@ async def replay_routed(
         )  # fmt: skip
         after = await scrape.metrics(http, url)
     return Routed(backends=fleet, outcomes=outcomes, before=before, after=after)
+
+
+def run_main(
+    parser: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], Awaitable[int]],
+    argv: Sequence[str] | None,
+) -> int:
+    """A benchmark's command line: its exit status; 2 for a setting it refuses (before
+    anything started), said on stderr."""
+    args = parser.parse_args(argv)
+    try:
+        return uvloop.run(run(args))
+    except ValueError as exc:
+        print(f"{parser.prog}: {exc}", file=sys.stderr)
+        return 2

@@ -36,6 +36,25 @@ async def running(
             await stub.stop()
 
 
+@asynccontextmanager
+async def sdk_through(config: dict[str, Any], fleet: Any) -> AsyncIterator[Any]:
+    """A router built from `config` (its backends: `fleet`'s) and an openai SDK client
+    of it; client, router and fleet all stopped on exit."""
+    from openai import AsyncOpenAI
+
+    try:
+        router = Router(build(config))
+        await router.start()
+        try:
+            url = router.url + "/v1"
+            async with AsyncOpenAI(base_url=url, api_key="x", max_retries=0, timeout=20) as oai:
+                yield oai
+        finally:
+            await router.stop()
+    finally:
+        await fleet.stop()
+
+
 async def until_tried_on(
     stub: StubBackend, send: Callable[[], Awaitable[T]], tries: int = 40
 ) -> list[T]:

@@ -15,8 +15,7 @@ from openai import AsyncOpenAI
 
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import Fault, SimParams
-from router.config import build
-from router.control.worker import Router
+from tests.router.conftest import sdk_through
 
 MODEL = "sim-llama-70b"
 DOC = "".join(f"clause {k}: the tenant keeps the premises in good order. " for k in range(60))
@@ -39,15 +38,8 @@ async def pd_fleet(
         "health": {"interval": 60},  # a backend killed here stays "usable": the retry is tested
         **(extra or {}),
     }
-    router = Router(build(config))
-    await router.start()
-    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
-    try:
+    async with sdk_through(config, fleet) as oai:
         yield fleet, oai
-    finally:
-        await oai.close()
-        await router.stop()
-        await fleet.stop()
 
 
 async def ask(oai: AsyncOpenAI, stream: bool = False) -> tuple[str, str, int, int]:

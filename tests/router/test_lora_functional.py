@@ -13,8 +13,7 @@ from openai import AsyncOpenAI
 
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
-from router.config import build
-from router.control.worker import Router
+from tests.router.conftest import sdk_through
 
 ADAPTERS = ["sql-lora", "legal-lora", "med-lora"]
 
@@ -36,15 +35,8 @@ async def lora_fleet(
             "max_loras": max_loras,
         },
     }
-    router = Router(build(config))
-    await router.start()
-    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
-    try:
+    async with sdk_through(config, fleet) as oai:
         yield fleet, oai
-    finally:
-        await oai.close()
-        await router.stop()
-        await fleet.stop()
 
 
 async def ask(oai: AsyncOpenAI, model: str) -> str:
