@@ -11,7 +11,8 @@ decode load (pick.py). A prefill that fails (no answer, an error status, no
 `kv_transfer_params`) is tried on another prefill backend, up to `retries.max_retries`
 more times, before the client has seen anything; when every try failed, the request is
 served whole by a `both` pool if there is one, else it is a 502. The decode leg goes
-through the usual attempts, retries included.
+through the usual attempts, retries included; when it fails before the client saw a
+byte and no decode backend is left to try, a `both` pool serves it whole, if any.
 """
 
 from __future__ import annotations
@@ -81,6 +82,15 @@ class Disaggregation:
         if not any(p.role == "both" for p in self._fleet.pools):
             raise UpstreamError(f"The prefill failed on every prefill backend tried ({why}).")
         call.role = "both"
+
+    def whole_instead(self, call: Call) -> bool:
+        """Make a decode with no decode backend left to try a whole request for a
+        `both` pool (its transfer dropped), if there is one; False if not."""
+        if call.role != "decode" or not any(p.role == "both" for p in self._fleet.pools):
+            return False
+        call.body = with_fields(call.body, {}, ("kv_transfer_params",))
+        call.role = "both"
+        return True
 
     async def _transfer(self, backend: Backend, call: Call, tokens: int) -> dict:
         """The prefill leg on `backend`: the `kv_transfer_params` it answers with."""

@@ -40,7 +40,7 @@ from router.dispatch.disaggregation import Disaggregation
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.shutdown import OpenExchanges, shutting_down
-from router.errors import KvrouteError, UpstreamTimeout
+from router.errors import KvrouteError, NoBackendAvailable, UpstreamTimeout
 from router.fleet.adapters import AdapterLoader
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
@@ -138,7 +138,13 @@ class Dispatcher:
         """Pick the backend for `call`, none named in `tried`; raise the client-facing
         error if there is none."""
         t0 = time.perf_counter()
-        return self._picker.pick(self._describer.describe(call), t0, tried, call.role)
+        route_req = self._describer.describe(call)
+        try:
+            return self._picker.pick(route_req, t0, tried, call.role)
+        except NoBackendAvailable:
+            if not self._pd.whole_instead(call):  # a decode with no decode backend left
+                raise
+            return self._picker.pick(route_req, t0, tried, call.role)
 
     @asynccontextmanager
     async def exchange(self, call: Call) -> AsyncIterator[Upstream]:

@@ -111,3 +111,15 @@ async def test_with_every_prefill_failing_a_whole_pool_serves_or_it_is_a_502(who
             assert info.value.status_code == 502
             assert "The prefill failed on every prefill backend tried" in info.value.message
         assert fleet.backends[1].stats.requests_received == 0
+
+
+async def test_a_decode_that_fails_before_its_first_byte_is_served_whole() -> None:
+    pools = [("prefill", "prefill"), ("decode", "decode"), ("whole", "both")]
+    async with pd_fleet(pools) as (fleet, oai):
+        prefill, decode, whole = fleet.backends
+        decode.set_fault(Fault(mode="fail", status=503))
+        pool, backend, _, completion = await ask(oai, stream=True)
+        assert (pool, backend, completion) == ("whole", "sim2", 5)
+        assert prefill.stats.prefills_for_remote_decode == 1
+        assert decode.stats.requests_received == 0  # refused by its fault
+        assert whole.stats.decodes_from_remote_prefill == 0  # served whole, no transfer
