@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import Collection
 
 from policies import FleetView, Pick, Reason, RouteRequest
@@ -35,7 +36,12 @@ class Picker:
     ) -> Attempt:
         """The pick for `call` and its attempt, begun while the pick lock is held."""
         with self._fleet.picking():
-            return self._attempts.begin(self.pick(route_req, t0, (), call.role), call, timeout)
+            routed = self.pick(route_req, t0, (), call.role)
+            if call.role == "decode":
+                self._fleet.decodes.append(
+                    (time.time(), route_req.model, call.prefilled_by or "", routed.backend.name)
+                )
+            return self._attempts.begin(routed, call, timeout)
 
     def pick(
         self,

@@ -10,6 +10,7 @@ move to `retired`, which no view contains, until their last request ends.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 from yarl import URL
@@ -53,6 +54,9 @@ class Fleet(Usability):
         self._views: dict[str, FleetView] = {}
         self._pool_views = {}
         self._model_maps: dict[str, dict[str, str]] = {}
+        #: the last decode picks of disaggregated requests (time, model, prefilled on,
+        #: decoded on), for /debug/routing beside the policy's own decisions
+        self.decodes: deque[tuple[float, str, str, str]] = deque(maxlen=64)
         self._attach(policy, self.members)
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:

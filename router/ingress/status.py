@@ -100,6 +100,11 @@ class StatusRoutes:
         }
         decisions = list(getattr(policy, "recent", ()))
         found = {"backends": backends, "decisions": decisions}
+        if self._fleet.disaggregated:
+            found["decodes"] = [
+                {"at": at, "model": model, "prefilled_on": prefill, "chosen": chosen}
+                for at, model, prefill, chosen in self._fleet.decodes
+            ]
         if index is not None:
             found["tiers"] = {t.medium: _tier(t) for t in index.tiers}
             found["ignored_media"] = index.ignored

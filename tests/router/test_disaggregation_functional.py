@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import aiohttp
 import openai
 import orjson
 import pytest
@@ -40,6 +41,13 @@ async def pd_fleet(
     }
     async with sdk_through(config, fleet) as oai:
         yield fleet, oai
+
+
+async def debug_routing(oai: AsyncOpenAI) -> dict:
+    url = str(oai.base_url).rstrip("/").removesuffix("/v1") + "/debug/routing"
+    async with aiohttp.ClientSession() as http:
+        async with http.get(url) as resp:
+            return await resp.json()
 
 
 async def ask(oai: AsyncOpenAI, stream: bool = False) -> tuple[str, str, int, int]:
@@ -76,6 +84,11 @@ async def test_prefill_then_decode_with_the_usage_of_a_whole_request(
         assert decode.stats.decodes_from_remote_prefill == 1
         assert decode.stats.kv_transfer_tokens == prompt - 1  # vLLM recomputes the last
         assert prefill.stats.prompt_tokens == prompt  # the prefill saw the whole prompt
+        debug = await debug_routing(oai)
+        (decided,) = debug["decisions"]  # the prefill pick, scored by KV_AWARE
+        assert decided["chosen"] == "sim0" and decided["scores"].keys() == {"sim0"}
+        ((_, decoded),) = [(d.pop("at"), d) for d in debug["decodes"]]
+        assert decoded == {"model": MODEL, "prefilled_on": "sim0", "chosen": "sim1"}
     (line,) = [orjson.loads(x) for x in log.read_bytes().splitlines()]  # flushed at stop
     assert (line["backend"], line["prefill"], line["prompt_tokens"]) == ("sim1", "sim0", prompt)
 
