@@ -76,7 +76,7 @@ class StatusRoutes:
         """The policy's last decisions with their scores, and each backend's state: load,
         index (source, GPU and offload-tier sizes) and its last scraped vLLM metrics; with
         a KV-aware policy, its offload tiers and the media its events named that it does
-        not index. Those decisions show
+        not index; with prefill/decode pools, the last decode picks. Those decisions show
         every tenant's recent requests, so with auth on only the admin token opens it."""
         try:
             self._operator(request.headers.get("Authorization"))
