@@ -79,14 +79,14 @@ class Disaggregation:
             call.body = with_fields(call.body, {"kv_transfer_params": params})
             call.role, call.prefilled_by = "decode", backend.name
             return
-        if not any(p.role == "both" for p in self._fleet.pools):
+        if not self._fleet.has_role("both"):
             raise UpstreamError(f"The prefill failed on every prefill backend tried ({why}).")
         call.role = "both"
 
     def whole_instead(self, call: Call) -> bool:
         """Make a decode with no decode backend left to try a whole request for a
         `both` pool (its transfer dropped), if there is one; False if not."""
-        if call.role != "decode" or not any(p.role == "both" for p in self._fleet.pools):
+        if call.role != "decode" or not self._fleet.has_role("both"):
             return False
         call.body = with_fields(call.body, {}, ("kv_transfer_params",))
         call.role = "both"

@@ -69,10 +69,14 @@ class Views:
             )
         return found
 
+    def has_role(self, role: str) -> bool:
+        """Whether a pool has `role`."""
+        return any(p.role == role for p in self.pools)
+
     @property
     def disaggregated(self) -> bool:
         """Prefill and decode pools: chat and completion requests take both."""
-        return any(p.role == "prefill" for p in self.pools)
+        return self.has_role("prefill")
 
     def known_model(self, model: str) -> bool:
         """False when every backend's model list is known and none lists `model` (under
