@@ -18,6 +18,7 @@ from policies.base import (
     Reason,
     RouteRequest,
     load_cap_per_weight,
+    tuned_params,
 )
 from policies.registry import canonical, create, names, params_union, policy_class, taking
 
@@ -38,6 +39,7 @@ __all__ = [
     "params_union",
     "policy_class",
     "taking",
+    "tuned_params",
 ]
 
 for _mod in pkgutil.iter_modules(__path__):

@@ -8,6 +8,7 @@ stateless policy stays a dozen lines."""
 
 from __future__ import annotations
 
+import copy
 import math
 import typing
 from collections.abc import Sequence
@@ -129,6 +130,29 @@ class PolicyParams(
 ):
     """Base of every strategy's parameters; the subclass tag is its YAML name."""
 
+    #: the parameters a pool may set for itself (`pools[].routing`): those that only
+    #: weigh its own backends. The rest shape what every pool shares (the request's
+    #: description, the prefix index) and stay the fleet's.
+    pool_tunable: ClassVar[frozenset[str]] = frozenset()
+
+
+def tuned_params(params: PolicyParams, overrides: dict[str, Any]) -> PolicyParams:
+    """`params` with a pool's `overrides`, validated as the strategy's own. ValueError
+    naming the first key a pool may not set, or the value msgspec rejects."""
+    tag = params.__struct_config__.tag
+    for key in overrides:
+        if key not in type(params).pool_tunable:
+            tunable = ", ".join(sorted(type(params).pool_tunable)) or "none"
+            raise ValueError(
+                f"{key!r} is not a parameter a pool may set for {tag} (the pool's own: "
+                f"{tunable}; the others are the fleet's, under routing)"
+            )
+    merged = {**msgspec.to_builtins(params), **overrides, "strategy": tag}
+    try:
+        return msgspec.convert(merged, type(params))
+    except msgspec.ValidationError as exc:
+        raise ValueError(str(exc)) from None
+
 
 P = TypeVar("P", bound=PolicyParams)
 
@@ -162,6 +186,15 @@ class Policy(Generic[P]):
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         raise NotImplementedError
+
+    def tuned(self, params: P) -> Policy[P]:
+        """This policy with a pool's own `params` (from `tuned_params`): a shallow copy,
+        so it shares what this one learns (index, placements, recent decisions). It is
+        told its members and placements as this one is; what either rebinds there is its
+        own (a ring, a name map), what they mutate is shared."""
+        twin = copy.copy(self)
+        twin.params = params
+        return twin
 
     def on_fleet_change(self, members: tuple[BackendLike, ...]) -> None:
         """Called when backends are added, removed or re-weighted."""

@@ -152,6 +152,21 @@ DEFAULT_TIERS = {
 
 
 class KvAwareParams(PolicyParams, tag="KV_AWARE"):
+    #: a pool's hardware sets its speeds and its caps; blocks, tokenizer, index and
+    #: tiers describe what every pool shares
+    pool_tunable = frozenset(
+        {
+            "prefill_tokens_per_s",
+            "decode_s_per_request",
+            "waiting_s_per_request",
+            "miss_penalty",
+            "tie_fraction",
+            "tie_seconds",
+            "concurrency_threshold",
+            "max_queue_s",
+            "sample",
+        }
+    )
     block_size: Annotated[int, Meta(ge=1, le=4096)] = 16
     tokenizer: KvTokenizerParams = KvTokenizerParams()
     max_prefix_tokens: Annotated[int, Meta(ge=1)] = 32768

@@ -96,6 +96,9 @@ class TokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 
 
 class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
+    #: a pool's caps are its own; the fingerprint (prefix_length, tokenizer) and the
+    #: ring (vnodes) are every pool's
+    pool_tunable = frozenset({"concurrency_threshold", "load_factor"})
     prefix_length: Annotated[int, Meta(ge=1)] = 256
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = 32
     load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.25

@@ -170,6 +170,9 @@ def _cmd_policies(args: argparse.Namespace) -> int:
         summary = (sys.modules[cls.__module__].__doc__ or "").strip().splitlines()[0]
         print(f"{name:28} {summary.removeprefix(name + ': ')}")
         print(f"{'':28} use when {cls.use_when}")
+        tunable = ", ".join(sorted(cls.params_type.pool_tunable))
+        if tunable:
+            print(f"{'':28} a pool may set: {tunable}")
     return 0
 
 

@@ -238,6 +238,14 @@ class PoolConfig(_Strict):
     #: disaggregated serving (vLLM's KV connectors): a chat or completion request is
     #: prefilled in a `prefill` pool, then decoded in a `decode` pool; `both` serves whole
     role: Literal["both", "prefill", "decode"] = "both"
+    #: the pool's own values of the strategy's per-pool parameters (its caps, and for
+    #: KV_AWARE its backends' speeds), over the fleet's `routing`; `kvroute policies`
+    #: lists which a strategy has
+    routing: dict[str, Any] = msgspec.field(default_factory=dict)
+
+    def params(self, fleet: policies.PolicyParams) -> policies.PolicyParams:
+        """The strategy's parameters in this pool: the fleet's with its own."""
+        return policies.tuned_params(fleet, self.routing) if self.routing else fleet
 
 
 class TimeoutsConfig(_Strict):
@@ -523,6 +531,16 @@ class Config(_Strict):
                 )
             if not self.pools and member.pool is not None:
                 raise ValueError(f"pool {member.pool!r} is not defined under pools")
+        for pool in self.pools:
+            if pool.routing and pool.role == "decode":
+                raise ValueError(
+                    f"pools: {pool.name}: a decode pool balances on decode load (in-flight "
+                    "requests), so it takes no routing parameters"
+                )
+            try:
+                pool.params(self.routing)
+            except ValueError as exc:
+                raise ValueError(f"pools: {pool.name}: routing: {exc}") from None
 
     @property
     def pools_in_order(self) -> list[PoolConfig]:

@@ -51,7 +51,17 @@ from router.ingress.auth import AdminToken, Authenticator
 
 #: top-level sections a reload applies; every other one waits for a restart
 _LIVE = frozenset(
-    {"backends", "routing", "timeouts", "limits", "health", "breaker", "retries", "auth"}
+    {
+        "backends",
+        "pools",
+        "routing",
+        "timeouts",
+        "limits",
+        "health",
+        "breaker",
+        "retries",
+        "auth",
+    }
 )
 #: limits read by the HTTP server at start (aiohttp handler settings, app body limit)
 _LIMITS_AT_RESTART = (
@@ -163,8 +173,7 @@ class Reloader:
         # swap: no await from here on
         kept = {id(b) for b in backends}
         removed = [b.name for b in fleet.members if id(b) not in kept]
-        fleet.update(new.backends, backends, policy, new.breaker)
-        fleet.set_pools(new.pools)
+        fleet.update(new.backends, backends, policy, new.breaker, new.pools)
         router.configure(new)
         router.health.cfg = new.health
         router.auth.adopt(auth)

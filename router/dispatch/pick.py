@@ -68,13 +68,15 @@ class Picker:
     ) -> tuple[Pick, FleetView, list[tuple[str, bool]]]:
         """The pick of the first pool (by priority) where the policy finds a backend
         below its cap, its view, and the pools passed on before it (name, and whether
-        it had a backend: saturated, or none usable). When every pool is saturated, the
-        most preferred one with a backend takes the request, as a flat fleet's saturated
-        pick does. A flat fleet is one pool without a name."""
-        choose = self._least_loaded if role == "decode" else self._fleet.policy.pick
+        it had a backend: saturated, or none usable). Each pool's own policy judges its
+        saturation (`Fleet.policy_of`). When every pool is saturated, the most preferred
+        one with a backend takes the request, as a flat fleet's saturated pick does. A
+        flat fleet is one pool without a name."""
+        fleet = self._fleet
         passed: list[tuple[str, bool]] = []
         saturated: tuple[Pick, FleetView, list[tuple[str, bool]]] | None = None
-        for pool, view in self._fleet.pool_views(route_req.model, role):  # cached
+        for pool, view in fleet.pool_views(route_req.model, role):  # cached
+            choose = self._least_loaded if role == "decode" else fleet.policy_of(pool).pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed

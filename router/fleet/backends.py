@@ -54,6 +54,8 @@ class Fleet(Usability):
         self._views: dict[str, FleetView] = {}
         self._pool_views = {}
         self._model_maps: dict[str, dict[str, str]] = {}
+        #: the policy of each pool with parameters of its own (see `policy_of`)
+        self._pool_policies: dict[str, Policy] = {}
         #: the last decode picks of disaggregated requests (time, model, prefilled on,
         #: decoded on), for /debug/routing beside the policy's own decisions
         self.decodes: deque[tuple[float, str, str, str]] = deque(maxlen=64)
@@ -63,7 +65,25 @@ class Fleet(Usability):
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""
         self.pools = tuple(sorted(pools, key=lambda p: p.priority))
         self._model_maps = {p.name: p.model_map for p in self.pools if p.model_map}
+        self._tune(self.policy, self.members)
         self.changed()
+
+    def policy_of(self, pool: PoolConfig | None) -> Policy:
+        """The policy that picks in `pool`: the fleet's, tuned to the pool's own
+        parameters when it sets some."""
+        if pool is None or not self._pool_policies:
+            return self.policy
+        return self._pool_policies.get(pool.name, self.policy)
+
+    def _tune(self, policy: Policy, members: tuple[Backend, ...]) -> None:
+        """A tuned twin of `policy` for each pool with parameters of its own (checked
+        with the config, so this cannot fail for pools the config holds)."""
+        self._pool_policies = {}
+        for pool in self.pools:
+            if pool.routing:
+                twin = policy.tuned(pool.params(policy.params))
+                self._attach(twin, members)
+                self._pool_policies[pool.name] = twin
 
     def renamed(self, backend: Backend, model: str | None) -> str | None:
         """The name `backend`'s pool serves `model` under, when its `model_map` renames
@@ -108,8 +128,10 @@ class Fleet(Usability):
         backends: list[Backend],
         policy: Policy,
         breaker: BreakerConfig,
+        pools: Iterable[PoolConfig],
     ) -> None:
-        """Swap in `backends` (from `prepare`, in config order) and `policy`, no await.
+        """Swap in `backends` (from `prepare`, in config order), `policy` and `pools`, no
+        await.
 
         Requests in flight keep their Backend objects; removed ones go to `retired`.
         """
@@ -125,7 +147,7 @@ class Fleet(Usability):
         self.retired = tuple(b for b in leaving if b.local_inflight)
         self.members, self.policy = members, policy
         self.let_go(b for b in leaving if not b.local_inflight)
-        self.changed()
+        self.set_pools(pools)
 
     def let_go(self, gone: Iterable[Backend]) -> None:
         """Free the shared-table slots of backends this process no longer uses, so they

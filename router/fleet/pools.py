@@ -2,9 +2,10 @@
 
 What an autoscaler needs to drain the fallbacks first (GET /admin/pools and the
 kvroute_pool_* gauges). The backends wanted are the fewest that carry what is in flight
-now, taken from the preferred pool down: with the strategy's `concurrency_threshold`
-as each backend's capacity, ceil(in flight / threshold); without one, as many as are
-busy. At least one usable backend is always wanted, so an idle fleet keeps one in its
+now, taken from the preferred pool down, each pool's backends carrying its policy's
+`concurrency_threshold` (a pool may set its own); where there is none, what a busy
+backend carries now (so a fleet without thresholds wants as many as are busy). At
+least one usable backend is always wanted, so an idle fleet keeps one in its
 preferred pool. A pool's removable backends are its backends beyond those wanted of it.
 Cost: O(backends), at a scrape or an admin call, never on the request path.
 """
@@ -34,18 +35,21 @@ def pool_states(fleet: Fleet) -> list[PoolState]:
     """The pools' states, preferred first; none for a flat fleet."""
     if not fleet.pools:
         return []
-    cap = getattr(fleet.policy.params, "concurrency_threshold", None)
     members = fleet.members
     total = sum(b.inflight for b in members)
     busy = sum(1 for b in members if b.inflight)
-    needed = max(1, math.ceil(total / cap) if cap else busy)
+    carried = total / busy if busy else 1.0  # what a busy backend carries, on average
+    left = float(total)
+    floor = 1  # an idle fleet keeps one backend, in its preferred pool
     states = []
     for pool in fleet.pools:
+        cap = getattr(fleet.policy_of(pool).params, "concurrency_threshold", None)
         backends = [b for b in members if b.pool == pool.name]
         usable = sum(1 for b in backends if b.usable)
         inflight = sum(b.inflight for b in backends)
-        wanted = min(usable, needed)
-        needed -= wanted
+        wanted = min(usable, max(floor, math.ceil(left / (cap or carried))))
+        left = max(0.0, left - wanted * (cap or carried))
+        floor = 0 if wanted else floor
         states.append(
             PoolState(
                 name=pool.name,

@@ -129,6 +129,8 @@ class IndexUpkeep:
         for name, backend in wanted.items():
             if name not in self.held:
                 self.held[name] = (self._source(backend, endpoints[name], index), endpoints[name])
-        self._fleet.policy.event_backends = set(self.held)
+        events = self._fleet.policy.event_backends  # a pool's tuned twin shares the set
+        events.clear()
+        events.update(self.held)
         for backend in self._fleet.members:
             self._metrics.index_mode(backend.name, backend.name in self.held)

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from hashing.blocks import chain, root_key
-from policies import FleetView, Reason, RouteRequest, create
+from policies import FleetView, Reason, RouteRequest, create, tuned_params
 from policies.kv_aware import KvAwareParams, KvTierParams
 
 ROOT = root_key("m", None)
@@ -116,6 +116,22 @@ def test_max_queue_s_caps_the_estimated_queue() -> None:
     assert pick.backend.name == "b"  # 2 waiting x 0.05 s: under the cap
     pick = p.pick(request(), view([B("a", queued_tokens=10_000), B("b", waiting=20)]))
     assert pick.reason is Reason.ALL_SATURATED
+
+
+def test_a_pools_tuned_twin_shares_what_the_policy_learns_and_caps_by_its_own() -> None:
+    """The twin sees the fleet policy's index (and the reverse), its decisions show
+    beside the policy's, and only its own cap binds it."""
+    p = policy(concurrency_threshold=1)
+    twin = p.tuned(tuned_params(p.params, {"concurrency_threshold": 4}))
+    hold(p, "a", 500)
+    fleet = view([B("a", inflight=2), B("b")])
+    assert p.pick(request(), fleet).backend.name == "b"  # a is over the fleet's cap
+    pick = twin.pick(request(), fleet)
+    assert (pick.backend.name, pick.reason) == ("a", Reason.KV_HIT)
+    assert [d["chosen"] for d in p.recent[-2:]] == ["b", "a"]
+    p.event_backends.add("a")
+    assert twin.event_backends == {"a"}
+    assert p.params.concurrency_threshold == 1  # the policy keeps its own
 
 
 def test_no_candidate() -> None:

@@ -34,6 +34,42 @@ def test_pools_put_their_backends_and_sources_in_the_one_list_marked_with_the_po
     assert (found.url, found.pool) == ("http://127.0.0.7:8000", "spare")
 
 
+def test_a_pool_sets_its_own_strategy_parameters_over_the_fleets() -> None:
+    routing = {"strategy": "KV_AWARE", "concurrency_threshold": 4, "max_queue_s": 2.0}
+    fast = {**_pool("fast", 1), "routing": {"prefill_tokens_per_s": 40000, "max_queue_s": 0.5}}
+    config = build({"pools": [fast, _pool("spare", 2)], "routing": routing})
+    own, fleets = (p.params(config.routing) for p in config.pools_in_order)
+    assert (own.prefill_tokens_per_s, own.max_queue_s, own.concurrency_threshold) == (
+        40000,
+        0.5,
+        4,
+    )
+    assert fleets is config.routing
+
+
+@pytest.mark.parametrize(
+    ("routing", "match"),
+    [
+        ({"block_size": 32}, "'block_size' is not a parameter a pool may set for KV_AWARE"),
+        ({"max_queue_s": -1}, r"pools: fast: routing: Expected `float` > 0.*max_queue_s"),
+        ({"strategy": "RANDOM"}, "'strategy' is not a parameter a pool may set"),
+    ],
+)
+def test_a_pools_routing_takes_only_its_strategys_per_pool_parameters(routing, match) -> None:
+    fast = {**_pool("fast", 1), "routing": routing}
+    with pytest.raises(ConfigError, match=match):
+        build({"pools": [fast, _pool("spare", 2)]})
+
+
+def test_a_decode_pool_takes_no_routing_parameters() -> None:
+    pools = [
+        {**_pool("p", 1), "role": "prefill"},
+        {**_pool("d", 2), "role": "decode", "routing": {"concurrency_threshold": 2}},
+    ]
+    with pytest.raises(ConfigError, match="a decode pool balances on decode load"):
+        build({"pools": pools})
+
+
 def test_defaults_need_only_backends() -> None:
     cfg = build({"backends": ONE})
     assert cfg.routing.__struct_config__.tag == "KV_AWARE"

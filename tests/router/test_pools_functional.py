@@ -8,10 +8,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import aiohttp
+import msgspec
 import orjson
 from openai import AsyncOpenAI
 
-from router.config import build
+from router.config import Config, build
 from router.control.worker import Router
 from tests.stub_backend import StubBackend
 
@@ -117,6 +118,37 @@ async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_
         assert counted(router, "pool_picks", pool="fallback") == 2
         assert [r["model"] for r in spare.received] == ["stub-model-awq"] * 2
         assert spare.completed == 2 and main.completed == 2  # nothing lost
+
+
+async def test_a_pool_with_its_own_threshold_fills_to_it_before_the_fallback(
+    monkeypatch,
+) -> None:
+    """The fleet's threshold is 1 a backend, the preferred pool's own 2: main takes two
+    held streams, and only the third request overflows."""
+    monkeypatch.setenv("KV_ADMIN", ADMIN_TOKEN)
+    async with two_pools(admin={"port": 0, "token_env": "KV_ADMIN"}) as (router, main, spare):
+        await router.reloader.apply(_with_own_threshold(router.config, 2))
+        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
+        main.behaviour.hang_after_chunks = 1  # streams on main hold their slot
+        body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
+        url = router.url + "/v1/chat/completions"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(url, json=body) as one, http.post(url, json=body) as two:
+                for held in (one, two):
+                    assert held.headers["x-kvroute-pool"] == "preferred"
+                    assert (await held.content.readline()).startswith(b"data: ")
+                assert await ask(oai) == ("fallback", "spare")
+                full = await pools(router, http)
+        assert (full["preferred"]["inflight"], full["preferred"]["saturation"]) == (2, 1.0)
+        assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 1
+        assert spare.completed == 1
+
+
+def _with_own_threshold(config: Config, threshold: int) -> Config:
+    """`config` with the preferred pool's own concurrency_threshold."""
+    preferred, fallback = config.pools
+    tuned = msgspec.structs.replace(preferred, routing={"concurrency_threshold": threshold})
+    return msgspec.structs.replace(config, pools=[tuned, fallback])
 
 
 async def test_the_model_map_rewrites_the_model_field_and_nothing_else() -> None:

@@ -95,7 +95,7 @@ def test_backends_leaving_the_fleet_free_their_slots(tmp_path) -> None:
     busy.count(1, 0)  # a request still running on pod-0 when it leaves
     for i in range(2, 40):  # each generation: pod-(i-1) and pod-i
         cfgs = [BackendConfig(url=f"http://10.0.0.{k}:8000", name=f"pod-{k}") for k in (i - 1, i)]
-        fleet.update(cfgs, fleet.prepare(cfgs, breaker), fleet.policy, breaker)
+        fleet.update(cfgs, fleet.prepare(cfgs, breaker), fleet.policy, breaker, ())
         assert all(b.table is t0 for b in fleet.members), i
     assert busy in fleet.retired and t0.inflight(busy.slot) == 1
     busy.count(-1, 0)
