@@ -18,6 +18,7 @@ byte and no decode backend is left to try, a `both` pool serves it whole, if any
 from __future__ import annotations
 
 import asyncio
+import time
 
 import aiohttp
 import orjson
@@ -62,7 +63,8 @@ class Disaggregation:
     async def prefill(self, call: Call, route_req: RouteRequest, t0: float) -> None:
         """Prefill `call` on a prefill backend and make it a decode request (its body
         carries the transfer, its picks are made in the decode pools); or, with every
-        prefill failing, a whole request for a `both` pool, if there is one."""
+        prefill failing, a whole request for a `both` pool, if there is one. `t0`: when
+        the first pick's decision began (a retry's begins when it is made)."""
         tried: list[str] = []
         why = ""
         for _ in range(self._tries):
@@ -75,6 +77,7 @@ class Disaggregation:
             except (_PrefillFailed, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 tried.append(backend.name)
                 why = f"{backend.name}: {exc or type(exc).__name__}"
+                t0 = time.perf_counter()
                 continue
             call.body = with_fields(call.body, {"kv_transfer_params": params})
             call.role, call.prefilled_by = "decode", backend.name

@@ -174,6 +174,7 @@ class Dispatcher:
                     route_req = describer.describe(call)
                     if self._pd.applies(call):
                         await self._pd.prefill(call, route_req, t0)
+                        t0 = time.perf_counter()  # the decode pick is a decision of its own
                     first = self._picker.first(route_req, t0, call, deadline)
                     if call.trace is not None:
                         call.trace.routed(first.routed, self._account.strategy, t0)

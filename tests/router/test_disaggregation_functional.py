@@ -93,6 +93,30 @@ async def test_prefill_then_decode_with_the_usage_of_a_whole_request(
     assert (line["backend"], line["prefill"], line["prompt_tokens"]) == ("sim1", "sim0", prompt)
 
 
+async def test_the_decode_pick_is_timed_as_a_decision_of_its_own() -> None:
+    """A slow prefill (about half a second here) is not in the routing decision
+    histogram: its two observations (prefill pick, decode pick) stay far below it."""
+    async with pd_fleet([("prefill", "prefill"), ("decode", "decode")]) as (fleet, oai):
+        fleet.backends[0].set_fault(Fault(mode="slow", factor=50.0))
+        await ask(oai)
+        url = str(oai.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+        async with aiohttp.ClientSession() as http, http.get(url) as resp:
+            text = await resp.text()
+        stats = fleet.backends[0].stats
+        assert stats.prefills_for_remote_decode == 1
+    (count,) = [
+        float(x.split()[-1]) for x in text.splitlines() if x.startswith(_DECISIONS + "_count")
+    ]
+    (total,) = [
+        float(x.split()[-1]) for x in text.splitlines() if x.startswith(_DECISIONS + "_sum")
+    ]
+    assert count == 2
+    assert total < 0.1, total
+
+
+_DECISIONS = "kvroute_routing_decision_seconds"
+
+
 async def test_a_prefill_backend_killed_mid_request_is_retried_on_another() -> None:
     pools = [("p-first", "prefill"), ("p-second", "prefill"), ("decode", "decode")]
     async with pd_fleet(pools) as (fleet, oai):
