@@ -30,6 +30,7 @@ from router.dispatch.pick import Picker
 from router.errors import KvrouteError, UpstreamError
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
+from router.fleet.breaker import Outcome, outcome
 from router.request import Kind, with_fields
 
 _PREFILL_PARAMS = {
@@ -103,6 +104,8 @@ class Disaggregation:
             ("stream_options", "max_completion_tokens", "min_tokens"),
         )
         headers = {"Content-Type": "application/json", "X-Request-Id": call.request_id}
+        trial = self._fleet.attempt_begins(backend)
+        verdict: Outcome | None = Outcome.FAILURE  # unless it answers: unreachable, timed out
         backend.count(1, tokens)
         try:
             async with asyncio.timeout(self._timeout):
@@ -110,8 +113,13 @@ class Disaggregation:
                     self._session, "POST", call.path, data=body, headers=headers
                 ) as resp:
                     raw = await resp.read()
+            verdict = outcome(resp.status)
+        except asyncio.CancelledError:  # the client went: nothing to hold against it
+            verdict = None
+            raise
         finally:
             backend.count(-1, -tokens)
+            self._fleet.attempt_verdict(backend, verdict, trial)
         if resp.status != 200:
             raise _PrefillFailed(f"answered {resp.status}: {raw[:200].decode(errors='replace')}")
         try:

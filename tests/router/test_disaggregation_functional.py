@@ -99,9 +99,7 @@ async def test_the_decode_pick_is_timed_as_a_decision_of_its_own() -> None:
     async with pd_fleet([("prefill", "prefill"), ("decode", "decode")]) as (fleet, oai):
         fleet.backends[0].set_fault(Fault(mode="slow", factor=50.0))
         await ask(oai)
-        url = str(oai.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
-        async with aiohttp.ClientSession() as http, http.get(url) as resp:
-            text = await resp.text()
+        text = await metrics(oai)
         stats = fleet.backends[0].stats
         assert stats.prefills_for_remote_decode == 1
     (count,) = [
@@ -131,6 +129,39 @@ async def test_a_prefill_backend_killed_mid_request_is_retried_on_another() -> N
         assert (pool, backend, completion) == ("decode", "sim2", 5)
         assert second.stats.prefills_for_remote_decode == 1
         assert decode.stats.decodes_from_remote_prefill == 1
+
+
+async def test_failing_prefills_open_the_backends_breaker() -> None:
+    """A prefill backend answering 503 is retried on the other each time, and its
+    breaker hears each failure: after two it opens and prefills stop going there."""
+    pools = [("p-bad", "prefill"), ("p-good", "prefill"), ("decode", "decode")]
+    extra = {"breaker": {"failure_threshold": 2}, "routing": {"strategy": "RANDOM", "seed": 3}}
+    async with pd_fleet(pools, extra) as (fleet, oai):
+        bad, good, _ = fleet.backends
+        bad.set_fault(Fault(mode="fail", status=503))
+        for _ in range(40):  # bounded: RANDOM tries the bad one first half the time
+            assert (await ask(oai))[0] == "decode"
+            if 'state="open"} 1.0' in _circuit(await metrics(oai), "sim0"):
+                break
+        else:
+            raise AssertionError("the breaker of the failing prefill backend never opened")
+        served = good.stats.prefills_for_remote_decode
+        for _ in range(5):  # open: every prefill goes to the good one first
+            await ask(oai)
+        assert good.stats.prefills_for_remote_decode == served + 5
+        assert bad.stats.prefills_for_remote_decode == 0
+
+
+async def metrics(oai: AsyncOpenAI) -> str:
+    url = str(oai.base_url).rstrip("/").removesuffix("/v1") + "/metrics"
+    async with aiohttp.ClientSession() as http, http.get(url) as resp:
+        return await resp.text()
+
+
+def _circuit(text: str, backend: str) -> str:
+    """The kvroute_backend_circuit_state lines of `backend`."""
+    mark = f'kvroute_backend_circuit_state{{backend="{backend}",'
+    return "\n".join(x for x in text.splitlines() if x.startswith(mark))
 
 
 @pytest.mark.parametrize("whole", [True, False])
