@@ -16,6 +16,8 @@ cold fleet so that the rows are comparable:
   6. snapshot again: the backends' deltas give the fleet hit rate and load spread, the
      same way for every router; kvroute's own give its decision time;
   7. stop the routers, then the fleet (in `finally`: also on errors and Ctrl-C).
+With --pd P:D each strategy runs a second time on P prefill and D decode backends (a
+prefill and a decode pool; the simulator speaks NixlConnector's kv_transfer_params).
 The peers (sglang-router with cache_aware and with round_robin, vllm-router with
 cache_aware) are pip-installed on first use into bench.throughput's virtualenv; one that
 cannot be installed or started is a row of n/a with the reason, and the run goes on.
@@ -88,6 +90,7 @@ from router.control.supervisor import worker_count
 __all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
 
 DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+DEFAULT_BACKENDS = 7
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
 DEFAULT_TIME_SCALE = 0.5
 _LAG_TICK = 0.01
@@ -111,6 +114,8 @@ _EXAMPLES = """examples:
   # beside sglang-router and vllm-router, two router replicas each, over three seeds
   kvroute bench --backends 4 --strategies PREFIX_AWARE,KV_AWARE --peers --replicas 2 \\
       --seeds 0,1,2
+  # prefill/decode disaggregation: 2 prefill + 2 decode backends beside 4 combined
+  kvroute bench --pd 2:2 --strategies KV_AWARE --requests 100 --groups 20 --rate 2
   # the same workload against a router (or vLLM) that is already running
   kvroute bench --target http://127.0.0.1:8000 --rate 2 --requests 100
 """
@@ -160,7 +165,19 @@ def _add_fleet_options(run: _Group) -> None:
         default=",".join(DEFAULT_STRATEGIES),
         help=f"comma-separated; the first is the baseline. Known: {', '.join(policies.names())}",
     )
-    run.add_argument("--backends", type=_positive(int), default=7, help="simulated vLLM servers")
+    run.add_argument(
+        "--backends",
+        type=_positive(int),
+        help=f"simulated vLLM servers (default {DEFAULT_BACKENDS}; with --pd, P + D)",
+    )
+    run.add_argument(
+        "--pd",
+        type=_split,
+        metavar="P:D",
+        help="prefill/decode disaggregation: each strategy also runs on P prefill and D "
+        "decode backends (pools with roles, vLLM's kv_transfer_params between them), "
+        "beside its row on the same P + D backends combined",
+    )
     run.add_argument(
         "--time-scale",
         type=_positive(float),
@@ -366,6 +383,27 @@ def _routing_knobs(args: argparse.Namespace, strategies: Sequence[str]) -> dict[
     return given
 
 
+def _split(text: str) -> tuple[int, int]:
+    prefill, sep, decode = text.partition(":")
+    if not sep or not prefill.isdigit() or not decode.isdigit() or "0" in (prefill, decode):
+        raise argparse.ArgumentTypeError(f"expected P:D with P, D >= 1, got {text!r}")
+    return int(prefill), int(decode)
+
+
+def _backend_count(args: argparse.Namespace) -> int:
+    """--backends, or P + D with --pd (which must then agree)."""
+    if args.pd is None:
+        return args.backends or DEFAULT_BACKENDS
+    if args.target:
+        raise ValueError("--pd starts its own fleet; it does not go with --target")
+    total = sum(args.pd)
+    if args.backends not in (None, total):
+        raise ValueError(
+            f"--pd {args.pd[0]}:{args.pd[1]} is {total} backends, not --backends {args.backends}"
+        )
+    return total
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -397,6 +435,25 @@ class Options(NamedTuple):
     workers: int = 0  # per kvroute router; 0: one per usable core, as `kvroute serve`
     replicas: int = 1
     peers: tuple[Peer, ...] = ()
+    #: (prefill, decode) backends: each strategy also runs disaggregated
+    pd: tuple[int, int] | None = None
+
+
+class _Split(NamedTuple):
+    """A strategy's row on prefill and decode pools (--pd)."""
+
+    strategy: str
+    prefill: int
+    decode: int
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}-pd{self.prefill}:{self.decode}"
+
+    @property
+    def roles(self) -> list[str]:
+        """The simulator's --roles, one per backend in fleet order."""
+        return ["--roles", *["prefill"] * self.prefill, *["decode"] * self.decode]
 
 
 class _Seeded(NamedTuple):
@@ -470,7 +527,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         raise ValueError(flag.replace("--shape", "--workload")) from None
     options = Options(
         strategies=["target"] if args.target else strategies,
-        backends=args.backends,
+        backends=_backend_count(args),
         time_scale=args.time_scale or (1.0 if args.target else DEFAULT_TIME_SCALE),
         sim_args=args.sim_arg,
         routing=_routing_knobs(args, strategies),
@@ -481,6 +538,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         calibration=args.calibration,
         workers=args.workers,
         replicas=args.replicas,
+        pd=args.pd,
     )
     return workload, options
 
@@ -496,11 +554,17 @@ async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:
 async def run_bench(
     specs: Sequence[RequestSpec], options: Options, progress: _ProgressFactory | None = None
 ) -> list[Run]:
-    """One `Run` per row: each strategy, then each peer (or one for --target), in order."""
-    rows: list[str | Peer] = [*options.strategies, *options.peers]
+    """One `Run` per row: each strategy (with --pd, then the same disaggregated), then
+    each peer (or one for --target), in order."""
+    rows: list[str | _Split | Peer] = []
+    for strategy in options.strategies:
+        rows.append(strategy)
+        if options.pd is not None and options.target is None:
+            rows.append(_Split(strategy, *options.pd))
+    rows.extend(options.peers)
     runs = []
     for row in rows:
-        label = row.label if isinstance(row, Peer) else row
+        label = row if isinstance(row, str) else row.label
         on_done = progress(label, len(specs)) if progress else _ignore
         if options.target is None:
             runs.append(await _simulated_run(row, specs, options, on_done))
@@ -510,20 +574,23 @@ async def run_bench(
 
 
 async def _simulated_run(
-    row: str | Peer, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
+    row: str | _Split | Peer, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
 ) -> Run:
     """`row` on a fresh, cold fleet. A kvroute router that does not start ends the run;
     a peer that cannot run or start is a row of n/a with the reason."""
     if isinstance(row, Peer) and row.python is None:
         return _unmeasured(row.label, _peer_setup(row, options), row.version, options)
+    split = row if isinstance(row, _Split) else None
     async with contextlib.AsyncExitStack() as stack:
-        backends, sim_pid = await _fleet(stack, options)
+        backends, sim_pid = await _fleet(stack, options, split.roles if split else [])
         urls = [b["url"] for b in backends]
         if isinstance(row, Peer):
             label, router = row.label, _peer_router(row, urls, options)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
-            label, router = row, _kvroute_router(row, backends, options, Path(tmp))
+            strategy = split.strategy if split else row
+            label = split.label if split else strategy
+            router = _kvroute_router(strategy, backends, options, Path(tmp), split)
         try:
             started = processes.replicas(router.command, router.ready, options.replicas)
             replicas = await stack.enter_async_context(started)
@@ -541,9 +608,13 @@ async def _simulated_run(
         return await _measured_replay(http, entry, model, specs, options, on_done)
 
 
-async def _fleet(stack: contextlib.AsyncExitStack, options: Options) -> tuple[list[dict], int]:
-    """The simulated fleet on `stack`: its backend configs and its process's pid."""
-    fleet = processes.simulator(options.backends, options.time_scale, options.sim_args)
+async def _fleet(
+    stack: contextlib.AsyncExitStack, options: Options, roles: list[str]
+) -> tuple[list[dict], int]:
+    """The simulated fleet on `stack` (`roles`: the simulator's --roles, if any): its
+    backend configs and its process's pid."""
+    sim_args = [*options.sim_args, *roles]
+    fleet = processes.simulator(options.backends, options.time_scale, sim_args)
     try:
         return await stack.enter_async_context(fleet)
     except processes.StartFailed as exc:
@@ -637,10 +708,14 @@ class _Router(NamedTuple):
     setup: Setup
 
 
-def _kvroute_router(strategy: str, backends: list[dict], options: Options, tmp: Path) -> _Router:
-    """`kvroute serve` with one config file for every replica, which differ by --port."""
+def _kvroute_router(
+    strategy: str, backends: list[dict], options: Options, tmp: Path, split: _Split | None
+) -> _Router:
+    """`kvroute serve` with one config file for every replica, which differ by --port;
+    with `split`, the backends in a prefill and a decode pool."""
     knobs = {**options.routing, "seed": options.seed}
-    config = router_config(strategy, backends, knobs, options.workers)
+    prefill = split.prefill if split else None
+    config = router_config(strategy, backends, knobs, options.workers, prefill)
     cmd = processes.kvroute_serve(config, tmp / "router.yaml")
     setup = Setup(
         router="kvroute serve",
@@ -650,6 +725,7 @@ def _kvroute_router(strategy: str, backends: list[dict], options: Options, tmp: 
         workers_config=config.workers,
         replicas=options.replicas,
         kv_events=any(b.kv_events for b in config.backends),
+        pools=f"prefill {split.prefill} + decode {split.decode}" if split else None,
     )
     return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
 
@@ -672,16 +748,31 @@ def _peer_setup(peer: Peer, options: Options) -> Setup:
 
 
 def router_config(
-    strategy: str, backends: list[dict], knobs: dict[str, object], workers: int = 0
+    strategy: str,
+    backends: list[dict],
+    knobs: dict[str, object],
+    workers: int = 0,
+    prefill: int | None = None,
 ) -> Config:
     """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
-    `workers` 0 is one per usable core, as `kvroute serve` runs by default."""
+    `workers` 0 is one per usable core, as `kvroute serve` runs by default. `prefill`:
+    the first that many backends are a prefill pool and the rest a decode pool."""
     fields = policies.policy_class(strategy).params_type.__struct_fields__
     routing = {"strategy": strategy, **{k: v for k, v in knobs.items() if k in fields}}
+    fleet: dict[str, object] = {"backends": backends}
+    if prefill is not None:
+        fleet = {
+            "pools": [
+                {"name": role, "priority": i, "role": role, "backends": part}
+                for i, (role, part) in enumerate(
+                    (("prefill", backends[:prefill]), ("decode", backends[prefill:]))
+                )
+            ]
+        }
     return build(
         {
             "listen": {"host": "127.0.0.1", "port": 0},
-            "backends": backends,
+            **fleet,
             "routing": routing,
             "workers": workers,
             "log_level": "warning",
@@ -889,6 +980,8 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     knobs = [f"{k}={_compact(v)}" for k, v in setup.params.items() if k not in skip]
     events = "on" if setup.kv_events else "off"
     head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
+    if setup.pools:
+        head += f", pools {setup.pools}"
     return "; ".join([head, " ".join(knobs)] if knobs else [head])
 
 
@@ -923,6 +1016,8 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         where = f"target {options.target}"
     else:
         where = f"{options.backends} simulated backends, time_scale {options.time_scale:g}"
+        if options.pd:
+            where += f" (P/D rows: {options.pd[0]} prefill + {options.pd[1]} decode)"
     return (
         f"{w.shape}: {n} requests, {prompts}, {w.max_tokens} output tokens, {arrivals}, "
         f"seed {w.seed}; {where}"

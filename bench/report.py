@@ -75,6 +75,7 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     processes: int | None = None  # every process of one replica, counted once it started
     replicas: int = 1
     kv_events: bool = False
+    pools: str | None = None  # kvroute's prefill and decode pools (--pd), in words
 
 
 class Run(msgspec.Struct, kw_only=True):
@@ -278,7 +279,8 @@ def _cell(value: object, fmt: str) -> str:
 LEGEND = (
     "TTFT, ITL (inter-token) and E2E: percentiles in simulated ms; req/s: successful "
     "requests per second; KV hit: the fleet's prefix-cache hit rate (prompt tokens); "
-    "tier hit (with KV offloading): the prompt tokens loaded from an offload tier; "
+    "tier hit (with KV offloading, or --pd): the prompt tokens loaded from an offload tier "
+    "or transferred from a prefill backend (vLLM's external prefix cache counters); "
     "spread req / spread busy: the busiest backend's requests / busy time over the mean "
     "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
     "what one pass through the router adds (/tokenize pairs, real time)."

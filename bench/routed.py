@@ -1,7 +1,7 @@
 """One replay through kvroute over a simulated fleet: the simulator in a child process,
 kvroute as `kvroute serve` starts it (one worker per usable core) with a config built
 for the fleet's backends, the workload sent to it, the router's /metrics read before
-and after. What bench.pools and bench.disagg share."""
+and after. What bench.pools runs on."""
 
 from __future__ import annotations
 

@@ -193,6 +193,22 @@ def test_a_cpu_tier_adds_its_hit_rate_and_param_sets_any_routing_parameter(tmp_p
     assert 0 < doc["summaries"][0]["tier_hit_rate"] < 1
 
 
+def test_pd_runs_each_strategy_disaggregated_beside_the_same_backends_combined(tmp_path, capsys):
+    """The P/D row's decode backend gets its prompts' KV from the prefill backend: vLLM's
+    external prefix-cache counters show the transfer (tier hit), which the combined row
+    has none of."""
+    argv = [*TINY, "--strategies=KV_AWARE", "--requests=8", "--pd=1:1", f"--out={tmp_path}"]
+    assert harness.main(argv) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert list(rows) == ["KV_AWARE", "KV_AWARE-pd1:1"]
+    assert all(cells[1:3] == ["8", "0"] for cells in rows.values())  # ok, failed
+    assert "(P/D rows: 1 prefill + 1 decode)" in out and "pools prefill 1 + decode 1" in out
+    combined, split = _results(tmp_path)["summaries"]
+    assert combined["tier_hit_rate"] in (None, 0) and split["tier_hit_rate"] > 0
+    assert split["itl_p50"] is not None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -200,6 +216,10 @@ def test_a_cpu_tier_adds_its_hit_rate_and_param_sets_any_routing_parameter(tmp_p
         (["--param=miss_penalty"], "expected KEY=VALUE"),
         (["--strategies=RANDOM", "--param=tiers={}"], "--param tiers: no routing parameter"),
         (["--strategies=KV_AWARE", "--param=tiers=5"], "$.routing.tiers"),
+        (["--pd=2"], "expected P:D with P, D >= 1"),
+        (["--pd=0:1"], "expected P:D with P, D >= 1"),
+        (["--pd=2:2", "--backends=3"], "--pd 2:2 is 4 backends, not --backends 3"),
+        (["--pd=1:1", "--target=http://127.0.0.1:9"], "--pd starts its own fleet"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message, capsys):
