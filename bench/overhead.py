@@ -9,9 +9,10 @@ the difference of the two distributions (router - direct), not either alone.
 
 The router runs as `kvroute serve` starts by default (its strategy, a worker per core,
 the access log on, here into a file); `--strategy` and `--workers` measure others.
-`--access-log-off` adds a router with the access log off, and `--tracing-unsampled` one
-with tracing configured but sampling nothing, in the same batches: the difference of
-their added latencies from the default router's is what the log, or tracing, costs.
+`--access-log-off` adds a router with the access log off, `--tracing-unsampled` one
+with tracing configured but sampling nothing, and `--capture-all` one capturing every
+request (data capture, sample 1.0), in the same batches: the difference of their added
+latencies from the default router's is what the log, tracing or capture costs.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ VARIANTS: dict[str, dict] = {
     "router": {},
     "router, no access log": {"access_log": {"enabled": False}},
     "router, tracing not sampled": {"tracing": {"enabled": True, "sample_ratio": 0.0}},
+    "router, capturing every request": {"capture": {"enabled": True, "sample": 1.0}},
 }
 
 
@@ -89,8 +91,12 @@ def backend_and_routers(
         for i, name in enumerate(variants):
             config = os.path.join(tmp, f"router-{i}.yaml")
             settings = {"access_log": {"path": os.path.join(tmp, f"access-{i}.log")}}
+            variant = VARIANTS[name]
+            if "capture" in variant:
+                captured = {**variant["capture"], "path": os.path.join(tmp, f"capture-{i}")}
+                variant = {**variant, "capture": captured}
             with open(config, "wb") as f:
-                f.write(orjson.dumps({**settings, **VARIANTS[name]}))  # JSON is YAML
+                f.write(orjson.dumps({**settings, **variant}))  # JSON is YAML
             port = free_port()
             cmd = [py, "-m", "router", "serve", "-c", config, "--port", str(port)]
             cmd += ["--backend", backend_url, "--workers", str(workers)]
@@ -201,10 +207,17 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="also measure a router with tracing on and sample_ratio 0, in the same batches",
     )
+    parser.add_argument(
+        "--capture-all",
+        action="store_true",
+        help="also measure a router capturing every request (capture sample 1.0), in the "
+        "same batches",
+    )
     args = parser.parse_args(argv)
     names = ("router",)
     names += ("router, no access log",) if args.access_log_off else ()
     names += ("router, tracing not sampled",) if args.tracing_unsampled else ()
+    names += ("router, capturing every request",) if args.capture_all else ()
     results = {}
     with backend_and_routers(args.strategy, args.workers, names) as (direct, routed):
         urls = {"direct": direct, **dict(zip(names, routed, strict=True))}

@@ -19,6 +19,8 @@ lives there and what it may import. Imports run one way, down this list
   metrics/     every Prometheus metric, one registry per process
   access_log.py
                the access log's lines, buffered and written by a thread of its own
+  capture.py   sampled requests and answers as JSON lines, queued and written by a
+               thread of their own
   fleet/       the backends' state, health, breakers, shared load and placements,
                discovery
   request.py, config.py, secrets.py, context.py, errors.py, log.py

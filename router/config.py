@@ -436,6 +436,31 @@ class AccessLogConfig(_Strict):
     path: str = "-"
 
 
+class CaptureConfig(_Strict):
+    """Sampled requests and their answers as JSON lines (router/capture.py), written by
+    a thread of each worker into files of its own under `path`."""
+
+    enabled: bool = False
+    #: the share of requests captured (beside `tenants` and the force header)
+    sample: Annotated[float, Meta(ge=0, le=1)] = 0.0
+    #: every request of these tenants is captured (to debug one tenant's traffic)
+    tenants: tuple[str, ...] = ()
+    path: str = "/var/lib/kvroute/capture"
+    #: a file is closed and a new one begun past this size (before gzip) or age
+    max_bytes: Annotated[int, Meta(ge=4096)] = 256 << 20
+    rotate_seconds: Annotated[float, Meta(gt=0)] = 3600.0
+    gzip: bool = False
+    #: keep the request (its headers and body) and the answer (its body, a stream
+    #: reassembled); off, a record keeps the figures alone
+    request: bool = True
+    response: bool = True
+    #: headers whose values are written as "[redacted]", beside Authorization,
+    #: Proxy-Authorization, Cookie and X-Api-Key, which always are
+    redact: tuple[str, ...] = ()
+    #: records waiting for the writer, past which new ones are dropped and counted
+    queue_records: Annotated[int, Meta(ge=1)] = 1024
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry spans per request, exported over OTLP/HTTP (the `otel` extra).
 
@@ -490,6 +515,7 @@ class Config(_Strict):
     log_format: Literal["text", "json"] = "text"
     access_log: AccessLogConfig = AccessLogConfig()
     tracing: TracingConfig = TracingConfig()
+    capture: CaptureConfig = CaptureConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

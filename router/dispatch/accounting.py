@@ -7,7 +7,8 @@ The labelled children every request touches are looked up once (`Labelled`); the
 strategy label is the reloadable setting `Dispatcher.configure` sets here. Latencies are
 measured from the call's `arrived` (perf_counter: sub-millisecond on every loop). A
 failure (a 5xx the router makes, a retry) is logged, throttled; a success never is,
-beside the access log, which writes off the request's path (router/access_log.py).
+beside the access log, which writes off the request's path (router/access_log.py), as
+the data capture does (router/capture.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable, Container
 from policies import SPILL_REASONS, Pick
 from router import log
 from router.access_log import AccessLog, Entry
+from router.capture import Capture, Captured
 from router.dispatch.attempt import Attempt
 from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
@@ -31,6 +33,7 @@ class Accounting:
 
     __slots__ = (
         "_access",
+        "_capture",
         "_decisions",
         "_e2e",
         "_fleet",
@@ -42,10 +45,17 @@ class Accounting:
         "tenants",
     )
 
-    def __init__(self, metrics: Metrics, fleet: Fleet, access: AccessLog | None = None) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        fleet: Fleet,
+        access: AccessLog | None = None,
+        capture: Capture | None = None,
+    ) -> None:
         self._metrics = metrics
         self._fleet = fleet
         self._access = access
+        self._capture = capture
         self._requests = Labelled(metrics.requests)
         self._decisions = Labelled(metrics.decisions)
         self._spillovers = Labelled(metrics.spillovers)
@@ -120,6 +130,8 @@ class Accounting:
             retries = call.attempts - 1
             why = attempt.routed.reason
             self._log(call, seconds, ttft, name, why, attempt.status, retries, used, failure)
+        if call.capture is not None and self._capture is not None:
+            self._captured(attempt, seconds, ttft, used)
 
     def _check_prediction(self, routed: Routed, used: Usage) -> None:
         """Closed loop: the backend's reported cached_tokens against our prediction."""
@@ -177,6 +189,33 @@ class Accounting:
                 retries,
                 *used,
                 failure,
+            )
+        )
+
+    def _captured(self, attempt: Attempt, seconds: float, ttft: float | None, used: Usage) -> None:
+        """Hand the request's raw parts to the capture's queue (it encodes them)."""
+        call, upstream, capture = attempt.call, attempt.upstream, self._capture
+        response = upstream.body() if upstream is not None and upstream.kept else None
+        capture.add(
+            Captured(
+                time.time(),
+                seconds,
+                ttft,
+                call.request_id,
+                call.tenant,
+                call.method,
+                call.path,
+                call.req.model or "",
+                self.strategy,
+                attempt.backend.name,
+                attempt.backend.pool,
+                attempt.routed.reason,
+                attempt.status,
+                tuple(used),
+                capture.headers(call.headers.items()),
+                call.capture,
+                response,
+                upstream is not None and upstream.streaming,
             )
         )
 

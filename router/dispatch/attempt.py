@@ -121,6 +121,8 @@ class Attempt:
             return
         upstream.backend_name = backend.name
         upstream.pool = backend.pool
+        if call.capture is not None:
+            upstream.keep()
         self.upstream = upstream
         self.status = str(upstream.status)
         verdict = outcome(upstream.status)

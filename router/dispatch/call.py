@@ -64,6 +64,8 @@ class Call:
     role: str | None = None
     #: the backend that prefilled it, with disaggregated serving
     prefilled_by: str | None = None
+    #: the body as the client sent it, when the request is captured (router/capture.py)
+    capture: bytes | None = None
 
 
 class Routed(NamedTuple):

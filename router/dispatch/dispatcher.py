@@ -100,7 +100,8 @@ class Dispatcher:
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
         self._adapters = AdapterLoader(fleet, session, config.lora)
-        self._account = Accounting(metrics, fleet, records and records.access_log)
+        self._capture = records and records.capture
+        self._account = Accounting(metrics, fleet, records and records.access_log, self._capture)
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
@@ -160,6 +161,8 @@ class Dispatcher:
         tried: list[Backend] = []
         if self._tracing is not None:
             call.trace = self._tracing.begin(call)
+        if self._capture is not None and self._capture.sampler.wants(call.tenant, call.headers):
+            call.capture = call.body
         try:
             self._open.enter(task)
             held = await self.admission.enter(call.tenant)

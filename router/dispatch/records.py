@@ -1,8 +1,10 @@
-"""What requests leave behind beside the metrics: the access log's lines and the spans.
+"""What requests leave behind beside the metrics: the access log's lines, the spans and
+the data capture's records.
 
-Both are optional, opened and closed with the worker: the tracer when it is built (so a
+All are optional, opened and closed with the worker: the tracer when it is built (so a
 config asking for traces without the SDK fails at once, `--check` included), the access
-log when it starts serving (its file is opened once), and both flushed at its stop.
+log and the capture when it starts serving (their files are opened then), and all
+flushed at its stop.
 """
 
 from __future__ import annotations
@@ -10,26 +12,34 @@ from __future__ import annotations
 import asyncio
 
 from router.access_log import AccessLog
+from router.capture import Capture
 from router.config import Config
 from router.dispatch.tracing import Tracing
 from router.metrics import Metrics
 
 
 class Records:
-    """A worker's access log and tracer, when the config turns them on."""
+    """A worker's access log, tracer and capture, when the config turns them on."""
 
     def __init__(self, config: Config, span_exporter=None) -> None:
         """`span_exporter`: where spans go (an SDK SpanExporter) instead of OTLP."""
         self._config = config
         self.tracing = Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.access_log: AccessLog | None = None
+        self.capture: Capture | None = None
 
     def open(self, metrics: Metrics) -> None:
-        """Open the access log (ConfigError if its file cannot be opened)."""
+        """Open the access log and the capture (ConfigError if a file cannot be opened)."""
         cfg = self._config
         if cfg.access_log.enabled:
             dropped = metrics.access_log_dropped.inc
             self.access_log = AccessLog(cfg.access_log.path, cfg.log_format, dropped)
+        if cfg.capture.enabled:
+            lost = metrics.capture_dropped
+            self.capture = Capture(
+                cfg.capture, lambda why: lost.labels(why).inc(), metrics.capture_written.inc
+            )
+            self.capture.start()
 
     async def close(self) -> None:
         """Write the last lines and export the last spans, once nothing is in flight; a
@@ -37,6 +47,9 @@ class Records:
         if self.access_log is not None:
             self.access_log.close()
             self.access_log = None
+        if self.capture is not None:
+            await asyncio.to_thread(self.capture.close)
+            self.capture = None
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.close)
             self.tracing = None

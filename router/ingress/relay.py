@@ -94,7 +94,7 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
                 await reply.whole(upstream.status, _headers(upstream, extra), body)
                 return
             await reply.begin(upstream.status, _headers(upstream, extra))
-            if reply.sink is not None:
+            if reply.sink is not None and not upstream.kept:
                 await upstream.relay(reply.sink)
             else:
                 async for chunk in upstream.chunks():

@@ -1,5 +1,5 @@
-"""The tokens answers report (their `usage`), by model and tenant, and the access log's
-lost lines."""
+"""The tokens answers report (their `usage`), by model and tenant; the access log's lost
+lines and the data capture's records."""
 
 from __future__ import annotations
 
@@ -33,6 +33,18 @@ class TokenMetrics:
         self.access_log_dropped = Counter(
             "kvroute_access_log_dropped",
             "Access log lines lost: the writer fell behind, or the write failed",
+            registry=r,
+        )
+        self.capture_written = Counter(
+            "kvroute_capture_records",
+            "Requests the data capture wrote, one JSON line each",
+            registry=r,
+        )
+        self.capture_dropped = Counter(
+            "kvroute_capture_dropped",
+            "Captured requests lost, by reason: queue_full (the writer fell behind; the "
+            "request never waits for it) or write_error",
+            ["reason"],
             registry=r,
         )
 

@@ -37,6 +37,7 @@ class BodyClock:
         "_on_first",
         "_tally",
         "first_chunk_at",
+        "kept",
         "tail",
     )
 
@@ -59,6 +60,8 @@ class BodyClock:
         self._last_chunk_at = 0.0
         self.first_chunk_at: float | None = None
         self.tail = b""
+        #: every chunk, when the answer is captured (router/capture.py); else None
+        self.kept: list[bytes] | None = None
 
     def watch(self, deadline: asyncio.Timeout) -> None:
         """The timeout guarding the body; once chunks flow, it expires `idle` seconds
@@ -83,6 +86,8 @@ class BodyClock:
         self._last_chunk_at = now
         if len(chunk) > _TAIL_MIN:
             self.tail = chunk
+        if self.kept is not None:
+            self.kept.append(chunk)
 
     def stop(self) -> None:
         """The exchange ended: no more deadline, and the gaps go to the histogram."""

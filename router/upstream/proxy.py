@@ -160,6 +160,22 @@ class Upstream:
             raise UpstreamDisconnected(_broke(exc, "answer")) from exc
         return self._clock.tail
 
+    def keep(self) -> None:
+        """Keep the whole body for `body` (a captured answer): called before it is read.
+        A stream is then read chunk by chunk (`chunks`), not by `relay`, whose framed
+        reads the capture could not tell from the body."""
+        self._clock.kept = []
+
+    @property
+    def kept(self) -> bool:
+        return self._clock.kept is not None
+
+    def body(self) -> bytes:
+        """The body read so far, when it is kept: a stream's chunks joined, or the whole
+        answer `read` returned."""
+        kept = self._clock.kept
+        return b"".join(kept) if kept and self.streaming else self._clock.tail
+
     def usage(self) -> Usage:
         """The token counts the answer reported (router/upstream/usage.py).
 
