@@ -461,6 +461,20 @@ class CaptureConfig(_Strict):
     queue_records: Annotated[int, Meta(ge=1)] = 1024
 
 
+class UsageConfig(_Strict):
+    """Token accounting beside `kvroute_tokens_total` (router/usage_records.py)."""
+
+    #: ask vLLM for the usage of every chat and completion stream whose client did not
+    #: (`stream_options.include_usage`), and take that usage event out of what the
+    #: client gets, so that streams are counted too
+    stream_usage: bool = False
+    #: write each worker's counts by tenant, model and pool every `interval_s` to the
+    #: SQLite database at `path` (read back with GET /admin/usage)
+    records: bool = False
+    path: str = "/var/lib/kvroute/usage.db"
+    interval_s: Seconds = 60.0
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry spans per request, exported over OTLP/HTTP (the `otel` extra).
 
@@ -516,6 +530,7 @@ class Config(_Strict):
     access_log: AccessLogConfig = AccessLogConfig()
     tracing: TracingConfig = TracingConfig()
     capture: CaptureConfig = CaptureConfig()
+    usage: UsageConfig = UsageConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

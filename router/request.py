@@ -23,6 +23,8 @@ class _Common(msgspec.Struct):
     model: str | None = None
     stream: bool | None = None
     cache_salt: str | None = None
+    #: as sent, unparsed (empty when absent): read only to ask for a stream's usage
+    stream_options: msgspec.Raw = msgspec.Raw()
 
 
 class ChatRequest(_Common):
@@ -96,6 +98,19 @@ def parse(kind: Kind, body: bytes) -> _Common:
 
 _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _ENCODE = msgspec.json.Encoder()
+
+
+def asking_usage(req: object, body: bytes) -> bytes | None:
+    """`body` asking for its stream's usage (`stream_options.include_usage`), the other
+    stream options kept; None when it need not: not streamed, already asking, or with
+    stream options that are not an object (the backend says what is wrong)."""
+    if not getattr(req, "stream", False):
+        return None
+    raw = req.stream_options
+    options = msgspec.json.decode(raw) if raw else {}
+    if not isinstance(options, dict) or options.get("include_usage"):
+        return None
+    return with_fields(body, {"stream_options": {**options, "include_usage": True}})
 
 
 def with_fields(body: bytes, values: dict[str, object], drop: tuple[str, ...] = ()) -> bytes:

@@ -21,6 +21,9 @@ refused at start and on reload. With auth on, the same token opens the data port
                                        and removable without losing capacity
                                        (fallbacks first: router/fleet/pools.py); empty
                                        for a flat fleet
+  GET    /admin/usage                  the usage records (config usage.records) summed
+                                       by tenant, model and pool: ?since=&until= (epoch
+                                       seconds or ISO 8601, UTC if no zone) and ?tenant=
   GET    /admin/config                 the effective config (it names where secrets
                                        are read from, never the secrets)
   POST   /admin/reload                 re-read the config file, as SIGHUP does
@@ -46,16 +49,19 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import Awaitable, Callable
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from datetime import UTC, datetime
 from typing import Protocol
 
 import msgspec
 import orjson
 from aiohttp import web
 
+from router import usage_records
 from router.config import AdminConfig, Config, ConfigError, build
 from router.control.reload import Reloader
-from router.errors import KvrouteError, Unauthorized
+from router.errors import BadRequest, KvrouteError, Unauthorized
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
 from router.fleet.health import HealthChecker
@@ -110,6 +116,7 @@ class AdminServer:
                 web.post("/admin/backends/{name}/drain", self.drain),
                 web.post("/admin/backends/{name}/undrain", self.undrain),
                 web.get("/admin/pools", self.pools),
+                web.get("/admin/usage", self.usage),
                 web.get("/admin/config", self.config),
                 web.post("/admin/reload", self.reload),
             ]
@@ -175,6 +182,17 @@ class AdminServer:
 
     async def pools(self, request: web.Request) -> web.Response:
         return _json({"pools": [msgspec.to_builtins(s) for s in pool_states(self._router.fleet)]})
+
+    async def usage(self, request: web.Request) -> web.Response:
+        cfg = self._router.config.usage
+        if not cfg.records:
+            raise KvrouteError("Usage records are off (config usage.records).", status=404)
+        query = request.query
+        since = _instant(query, "since", 0.0)
+        until = _instant(query, "until", time.time())
+        tenant = query.get("tenant")
+        found = await asyncio.to_thread(usage_records.read, cfg.path, since, until, tenant)
+        return _json({"since": since, "until": until, "usage": found})
 
     async def config(self, request: web.Request) -> web.Response:
         return _json(msgspec.to_builtins(self._router.config))
@@ -291,6 +309,25 @@ async def _body(request: web.Request) -> dict:
     if not isinstance(data, dict):
         raise KvrouteError("The body must be a JSON object.", status=400)
     return data
+
+
+def _instant(query: Mapping[str, str], name: str, default: float) -> float:
+    """A query parameter as epoch seconds: a number, or an ISO 8601 time (UTC if it
+    names no zone); BadRequest naming it otherwise."""
+    text = query.get(name)
+    if text is None:
+        return default
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    try:
+        when = datetime.fromisoformat(text)
+    except ValueError:
+        raise BadRequest(
+            f"`{name}`: expected epoch seconds or an ISO 8601 time, got {text!r}", param=name
+        ) from None
+    return (when if when.tzinfo else when.replace(tzinfo=UTC)).timestamp()
 
 
 def _json(data: object, status: int = 200) -> web.Response:

@@ -24,8 +24,9 @@ from router.dispatch.attempt import Attempt
 from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
-from router.metrics import Labelled, Metrics, model_label
+from router.metrics import NO_POOL, Labelled, Metrics, model_label
 from router.upstream.usage import NO_USAGE, Usage
+from router.usage_records import UsageRecords
 
 
 class Accounting:
@@ -41,6 +42,7 @@ class Accounting:
         "_requests",
         "_spillovers",
         "_ttft",
+        "_usage",
         "strategy",
         "tenants",
     )
@@ -51,11 +53,13 @@ class Accounting:
         fleet: Fleet,
         access: AccessLog | None = None,
         capture: Capture | None = None,
+        usage: UsageRecords | None = None,
     ) -> None:
         self._metrics = metrics
         self._fleet = fleet
         self._access = access
         self._capture = capture
+        self._usage = usage
         self._requests = Labelled(metrics.requests)
         self._decisions = Labelled(metrics.decisions)
         self._spillovers = Labelled(metrics.spillovers)
@@ -111,7 +115,11 @@ class Accounting:
             self._ttft(name, endpoint, model).observe(ttft)
         used = upstream.usage() if ok and upstream is not None else NO_USAGE
         if used is not NO_USAGE:
-            self._metrics.count_tokens(model, call.tenant, self.tenants(), *used)
+            tenant = self._metrics.tenant_label(call.tenant, self.tenants())
+            pool = attempt.backend.pool
+            self._metrics.count_tokens(model, tenant, pool, *used)
+            if self._usage is not None:
+                self._usage.add(tenant, model, pool or NO_POOL, *used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
         if trace is not None:

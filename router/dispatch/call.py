@@ -66,6 +66,8 @@ class Call:
     prefilled_by: str | None = None
     #: the body as the client sent it, when the request is captured (router/capture.py)
     capture: bytes | None = None
+    #: the router asked for the stream's usage: its usage event is not the client's
+    strip_usage: bool = False
 
 
 class Routed(NamedTuple):

@@ -45,9 +45,12 @@ from router.fleet.adapters import AdapterLoader
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
+from router.request import Kind, asking_usage
 from router.telemetry.tokenize import RemoteTokenizer
 from router.upstream.proxy import Upstream, Upstreams
 
+#: the requests whose answers report usage (chat and completions)
+_GENERATION = frozenset({Kind.CHAT, Kind.COMPLETION})
 #: how long the answers cut at the drain deadline get to write their ending (a client
 #: that does not read it is then cut off by its server)
 CUT_GRACE_SECONDS = 1.0
@@ -101,7 +104,12 @@ class Dispatcher:
         self._describer = Describer(fleet, self._tokenizer)
         self._adapters = AdapterLoader(fleet, session, config.lora)
         self._capture = records and records.capture
-        self._account = Accounting(metrics, fleet, records and records.access_log, self._capture)
+        usage = records and records.usage
+        self._account = Accounting(
+            metrics, fleet, records and records.access_log, self._capture, usage
+        )
+        #: ask streams for their usage (config usage.stream_usage)
+        self._stream_usage = config.usage.stream_usage
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
@@ -163,6 +171,10 @@ class Dispatcher:
             call.trace = self._tracing.begin(call)
         if self._capture is not None and self._capture.sampler.wants(call.tenant, call.headers):
             call.capture = call.body
+        if self._stream_usage and call.kind in _GENERATION:
+            asked = asking_usage(call.req, call.body)
+            if asked is not None:
+                call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
             held = await self.admission.enter(call.tenant)

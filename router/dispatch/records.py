@@ -16,10 +16,12 @@ from router.capture import Capture
 from router.config import Config
 from router.dispatch.tracing import Tracing
 from router.metrics import Metrics
+from router.usage_records import UsageRecords
 
 
 class Records:
-    """A worker's access log, tracer and capture, when the config turns them on."""
+    """A worker's access log, tracer, capture and usage records, when the config turns
+    them on."""
 
     def __init__(self, config: Config, span_exporter=None) -> None:
         """`span_exporter`: where spans go (an SDK SpanExporter) instead of OTLP."""
@@ -27,6 +29,8 @@ class Records:
         self.tracing = Tracing(config.tracing, span_exporter) if config.tracing.enabled else None
         self.access_log: AccessLog | None = None
         self.capture: Capture | None = None
+        self.usage: UsageRecords | None = None
+        self._flusher: asyncio.Task | None = None
 
     def open(self, metrics: Metrics) -> None:
         """Open the access log and the capture (ConfigError if a file cannot be opened)."""
@@ -40,6 +44,9 @@ class Records:
                 cfg.capture, lambda why: lost.labels(why).inc(), metrics.capture_written.inc
             )
             self.capture.start()
+        if cfg.usage.records:
+            self.usage = UsageRecords(cfg.usage.path, cfg.usage.interval_s)
+            self._flusher = asyncio.create_task(self.usage.run(), name="kvroute-usage")
 
     async def close(self) -> None:
         """Write the last lines and export the last spans, once nothing is in flight; a
@@ -50,6 +57,10 @@ class Records:
         if self.capture is not None:
             await asyncio.to_thread(self.capture.close)
             self.capture = None
+        if self.usage is not None:
+            self._flusher.cancel()
+            await self.usage.flush()
+            self.usage = None
         if self.tracing is not None:
             await asyncio.to_thread(self.tracing.close)
             self.tracing = None

@@ -234,7 +234,7 @@ class _Inference(pb_grpc.InferenceServicer):
             async with self._dispatch.exchange(call) as upstream:
                 trailers.extend(_served_by(upstream))
                 if upstream.status == 200 and upstream.streaming:
-                    error = await _relay(upstream, context, convert)
+                    error = await _relay(upstream, context, convert, call.strip_usage)
                 else:
                     error = _not_streamed(upstream.status, await upstream.read())
             if error is not None:
@@ -317,8 +317,11 @@ class _Inference(pb_grpc.InferenceServicer):
         return headers
 
 
-async def _relay(upstream: Upstream, context, convert: grpc_convert.Convert) -> KvrouteError | None:
+async def _relay(
+    upstream: Upstream, context, convert: grpc_convert.Convert, strip_usage: bool
+) -> KvrouteError | None:
     """Write one message per SSE event as chunks arrive; return an in-band error, if any.
+    `strip_usage`: the router asked for the usage event, which the client did not.
 
     After `[DONE]` or an error event the rest is drained (vLLM ends the body right after),
     so the connection goes back to the pool instead of being closed.
@@ -336,6 +339,8 @@ async def _relay(upstream: Upstream, context, convert: grpc_convert.Convert) -> 
             obj = grpc_convert.loads(data)
             if "error" in obj:
                 over, error = True, KvrouteError.from_body(obj)
+                continue
+            if strip_usage and obj.get("usage") and obj.get("choices") == []:
                 continue
             await context.write(grpc_convert.build(convert, obj))
     return error

@@ -26,6 +26,7 @@ from router.errors import (
     Unauthorized,
     UpstreamError,
 )
+from router.ingress.usage_strip import WithoutUsage
 from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"
@@ -94,13 +95,13 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
                 await reply.whole(upstream.status, _headers(upstream, extra), body)
                 return
             await reply.begin(upstream.status, _headers(upstream, extra))
-            if reply.sink is not None and not upstream.kept:
+            if call.strip_usage:
+                await _without_usage(upstream, reply)
+            elif reply.sink is not None and not upstream.kept:
                 await upstream.relay(reply.sink)
             else:
                 async for chunk in upstream.chunks():
-                    full = reply.send(chunk)
-                    if full is not None:
-                        await full
+                    await _send(reply, chunk)
             await reply.end()
     except KvrouteError as err:
         if not reply.started:
@@ -111,6 +112,23 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
         if not reply.started:
             raise
         # the client left mid-stream: a 499, and no traceback to log
+
+
+async def _without_usage(upstream: Upstream, reply: Reply) -> None:
+    """Relay a stream whose usage event the router asked for, without that event."""
+    stripped = WithoutUsage()
+    async for chunk in upstream.chunks():
+        if out := stripped.feed(chunk):
+            await _send(reply, out)
+    if rest := stripped.rest():
+        await _send(reply, rest)
+
+
+async def _send(reply: Reply, chunk: bytes) -> None:
+    """Write `chunk`, waiting while the client catches up."""
+    full = reply.send(chunk)
+    if full is not None:
+        await full
 
 
 async def refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None:

@@ -77,6 +77,6 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
         self._primed = primed
         if self.strategy:  # else no request path in this process (the collector)
             self._prime_requests(backends, self.strategy)
-            self._prime_tokens({m for b in backends for m in b.models or ()})
+            self._prime_tokens({(m, b.pool) for b in backends for m in b.models or ()})
         self._prime_backends(backends)
         self._prime_telemetry(backends)

@@ -1,5 +1,6 @@
-"""The tokens answers report (their `usage`), by model and tenant; the access log's lost
-lines and the data capture's records."""
+"""The tokens answers report (their `usage`) and the answers counted, by model, tenant
+and pool (cost allocation; router/usage_records.py keeps the same counts by time window);
+the access log's lost lines and the data capture's records."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from router.metrics.hot_path import Labelled
 
 #: the tenant label of a request with no tenant (no auth, no tenant header)
 NO_TENANT = "(none)"
+#: the pool label of a backend in a flat fleet
+NO_POOL = "(none)"
 #: the label of a value past a bounded label's first ones, or not a known one
 OTHER = "(other)"
 TOKEN_KINDS = ("prompt", "cached", "completion")
@@ -25,11 +28,18 @@ class TokenMetrics:
         self.tokens = Counter(
             "kvroute_tokens",
             "Tokens the answers reported in their usage, by kind (prompt, cached: the part "
-            "of the prompt served from the KV cache, completion), model and tenant",
-            ["kind", "model", "tenant"],
+            "of the prompt served from the KV cache, completion), model, tenant and pool",
+            ["kind", "model", "tenant", "pool"],
             registry=r,
         )
         self._token_children = Labelled(self.tokens)
+        self.usage_requests = Counter(
+            "kvroute_usage_requests",
+            "Answers whose usage kvroute_tokens_total counted, by model, tenant and pool",
+            ["model", "tenant", "pool"],
+            registry=r,
+        )
+        self._usage_children = Labelled(self.usage_requests)
         self.access_log_dropped = Counter(
             "kvroute_access_log_dropped",
             "Access log lines lost: the writer fell behind, or the write failed",
@@ -48,27 +58,29 @@ class TokenMetrics:
             registry=r,
         )
 
-    def _prime_tokens(self, models: Iterable[str]) -> None:
-        """Create at 0 the token counters of `models` (each kind) for the tenants named
-        by `metrics.tenants`, for others and for none."""
+    def _prime_tokens(self, served: Iterable[tuple[str, str | None]]) -> None:
+        """Create at 0 the token and answer counters of each (model, pool) `served`, for
+        the tenants named by `metrics.tenants`, for others and for none."""
         tenants = (*self._tenants, OTHER, NO_TENANT)
-        for model in models:
-            for kind in TOKEN_KINDS:
-                for tenant in tenants:
-                    self._token_children(kind, model, tenant)
+        for model, pool in served:
+            for tenant in tenants:
+                self._usage_children(model, tenant, pool or NO_POOL)
+                for kind in TOKEN_KINDS:
+                    self._token_children(kind, model, tenant, pool or NO_POOL)
 
     def count_tokens(
         self,
         model: str,
-        tenant: str | None,
-        known_tenants: Container[str],
+        tenant: str,
+        pool: str | None,
         prompt: int | None,
         cached: int | None,
         completion: int | None,
     ) -> None:
         """Add one answer's reported counts (None: not reported); `model`: its label
-        (`model_label`)."""
-        labels = (model, self.tenant_label(tenant, known_tenants))
+        (`model_label`), `tenant` its (`tenant_label`)."""
+        labels = (model, tenant, pool or NO_POOL)
+        self._usage_children(*labels).inc()
         child = self._token_children
         if prompt:
             child("prompt", *labels).inc(prompt)

@@ -70,11 +70,12 @@ async def test_success_stream_and_client_mistakes_each_get_a_line(tmp_path, fmt)
                 assert resp.status == 400
         page = router.metrics.render().decode()
     for kind, count in (("prompt", 10), ("completion", 6)):  # two answers reported usage
-        assert (
-            f'kvroute_tokens_total{{kind="{kind}",model="stub-model",tenant="(none)"}} {count}.0'
-            in page
-        )
-    assert 'kvroute_tokens_total{kind="cached",model="stub-model",tenant="(none)"} 0.0' in page
+        labels = f'kind="{kind}",model="stub-model",pool="(none)",tenant="(none)"'
+        assert f"kvroute_tokens_total{{{labels}}} {count}.0" in page
+    assert (
+        'kvroute_tokens_total{kind="cached",model="stub-model",pool="(none)",tenant="(none)"} 0.0'
+        in page
+    )
     whole, streamed, unknown, malformed = _lines(path, fmt)
     assert whole["request_id"] == rid and len(rid) == 32
     assert whole["method"] == "POST" and whole["path"] == "/v1/chat/completions"
