@@ -30,6 +30,7 @@ from pathlib import Path
 
 import aiohttp
 import grpc
+import orjson
 import psutil
 import pytest
 import yaml
@@ -871,3 +872,36 @@ async def test_a_grpc_port_another_server_holds_is_refused(tmp_path) -> None:
             second.kill()
             await second.wait()
         await foreign.stop(None)
+
+
+async def test_each_worker_captures_into_files_of_its_own_whole_lines_only(tmp_path) -> None:
+    """Five streams through each worker, captured: every line parses, and each worker's
+    five records are in the files named with its pid (written at the stop)."""
+    servers = await stubs(2, Behaviour(chunks=20))
+    capture = tmp_path / "capture"
+    config = {"backends": backends(servers), "capture": {"enabled": True, "sample": 1.0,
+              "path": str(capture)}}  # fmt: skip
+    try:
+        async with multi_router(tmp_path, config) as router:
+            pids = router.workers()
+            for pid in pids:
+                session = await router.pinned(pid)
+                for i in range(5):
+                    body = chat(f"worker {pid} question {i}", stream=True)
+                    async with session.post(router.url + CHAT, json=body) as resp:
+                        assert resp.status == 200 and b"[DONE]" in await resp.read()
+            router.proc.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(router.proc.wait, 30)
+    finally:
+        for s in servers:
+            await s.stop()
+    written: dict[int, list[str]] = {}
+    for f in capture.iterdir():
+        pid = int(f.name.split("-")[1])
+        for line in f.read_bytes().splitlines():
+            record = orjson.loads(line)  # a split or interleaved line would not parse
+            written.setdefault(pid, []).append(record["request"]["messages"][0]["content"])
+            assert record["response"]["stream"] is True and record["response"]["events"] >= 20
+    assert {pid: sorted(q) for pid, q in written.items()} == {
+        pid: [f"worker {pid} question {i}" for i in range(5)] for pid in pids
+    }
