@@ -87,7 +87,17 @@ from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import Config, ConfigError, build
 from router.control.supervisor import worker_count
 
-__all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
+__all__ = [
+    "Options",
+    "Peer",
+    "add_workload_options",
+    "build_parser",
+    "find_peers",
+    "main",
+    "router_config",
+    "run_bench",
+    "workload_spec",
+]
 
 DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 DEFAULT_BACKENDS = 7
@@ -151,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_options(run)
     _add_target_options(run)
     work = p.add_argument_group("workload (bench/workloads.py)")
-    _add_workload_options(work)
+    add_workload_options(work)
     _add_seed_options(work)
     _add_arrival_options(work)
     _add_output_options(p.add_argument_group("bounds and output"))
@@ -266,8 +276,9 @@ def _add_target_options(run: _Group) -> None:
     run.add_argument("--model", help="model name to request (default: the target's first model)")
 
 
-def _add_workload_options(work: _Group) -> None:
-    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec)."""
+def add_workload_options(work: _Group) -> None:
+    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec); `workload_spec`
+    reads them back."""
     work.add_argument(
         "--workload",
         choices=sorted(SHAPES),
@@ -508,23 +519,8 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     unknown = [s for s in strategies if s not in policies.names()]
     if unknown or not strategies:
         raise ValueError(f"unknown strategies {unknown}; known: {', '.join(policies.names())}")
-    fields = {
-        "shape": args.workload,
-        "requests": args.requests,
-        "groups": args.groups,
-        "prefix_tokens": args.prefix_tokens,
-        "question_tokens": args.question_tokens,
-        "max_tokens": args.max_tokens,
-        "zipf_s": args.zipf_s,
-        "system_prompt": args.system_prompt,
-        "rate": None if args.concurrency else (args.rate or DEFAULT_RATE),
-        "duration": args.duration,
-    }
-    try:
-        workload = msgspec.convert(fields, WorkloadSpec)  # checks the bounds
-    except msgspec.ValidationError as exc:  # "... - at `$.prefix_tokens`" -> --prefix-tokens
-        flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
-        raise ValueError(flag.replace("--shape", "--workload")) from None
+    rate = None if args.concurrency else (args.rate or DEFAULT_RATE)
+    workload = workload_spec(args, rate, args.duration)
     options = Options(
         strategies=["target"] if args.target else strategies,
         backends=_backend_count(args),
@@ -541,6 +537,29 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         pd=args.pd,
     )
     return workload, options
+
+
+def workload_spec(
+    args: argparse.Namespace, rate: float | None, duration: float | None = None
+) -> WorkloadSpec:
+    """The WorkloadSpec of `add_workload_options`' flags; ValueError names a bad flag."""
+    fields = {
+        "shape": args.workload,
+        "requests": args.requests,
+        "groups": args.groups,
+        "prefix_tokens": args.prefix_tokens,
+        "question_tokens": args.question_tokens,
+        "max_tokens": args.max_tokens,
+        "zipf_s": args.zipf_s,
+        "system_prompt": args.system_prompt,
+        "rate": rate,
+        "duration": duration,
+    }
+    try:
+        return msgspec.convert(fields, WorkloadSpec)  # checks the bounds
+    except msgspec.ValidationError as exc:  # "... - at `$.prefix_tokens`" -> --prefix-tokens
+        flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
+        raise ValueError(flag.replace("--shape", "--workload")) from None
 
 
 async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:
