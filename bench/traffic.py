@@ -177,10 +177,10 @@ def _open(path: str) -> IO[bytes]:
 def _decode(line: bytes, where: str) -> _Record:
     try:
         record = _RECORD.decode(line)
+    except msgspec.ValidationError as exc:  # a DecodeError too: it must come first
+        raise TrafficError(f"{where}: not a capture record: {exc}") from None
     except msgspec.DecodeError as exc:
         raise TrafficError(f"{where}: not a JSON line: {exc}") from None
-    except msgspec.ValidationError as exc:
-        raise TrafficError(f"{where}: not a capture record: {exc}") from None
     if record.v != 1:
         raise TrafficError(f"{where}: capture format v{record.v}; this kvroute reads v1")
     return record
