@@ -94,6 +94,7 @@ __all__ = [
     "build_parser",
     "find_peers",
     "main",
+    "positive",
     "router_config",
     "run_bench",
     "workload_spec",
@@ -177,7 +178,7 @@ def _add_fleet_options(run: _Group) -> None:
     )
     run.add_argument(
         "--backends",
-        type=_positive(int),
+        type=positive(int),
         help=f"simulated vLLM servers (default {DEFAULT_BACKENDS}; with --pd, P + D)",
     )
     run.add_argument(
@@ -190,7 +191,7 @@ def _add_fleet_options(run: _Group) -> None:
     )
     run.add_argument(
         "--time-scale",
-        type=_positive(float),
+        type=positive(float),
         help="simulated durations x this (0.5 = twice as fast as real hardware); default "
         f"{DEFAULT_TIME_SCALE:g}, or 1 with --target (give a simulated target's own scale)",
     )
@@ -202,11 +203,11 @@ def _add_fleet_options(run: _Group) -> None:
         help="pass to the simulator, e.g. --sim-arg=--num-gpu-blocks=12000 (see kvroute sim -h)",
     )
     run.add_argument(
-        "--prefix-length", type=_positive(int), help="router prefix_length (PREFIX_AWARE)"
+        "--prefix-length", type=positive(int), help="router prefix_length (PREFIX_AWARE)"
     )
     run.add_argument(
         "--concurrency-threshold",
-        type=_positive(int),
+        type=positive(int),
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
     run.add_argument(
@@ -238,7 +239,7 @@ def _add_router_options(run: _Group) -> None:
     )
     run.add_argument(
         "--replicas",
-        type=_positive(int),
+        type=positive(int),
         default=1,
         metavar="R",
         help="router processes per row, one config, each on its own port; each request goes "
@@ -322,11 +323,11 @@ def _add_arrival_options(work: _Group) -> None:
     arrivals = work.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--rate",
-        type=_positive(float),
+        type=positive(float),
         help=f"Poisson arrivals per simulated second (default: {DEFAULT_RATE:g})",
     )
     arrivals.add_argument(
-        "--concurrency", type=_positive(int), help="closed loop with this many clients"
+        "--concurrency", type=positive(int), help="closed loop with this many clients"
     )
     work.add_argument("--duration", type=float, help="stop Poisson arrivals after this (sim s)")
 
@@ -335,7 +336,7 @@ def _add_output_options(out: _Group) -> None:
     """Each row's bounds, the hop calibration, where results go."""
     out.add_argument(
         "--max-wall",
-        type=_positive(float),
+        type=positive(float),
         default=600.0,
         help="wall seconds per row and seed, then cancel",
     )
@@ -348,7 +349,9 @@ def _add_output_options(out: _Group) -> None:
     out.add_argument("--out", type=Path, metavar="DIR", help="write results.json and a PNG")
 
 
-def _positive(kind: type) -> Callable[[str], float]:
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused unless above 0."""
+
     def parse(text: str) -> float:
         value = kind(text)
         if value <= 0:

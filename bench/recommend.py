@@ -45,6 +45,7 @@ from bench.harness import (
     HarnessError,
     Options,
     add_workload_options,
+    positive,
     run_bench,
     workload_spec,
 )
@@ -66,7 +67,18 @@ from bench.traffic import (
 from bench.workloads import WorkloadSpec, generate
 from policies.prefix_aware import PrefixAwareParams
 
-__all__ = ["MIN_REUSE", "Setting", "advise", "build_parser", "main", "matched_workload"]
+__all__ = [
+    "MIN_REUSE",
+    "Facts",
+    "Setting",
+    "advise",
+    "build_parser",
+    "concurrency_threshold",
+    "favoured",
+    "main",
+    "matched_workload",
+    "prefix_length",
+]
 
 MIN_REUSE = 0.05
 HEADROOM = 2.0
@@ -75,6 +87,7 @@ DEFAULT_PREFIX_LENGTH = PrefixAwareParams().prefix_length
 DEFAULT_THRESHOLD = PrefixAwareParams().concurrency_threshold
 _CUT_OFF = 0.01  # share of re-using requests the default prefix_length may cut short
 _WIDTH = 92
+_CLEAR_WIN = 0.1
 _HOT = 0.5  # one fingerprint pinning this share of the traffic together is worth a word
 _EDGES = (1, 256, 1024, 4096, 16384)
 LOR, PREFIX, KV = "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", "KV_AWARE"
@@ -103,7 +116,7 @@ class Setting(msgspec.Struct, kw_only=True):
         return "routing: {" + ", ".join(fields) + "}"
 
 
-class _Facts(NamedTuple):
+class Facts(NamedTuple):
     """What the advice is made from."""
 
     prefixes: Prefixes
@@ -113,7 +126,7 @@ class _Facts(NamedTuple):
     kv_events: bool
 
 
-def advise(facts: _Facts) -> list[Setting]:
+def advise(facts: Facts) -> list[Setting]:
     """The advice first, then the runner-up."""
     best, why = _strategy(facts)
     order = {LOR: (LOR, KV), PREFIX: (PREFIX, KV), KV: (KV, PREFIX)}[best]
@@ -122,7 +135,7 @@ def advise(facts: _Facts) -> list[Setting]:
     return settings
 
 
-def _strategy(facts: _Facts) -> tuple[str, str]:
+def _strategy(facts: Facts) -> tuple[str, str]:
     p = facts.prefixes
     if p.reuse < MIN_REUSE:
         return LOR, (
@@ -150,7 +163,7 @@ def _strategy(facts: _Facts) -> tuple[str, str]:
     )
 
 
-def _setting(strategy: str, facts: _Facts) -> Setting:
+def _setting(strategy: str, facts: Facts) -> Setting:
     params: dict[str, object] = {}
     why: list[str] = []
     if strategy == PREFIX:
@@ -177,6 +190,8 @@ def prefix_length(p: Prefixes) -> tuple[int, str]:
     where = (
         f"the globally shared part ({p.global_tokens} tokens, common to {NEARLY_ALL:.0%}+ of "
         "the requests)"
+        if p.global_tokens
+        else f"any part common to {NEARLY_ALL:.0%}+ of the requests (there is none)"
     )
     if past <= DEFAULT_PREFIX_LENGTH and cut <= _CUT_OFF * len(reusers):
         value = DEFAULT_PREFIX_LENGTH
@@ -188,7 +203,7 @@ def prefix_length(p: Prefixes) -> tuple[int, str]:
     else:
         value = past
         default = (
-            "falls inside the global part, so every request would get the same fingerprint"
+            "falls inside the global part, so nearly every request would get the same fingerprint"
             if past > DEFAULT_PREFIX_LENGTH
             else f"would cut {cut} of the {len(reusers)} re-using requests short"
         )
@@ -196,6 +211,11 @@ def prefix_length(p: Prefixes) -> tuple[int, str]:
             f"prefix_length {value}: the first block past {where}, so requests that share only "
             f"that part are told apart, and every re-using request shares at least that much "
             f"with an earlier one; the default {DEFAULT_PREFIX_LENGTH} {default}"
+        )
+    if not p.approx:
+        reason += (
+            ". Counted in ChatML4 tokens: PREFIX_AWARE counts approx tokens of the routing "
+            "text, about 5 fewer per message (--tokenizer approx counts them exactly)"
         )
     hot = p.hottest_at(value)
     if hot >= _HOT:
@@ -261,6 +281,7 @@ def matched_workload(
 def _validate(
     settings: Sequence[Setting], spec: WorkloadSpec, backends: int, args: argparse.Namespace
 ) -> list[Summary]:
+    """Both settings as `kvroute bench` rows, with the replicas and KV events advised for."""
     routing: dict[str, object] = {}
     for s in settings:
         routing.update(s.params)  # a knob two settings have has the same value in both
@@ -268,7 +289,7 @@ def _validate(
         strategies=[s.strategy for s in settings],
         backends=backends,
         time_scale=args.time_scale,
-        sim_args=[],
+        sim_args=["--kv-events"] if args.kv_events else [],
         routing=routing,
         target=None,
         model=None,
@@ -276,9 +297,28 @@ def _validate(
         max_wall=args.max_wall,
         calibration=0,
         seed=spec.seed,
+        replicas=args.replicas,
     )
     runs = uvloop.run(run_bench(generate(spec), options))
     return [summarize(r) for r in runs]
+
+
+def favoured(rows: Sequence[Summary]) -> tuple[str, str]:
+    """The validated setting to prefer and why: the advice, unless the runner-up's P90
+    TTFT beat it by more than `_CLEAR_WIN` (closer than that is the simulator's noise)."""
+    best, runner = rows
+    if best.ttft_p90 is None or runner.ttft_p90 is None:
+        return best.strategy, "a row has no P90 TTFT (no request succeeded): nothing to compare"
+    figures = (
+        f"P90 TTFT {1000 * best.ttft_p90:.0f} ms for {best.strategy}, "
+        f"{1000 * runner.ttft_p90:.0f} ms for {runner.strategy}"
+    )
+    if runner.ttft_p90 < (1 - _CLEAR_WIN) * best.ttft_p90:
+        return runner.strategy, (
+            f"the runner-up did better on this workload ({figures}): prefer it for this "
+            "traffic, or check again with more --requests"
+        )
+    return best.strategy, f"the advice holds on this workload ({figures})"
 
 
 # --- output -----------------------------------------------------------------------------
@@ -317,7 +357,7 @@ def _prefix_doc(p: Prefixes) -> dict[str, object]:
 
 class _Report(NamedTuple):
     traffic: Traffic
-    facts: _Facts
+    facts: Facts
     settings: list[Setting]
     workload: WorkloadSpec | None
     validation: list[Summary] | None
@@ -334,7 +374,11 @@ def _print_json(r: _Report) -> None:
         "advice": r.settings,
         "validation": None
         if r.validation is None
-        else {"workload": r.workload, "rows": r.validation},
+        else {
+            "workload": r.workload,
+            "rows": r.validation,
+            "favoured": favoured(r.validation)[0],
+        },
     }
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(doc)).decode() + "\n")
 
@@ -345,25 +389,26 @@ def _print_text(r: _Report) -> None:
     print(
         f"{t.source}: {len(t.requests)} requests" + (f" ({skipped}, left out)" if skipped else "")
     )
-    for line in _prefix_lines(p):
-        print(line)
-    for line in _load_lines(r.facts):
-        print(line)
+    for line in [*_prefix_lines(p), *_load_lines(r.facts)]:
+        indent = " " * (len(line) - len(line.lstrip()) + 2)
+        print(textwrap.fill(line, _WIDTH, subsequent_indent=indent))
     for label, s in zip(("Advice", "Runner-up"), r.settings, strict=True):
         print(f"\n{label}: {s.strategy}\n  {s.yaml()}")
         for reason in s.why:
             print(textwrap.fill(reason, _WIDTH, initial_indent="  - ", subsequent_indent="    "))
     if r.validation is not None and r.workload is not None:
         w = r.workload
-        print(
-            f"\nValidation on simulated backends: {w.shape}, {w.requests} requests, "
+        header = (
+            f"Validation on simulated backends: {w.shape}, {w.requests} requests, "
             f"{w.groups} groups, {w.shared_tokens}-token shared prompts, "
             f"{w.question_tokens}-token questions, {w.max_tokens} output tokens, "
             f"Poisson {w.rate:.3g} req/s (simulated time)"
         )
+        print("\n" + textwrap.fill(header, _WIDTH))
         print(table(r.validation))
         for line in reading(r.validation):
             print(line)
+        print(textwrap.fill(f"Verdict: {favoured(r.validation)[1]}.", _WIDTH))
 
 
 def _prefix_lines(p: Prefixes) -> list[str]:
@@ -393,7 +438,7 @@ def _prefix_lines(p: Prefixes) -> list[str]:
     return lines
 
 
-def _load_lines(f: _Facts) -> list[str]:
+def _load_lines(f: Facts) -> list[str]:
     c = f.concurrency
     if c is None:
         load = "Concurrency: unknown (no request has at and duration_ms)"
@@ -427,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("captures", nargs="*", metavar="CAPTURE", help="capture files (JSON lines)")
     fleet = p.add_argument_group("the fleet the advice is for")
-    fleet.add_argument("--replicas", type=int, default=1, help="router replicas (default 1)")
+    fleet.add_argument(
+        "--replicas", type=positive(int), default=1, help="router replicas (default 1)"
+    )
     fleet.add_argument(
         "--kv-events",
         action="store_true",
@@ -435,7 +482,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     fleet.add_argument(
         "--backends",
-        type=int,
+        type=positive(int),
         help="backends (default: those the capture names; for a workload and --validate "
         f"{DEFAULT_BACKENDS})",
     )
@@ -447,8 +494,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="approx: PREFIX_AWARE's (prefix_length is in its tokens; the default); "
         "chatml4: the simulator's, what KV_AWARE and the KV cache count",
     )
-    tokens.add_argument("--chars-per-token", type=float, default=4.0, help="approx's (4.0)")
-    tokens.add_argument("--block-size", type=int, default=16, help="KV block tokens (16)")
+    tokens.add_argument(
+        "--chars-per-token", type=positive(float), default=4.0, help="approx's (4.0)"
+    )
+    tokens.add_argument("--block-size", type=positive(int), default=16, help="KV block tokens (16)")
     work = p.add_argument_group("a workload instead of a capture (bench/workloads.py)")
     add_workload_options(work)
     work.add_argument(
@@ -465,11 +514,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     check.add_argument(
         "--time-scale",
-        type=float,
+        type=positive(float),
         default=DEFAULT_TIME_SCALE,
         help=f"simulated durations x this ({DEFAULT_TIME_SCALE:g})",
     )
-    check.add_argument("--max-wall", type=float, default=600.0, help="wall seconds per row (600)")
+    check.add_argument(
+        "--max-wall", type=positive(float), default=600.0, help="wall seconds per row (600)"
+    )
     check.add_argument("--json", action="store_true", help="one JSON document on stdout")
     return p
 
@@ -482,7 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         traffic, spec = _traffic(args)
         tokens = Tokens(args.tokenizer, args.chars_per_token, args.block_size)
-        facts = _Facts(
+        facts = Facts(
             prefixes(traffic, tokens),
             concurrency(traffic, args.backends),
             prefill_rate(traffic),

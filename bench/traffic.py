@@ -36,7 +36,7 @@ import itertools
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Literal
@@ -249,7 +249,11 @@ def from_workload(spec: WorkloadSpec, backends: int) -> Traffic:
                 completion_tokens=req.max_tokens,
             )
         )
-    return Traffic(f"workload {spec.shape}, replayed on {backends} simulated backends", requests)
+    source = (
+        f"workload {spec.shape}, timed on {backends} simulated backends "
+        "(LEAST_OUTSTANDING_REQUESTS, virtual time)"
+    )
+    return Traffic(source, requests)
 
 
 # --- shared prefixes -------------------------------------------------------------------
@@ -279,6 +283,8 @@ class Prefixes(msgspec.Struct, kw_only=True):
     """The traffic's shared prefixes, in tokens (whole blocks)."""
 
     tokens: str
+    #: counted as PREFIX_AWARE counts (approx), so prefix_length can be read off
+    approx: bool
     block_size: int
     #: per request, in order: its prompt tokens, and the leading ones it shares with an
     #: earlier request
@@ -330,6 +336,7 @@ def prefixes(traffic: Traffic, tokens: Tokens) -> Prefixes:
     groups = _groups(nodes, depth)
     return Prefixes(
         tokens=tokens.describe(),
+        approx=tokens.kind == "approx",
         block_size=tokens.block_size,
         lengths=lengths,
         shared=shared,
@@ -348,7 +355,7 @@ def _walk(nodes: dict[int, list[int]], parent: int, keys: Sequence[int]) -> int:
             nodes[key] = [1, depth, parent]
         else:
             node[0] += 1
-            seen = depth
+            seen = depth if seen == depth - 1 else seen  # a run from the first block
         parent = key
     return seen
 
@@ -384,7 +391,10 @@ def _groups(nodes: dict[int, list[int]], depth: int) -> list[tuple[int, int]]:
     return [(nodes[head][0], d) for head, d in deepest.items()]
 
 
-def _block_keys(tokens: Tokens):
+_BlockKeys = Callable[[Seen], tuple[int, list[int], int]]
+
+
+def _block_keys(tokens: Tokens) -> _BlockKeys:
     """A function from a request to (chain root, its block keys, its prompt tokens)."""
     if tokens.kind == "chatml4":
         blocks = PromptBlocks(tokens.block_size, tokens.max_tokens // tokens.block_size)

@@ -10,6 +10,7 @@ import pytest
 
 from bench import recommend
 from bench.replay import MODEL, policy_maker, replay
+from bench.report import Summary
 from bench.sim import SimParams
 from bench.traffic import Seen, Tokens, Traffic, concurrency, prefixes
 from bench.workloads import WorkloadSpec, generate
@@ -252,6 +253,7 @@ def test_validate_runs_the_advice_and_the_runner_up(capsys):
     assert all((r["ok"], r["failed"]) == (12, 0) for r in rows)
     assert all(r["hit_rate"] > 0.3 for r in rows)  # 3 of every 4 requests find their document
     assert doc["validation"]["workload"]["requests"] == 12
+    assert doc["validation"]["favoured"] in ("KV_AWARE", "PREFIX_AWARE")
 
 
 def test_validate_on_a_capture_matches_its_shape(tmp_path, capsys):
@@ -263,4 +265,39 @@ def test_validate_on_a_capture_matches_its_shape(tmp_path, capsys):
     assert recommend.main(argv) == 0
     out = capsys.readouterr().out
     assert "Validation on simulated backends: multi-turn, 8 requests, 3 groups" in out
+    assert "Verdict: the " in out and " ms for KV_AWARE, " in out
     assert "KV_AWARE " in out and "PREFIX_AWARE " in out
+
+
+def test_help_shows_examples(capsys):
+    with pytest.raises(SystemExit) as exc:
+        kvroute(["recommend", "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert "kvroute recommend capture-*.jsonl.gz" in out
+    assert "--validate" in out and "--workload" in out
+
+
+def _row(strategy: str, p90: float | None) -> Summary:
+    measured = set(Summary.__struct_fields__) - {"strategy", "seed", "ok", "failed"}
+    unknown = dict.fromkeys(measured - {"ttft_p90", "hit_rate_source", "unmeasured"})
+    return Summary(
+        strategy=strategy, seed=0, ok=1, failed=0, ttft_p90=p90, hit_rate_source="", **unknown
+    )
+
+
+@pytest.mark.parametrize(
+    ("p90s", "expected"),
+    [
+        ((0.100, 0.080), "PREFIX_AWARE"),  # the runner-up clearly better
+        ((0.100, 0.095), "KV_AWARE"),  # within the noise: the advice stands
+        ((0.100, 0.120), "KV_AWARE"),
+        ((0.100, None), "KV_AWARE"),  # nothing to compare
+    ],
+)
+def test_the_verdict_prefers_the_runner_up_only_on_a_clear_win(p90s, expected):
+    rows = [_row("KV_AWARE", p90s[0]), _row("PREFIX_AWARE", p90s[1])]
+    strategy, why = recommend.favoured(rows)
+    assert strategy == expected
+    if p90s[1] is not None:
+        assert f"P90 TTFT 100 ms for KV_AWARE, {p90s[1] * 1000:.0f} ms for PREFIX_AWARE" in why

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay import policy_maker, main, replay
+from bench.replay import main, policy_maker, replay
 from bench.sim.params import SimParams
 from bench.workloads import WorkloadSpec, generate
 
