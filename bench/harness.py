@@ -87,7 +87,18 @@ from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import Config, ConfigError, build
 from router.control.supervisor import worker_count
 
-__all__ = ["Options", "Peer", "build_parser", "find_peers", "main", "router_config", "run_bench"]
+__all__ = [
+    "Options",
+    "Peer",
+    "add_workload_options",
+    "build_parser",
+    "find_peers",
+    "main",
+    "positive",
+    "router_config",
+    "run_bench",
+    "workload_spec",
+]
 
 DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
 DEFAULT_BACKENDS = 7
@@ -151,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_router_options(run)
     _add_target_options(run)
     work = p.add_argument_group("workload (bench/workloads.py)")
-    _add_workload_options(work)
+    add_workload_options(work)
     _add_seed_options(work)
     _add_arrival_options(work)
     _add_output_options(p.add_argument_group("bounds and output"))
@@ -167,7 +178,7 @@ def _add_fleet_options(run: _Group) -> None:
     )
     run.add_argument(
         "--backends",
-        type=_positive(int),
+        type=positive(int),
         help=f"simulated vLLM servers (default {DEFAULT_BACKENDS}; with --pd, P + D)",
     )
     run.add_argument(
@@ -180,7 +191,7 @@ def _add_fleet_options(run: _Group) -> None:
     )
     run.add_argument(
         "--time-scale",
-        type=_positive(float),
+        type=positive(float),
         help="simulated durations x this (0.5 = twice as fast as real hardware); default "
         f"{DEFAULT_TIME_SCALE:g}, or 1 with --target (give a simulated target's own scale)",
     )
@@ -192,11 +203,11 @@ def _add_fleet_options(run: _Group) -> None:
         help="pass to the simulator, e.g. --sim-arg=--num-gpu-blocks=12000 (see kvroute sim -h)",
     )
     run.add_argument(
-        "--prefix-length", type=_positive(int), help="router prefix_length (PREFIX_AWARE)"
+        "--prefix-length", type=positive(int), help="router prefix_length (PREFIX_AWARE)"
     )
     run.add_argument(
         "--concurrency-threshold",
-        type=_positive(int),
+        type=positive(int),
         help="router concurrency_threshold (PREFIX_AWARE)",
     )
     run.add_argument(
@@ -228,7 +239,7 @@ def _add_router_options(run: _Group) -> None:
     )
     run.add_argument(
         "--replicas",
-        type=_positive(int),
+        type=positive(int),
         default=1,
         metavar="R",
         help="router processes per row, one config, each on its own port; each request goes "
@@ -266,8 +277,9 @@ def _add_target_options(run: _Group) -> None:
     run.add_argument("--model", help="model name to request (default: the target's first model)")
 
 
-def _add_workload_options(work: _Group) -> None:
-    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec)."""
+def add_workload_options(work: _Group) -> None:
+    """The workload's shape and sizes (bench/workloads.py's WorkloadSpec); `workload_spec`
+    reads them back."""
     work.add_argument(
         "--workload",
         choices=sorted(SHAPES),
@@ -311,11 +323,11 @@ def _add_arrival_options(work: _Group) -> None:
     arrivals = work.add_mutually_exclusive_group()
     arrivals.add_argument(
         "--rate",
-        type=_positive(float),
+        type=positive(float),
         help=f"Poisson arrivals per simulated second (default: {DEFAULT_RATE:g})",
     )
     arrivals.add_argument(
-        "--concurrency", type=_positive(int), help="closed loop with this many clients"
+        "--concurrency", type=positive(int), help="closed loop with this many clients"
     )
     work.add_argument("--duration", type=float, help="stop Poisson arrivals after this (sim s)")
 
@@ -324,7 +336,7 @@ def _add_output_options(out: _Group) -> None:
     """Each row's bounds, the hop calibration, where results go."""
     out.add_argument(
         "--max-wall",
-        type=_positive(float),
+        type=positive(float),
         default=600.0,
         help="wall seconds per row and seed, then cancel",
     )
@@ -337,7 +349,9 @@ def _add_output_options(out: _Group) -> None:
     out.add_argument("--out", type=Path, metavar="DIR", help="write results.json and a PNG")
 
 
-def _positive(kind: type) -> Callable[[str], float]:
+def positive(kind: type) -> Callable[[str], float]:
+    """An argparse type: `kind` of the text, refused unless above 0."""
+
     def parse(text: str) -> float:
         value = kind(text)
         if value <= 0:
@@ -508,23 +522,8 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     unknown = [s for s in strategies if s not in policies.names()]
     if unknown or not strategies:
         raise ValueError(f"unknown strategies {unknown}; known: {', '.join(policies.names())}")
-    fields = {
-        "shape": args.workload,
-        "requests": args.requests,
-        "groups": args.groups,
-        "prefix_tokens": args.prefix_tokens,
-        "question_tokens": args.question_tokens,
-        "max_tokens": args.max_tokens,
-        "zipf_s": args.zipf_s,
-        "system_prompt": args.system_prompt,
-        "rate": None if args.concurrency else (args.rate or DEFAULT_RATE),
-        "duration": args.duration,
-    }
-    try:
-        workload = msgspec.convert(fields, WorkloadSpec)  # checks the bounds
-    except msgspec.ValidationError as exc:  # "... - at `$.prefix_tokens`" -> --prefix-tokens
-        flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
-        raise ValueError(flag.replace("--shape", "--workload")) from None
+    rate = None if args.concurrency else (args.rate or DEFAULT_RATE)
+    workload = workload_spec(args, rate, args.duration)
     options = Options(
         strategies=["target"] if args.target else strategies,
         backends=_backend_count(args),
@@ -541,6 +540,29 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         pd=args.pd,
     )
     return workload, options
+
+
+def workload_spec(
+    args: argparse.Namespace, rate: float | None, duration: float | None = None
+) -> WorkloadSpec:
+    """The WorkloadSpec of `add_workload_options`' flags; ValueError names a bad flag."""
+    fields = {
+        "shape": args.workload,
+        "requests": args.requests,
+        "groups": args.groups,
+        "prefix_tokens": args.prefix_tokens,
+        "question_tokens": args.question_tokens,
+        "max_tokens": args.max_tokens,
+        "zipf_s": args.zipf_s,
+        "system_prompt": args.system_prompt,
+        "rate": rate,
+        "duration": duration,
+    }
+    try:
+        return msgspec.convert(fields, WorkloadSpec)  # checks the bounds
+    except msgspec.ValidationError as exc:  # "... - at `$.prefix_tokens`" -> --prefix-tokens
+        flag = re.sub(r"\$\.(\w+)", lambda m: "--" + m[1].replace("_", "-"), str(exc))
+        raise ValueError(flag.replace("--shape", "--workload")) from None
 
 
 async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:

@@ -48,7 +48,7 @@ from hashing.canonical import Message
 from policies import FleetView, Policy, RouteRequest, create, names, policy_class
 from policies.registry import params_union
 
-__all__ = ["Replay", "replay"]
+__all__ = ["Replay", "policy_maker", "replay"]
 
 MODEL = "sim-llama-70b"
 
@@ -81,11 +81,14 @@ class _Sent:
 @dataclass
 class Replay:
     """What one replay measured, by request index: when it was sent and finished, its
-    TTFT (simulated s); and the fleet's cache hits and requests per backend."""
+    TTFT (simulated s), the backend that served it and its (prompt, cached) tokens; and
+    the fleet's cache hits and requests per backend."""
 
     sent_at: dict[int, float] = field(default_factory=dict)
     finished_at: dict[int, float] = field(default_factory=dict)
     ttft: dict[int, float] = field(default_factory=dict)
+    backend: dict[int, int] = field(default_factory=dict)
+    tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
     cached_tokens: int = 0
     prompt_tokens: int = 0
     served: list[int] = field(default_factory=list)
@@ -182,6 +185,7 @@ class _Run:
         seen.queued_tokens += queued
         self.sent[sim.request_id] = _Sent(req, seen, queued, now)
         self.result.sent_at[req.index] = now
+        self.result.backend[req.index] = index
         self.result.served[index] += 1
         self.engines[index].scheduler.add(sim)
         self._start_step(index, now)
@@ -207,6 +211,7 @@ class _Run:
     def _first_token(self, sim: SimRequest, now: float) -> None:
         sent = self.sent[sim.request_id]
         self.result.ttft[sent.spec.index] = now - sent.at
+        self.result.tokens[sent.spec.index] = (sim.prompt_len, sim.num_cached_tokens)
         self.result.cached_tokens += sim.num_cached_tokens
         self.result.prompt_tokens += sim.prompt_len
         sent.seen.queued_tokens -= sent.queued
@@ -233,7 +238,7 @@ def _describe(policy: Policy, req: RequestSpec) -> RouteRequest:
     return RouteRequest(MODEL, fingerprint, blocks, tokens)
 
 
-def _policy_maker(strategy: str, seed: int) -> Callable[[], Policy]:
+def policy_maker(strategy: str, seed: int) -> Callable[[], Policy]:
     """Each replica's policy of `strategy`, seeded with the workload's seed if it draws."""
     fields = {"strategy": strategy}
     if "seed" in policy_class(strategy).params_type.__struct_fields__:
@@ -269,7 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rate=args.rate,
                     seed=seed,
                 ),
-                _policy_maker(strategy, seed),
+                policy_maker(strategy, seed),
                 args.backends,
                 args.replicas,
             )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.replay import _policy_maker, main, replay
+from bench.replay import main, policy_maker, replay
 from bench.sim.params import SimParams
 from bench.workloads import WorkloadSpec, generate
 
@@ -12,16 +12,16 @@ LONG = WorkloadSpec(shape="long-prefix", requests=48, groups=8, rate=4.0, seed=3
 
 
 def test_the_same_workload_replays_to_the_same_result() -> None:
-    first = replay(LONG, _policy_maker("KV_AWARE", 3), backends=3)
-    second = replay(LONG, _policy_maker("KV_AWARE", 3), backends=3)
+    first = replay(LONG, policy_maker("KV_AWARE", 3), backends=3)
+    second = replay(LONG, policy_maker("KV_AWARE", 3), backends=3)
     assert first.ttft == second.ttft and first.served == second.served
     assert len(first.ttft) == LONG.requests  # every request got its first token
 
 
 def test_round_robin_spreads_evenly_and_affinity_buys_hits() -> None:
-    spread = replay(LONG, _policy_maker("ROUND_ROBIN", 3), backends=4)
+    spread = replay(LONG, policy_maker("ROUND_ROBIN", 3), backends=4)
     assert spread.served == [12, 12, 12, 12]
-    pinned = replay(LONG, _policy_maker("KV_AWARE", 3), backends=4)
+    pinned = replay(LONG, policy_maker("KV_AWARE", 3), backends=4)
     # 8 documents x 6 questions: pinned, 5 of 6 requests find their document cached
     assert pinned.hit_rate > 0.75 > spread.hit_rate
 
@@ -29,7 +29,7 @@ def test_round_robin_spreads_evenly_and_affinity_buys_hits() -> None:
 def test_no_first_token_comes_before_the_prefill_it_needs() -> None:
     """One engine step of the prompt's uncached tokens is the floor of every TTFT."""
     params = SimParams()
-    result = replay(LONG, _policy_maker("RANDOM", 3), backends=2, params=params)
+    result = replay(LONG, policy_maker("RANDOM", 3), backends=2, params=params)
     floor = params.step_base_ms / 1000
     assert min(result.ttft.values()) >= floor
     cold = params.step_base_ms + 8000 * params.prefill_per_token_ms
@@ -38,7 +38,7 @@ def test_no_first_token_comes_before_the_prefill_it_needs() -> None:
 
 def test_a_turn_is_sent_only_after_the_turn_before_it_finished() -> None:
     spec = WorkloadSpec(shape="multi-turn", requests=24, groups=3, rate=50.0, seed=1)
-    result = replay(spec, _policy_maker("LEAST_OUTSTANDING_REQUESTS", 1), backends=2)
+    result = replay(spec, policy_maker("LEAST_OUTSTANDING_REQUESTS", 1), backends=2)
     assert len(result.finished_at) == 24
     requests = generate(spec)
     index = {(r.group, r.turn): r.index for r in requests}
@@ -50,8 +50,8 @@ def test_a_turn_is_sent_only_after_the_turn_before_it_finished() -> None:
 
 
 def test_replicas_see_only_their_own_load() -> None:
-    one = replay(LONG, _policy_maker("KV_AWARE", 3), backends=4)
-    two = replay(LONG, _policy_maker("KV_AWARE", 3), backends=4, replicas=2)
+    one = replay(LONG, policy_maker("KV_AWARE", 3), backends=4)
+    two = replay(LONG, policy_maker("KV_AWARE", 3), backends=4, replicas=2)
     assert two.hit_rate < one.hit_rate  # a document one replica placed is cold to the other
 
 
