@@ -13,8 +13,10 @@ import aiohttp
 import orjson
 from openai import AsyncOpenAI
 
+from bench import recommend
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
+from bench.workloads import WorkloadSpec, generate
 from router.config import build
 from router.control.worker import Router
 
@@ -131,3 +133,34 @@ async def test_the_aiohttp_path_captures_the_body_as_sent_and_off_keeps_figures_
     (record,) = records(tmp_path)
     assert record["request"] == orjson.loads(body) and "response" not in record
     assert record["path"] == "/v1/completions" and record["ttft_ms"] > 0
+
+
+async def test_recommend_reads_a_long_prefix_runs_capture_and_covers_the_shared_part(
+    tmp_path, capsys
+) -> None:
+    """A real capture: a long-prefix workload (4 documents of 2,000 tokens, 6 questions
+    each) through the router, then `kvroute recommend` on the files it wrote."""
+    spec = WorkloadSpec(shape="long-prefix", requests=24, groups=4, prefix_tokens=2000, rate=4)
+    async with captured({"sample": 1.0, "path": str(tmp_path / "cap")}) as router:
+        async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
+            for wave in (0, 1):  # the second wave finds the documents cached
+                wanted = [r for r in generate(spec) if r.index % 2 == wave]
+                await asyncio.gather(*(_whole(oai, r.messages, bool(r.index % 4)) for r in wanted))
+    files = [str(f) for f in (tmp_path / "cap").iterdir()]
+    assert recommend.main([*files, "--json"]) == 0
+    doc = orjson.loads(capsys.readouterr().out)
+    prefixes = doc["prefixes"]
+    assert (prefixes["requests"], prefixes["groups"]) == (24, 4)
+    shared = prefixes["group_shared_tokens"]["p10"]
+    assert shared >= 1984  # each group's document, to the 16-token block
+    (prefix_aware,) = [s for s in doc["advice"] if s["strategy"] == "PREFIX_AWARE"]
+    assert prefixes["global_tokens"] < prefix_aware["params"]["prefix_length"] <= shared
+
+
+async def _whole(oai: AsyncOpenAI, messages: list[dict], stream: bool) -> None:
+    """One request, its answer read to the end."""
+    answer = await oai.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=4, stream=stream
+    )
+    if stream:
+        assert [chunk async for chunk in answer]
