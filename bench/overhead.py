@@ -10,8 +10,9 @@ the difference of the two distributions (router - direct), not either alone.
 The router runs as `kvroute serve` starts by default (its strategy, a worker per core,
 the access log on, here into a file); `--strategy` and `--workers` measure others.
 `--access-log-off` adds a router with the access log off, `--tracing-unsampled` one
-with tracing configured but sampling nothing, and `--capture-all` one capturing every
-request (data capture, sample 1.0), in the same batches: the difference of their added
+with tracing configured but sampling nothing, and `--capture SHARE` one with data capture
+sampling that share (repeatable), in the same batches; `--stream N` sends streams of N
+events instead of whole answers: the difference of their added
 latencies from the default router's is what the log, tracing or capture costs.
 """
 
@@ -39,6 +40,12 @@ _BODY = orjson.dumps(
     {"model": "instant", "messages": [{"role": "user", "content": "ping " * 50}], "max_tokens": 1}
 )
 _HEADERS = {"Content-Type": "application/json"}
+
+
+def _capturing(name: str, path: str) -> dict:
+    """The settings of a CAPTURING variant, its files under `path`."""
+    share = float(name.rsplit(" ", 1)[1])
+    return {"capture": {"enabled": True, "sample": share, "path": path}}
 
 
 def free_port() -> int:
@@ -69,8 +76,9 @@ VARIANTS: dict[str, dict] = {
     "router": {},
     "router, no access log": {"access_log": {"enabled": False}},
     "router, tracing not sampled": {"tracing": {"enabled": True, "sample_ratio": 0.0}},
-    "router, capturing every request": {"capture": {"enabled": True, "sample": 1.0}},
 }
+#: a router with data capture on, sampling this share (`--capture`)
+CAPTURING = "router, capturing {share:g}"
 
 
 @contextlib.contextmanager
@@ -91,10 +99,10 @@ def backend_and_routers(
         for i, name in enumerate(variants):
             config = os.path.join(tmp, f"router-{i}.yaml")
             settings = {"access_log": {"path": os.path.join(tmp, f"access-{i}.log")}}
-            variant = VARIANTS[name]
-            if "capture" in variant:
-                captured = {**variant["capture"], "path": os.path.join(tmp, f"capture-{i}")}
-                variant = {**variant, "capture": captured}
+            if name in VARIANTS:
+                variant = VARIANTS[name]
+            else:
+                variant = _capturing(name, os.path.join(tmp, f"capture-{i}"))
             with open(config, "wb") as f:
                 f.write(orjson.dumps({**settings, **variant}))  # JSON is YAML
             port = free_port()
@@ -121,21 +129,30 @@ async def wait_ready(url: str, timeout: float = 20.0) -> None:
             await asyncio.sleep(0.1)
 
 
-async def _one(http: aiohttp.ClientSession, url: str) -> float:
+def body(events: int = 0) -> bytes:
+    """The request every path is sent: one whole answer, or a stream of `events`."""
+    if not events:
+        return _BODY
+    return orjson.dumps({**orjson.loads(_BODY), "stream": True, "max_tokens": events})
+
+
+async def _one(http: aiohttp.ClientSession, url: str, data: bytes = _BODY) -> float:
     t0 = time.perf_counter()
-    async with http.post(url, data=_BODY, headers=_HEADERS) as resp:
+    async with http.post(url, data=data, headers=_HEADERS) as resp:
         await resp.read()
         if resp.status != 200:
             raise RuntimeError(f"{url} answered {resp.status}")
     return time.perf_counter() - t0
 
 
-async def _batch(http: aiohttp.ClientSession, url: str, n: int, concurrency: int) -> list[float]:
+async def _batch(
+    http: aiohttp.ClientSession, url: str, n: int, concurrency: int, data: bytes = _BODY
+) -> list[float]:
     out: list[float] = []
 
     async def worker(k: int) -> None:
         for _ in range(k):
-            out.append(await _one(http, url))
+            out.append(await _one(http, url, data))
 
     share, extra = divmod(n, concurrency)
     await asyncio.gather(*(worker(share + (i < extra)) for i in range(concurrency)))
@@ -143,18 +160,20 @@ async def _batch(http: aiohttp.ClientSession, url: str, n: int, concurrency: int
 
 
 async def compare(
-    urls: dict[str, str], requests: int, concurrency: int, rounds: int = 10
+    urls: dict[str, str], requests: int, concurrency: int, rounds: int = 10, data: bytes = _BODY
 ) -> dict[str, list[float]]:
-    """Latencies of `requests` calls to each named URL, interleaved in `rounds` batches."""
+    """Latencies of `requests` calls (of `data`) to each named URL, interleaved in
+    `rounds` batches."""
     lat: dict[str, list[float]] = {name: [] for name in urls}
     conn = aiohttp.TCPConnector(limit=0)
+    path = "/v1/chat/completions"
     async with aiohttp.ClientSession(connector=conn) as http:
         for url in urls.values():  # warm every path
-            await _batch(http, url + "/v1/chat/completions", 50, concurrency)
+            await _batch(http, url + path, 50, concurrency, data)
         per = max(1, requests // rounds)
         for _ in range(rounds):
             for name, url in urls.items():
-                lat[name] += await _batch(http, url + "/v1/chat/completions", per, concurrency)
+                lat[name] += await _batch(http, url + path, per, concurrency, data)
     return lat
 
 
@@ -208,16 +227,26 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure a router with tracing on and sample_ratio 0, in the same batches",
     )
     parser.add_argument(
-        "--capture-all",
-        action="store_true",
-        help="also measure a router capturing every request (capture sample 1.0), in the "
-        "same batches",
+        "--capture",
+        type=float,
+        action="append",
+        default=[],
+        metavar="SHARE",
+        help="also measure a router with data capture sampling SHARE of the requests (1: "
+        "every one), in the same batches; repeatable",
+    )
+    parser.add_argument(
+        "--stream",
+        type=int,
+        default=0,
+        metavar="EVENTS",
+        help="streamed answers of EVENTS events instead of whole ones (latency to the end)",
     )
     args = parser.parse_args(argv)
     names = ("router",)
     names += ("router, no access log",) if args.access_log_off else ()
     names += ("router, tracing not sampled",) if args.tracing_unsampled else ()
-    names += ("router, capturing every request",) if args.capture_all else ()
+    names += tuple(CAPTURING.format(share=share) for share in args.capture)
     results = {}
     with backend_and_routers(args.strategy, args.workers, names) as (direct, routed):
         urls = {"direct": direct, **dict(zip(names, routed, strict=True))}
@@ -225,13 +254,14 @@ def main(argv: list[str] | None = None) -> int:
             ("sequential", 1),
             (f"concurrency {args.concurrency}", args.concurrency),
         ):
-            lat = asyncio.run(compare(urls, args.requests, conc))
+            lat = asyncio.run(compare(urls, args.requests, conc, data=body(args.stream)))
             for name in names:
                 results[f"{mode}, {name}" if len(names) > 1 else mode] = summarize(lat, name)
     cpus = os.cpu_count()
+    answers = f"streams of {args.stream} events" if args.stream else "whole answers"
     print(
         f"router overhead, {args.strategy}, {args.workers} workers, access log into a file, "
-        f"{args.requests} requests per path, cpus={cpus}"
+        f"{args.requests} requests per path, {answers}, cpus={cpus}"
     )
     width = max(map(len, results)) + 1
     print(
