@@ -28,6 +28,7 @@ from typing import IO, NamedTuple
 import orjson
 
 from router import log
+from router.access_log import Entry
 from router.config import CaptureConfig, ConfigError
 
 #: the header that captures its request whatever the sampling says (value "1")
@@ -42,21 +43,9 @@ VERSION = 1
 class Captured(NamedTuple):
     """One captured request, as the request path hands it over: raw, nothing decoded."""
 
-    at: float  # wall clock, seconds, when the answer ended
-    seconds: float
-    ttft: float | None
-    request_id: str
-    tenant: str | None
-    method: str
-    path: str
-    model: str
-    strategy: str
-    backend: str
+    #: its figures, as the access log has them
+    entry: Entry
     pool: str | None
-    reason: str
-    status: str
-    #: prompt, cached and completion tokens the answer reported (None: not said)
-    usage: tuple[int | None, int | None, int | None]
     headers: tuple[tuple[str, str], ...]
     request: bytes | None  # the body as the client sent it
     response: bytes | None  # the answer's body, a stream's events as they came
@@ -179,26 +168,32 @@ class Capture:
 
 def line(record: Captured, request: bool, response: bool) -> bytes:
     """`record` as one JSON line (see VERSION); `request`/`response`: keep their bodies."""
-    prompt, cached, completion = record.usage
+    e = record.entry
     usage = None
-    if prompt is not None or completion is not None:
-        usage = {"prompt_tokens": prompt, "completion_tokens": completion, "cached_tokens": cached}
+    if e.prompt_tokens is not None or e.completion_tokens is not None:
+        usage = {
+            "prompt_tokens": e.prompt_tokens,
+            "completion_tokens": e.completion_tokens,
+            "cached_tokens": e.cached_tokens,
+        }
     out: dict[str, object] = {
         "v": VERSION,
-        "at": record.at,
-        "request_id": record.request_id,
-        "tenant": record.tenant,
-        "method": record.method,
-        "path": record.path,
-        "model": record.model,
-        "status": int(record.status) if record.status.isdigit() else record.status,
-        "backend": record.backend or None,
+        "at": e.at,
+        "request_id": e.request_id,
+        "tenant": e.tenant,
+        "method": e.method,
+        "path": e.path,
+        "model": e.model,
+        "status": int(e.status) if e.status.isdigit() else e.status,
+        "backend": e.backend or None,
         "pool": record.pool,
-        "strategy": record.strategy,
-        "reason": record.reason or None,
-        "ttft_ms": None if record.ttft is None else round(record.ttft * 1e3, 3),
-        "duration_ms": round(record.seconds * 1e3, 3),
+        "strategy": e.strategy,
+        "reason": e.reason or None,
+        "prefill": e.prefill or None,
+        "ttft_ms": None if e.ttft is None else round(e.ttft * 1e3, 3),
+        "duration_ms": round(e.seconds * 1e3, 3),
         "usage": usage,
+        "error": e.error or None,
     }
     if request and record.request is not None:
         out["headers"] = dict(record.headers)

@@ -133,13 +133,19 @@ class Accounting:
                 name,
                 error.message,
             )
-        if self._access is not None:
+        captured = call.capture is not None and self._capture is not None
+        if self._access is not None or captured:
             failure = type(error).__name__ if error is not None else _disconnected(attempt)
             retries = call.attempts - 1
             why = attempt.routed.reason
-            self._log(call, seconds, ttft, name, why, attempt.status, retries, used, failure)
-        if call.capture is not None and self._capture is not None:
-            self._captured(attempt, seconds, ttft, used)
+            status = attempt.status
+            entry = _entry(
+                call, self.strategy, seconds, ttft, name, why, status, retries, used, failure
+            )
+            if self._access is not None:
+                self._access.add(entry)
+            if captured:
+                self._captured(attempt, entry)
 
     def _check_prediction(self, routed: Routed, used: Usage) -> None:
         """Closed loop: the backend's reported cached_tokens against our prediction."""
@@ -163,69 +169,57 @@ class Accounting:
         if self._access is not None:
             seconds = time.perf_counter() - call.arrived
             status, failure = str(error.status), type(error).__name__
-            self._log(call, seconds, None, "", "", status, 0, NO_USAGE, failure)
+            entry = _entry(call, self.strategy, seconds, None, "", "", status, 0, NO_USAGE, failure)
+            self._access.add(entry)
 
-    def _log(
-        self,
-        call: Call,
-        seconds: float,
-        ttft: float | None,
-        backend: str,
-        reason: str,
-        status: str,
-        retries: int,
-        used: Usage,
-        failure: str,
-    ) -> None:
-        """The request's access log line (see router/access_log.py's Entry)."""
-        model = call.req.model or ""
-        self._access.add(
-            Entry(
-                time.time(),
-                seconds,
-                ttft,
-                call.request_id,
-                call.tenant,
-                call.method,
-                call.path,
-                model,
-                self.strategy,
-                backend,
-                reason,
-                call.prefilled_by or "",
-                status,
-                retries,
-                *used,
-                failure,
-            )
-        )
-
-    def _captured(self, attempt: Attempt, seconds: float, ttft: float | None, used: Usage) -> None:
+    def _captured(self, attempt: Attempt, entry: Entry) -> None:
         """Hand the request's raw parts to the capture's queue (it encodes them)."""
         call, upstream, capture = attempt.call, attempt.upstream, self._capture
         response = upstream.body() if upstream is not None and upstream.kept else None
         capture.add(
             Captured(
-                time.time(),
-                seconds,
-                ttft,
-                call.request_id,
-                call.tenant,
-                call.method,
-                call.path,
-                call.req.model or "",
-                self.strategy,
-                attempt.backend.name,
+                entry,
                 attempt.backend.pool,
-                attempt.routed.reason,
-                attempt.status,
-                tuple(used),
                 capture.headers(call.headers.items()),
                 call.capture,
                 response,
                 upstream is not None and upstream.streaming,
             )
         )
+
+
+def _entry(
+    call: Call,
+    strategy: str,
+    seconds: float,
+    ttft: float | None,
+    backend: str,
+    reason: str,
+    status: str,
+    retries: int,
+    used: Usage,
+    failure: str,
+) -> Entry:
+    """The request's access log line (router/access_log.py), which a capture record
+    holds too."""
+    return Entry(
+        time.time(),
+        seconds,
+        ttft,
+        call.request_id,
+        call.tenant,
+        call.method,
+        call.path,
+        call.req.model or "",
+        strategy,
+        backend,
+        reason,
+        call.prefilled_by or "",
+        status,
+        retries,
+        *used,
+        failure,
+    )
 
 
 def _disconnected(attempt: Attempt) -> str:

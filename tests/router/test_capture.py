@@ -9,6 +9,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from router.access_log import Entry
 from router.capture import Capture, Captured, line, stream
 from router.config import CaptureConfig, ConfigError
 
@@ -28,11 +29,12 @@ CHAT_STREAM = (
 
 def record(i: int = 0, streamed: bool = False) -> Captured:
     body = CHAT_STREAM if streamed else orjson.dumps({"choices": [{"text": "x" * 100}]})
-    return Captured(
+    entry = Entry(
         1.0e9, 0.5, 0.1, f"id{i}", "acme", "POST", "/v1/completions", "m", "KV_AWARE",
-        "b0", "fast", "kv_hit", "200", (9, 4, 2), (("x-team", "search"),),
-        orjson.dumps({"prompt": f"question {i}"}), body, streamed,
+        "b0", "kv_hit", "", "200", 0, 9, 4, 2, "",
     )  # fmt: skip
+    request = orjson.dumps({"prompt": f"question {i}"})
+    return Captured(entry, "fast", (("x-team", "search"),), request, body, streamed)
 
 
 class Counted:
@@ -131,7 +133,8 @@ def test_a_stream_is_reassembled_from_its_events() -> None:
 
 
 def test_a_body_that_is_not_json_is_kept_as_text() -> None:
-    bad = record()._replace(response=b"<html>502</html>", status="502")
+    bad = record()._replace(response=b"<html>502</html>")
+    bad = bad._replace(entry=bad.entry._replace(status="502"))
     got = orjson.loads(line(bad, request=True, response=True))
     assert got["response"] == {"text": "<html>502</html>"} and got["status"] == 502
 
