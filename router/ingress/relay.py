@@ -97,7 +97,7 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
             await reply.begin(upstream.status, _headers(upstream, extra))
             if call.strip_usage:
                 await _without_usage(upstream, reply)
-            elif reply.sink is not None and not upstream.kept:
+            elif reply.sink is not None:
                 await upstream.relay(reply.sink)
             else:
                 async for chunk in upstream.chunks():

@@ -23,6 +23,10 @@ from router.metrics import Tally
 _TAIL_MIN = 32  # bytes: shorter chunks (`data: [DONE]`, framed or not) hold no usage
 
 
+class Framed(bytes):
+    """A kept read of whole chunks, still in chunked framing."""
+
+
 class BodyClock:
     """Times one body's chunks; `tail` keeps the last chunk long enough to hold usage."""
 
@@ -73,8 +77,10 @@ class BodyClock:
         assert self._deadline is not None, "watch() the body's timeout before reading it"
         self._tally = Tally(self._itl)
 
-    def arrived(self, chunk: bytes) -> None:
-        """A chunk came now: the first one ends the prefill, any other one a gap."""
+    def arrived(self, chunk: bytes, framed: bool = False) -> None:
+        """A chunk came now: the first one ends the prefill, any other one a gap.
+        `framed`: it is whole chunks as the backend framed them (the relay's direct
+        reads), which a kept body decodes when it is read (`Framed`)."""
         now = perf_counter()
         if self.first_chunk_at is None:
             self.first_chunk_at = now
@@ -87,7 +93,7 @@ class BodyClock:
         if len(chunk) > _TAIL_MIN:
             self.tail = chunk
         if self.kept is not None:
-            self.kept.append(chunk)
+            self.kept.append(Framed(chunk) if framed else chunk)
 
     def stop(self) -> None:
         """The exchange ended: no more deadline, and the gaps go to the histogram."""

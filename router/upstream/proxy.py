@@ -31,7 +31,8 @@ from router import log
 from router.errors import UpstreamDisconnected, UpstreamError
 from router.fleet.backend import Backend
 from router.upstream.body import BodyReader
-from router.upstream.clock import BodyClock
+from router.upstream.chunked import ChunkedBody
+from router.upstream.clock import BodyClock, Framed
 from router.upstream.connection import _Connection
 from router.upstream.failures import BackendBroke, Malformed
 from router.upstream.pool import Upstreams
@@ -161,9 +162,7 @@ class Upstream:
         return self._clock.tail
 
     def keep(self) -> None:
-        """Keep the whole body for `body` (a captured answer): called before it is read.
-        A stream is then read chunk by chunk (`chunks`), not by `relay`, whose framed
-        reads the capture could not tell from the body."""
+        """Keep the whole body for `body` (a captured answer): called before it is read."""
         self._clock.kept = []
 
     @property
@@ -174,7 +173,7 @@ class Upstream:
         """The body read so far, when it is kept: a stream's chunks joined, or the whole
         answer `read` returned."""
         kept = self._clock.kept
-        return b"".join(kept) if kept and self.streaming else self._clock.tail
+        return unframed(kept) if kept and self.streaming else self._clock.tail
 
     def usage(self) -> Usage:
         """The token counts the answer reported (router/upstream/usage.py).
@@ -221,6 +220,18 @@ class Upstream:
         """Keep the connection for the next request, or close it so the backend aborts."""
         self._clock.stop()
         self._conn.release(clean)
+
+
+def unframed(kept: list[bytes]) -> bytes:
+    """A kept stream's body: its reads joined, the relay's framed ones decoded (each is
+    whole chunks, so each takes a decoder of its own)."""
+    pieces: list[bytes] = []
+    for piece in kept:
+        if isinstance(piece, Framed):
+            pieces.extend(ChunkedBody().feed(piece)[0])
+        else:
+            pieces.append(piece)
+    return b"".join(pieces)
 
 
 async def open_upstream(

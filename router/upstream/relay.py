@@ -84,7 +84,7 @@ class Relay:
         if done.done() or self._body.total != self._taken or not self._sink.ready():
             return False
         if chunks:
-            self._arrived(chunks)
+            self._arrived(chunks, True)
             try:
                 self._sink.put_framed(chunks)
             except ConnectionError as exc:  # the client is gone

@@ -12,6 +12,8 @@ import pytest
 from router.access_log import Entry
 from router.capture import Capture, Captured, line, stream
 from router.config import CaptureConfig, ConfigError
+from router.upstream.clock import Framed
+from router.upstream.proxy import unframed
 
 CHAT_STREAM = (
     b"".join(
@@ -144,3 +146,9 @@ def test_an_unwritable_path_is_a_config_error(tmp_path) -> None:
     blocker.write_text("")
     with pytest.raises(ConfigError, match=r"capture\.path: cannot write"):
         Capture(CaptureConfig(enabled=True, path=str(blocker / "sub")), print, print)
+
+
+def test_a_kept_stream_joins_decoded_reads_and_decodes_the_relays_framed_ones() -> None:
+    events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"n": 3}\n\n']
+    framed = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events[1:]) + b"0\r\n\r\n"
+    assert unframed([events[0], Framed(framed)]) == b"".join(events)
