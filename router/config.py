@@ -489,6 +489,36 @@ class TracingConfig(_Strict):
     service_name: str = "kvroute"
 
 
+class JobsConfig(_Strict):
+    """Async jobs and OpenAI-style batches (router/jobs/): accepted at once, run later
+    through the same routing on spare capacity, from a SQLite database every worker on
+    the host shares, so that accepted jobs survive a restart."""
+
+    enabled: bool = False
+    path: str = "/var/lib/kvroute/jobs.db"
+    #: an async request's body past this is refused with 413, as the managed endpoint
+    #: kvroute is modelled on does (its inline payloads are at most 128,000 bytes)
+    max_inline_bytes: Annotated[int, Meta(ge=1)] = 128_000
+    #: a batch input file past this is refused with 413 (it is held in memory to parse)
+    max_file_bytes: Annotated[int, Meta(ge=1)] = 64 << 20
+    #: lines in one batch input file, as OpenAI's Batch API allows
+    max_batch_lines: Annotated[int, Meta(ge=1)] = 50_000
+    #: jobs each worker runs at once
+    concurrency: Annotated[int, Meta(ge=1)] = 4
+    #: a job starts only while the usable backends' requests in flight are below this
+    #: share of their capacity, so interactive requests keep the rest
+    spare_share: Annotated[float, Meta(gt=0, le=1)] = 0.5
+    #: a backend's capacity in requests, when the strategy sets no concurrency_threshold
+    backend_capacity: Annotated[int, Meta(ge=1)] = 8
+    #: a job's lease: a worker that died mid-job lets it go this long after its last
+    #: renewal, and another worker (or the next start) runs it again
+    lease_s: Seconds = 30.0
+    #: how long a finished job's result (and a finished batch's files) are kept
+    result_ttl_s: Seconds = 86_400.0
+    #: how often a worker with nothing to run looks for a job another worker accepted
+    poll_s: Seconds = 0.5
+
+
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: the pools, when the fleet has several (see PoolConfig); none: one flat pool
@@ -531,6 +561,7 @@ class Config(_Strict):
     tracing: TracingConfig = TracingConfig()
     capture: CaptureConfig = CaptureConfig()
     usage: UsageConfig = UsageConfig()
+    jobs: JobsConfig = JobsConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

@@ -32,6 +32,8 @@ class Behaviour:
     tokenize_status: int = 200
     #: as vLLM's --api-key: /v1 routes answer 401 without `Authorization: Bearer <key>`
     api_key: str | None = None
+    #: generation requests wait until this is set (a test holds them mid-request)
+    gate: asyncio.Event | None = None
 
 
 @dataclass
@@ -142,6 +144,8 @@ class StubBackend:
         try:
             if b.delay:
                 await asyncio.sleep(b.delay)
+            if b.gate is not None:
+                await b.gate.wait()
             if b.hang_before_headers:
                 await asyncio.sleep(3600)
             if b.status != 200:

@@ -26,6 +26,7 @@ from router.ingress.web import (
     parser_limits,
     server_limits,
 )
+from router.jobs.runner import JobRunner
 from router.metrics import Metrics
 from router.telemetry.loops import Telemetry
 
@@ -54,10 +55,11 @@ class Listeners:
         auth: Authenticator,
         telemetry: Telemetry,
         admin_token: AdminToken | None,
+        jobs: JobRunner | None = None,
     ) -> None:
         """HTTP (its fast path first), then the admin API and gRPC."""
         self.ingress = HttpIngress(
-            cfg, fleet, dispatcher, metrics, auth, telemetry, admin_token, self._workers
+            cfg, fleet, dispatcher, metrics, auth, telemetry, admin_token, self._workers, jobs
         )
         await self._listen_http(cfg)
         if self.admin is not None:

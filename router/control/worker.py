@@ -34,6 +34,8 @@ from router.fleet.shared_load import LoadTable
 from router.ingress.web import (
     HttpIngress,
 )
+from router.jobs.runner import JobRunner
+from router.jobs.store import JobStore
 from router.telemetry.loops import LocalTelemetry, Parts, Telemetry
 from router.telemetry.worker_feed import WorkerTelemetry
 
@@ -70,6 +72,8 @@ class Router(Node):
         #: the access log and the tracer
         self.records = Records(config, span_exporter)
         self.ingress: HttpIngress | None = None
+        #: async jobs and batches, when `jobs.enabled`
+        self.jobs: JobRunner | None = None
         self.port = self.grpc_port = 0
         self._runner: web.AppRunner | None = None  # the aiohttp app's (its routes)
 
@@ -149,6 +153,9 @@ class Router(Node):
             lambda: self.auth.tenants,
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
+        if cfg.jobs.enabled:
+            store = await asyncio.to_thread(JobStore, cfg.jobs.path)
+            self.jobs = JobRunner(cfg.jobs, store, self.dispatcher, self.fleet)
         await lst.start(
             cfg,
             self.fleet,
@@ -157,11 +164,16 @@ class Router(Node):
             self.auth,
             self.telemetry,
             self.admin_token,
+            self.jobs,
         )
+        if self.jobs is not None:
+            self.jobs.start()
         self.ingress, self._runner = lst.ingress, lst.runner
         self.port, self.grpc_port = lst.port, lst.grpc_port
 
     async def stop(self) -> None:
+        if self.jobs is not None:  # what runs goes back in the queue for the next start
+            await self.jobs.stop()
         await self._drain()
         await self.listeners.stop_admin()
         if self.dispatcher is not None:

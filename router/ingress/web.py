@@ -46,9 +46,11 @@ from router.errors import (
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.body import BodyReader
+from router.ingress.jobs_routes import JobRoutes
 from router.ingress.relay import AiohttpReply, Reply, refuse, relay
 from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
+from router.jobs.runner import JobRunner
 from router.metrics import CONTENT_TYPE, Metrics
 from router.request import NO_FIELDS, Kind, parse
 from router.telemetry.loops import Telemetry
@@ -95,6 +97,7 @@ class HttpIngress:
         telemetry: Telemetry | None = None,
         admin_token: AdminToken | None = None,
         workers: int = 1,
+        jobs: JobRunner | None = None,
     ):
         self._dispatch = dispatcher
         self._metrics = metrics
@@ -107,6 +110,12 @@ class HttpIngress:
         self._status = StatusRoutes(
             fleet, dispatcher, self._auth, self._tenant, telemetry, admin_token
         )
+        self._jobs = None
+        if jobs is not None:
+            limits = config.limits
+            self._jobs = JobRoutes(
+                config.jobs, jobs.store, jobs.wake, self._tenant, self._body, limits.body_timeout
+            )
 
     def routes(self) -> list[web.RouteDef]:
         body = {"expect_handler": self.expect}  # routes whose body is read
@@ -115,6 +124,7 @@ class HttpIngress:
             web.post("/v1/completions", self._handler(Kind.COMPLETION), **body),
             web.post("/v1/embeddings", self._handler(Kind.EMBEDDING), **body),
             *self._status.routes(),
+            *(self._jobs.routes() if self._jobs else ()),
         ]
         if self._serves_metrics:
             routed.append(web.get("/metrics", self.metrics))

@@ -1,0 +1,249 @@
+"""The job endpoints (with `jobs.enabled`): single async requests, and OpenAI's Files and
+Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone: another
+tenant's job, file or batch is a 404, as an absent one is.
+
+  POST /v1/async/{chat/completions,completions,embeddings}   202, an id and a status URL
+  GET  /v1/async/{id}                                         its status, and its answer
+  POST /v1/files (purpose batch)        GET /v1/files/{id}, GET /v1/files/{id}/content
+  POST /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Annotated
+
+import msgspec
+from aiohttp import BodyPartReader, web
+
+from router.config import JobsConfig
+from router.errors import BadRequest, KvrouteError, PayloadTooLarge, RequestTimeout
+from router.ingress.body import BodyReader
+from router.ingress.relay import refused
+from router.jobs.store import JobStore
+from router.jobs.wire import (
+    KINDS,
+    WINDOW,
+    batch_json,
+    checked_body,
+    file_json,
+    job_json,
+    new_batch,
+    new_id,
+    read_lines,
+    write_outputs,
+)
+
+Tenant = Callable[[Mapping[str, str]], str | None]
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+_JSON = "application/json"
+_UPLOAD_CHUNK = 1 << 16
+#: /v1/async/chat/completions runs /v1/chat/completions later
+_ASYNC = "/v1/async"
+
+
+class _BatchRequest(msgspec.Struct):
+    input_file_id: str
+    endpoint: str
+    completion_window: str
+    #: as OpenAI allows: at most 16 pairs
+    metadata: Annotated[dict[str, str], msgspec.Meta(max_length=16)] | None = None
+
+
+_BATCH_REQUEST = msgspec.json.Decoder(_BatchRequest)
+
+
+class JobRoutes:
+    """The job endpoints over `store`; `wake` tells this worker's runner a job came."""
+
+    def __init__(
+        self,
+        cfg: JobsConfig,
+        store: JobStore,
+        wake: Callable[[], None],
+        tenant: Tenant,
+        body: BodyReader,
+        upload_timeout: float,
+    ) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._wake = wake
+        self._tenant = tenant
+        self._body = body
+        self._upload_timeout = upload_timeout
+
+    def routes(self) -> list[web.RouteDef]:
+        accept = [web.post(_ASYNC + path[3:], self._guarded(self._accept)) for path in KINDS]
+        return [
+            *accept,
+            web.get("/v1/async/{id}", self._guarded(self._job)),
+            web.post("/v1/files", self._guarded(self._upload)),
+            web.get("/v1/files/{id}", self._guarded(self._file)),
+            web.get("/v1/files/{id}/content", self._guarded(self._content)),
+            web.post("/v1/batches", self._guarded(self._create_batch)),
+            web.get("/v1/batches/{id}", self._guarded(self._batch)),
+            web.post("/v1/batches/{id}/cancel", self._guarded(self._cancel)),
+        ]
+
+    def _guarded(
+        self, handler: Callable[[web.Request, str | None], Awaitable[web.StreamResponse]]
+    ) -> Handler:
+        """`handler` for the caller's tenant (401 without a valid token), its refusals
+        answered in OpenAI's error shape."""
+
+        async def guarded(request: web.Request) -> web.StreamResponse:
+            try:
+                return await handler(request, self._tenant(request.headers))
+            except KvrouteError as err:
+                return await refused(request, err)
+
+        return guarded
+
+    # single async requests
+    async def _accept(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        path = "/v1" + request.path.removeprefix(_ASYNC)
+        body = await self._inline_body(request)
+        checked_body(KINDS[path], body)
+        job = await asyncio.to_thread(self._store.put, new_id("job_"), tenant, path, body)
+        self._wake()
+        url = f"/v1/async/{job.id}"
+        return web.Response(
+            status=202, body=job_json(job, url), content_type=_JSON, headers={"Location": url}
+        )
+
+    async def _inline_body(self, request: web.Request) -> bytes:
+        """The body, at most `max_inline_bytes` (413 past it, before reading it all)."""
+        most = self._cfg.max_inline_bytes
+        too_large = PayloadTooLarge(f"An async request's body is at most {most} bytes.")
+        if (request.content_length or 0) > most:
+            raise too_large
+        body = await self._read(request)
+        if len(body) > most:
+            raise too_large
+        return body
+
+    async def _read(self, request: web.Request) -> bytes:
+        """The body within the router's limits; stored at once, so not held in the
+        bodies' budget."""
+        body = await self._body.read(request)
+        self._body.bodies.give(len(body))
+        return body
+
+    async def _job(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        job_id = request.match_info["id"]
+        job = await asyncio.to_thread(self._store.get, job_id, tenant)
+        if job is None:
+            raise _absent("async job", job_id)
+        return _json(job_json(job, f"/v1/async/{job.id}"))
+
+    # files
+    async def _upload(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        """A batch input file from a multipart form (`purpose`, `file`), as
+        `client.files.create` sends it."""
+        if not request.content_type.startswith("multipart/"):
+            raise BadRequest("Upload a file as multipart/form-data with `purpose` and `file`.")
+        try:
+            async with asyncio.timeout(self._upload_timeout):
+                purpose, name, content = await self._form(request)
+        except TimeoutError:
+            raise RequestTimeout("The file did not arrive in time.") from None
+        if purpose != "batch":
+            raise BadRequest("Only files of purpose `batch` are kept here.", param="purpose")
+        if content is None:
+            raise BadRequest("The form has no `file` part.", param="file")
+        stored = await asyncio.to_thread(
+            self._store.put_file,
+            new_id("file-"),
+            tenant,
+            purpose,
+            name,
+            content,
+            self._cfg.result_ttl_s,
+        )
+        return _json(file_json(stored))
+
+    async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
+        purpose, name, content = None, "upload.jsonl", None
+        form = await request.multipart()
+        async for part in form:
+            if not isinstance(part, BodyPartReader):
+                continue
+            if part.name == "purpose":
+                purpose = (await part.text()).strip()
+            elif part.name == "file":
+                name = part.filename or name
+                content = await self._bounded(part)
+        return purpose, name, content
+
+    async def _bounded(self, part: BodyPartReader) -> bytes:
+        most = self._cfg.max_file_bytes
+        data = bytearray()
+        while chunk := await part.read_chunk(_UPLOAD_CHUNK):
+            data += chunk
+            if len(data) > most:
+                raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
+        return bytes(data)
+
+    async def _file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        file_id = request.match_info["id"]
+        stored = await asyncio.to_thread(self._store.file, file_id, tenant)
+        if stored is None:
+            raise _absent("file", file_id)
+        return _json(file_json(stored))
+
+    async def _content(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        file_id = request.match_info["id"]
+        content = await asyncio.to_thread(self._store.content, file_id, tenant)
+        if content is None:
+            raise _absent("file", file_id)
+        return web.Response(body=content, content_type="application/jsonl")
+
+    # batches
+    async def _create_batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        try:
+            asked = _BATCH_REQUEST.decode(await self._read(request))
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequest(f"Invalid batch request: {exc}") from None
+        if asked.endpoint not in KINDS:
+            endpoints = ", ".join(KINDS)
+            raise BadRequest(f"endpoint must be one of {endpoints}", param="endpoint")
+        if asked.completion_window != WINDOW:
+            raise BadRequest(f"completion_window must be {WINDOW!r}", param="completion_window")
+        store = self._store
+        stored = await asyncio.to_thread(store.file, asked.input_file_id, tenant)
+        if stored is None or stored.purpose != "batch":
+            raise _absent("batch input file", asked.input_file_id)
+        content = await asyncio.to_thread(store.content, asked.input_file_id, tenant)
+        lines, errors = read_lines(content or b"", asked.endpoint, self._cfg.max_batch_lines)
+        metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
+        batch = new_batch(asked.endpoint, asked.input_file_id, metadata, len(lines), errors)
+        await asyncio.to_thread(store.put_batch, batch, tenant, [] if errors else lines)
+        self._wake()
+        return _json(batch_json(batch))
+
+    async def _batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        batch_id = request.match_info["id"]
+        batch = await asyncio.to_thread(self._store.batch, batch_id, tenant)
+        if batch is None:
+            raise _absent("batch", batch_id)
+        return _json(batch_json(batch))
+
+    async def _cancel(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        """Lines not started are dropped; those running finish; the batch ends once they
+        have (with an output file of what was done)."""
+        batch_id = request.match_info["id"]
+        store = self._store
+        if await asyncio.to_thread(store.cancel_batch, batch_id, tenant):
+            files = (new_id("file-"), new_id("file-"))
+            ttl = self._cfg.result_ttl_s
+            await asyncio.to_thread(store.settle, batch_id, files, write_outputs, ttl)
+        return await self._batch(request, tenant)
+
+
+def _json(body: bytes) -> web.Response:
+    return web.Response(body=body, content_type=_JSON)
+
+
+def _absent(what: str, ident: str) -> KvrouteError:
+    return KvrouteError(f"No {what} {ident!r}.", param="id", status=404)

@@ -1,0 +1,313 @@
+"""Async jobs and OpenAI batches end to end: simulated vLLM servers, the router with
+`jobs` on, the OpenAI SDK's files and batches calls, and a `kvroute serve` killed with
+SIGKILL mid-job whose next start finishes it."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import orjson
+import psutil
+import pytest
+import yaml
+from openai import AsyncOpenAI
+
+from bench.sim.fleet import start_fleet
+from bench.sim.params import SimParams
+from router.config import build
+from router.control.worker import Router
+from tests.router.chaos import until
+from tests.router.test_signals_functional import kvroute
+from tests.stub_backend import StubBackend
+
+MODEL = "sim-llama-70b"
+CHAT = "/v1/async/chat/completions"
+
+
+@asynccontextmanager
+async def jobs_router(tmp_path: Path, **extra) -> AsyncIterator[tuple[Router, AsyncOpenAI]]:
+    fleet = await start_fleet(2, SimParams(time_scale=0.02))
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": b.url, "name": f"sim{i}"} for i, b in enumerate(fleet.backends)],
+        "jobs": {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05},
+        "tenant_header": "X-Tenant",
+        **extra,
+    }
+    router = Router(build(data))
+    try:
+        await router.start()
+        async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
+            yield router, oai
+    finally:
+        await router.stop()
+        await fleet.stop()
+
+
+def chat_body(i: int, **extra) -> dict:
+    messages = [{"role": "user", "content": f"async request {i}"}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 4, **extra}
+
+
+async def finished(http: aiohttp.ClientSession, url: str, headers=None) -> dict:
+    """Poll a job's status URL (bounded) until it has its answer."""
+    async with asyncio.timeout(20):
+        while True:
+            async with http.get(url, headers=headers) as r:
+                assert r.status == 200, await r.text()
+                job = await r.json()
+            if job["status"] in ("succeeded", "failed"):
+                return job
+            await asyncio.sleep(0.05)
+
+
+async def test_an_async_request_is_accepted_then_answered(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
+        async with http.post(router.url + CHAT, json=chat_body(1)) as r:
+            assert r.status == 202
+            accepted = await r.json()
+            assert r.headers["Location"] == accepted["status_url"]
+        assert accepted["object"] == "async.job"
+        assert accepted["status"] == "queued"
+        job = await finished(http, router.url + accepted["status_url"])
+        assert job["status"] == "succeeded"
+        assert job["attempts"] == 1
+        answer = job["result"]["body"]
+        assert job["result"]["status_code"] == 200
+        assert answer["object"] == "chat.completion"
+        assert answer["usage"]["completion_tokens"] == 4
+        # another tenant's job is as good as absent
+        url = router.url + accepted["status_url"]
+        async with http.get(url, headers={"X-Tenant": "other"}) as r:
+            assert r.status == 404
+            assert "No async job" in (await r.json())["error"]["message"]
+
+
+async def test_async_refusals_say_why_and_store_nothing(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
+        url = router.url + CHAT
+        body = orjson.dumps(chat_body(1))
+        pad = b" " * (128_001 - len(body))  # JSON whitespace: a valid body, one byte too big
+        async with http.post(url, data=body[:-1] + pad + b"}") as r:
+            assert r.status == 413
+            assert "128000 bytes" in (await r.json())["error"]["message"]
+        async with http.post(url, data=body[:-1] + pad[:-1] + b"}") as r:
+            assert r.status == 202  # 128,000 bytes exactly
+        async with http.post(url, json=chat_body(2, stream=True)) as r:
+            assert r.status == 400
+            assert (await r.json())["error"]["param"] == "stream"
+        async with http.post(url, data=b"{not json") as r:
+            assert r.status == 400
+        async with http.get(router.url + "/v1/async/job_nope") as r:
+            assert r.status == 404
+
+
+async def test_unknown_model_fails_the_job_with_the_routers_answer(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
+        body = {**chat_body(1), "model": "no-such-model"}
+        async with http.post(router.url + CHAT, json=body) as r:
+            accepted = await r.json()
+        job = await finished(http, router.url + accepted["status_url"])
+        assert job["status"] == "failed"
+        assert job["result"]["status_code"] == 404
+        assert "no-such-model" in job["result"]["body"]["error"]["message"]
+
+
+def batch_file(n: int, endpoint: str = "/v1/chat/completions") -> bytes:
+    lines = [
+        {"custom_id": f"req-{i}", "method": "POST", "url": endpoint, "body": chat_body(i)}
+        for i in range(n)
+    ]
+    return b"\n".join(orjson.dumps(line) for line in lines) + b"\n"
+
+
+async def wait_batch(oai: AsyncOpenAI, batch_id: str):
+    async with asyncio.timeout(30):
+        while True:
+            batch = await oai.batches.retrieve(batch_id)
+            if batch.status in ("completed", "failed", "cancelled"):
+                return batch
+            await asyncio.sleep(0.05)
+
+
+async def test_the_openai_sdk_runs_a_batch_end_to_end(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (_, oai):
+        uploaded = await oai.files.create(
+            file=("requests.jsonl", io.BytesIO(batch_file(12))), purpose="batch"
+        )
+        assert uploaded.purpose == "batch"
+        assert uploaded.bytes == len(batch_file(12))
+        batch = await oai.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"team": "evals"},
+        )
+        assert batch.status == "in_progress"
+        assert batch.request_counts.total == 12
+        done = await wait_batch(oai, batch.id)
+        assert done.status == "completed"
+        assert done.request_counts.completed == 12
+        assert done.request_counts.failed == 0
+        assert done.metadata == {"team": "evals"}
+        assert done.error_file_id is None
+        content = await oai.files.content(done.output_file_id)
+        lines = [orjson.loads(line) for line in content.content.splitlines()]
+        assert [line["custom_id"] for line in lines] == [f"req-{i}" for i in range(12)]
+        for line in lines:
+            assert line["response"]["status_code"] == 200
+            assert line["response"]["body"]["usage"]["completion_tokens"] == 4
+        assert (await oai.files.retrieve(done.output_file_id)).purpose == "batch_output"
+
+
+async def test_a_batch_keeps_failed_lines_in_its_error_file(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (_, oai):
+        good = orjson.loads(batch_file(1))
+        bad = {**good, "custom_id": "bad", "body": {**good["body"], "model": "nope"}}
+        content = orjson.dumps(good) + b"\n" + orjson.dumps(bad) + b"\n"
+        uploaded = await oai.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        batch = await oai.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        done = await wait_batch(oai, batch.id)
+        assert (done.request_counts.completed, done.request_counts.failed) == (1, 1)
+        errors = (await oai.files.content(done.error_file_id)).content
+        (line,) = [orjson.loads(x) for x in errors.splitlines()]
+        assert line["custom_id"] == "bad"
+        assert line["response"]["status_code"] == 404
+
+
+async def test_a_malformed_input_file_fails_the_batch_with_its_lines(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (_, oai):
+        good = orjson.loads(batch_file(1))
+        lines = [
+            orjson.dumps(good),
+            b"{not json",
+            orjson.dumps({**good, "url": "/v1/embeddings"}),
+            orjson.dumps(good),  # custom_id used twice
+            orjson.dumps({**good, "custom_id": "s", "body": {**good["body"], "stream": True}}),
+        ]
+        uploaded = await oai.files.create(
+            file=("in.jsonl", io.BytesIO(b"\n".join(lines))), purpose="batch"
+        )
+        batch = await oai.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert batch.status == "failed"
+        assert [e.line for e in batch.errors.data] == [2, 3, 4, 5]
+        assert (await oai.batches.retrieve(batch.id)).status == "failed"
+
+
+async def test_batch_and_file_refusals(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, oai), aiohttp.ClientSession() as http:
+        uploaded = await oai.files.create(
+            file=("a.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+        )
+        for asked, param in (
+            ({"endpoint": "/v1/moderations", "completion_window": "24h"}, "endpoint"),
+            ({"endpoint": "/v1/completions", "completion_window": "1h"}, "completion_window"),
+        ):
+            body = {"input_file_id": uploaded.id, **asked}
+            async with http.post(router.url + "/v1/batches", json=body) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == param
+        body = {"input_file_id": "file-nope", "endpoint": "/v1/completions"}
+        async with http.post(
+            router.url + "/v1/batches", json={**body, "completion_window": "24h"}
+        ) as r:
+            assert r.status == 404
+        form = aiohttp.FormData()
+        form.add_field("purpose", "fine-tune")
+        form.add_field("file", b"{}", filename="x.jsonl")
+        async with http.post(router.url + "/v1/files", data=form) as r:
+            assert r.status == 400
+        async with http.get(router.url + f"/v1/files/{uploaded.id}/content",
+                            headers={"X-Tenant": "other"}) as r:  # fmt: skip
+            assert r.status == 404
+
+
+async def test_an_upload_past_max_file_bytes_is_refused(tmp_path: Path) -> None:
+    cfg = {"enabled": True, "path": str(tmp_path / "j2.db"), "max_file_bytes": 10_000}
+    async with jobs_router(tmp_path, jobs=cfg) as (_, oai):
+        with pytest.raises(Exception) as refused:
+            await oai.files.create(file=("a.jsonl", io.BytesIO(b"x" * 10_001)), purpose="batch")
+        assert getattr(refused.value, "status_code", None) == 413
+        small = await oai.files.create(file=("a.jsonl", io.BytesIO(b"x" * 10_000)), purpose="batch")
+        assert small.bytes == 10_000
+
+
+async def test_cancel_drops_the_lines_not_started(tmp_path: Path) -> None:
+    stub = StubBackend()
+    stub.behaviour.gate = asyncio.Event()  # the lines started run until it is set
+    await stub.start()
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "stub"}],
+        "jobs": {"enabled": True, "path": str(tmp_path / "jobs.db"), "concurrency": 2,
+                 "poll_s": 0.05},
+    }  # fmt: skip
+    router = Router(build(data))
+    try:
+        await router.start()
+        async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
+            content = batch_file(6).replace(MODEL.encode(), stub.model.encode())
+            uploaded = await oai.files.create(
+                file=("in.jsonl", io.BytesIO(content)), purpose="batch"
+            )
+            batch = await oai.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            await until(lambda: stub.active == 2)
+            cancelling = await oai.batches.cancel(batch.id)
+            assert cancelling.status == "cancelling"
+            stub.behaviour.gate.set()
+            done = await wait_batch(oai, batch.id)
+            assert done.status == "cancelled"
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert done.request_counts.completed == 2
+    assert stub.completed + stub.aborted == 2  # the four not started never ran
+
+
+async def test_an_accepted_job_survives_kill_9_and_completes_after_restart(
+    tmp_path: Path,
+) -> None:
+    stub = StubBackend()
+    stub.behaviour.gate = asyncio.Event()  # the first attempt is mid-request when killed
+    await stub.start()
+    config = tmp_path / "router.yaml"
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "lease_s": 1.0, "poll_s": 0.05}
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "stub"}],
+        "jobs": jobs,
+        "workers": 2,
+    }
+    config.write_text(yaml.safe_dump(data))
+    body = {**chat_body(1), "model": stub.model}
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with kvroute(config) as served:
+                async with http.post(served.url + CHAT, json=body) as r:
+                    assert r.status == 202
+                    status_url = (await r.json())["status_url"]
+                await until(lambda: stub.active == 1, timeout=10)
+                # SIGKILL to the workers and the supervisor: no cleanup, the lease stays
+                for proc in psutil.Process(served.proc.pid).children(recursive=True):
+                    proc.kill()
+                served.proc.kill()
+                await served.proc.wait()
+            stub.behaviour.gate.set()
+            async with kvroute(config) as served:
+                job = await finished(http, served.url + status_url)
+    finally:
+        await stub.stop()
+    assert job["status"] == "succeeded"
+    assert job["attempts"] == 2
+    assert [r["messages"] for r in stub.received] == [body["messages"]] * 2
