@@ -10,6 +10,7 @@ import contextlib
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 
 import aiohttp
@@ -39,8 +40,10 @@ async def replay_routed(
     time_scale: float,
     max_wall: float,
     seed: int,
+    during: Callable[[aiohttp.ClientSession, str], AbstractAsyncContextManager] | None = None,
 ) -> Routed:
-    """Replay `specs` (open loop) through kvroute configured by `config(backends)`."""
+    """Replay `specs` (open loop) through kvroute configured by `config(backends)`;
+    inside `during(session, url)`, when given (work of its own beside the replay)."""
     async with contextlib.AsyncExitStack() as stack:
         sim = processes.simulator(backends, time_scale, sim_args)
         fleet, _ = await stack.enter_async_context(sim)
@@ -50,10 +53,11 @@ async def replay_routed(
         ((url, _),) = await stack.enter_async_context(started)
         http = await stack.enter_async_context(aiohttp.ClientSession())
         before = await scrape.metrics(http, url)
-        outcomes = await replay(
-            [url], MODEL, specs, concurrency=None, time_scale=time_scale,
-            deadline=max_wall, seed=seed,
-        )  # fmt: skip
+        async with during(http, url) if during else contextlib.nullcontext():
+            outcomes = await replay(
+                [url], MODEL, specs, concurrency=None, time_scale=time_scale,
+                deadline=max_wall, seed=seed,
+            )  # fmt: skip
         after = await scrape.metrics(http, url)
     return Routed(backends=fleet, outcomes=outcomes, before=before, after=after)
 

@@ -8,6 +8,8 @@ lives there and what it may import. Imports run one way, down this list
                reload and the admin API; only the CLI (__main__.py) imports it
   ingress/     where a request enters: the fast path, the aiohttp app, gRPC, auth, body
                limits; it builds a `Call`
+  jobs/        async requests and batches: stored, then run through dispatch on spare
+               capacity
   dispatch/    the one way through: admission (429), model check (404), the prompt
                described, the policy's pick (policies/), the in-flight slot, the
                upstream exchange, retries before the first byte, the accounting,

@@ -15,6 +15,7 @@
                     503 past the bodies' budget (body_budget.py)
   relay.py          the answer relayed back, whole or streamed, or the error answer;
                     `Reply`, which both servers implement
+  jobs_routes.py    with `jobs` on: async requests (202), OpenAI's files and batches
   status.py         the read-only routes: /health, /ready, /v1/models, /debug/routing
   grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages
   grpc_convert.py   the conversions both ways

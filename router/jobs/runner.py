@@ -65,28 +65,34 @@ class JobRunner:
         self._loop = asyncio.create_task(self._claiming(), name="kvroute-jobs")
 
     async def _claiming(self) -> None:
-        """Claim and start jobs for as long as the worker serves."""
+        """Claim and start jobs for as long as the worker serves; between tries, wait
+        for a job accepted here or one ended here, or `poll_s`."""
         cfg = self._cfg
         while True:
-            if len(self._running) >= cfg.concurrency or not self._spare():
-                await asyncio.sleep(cfg.poll_s)
-                continue
-            job = await asyncio.to_thread(self.store.claim, self._owner, cfg.lease_s)
-            if job is None:
-                await self._idle()
-                continue
-            task = asyncio.create_task(self._run(job), name=f"kvroute-job-{job.id}")
-            self._running.add(task)
-            task.add_done_callback(self._running.discard)
+            self._woken.clear()
+            if len(self._running) < cfg.concurrency and self._spare():
+                job = await asyncio.to_thread(self.store.claim, self._owner, cfg.lease_s)
+                if job is not None:
+                    self._start(job)
+                    continue
+                await self._expire()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._woken.wait(), cfg.poll_s)
 
-    async def _idle(self) -> None:
-        """Nothing to claim: drop what expired (now and then), wait for a job."""
-        self._woken.clear()
+    def _start(self, job: Job) -> None:
+        task = asyncio.create_task(self._run(job), name=f"kvroute-job-{job.id}")
+        self._running.add(task)
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task) -> None:
+        self._running.discard(task)
+        self._woken.set()
+
+    async def _expire(self) -> None:
+        """Drop what is past its TTL, now and then."""
         if self._now() - self._expired > _EXPIRE_EVERY_S:
             self._expired = self._now()
             await asyncio.to_thread(self.store.expire)
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._woken.wait(), self._cfg.poll_s)
 
     async def stop(self) -> None:
         """Claim no more, and put the jobs running here back in the queue: they run
