@@ -517,6 +517,14 @@ class JobsConfig(_Strict):
     result_ttl_s: Seconds = 86_400.0
     #: how often a worker with nothing to run looks for a job another worker accepted
     poll_s: Seconds = 0.5
+    #: the hosts an async request's webhook (`X-Kvroute-Webhook: URL`) may name; none:
+    #: webhooks are refused (the router would POST wherever a client asked)
+    webhook_hosts: tuple[str, ...] = ()
+    #: deliveries tried again after a failure (each after twice the wait of the one
+    #: before, from `webhook_backoff_s`), then the webhook is given up as failed
+    webhook_retries: Annotated[int, Meta(ge=0)] = 5
+    webhook_backoff_s: Seconds = 1.0
+    webhook_timeout_s: Seconds = 10.0
 
 
 class Config(_Strict):

@@ -3,6 +3,7 @@ Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone: ano
 tenant's job, file or batch is a 404, as an absent one is.
 
   POST /v1/async/{chat/completions,completions,embeddings}   202, an id and a status URL
+       (X-Kvroute-Webhook: URL, to have the status POSTed there when it ends)
   GET  /v1/async/{id}                                         its status, and its answer
   POST /v1/files (purpose batch)        GET /v1/files/{id}, GET /v1/files/{id}/content
   POST /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
@@ -22,6 +23,7 @@ from router.errors import BadRequest, KvrouteError, PayloadTooLarge, RequestTime
 from router.ingress.body import BodyReader
 from router.ingress.relay import refused
 from router.jobs.store import JobStore
+from router.jobs.webhooks import WEBHOOK_HEADER, checked_webhook
 from router.jobs.wire import (
     KINDS,
     WINDOW,
@@ -103,9 +105,13 @@ class JobRoutes:
     # single async requests
     async def _accept(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         path = "/v1" + request.path.removeprefix(_ASYNC)
+        hook = request.headers.get(WEBHOOK_HEADER)
+        if hook is not None:
+            hook = checked_webhook(hook, self._cfg)
         body = await self._inline_body(request)
         checked_body(KINDS[path], body)
-        job = await asyncio.to_thread(self._store.put, new_id("job_"), tenant, path, body)
+        job_id = new_id("job_")
+        job = await asyncio.to_thread(self._store.put, job_id, tenant, path, body, hook)
         self._wake()
         url = f"/v1/async/{job.id}"
         return web.Response(

@@ -7,7 +7,8 @@ router's, every worker's, jobs included) are below `spare_share` of their capaci
 strategy's `concurrency_threshold` a backend, else `backend_capacity`. Otherwise the
 runner looks again after `poll_s`. While a job runs its lease is renewed every third of
 `lease_s`, so a worker that dies leaves a lease that runs out and another claims the job
-(at-least-once). The batch line that ends its batch writes the batch's files.
+(at-least-once). The batch line that ends its batch writes the batch's files. Beside it,
+the worker delivers the webhooks that are due (webhooks.py).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
 from router.jobs.store import Job, JobStore
+from router.jobs.webhooks import Deliveries
 from router.jobs.wire import KINDS, new_id, write_outputs
 from router.request import parse
 
@@ -56,13 +58,17 @@ class JobRunner:
         self._running: set[asyncio.Task] = set()
         self._woken = asyncio.Event()
         self._expired = 0.0
-        self._loop: asyncio.Task | None = None
+        self._loops: list[asyncio.Task] = []
+        self._hooks = Deliveries(cfg, store)
 
     def wake(self) -> None:
         self._woken.set()
 
     def start(self) -> None:
-        self._loop = asyncio.create_task(self._claiming(), name="kvroute-jobs")
+        self._loops = [
+            asyncio.create_task(self._claiming(), name="kvroute-jobs"),
+            asyncio.create_task(self._delivering(), name="kvroute-webhooks"),
+        ]
 
     async def _claiming(self) -> None:
         """Claim and start jobs for as long as the worker serves; between tries, wait
@@ -78,6 +84,12 @@ class JobRunner:
                 await self._expire()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._woken.wait(), cfg.poll_s)
+
+    async def _delivering(self) -> None:
+        """Deliver the due webhooks; when none is due, look again after `poll_s`."""
+        while True:
+            if not await self._hooks.deliver_due():
+                await asyncio.sleep(self._cfg.poll_s)
 
     def _start(self, job: Job) -> None:
         task = asyncio.create_task(self._run(job), name=f"kvroute-job-{job.id}")
@@ -97,10 +109,11 @@ class JobRunner:
     async def stop(self) -> None:
         """Claim no more, and put the jobs running here back in the queue: they run
         again, here after a restart or in another worker."""
-        tasks = [*self._running, *([self._loop] if self._loop else [])]
+        tasks = [*self._running, *self._loops]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self._hooks.close()
         await asyncio.to_thread(self.store.release, self._owner)
 
     def _spare(self) -> bool:

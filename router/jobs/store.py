@@ -38,10 +38,15 @@ CREATE TABLE IF NOT EXISTS jobs (
     expires REAL,
     batch_id TEXT,
     line INTEGER,
-    custom_id TEXT
+    custom_id TEXT,
+    webhook TEXT,
+    hook_state TEXT,
+    hook_attempts INTEGER NOT NULL DEFAULT 0,
+    hook_due REAL NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_waiting ON jobs (status, created);
 CREATE INDEX IF NOT EXISTS jobs_of_batch ON jobs (batch_id, line);
+CREATE INDEX IF NOT EXISTS jobs_hooks ON jobs (hook_state, hook_due);
 CREATE TABLE IF NOT EXISTS files (
     id TEXT PRIMARY KEY,
     tenant TEXT,
@@ -91,9 +96,17 @@ class Job(NamedTuple):
     result_status: int | None
     result: bytes | None
     batch_id: str | None
+    #: where its status is POSTed when it ends, and how that went: None, "pending",
+    #: "delivered" or "failed" (every attempt refused)
+    webhook: str | None = None
+    hook_state: str | None = None
+    hook_attempts: int = 0
 
 
-_JOB = "id, tenant, path, body, status, created, updated, attempts, result_status, result, batch_id"
+_JOB = (
+    "id, tenant, path, body, status, created, updated, attempts, result_status, result, "
+    "batch_id, webhook, hook_state, hook_attempts"
+)
 
 
 class StoredFile(NamedTuple):
@@ -179,16 +192,18 @@ class JobStore:
             db.execute("COMMIT")
 
     # jobs
-    def put(self, job_id: str, tenant: str | None, path: str, body: bytes) -> Job:
+    def put(
+        self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
+    ) -> Job:
         """Accept a job: committed before this returns."""
         now = time.time()
         with closing(self._connect()) as db:
             db.execute(
-                "INSERT INTO jobs (id, tenant, path, body, status, created, updated) "
-                "VALUES (?, ?, ?, ?, 'queued', ?, ?)",
-                (job_id, tenant, path, body, now, now),
+                "INSERT INTO jobs (id, tenant, path, body, status, created, updated, webhook) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                (job_id, tenant, path, body, now, now, webhook),
             )
-        return Job(job_id, tenant, path, body, "queued", now, now, 0, None, None, None)
+        return Job(job_id, tenant, path, body, "queued", now, now, 0, None, None, None, webhook)
 
     def get(self, job_id: str, tenant: str | None) -> Job | None:
         """The async job, if it is `tenant`'s (another tenant's is as good as absent)."""
@@ -225,15 +240,39 @@ class JobStore:
     def finish(
         self, job_id: str, owner: str, status: str, code: int, result: bytes, ttl_s: float
     ) -> bool:
-        """Record the job's result, if `owner` still holds it (False if not)."""
+        """Record the job's result, if `owner` still holds it (False if not); its
+        webhook, if it has one, is due now."""
         now = time.time()
         with closing(self._connect()) as db:
             done = db.execute(
                 "UPDATE jobs SET status = ?, result_status = ?, result = ?, updated = ?, "
-                "expires = ?, owner = NULL WHERE id = ? AND owner = ? AND status = 'running'",
+                "expires = ?, owner = NULL, hook_state = CASE WHEN webhook IS NULL THEN NULL "
+                "ELSE 'pending' END WHERE id = ? AND owner = ? AND status = 'running'",
                 (status, code, result, now, now + ttl_s, job_id, owner),
             )
         return done.rowcount == 1
+
+    def due_hook(self, lease_s: float) -> Job | None:
+        """A finished job whose webhook is due, leased for `lease_s` (a worker that dies
+        delivering leaves it due again then)."""
+        now = time.time()
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "UPDATE jobs SET hook_due = ? WHERE id = (SELECT id FROM jobs WHERE "
+                "hook_state = 'pending' AND hook_due <= ? ORDER BY hook_due LIMIT 1) "
+                f"RETURNING {_JOB}",
+                (now + lease_s, now),
+            ).fetchone()
+        return None if row is None else Job(*row)
+
+    def hook_tried(self, job_id: str, state: str, retry_in: float) -> None:
+        """One delivery attempt made: now `state` ("pending" to retry in `retry_in`)."""
+        with closing(self._connect()) as db:
+            db.execute(
+                "UPDATE jobs SET hook_state = ?, hook_attempts = hook_attempts + 1, "
+                "hook_due = ? WHERE id = ?",
+                (state, time.time() + retry_in, job_id),
+            )
 
     def release(self, owner: str) -> int:
         """Put `owner`'s running jobs back in the queue (a worker stopping); how many."""

@@ -198,6 +198,9 @@ def job_json(job: Job, status_url: str) -> bytes:
     answer |= {"status_url": status_url, "created_at": int(job.created), "attempts": job.attempts}
     if job.result_status is not None and job.result is not None:
         answer["result"] = {"status_code": job.result_status, "body": _raw(job.result)}
+    if job.webhook is not None:
+        state = job.hook_state or "waiting"  # for the job to end
+        answer["webhook"] = {"url": job.webhook, "state": state, "attempts": job.hook_attempts}
     return _ENCODE.encode(answer)
 
 

@@ -311,3 +311,87 @@ async def test_an_accepted_job_survives_kill_9_and_completes_after_restart(
     assert job["status"] == "succeeded"
     assert job["attempts"] == 2
     assert [r["messages"] for r in stub.received] == [body["messages"]] * 2
+
+
+@asynccontextmanager
+async def receiver(answers: list[int]) -> AsyncIterator[tuple[str, list[dict], asyncio.Event]]:
+    """A webhook receiver on 127.0.0.1: answers `answers` in turn (then 200), keeps the
+    bodies; the event is set on each delivery."""
+    got: list[dict] = []
+    arrived = asyncio.Event()
+
+    async def hook(request: aiohttp.web.Request) -> aiohttp.web.Response:
+        got.append(await request.json())
+        arrived.set()
+        return aiohttp.web.Response(status=answers.pop(0) if answers else 200)
+
+    app = aiohttp.web.Application()
+    app.router.add_post("/hook", hook)
+    runner = aiohttp.web.AppRunner(app)
+    await runner.setup()
+    site = aiohttp.web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}/hook", got, arrived
+    finally:
+        await runner.cleanup()
+
+
+def with_hooks(tmp_path: Path, **hooks) -> dict:
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05}
+    return {**jobs, "webhook_hosts": ["127.0.0.1"], "webhook_backoff_s": 0.05, **hooks}
+
+
+async def test_a_webhook_gets_the_jobs_status_and_is_retried_until_it_takes(
+    tmp_path: Path,
+) -> None:
+    async with (
+        receiver([500]) as (url, got, _),
+        jobs_router(tmp_path, jobs=with_hooks(tmp_path)) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        headers = {"X-Kvroute-Webhook": url}
+        async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
+            assert r.status == 202
+            status_url = router.url + (await r.json())["status_url"]
+        async with asyncio.timeout(20):
+            while True:
+                async with http.get(status_url) as r:
+                    job = await r.json()
+                if job["webhook"]["state"] == "delivered":
+                    break
+                await asyncio.sleep(0.05)
+    assert job["webhook"] == {"url": url, "state": "delivered", "attempts": 2}
+    assert len(got) == 2  # one refused with a 500, then taken
+    assert got[-1]["id"] == job["id"]
+    assert got[-1]["status"] == "succeeded"
+    assert got[-1]["result"]["body"]["usage"]["completion_tokens"] == 4
+
+
+async def test_a_webhook_refused_every_time_is_given_up(tmp_path: Path) -> None:
+    jobs = with_hooks(tmp_path, webhook_retries=1)
+    async with (
+        receiver([500, 503, 500]) as (url, got, _),
+        jobs_router(tmp_path, jobs=jobs) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        headers = {"X-Kvroute-Webhook": url}
+        async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
+            status_url = router.url + (await r.json())["status_url"]
+        async with asyncio.timeout(20):
+            while (job := await (await http.get(status_url)).json())["webhook"]["state"] in (
+                "waiting", "pending",
+            ):  # fmt: skip
+                await asyncio.sleep(0.05)
+    assert job["webhook"]["state"] == "failed"
+    assert job["webhook"]["attempts"] == 2 == len(got)
+
+
+async def test_a_webhook_to_a_host_not_allowed_is_refused(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
+        for hook in ("http://127.0.0.1:9/hook", "ftp://127.0.0.1/x", "not a url"):
+            headers = {"X-Kvroute-Webhook": hook}
+            async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "X-Kvroute-Webhook"

@@ -1,0 +1,86 @@
+"""Webhooks: when an async job that named one ends, its status (the body of
+`GET /v1/async/{id}`, answer included) is POSTed to the URL it named.
+
+A delivery is due in the database, not in memory: the job's row holds the webhook's
+state and when it is next due, so one that failed, or whose worker died mid-delivery,
+is tried again after a restart too. A 2xx answer delivers it; anything else (another
+status, no connection, no answer within `webhook_timeout_s`) is retried
+`webhook_retries` times, each after twice the wait of the one before, then it is given
+up as `failed`. At least once: a receiver may see a delivery twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from yarl import URL
+
+from router import log
+from router.config import JobsConfig
+from router.errors import BadRequest
+from router.jobs.store import Job, JobStore
+from router.jobs.wire import job_json
+
+WEBHOOK_HEADER = "X-Kvroute-Webhook"
+
+
+def checked_webhook(url: str, cfg: JobsConfig) -> str:
+    """`url`, if the router may POST there: http(s), to a host `webhook_hosts` names;
+    else BadRequest."""
+    try:
+        parsed = URL(url)
+    except ValueError:
+        parsed = None
+    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+        raise BadRequest(f"{WEBHOOK_HEADER} must be an http(s) URL.", param=WEBHOOK_HEADER)
+    if parsed.host not in cfg.webhook_hosts:
+        raise BadRequest(
+            f"{WEBHOOK_HEADER}: {parsed.host!r} is not among the jobs' webhook_hosts.",
+            param=WEBHOOK_HEADER,
+        )
+    return url
+
+
+class Deliveries:
+    """Delivers the due webhooks, one at a time per worker."""
+
+    def __init__(self, cfg: JobsConfig, store: JobStore) -> None:
+        self._cfg = cfg
+        self._store = store
+        self._session: aiohttp.ClientSession | None = None
+
+    async def deliver_due(self) -> bool:
+        """Try the next due webhook, if there is one (whether there was)."""
+        cfg = self._cfg
+        lease = cfg.webhook_timeout_s * 2
+        job = await asyncio.to_thread(self._store.due_hook, lease)
+        if job is None:
+            return False
+        delivered = await self._post(job)
+        tries = job.hook_attempts + 1
+        if delivered:
+            state, wait = "delivered", 0.0
+        elif tries > cfg.webhook_retries:
+            state, wait = "failed", 0.0
+            log.requests_failed.warning("job %s: its webhook failed %d times", job.id, tries)
+        else:
+            state, wait = "pending", cfg.webhook_backoff_s * 2 ** (tries - 1)
+        await asyncio.to_thread(self._store.hook_tried, job.id, state, wait)
+        return True
+
+    async def _post(self, job: Job) -> bool:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self._cfg.webhook_timeout_s)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        body = job_json(job._replace(webhook=None), f"/v1/async/{job.id}")
+        headers = {"Content-Type": "application/json", "X-Kvroute-Job": job.id}
+        try:
+            async with self._session.post(job.webhook, data=body, headers=headers) as r:
+                return 200 <= r.status < 300
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
