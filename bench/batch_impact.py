@@ -7,15 +7,18 @@ events off) with `jobs` on: once alone, and once with a batch of `--batch-lines`
 requests (OpenAI's Files and Batch API, through the router) submitted just before it.
 The batch takes spare capacity only (`jobs.spare_share`, `jobs.concurrency`), so the
 interactive TTFT should barely move. One row per run: interactive TTFT p50/p90/p99,
-failures, and the batch lines done by the time the interactive replay ended. Latencies
-are in simulated time.
+failures, the batch lines done by the time the interactive replay ended, and (the batch
+waited for after it) the lines answered and how long the batch took. Latencies are in
+simulated time.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import tempfile
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -36,6 +39,8 @@ class Run(msgspec.Struct, frozen=True, kw_only=True):
     failed: int
     ttft: tuple[float | None, float | None, float | None]  # p50, p90, p99, simulated s
     lines_done: int | None  # batch lines finished when the interactive replay ended
+    batch_s: float | None  # from its submission to its end, simulated s
+    batch_ok: int | None  # lines answered below 400, in the end
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,13 +107,26 @@ async def batch_running(
     async with http.post(url + "/v1/batches", json={**asked, "completion_window": "24h"}) as r:
         r.raise_for_status()
         batch_id = (await r.json())["id"]
+    submitted = time.monotonic()
     yield
-    async with http.get(f"{url}/v1/batches/{batch_id}") as r:
-        counts = (await r.json())["request_counts"]
+    batch = await _batch(http, url, batch_id)
+    counts = batch["request_counts"]
     found["lines_done"] = counts["completed"] + counts["failed"]
+    async with asyncio.timeout(args.max_wall):
+        while batch["status"] != "completed":
+            await asyncio.sleep(0.1)
+            batch = await _batch(http, url, batch_id)
+    found["batch_s"] = (time.monotonic() - submitted) / args.time_scale
+    found["batch_ok"] = batch["request_counts"]["completed"]
 
 
-def summarize(batch: bool, outcomes: list[Outcome], lines: int | None, scale: float) -> Run:
+async def _batch(http: aiohttp.ClientSession, url: str, batch_id: str) -> dict:
+    async with http.get(f"{url}/v1/batches/{batch_id}") as r:
+        r.raise_for_status()
+        return await r.json()
+
+
+def summarize(batch: bool, outcomes: list[Outcome], found: dict, scale: float) -> Run:
     ok = [o for o in outcomes if o.ok]
     ttft = [o.ttft / scale for o in ok if o.ttft is not None]
     return Run(
@@ -116,7 +134,9 @@ def summarize(batch: bool, outcomes: list[Outcome], lines: int | None, scale: fl
         ok=len(ok),
         failed=len(outcomes) - len(ok),
         ttft=(percentile(ttft, 0.5), percentile(ttft, 0.9), percentile(ttft, 0.99)),
-        lines_done=lines,
+        lines_done=found.get("lines_done"),
+        batch_s=found.get("batch_s"),
+        batch_ok=found.get("batch_ok"),
     )
 
 
@@ -125,14 +145,19 @@ def table(runs: Sequence[Run]) -> str:
         return "n/a" if value is None else f"{value * 1e3:.0f}"
 
     base = runs[0].ttft[1]
-    lines = ["run               ok  fail  TTFT p50   p90   p99  p90 vs alone  batch lines done"]
+    lines = [
+        "run               ok  fail  TTFT p50   p90   p99  p90 vs alone  lines by then"
+        "  batch ok  batch s"
+    ]
     for r in runs:
         name = "with a batch" if r.batch else "alone"
         ratio = "" if not (base and r.ttft[1]) else f"{r.ttft[1] / base - 1:+.1%}"
         done = "" if r.lines_done is None else str(r.lines_done)
+        ok = "" if r.batch_ok is None else str(r.batch_ok)
+        took = "" if r.batch_s is None else f"{r.batch_s:.0f}"
         lines.append(
             f"{name:<15} {r.ok:>4} {r.failed:>5} {ms(r.ttft[0]):>9} {ms(r.ttft[1]):>5} "
-            f"{ms(r.ttft[2]):>5} {ratio:>13} {done:>17}"
+            f"{ms(r.ttft[2]):>5} {ratio:>13} {done:>14} {ok:>9} {took:>8}"
         )
     return "\n".join(lines)
 
@@ -159,9 +184,7 @@ async def run(args: argparse.Namespace) -> int:
                 time_scale=args.time_scale, max_wall=args.max_wall, seed=args.seed,
                 during=during,
             )  # fmt: skip
-        runs.append(
-            summarize(with_batch, routed.outcomes, found.get("lines_done"), args.time_scale)
-        )
+        runs.append(summarize(with_batch, routed.outcomes, found, args.time_scale))
     print(table(runs))
     failed = sum(r.failed for r in runs)
     if args.out is not None:

@@ -489,13 +489,41 @@ class TracingConfig(_Strict):
     service_name: str = "kvroute"
 
 
+class RedisConfig(_Strict):
+    """A Redis server (one, not a Cluster: the store's scripts touch keys they derive)
+    for the jobs of several router replicas."""
+
+    url: str = "redis://127.0.0.1:6379/0"
+    #: the password, from a file or an environment variable (never in the URL)
+    password_file: str | None = None
+    password_env: str | None = None
+    #: every key the store writes starts with this (several routers' stores in one Redis)
+    key_prefix: str = "kvroute:jobs:"
+    timeout_s: Seconds = 5.0
+
+    def __post_init__(self) -> None:
+        parsed = URL(self.url)
+        if parsed.scheme not in ("redis", "rediss", "unix"):
+            raise ValueError(f"jobs.redis.url: {self.url!r} is not a redis:// URL")
+        if parsed.password:
+            raise ValueError(
+                "jobs.redis.url: the password goes in password_file or password_env, not in the URL"
+            )
+        if self.password_file and self.password_env:
+            raise ValueError("jobs.redis: password_file or password_env, not both")
+
+
 class JobsConfig(_Strict):
     """Async jobs and OpenAI-style batches (router/jobs/): accepted at once, run later
     through the same routing on spare capacity, from a SQLite database every worker on
     the host shares, so that accepted jobs survive a restart."""
 
     enabled: bool = False
+    #: where jobs live: "sqlite" (the file at `path`, every worker of one host) or
+    #: "redis" (the server `redis` names, shared by several router replicas)
+    store: Literal["sqlite", "redis"] = "sqlite"
     path: str = "/var/lib/kvroute/jobs.db"
+    redis: RedisConfig = RedisConfig()
     #: an async request's body past this is refused with 413, as the managed endpoint
     #: kvroute is modelled on does (its inline payloads are at most 128,000 bytes)
     max_inline_bytes: Annotated[int, Meta(ge=1)] = 128_000

@@ -35,7 +35,7 @@ from router.ingress.web import (
     HttpIngress,
 )
 from router.jobs.runner import JobRunner
-from router.jobs.store import JobStore
+from router.jobs.stores import open_store
 from router.telemetry.loops import LocalTelemetry, Parts, Telemetry
 from router.telemetry.worker_feed import WorkerTelemetry
 
@@ -154,7 +154,7 @@ class Router(Node):
         )
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         if cfg.jobs.enabled:
-            store = await asyncio.to_thread(JobStore, cfg.jobs.path)
+            store = await asyncio.to_thread(open_store, cfg.jobs)
             self.jobs = JobRunner(cfg.jobs, store, self.dispatcher, self.fleet)
         await lst.start(
             cfg,

@@ -223,7 +223,10 @@ class JobRoutes:
         content = await asyncio.to_thread(store.content, asked.input_file_id, tenant)
         lines, errors = read_lines(content or b"", asked.endpoint, self._cfg.max_batch_lines)
         metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
-        batch = new_batch(asked.endpoint, asked.input_file_id, metadata, len(lines), errors)
+        batch = new_batch(
+            asked.endpoint, asked.input_file_id, metadata, len(lines), errors,
+            self._cfg.result_ttl_s,
+        )  # fmt: skip
         await asyncio.to_thread(store.put_batch, batch, tenant, [] if errors else lines)
         self._wake()
         return _json(batch_json(batch))

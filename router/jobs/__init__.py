@@ -1,8 +1,14 @@
 """Async jobs and batches: requests accepted now and run later through the same
 routing, on spare capacity only, from a store that survives a restart.
 
-  store.py    the SQLite database (WAL) every worker on the host shares: jobs and their
-              leases and results, batch files, batches
+  store.py    what a store keeps (jobs, files, batches) and does (`JobStore`): leases,
+              attempts, results, TTLs
+  sqlite_store.py
+              the SQLite database (WAL) every worker on one host shares
+  redis_store.py
+              one Redis server several router replicas share (Lua scripts for the
+              steps that must be atomic)
+  stores.py   the store the config names
   runner.py   each worker's loop: claim a job while there is spare capacity, run it
               through the dispatcher, record its answer, end its batch if it was last
   wire.py     OpenAI's shapes: batch input lines checked, output files written, the

@@ -137,9 +137,15 @@ def file_json(f: StoredFile) -> bytes:
 
 
 def new_batch(
-    endpoint: str, input_file_id: str, metadata: bytes | None, lines: int, errors: list[dict]
+    endpoint: str,
+    input_file_id: str,
+    metadata: bytes | None,
+    lines: int,
+    errors: list[dict],
+    ttl_s: float,
 ) -> Batch:
-    """A batch as accepted: running, or failed by its input file's errors."""
+    """A batch as accepted: running, or failed by its input file's errors (and then
+    kept `ttl_s`, as an ended batch is)."""
     now = time.time()
     failed = bool(errors)
     return Batch(
@@ -159,7 +165,7 @@ def new_batch(
         in_progress_at=None if failed else now,
         cancelling_at=None,
         finished_at=now if failed else None,
-        expires=None,
+        expires=now + ttl_s if failed else None,
     )
 
 

@@ -21,6 +21,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from router.config import build
 from router.control.worker import Router
+from tests.redis_server import redis_server
 from tests.router.chaos import until
 from tests.router.test_signals_functional import kvroute
 from tests.stub_backend import StubBackend
@@ -395,3 +396,42 @@ async def test_a_webhook_to_a_host_not_allowed_is_refused(tmp_path: Path) -> Non
             async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["param"] == "X-Kvroute-Webhook"
+
+
+async def test_two_replicas_share_their_jobs_through_redis(tmp_path: Path) -> None:
+    with redis_server(tmp_path) as url:
+        fleet = await start_fleet(2, SimParams(time_scale=0.02))
+        jobs = {"enabled": True, "store": "redis", "redis": {"url": url}, "poll_s": 0.05}
+        data = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": [{"url": b.url, "name": f"sim{i}"} for i, b in enumerate(fleet.backends)],
+            "jobs": jobs,
+        }
+        replicas = [Router(build(data)), Router(build(data))]
+        try:
+            for router in replicas:
+                await router.start()
+            a, b = (AsyncOpenAI(base_url=r.url + "/v1", api_key="x") for r in replicas)
+            async with aiohttp.ClientSession() as http, a, b:
+                async with http.post(replicas[0].url + CHAT, json=chat_body(1)) as r:
+                    status_url = (await r.json())["status_url"]
+                job = await finished(http, replicas[1].url + status_url)
+                assert (job["status"], job["attempts"]) == ("succeeded", 1)
+                uploaded = await a.files.create(
+                    file=("in.jsonl", io.BytesIO(batch_file(8))), purpose="batch"
+                )
+                batch = await b.batches.create(
+                    input_file_id=uploaded.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+                done = await wait_batch(a, batch.id)
+                assert (done.status, done.request_counts.completed) == ("completed", 8)
+                lines = (await b.files.content(done.output_file_id)).content.splitlines()
+                assert [orjson.loads(x)["custom_id"] for x in lines] == [
+                    f"req-{i}" for i in range(8)
+                ]
+        finally:
+            for router in replicas:
+                await router.stop()
+            await fleet.stop()

@@ -2,33 +2,71 @@
 
 from __future__ import annotations
 
+import socket
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from router.config import ConfigError
+from router.config import ConfigError, RedisConfig
+from router.jobs.redis_store import RedisJobStore
+from router.jobs.sqlite_store import SqliteJobStore
 from router.jobs.store import JobStore
 from router.jobs.wire import new_batch, read_lines, write_outputs
+from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
 
 
-@pytest.fixture
-def store(tmp_path: Path) -> JobStore:
-    return JobStore(str(tmp_path / "jobs.db"))
+@pytest.fixture(scope="module")
+def redis_url(tmp_path_factory) -> Iterator[str]:
+    with redis_server(tmp_path_factory.mktemp("redis")) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "redis"])
+def store(request, tmp_path: Path) -> JobStore:
+    """Each store, empty: a new database file, or a key prefix of the test's own."""
+    if request.param == "sqlite":
+        return SqliteJobStore(str(tmp_path / "jobs.db"))
+    url = request.getfixturevalue("redis_url")
+    return RedisJobStore(RedisConfig(url=url, key_prefix=f"t:{tmp_path.name}:"))
 
 
 def test_the_database_is_in_wal_mode_and_a_bad_path_is_a_config_error(tmp_path: Path) -> None:
-    JobStore(str(tmp_path / "j.db"))
+    SqliteJobStore(str(tmp_path / "j.db"))
     with sqlite3.connect(tmp_path / "j.db") as db:
         assert db.execute("PRAGMA journal_mode").fetchone() == ("wal",)
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match=r"jobs\.path"):
-        JobStore(str(tmp_path / "file" / "j.db"))
+        SqliteJobStore(str(tmp_path / "file" / "j.db"))
+
+
+def test_a_redis_that_does_not_answer_or_a_password_in_the_url_is_a_config_error(
+    tmp_path: Path,
+) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]  # nothing listens once it is closed
+    with pytest.raises(ConfigError, match="does not answer"):
+        RedisJobStore(RedisConfig(url=f"redis://127.0.0.1:{closed}/0", timeout_s=1))
+    with pytest.raises(ValueError, match="password_file or password_env"):
+        RedisConfig(url="redis://:secret@127.0.0.1:6379/0")
+
+
+def test_a_redis_password_comes_from_its_file(tmp_path: Path) -> None:
+    secret = tmp_path / "redis-password"
+    secret.write_text("s3cret\n")
+    with redis_server(tmp_path, password="s3cret") as url:
+        with pytest.raises(ConfigError, match="does not answer"):
+            RedisJobStore(RedisConfig(url=url))
+        store = RedisJobStore(RedisConfig(url=url, password_file=str(secret)))
+        store.put("j1", None, CHAT, BODY)
+        assert store.claim("w", 60).id == "j1"
 
 
 def test_a_lease_that_ran_out_is_claimed_again_with_one_more_attempt(store: JobStore) -> None:
@@ -57,7 +95,7 @@ def test_single_jobs_go_before_batch_lines_then_oldest_first(store: JobStore) ->
     lines, errors = read_lines(b'{"custom_id":"a","method":"POST","url":"%b","body":%b}' % (
         CHAT.encode(), BODY), CHAT, 10)  # fmt: skip
     assert not errors
-    store.put_batch(new_batch(CHAT, "file-1", None, 1, []), None, lines)
+    store.put_batch(new_batch(CHAT, "file-1", None, 1, [], 60), None, lines)
     store.put("late", None, CHAT, BODY)
     store.put("later", None, CHAT, BODY)
     assert [store.claim("w", 60).id for _ in range(3)] == ["late", "later", lines[0].id]
@@ -76,7 +114,7 @@ def test_a_batch_settles_once_when_its_last_line_ends(store: JobStore) -> None:
         for i in range(3)
     )
     lines, _ = read_lines(text, CHAT, 10)
-    batch = new_batch(CHAT, "file-1", None, 3, [])
+    batch = new_batch(CHAT, "file-1", None, 3, [], 60)
     store.put_batch(batch, "t", lines)
     files = ("file-out", "file-err")
     for code in (200, 500):
@@ -110,6 +148,63 @@ def test_what_is_past_its_ttl_is_dropped(store: JobStore) -> None:
     store.put_file("file-x", None, "batch", "x.jsonl", b"{}", ttl_s=0.01)
     store.put("new", None, CHAT, BODY)
     time.sleep(0.02)  # wall-clock TTLs
-    assert store.expire() == 2
+    store.expire()  # SQLite deletes here; Redis did on its own
     assert store.get("old", None) is None
+    assert store.file("file-x", None) is None
     assert store.get("new", None) is not None
+
+
+def lines_of(n: int) -> list:
+    text = b"\n".join(
+        b'{"custom_id":"c%d","method":"POST","url":"%b","body":%b}' % (i, CHAT.encode(), BODY)
+        for i in range(n)
+    )
+    return read_lines(text, CHAT, 100)[0]
+
+
+def test_cancel_drops_the_waiting_lines_and_the_running_one_ends_the_batch(
+    store: JobStore,
+) -> None:
+    batch = new_batch(CHAT, "file-1", None, 3, [], 60)
+    store.put_batch(batch, None, lines_of(3))
+    running = store.claim("w", 60)
+    assert store.cancel_batch(batch.id, None)
+    assert not store.cancel_batch(batch.id, None)  # cancelling already
+    assert store.claim("w", 60) is None  # the other two were dropped
+    assert store.batch(batch.id, None).status == "cancelling"
+    files = ("file-out", "file-err")
+    assert not store.settle(batch.id, files, write_outputs, 60)  # one still runs
+    store.finish(running.id, "w", "succeeded", 200, b"{}", 60)
+    assert store.settle(batch.id, files, write_outputs, 60)
+    ended = store.batch(batch.id, None)
+    assert (ended.status, ended.completed, ended.failed) == ("cancelled", 1, 0)
+    assert ended.error_file_id is None
+    assert store.content(ended.output_file_id, None).count(b"\n") == 1
+
+
+def test_another_tenants_batch_cannot_be_cancelled(store: JobStore) -> None:
+    batch = new_batch(CHAT, "file-1", None, 1, [], 60)
+    store.put_batch(batch, "acme", lines_of(1))
+    assert store.batch(batch.id, "beta") is None
+    assert not store.cancel_batch(batch.id, "beta")
+    assert store.batch(batch.id, "acme").status == "in_progress"
+
+
+def test_a_webhook_is_due_when_its_job_ends_and_again_after_a_failed_try(
+    store: JobStore,
+) -> None:
+    store.put("j1", None, CHAT, BODY, webhook="http://127.0.0.1:9/hook")
+    store.put("j2", None, CHAT, BODY)
+    for _ in range(2):
+        job = store.claim("w", 60)
+        store.finish(job.id, "w", "succeeded", 200, b"{}", 60)
+    due = store.due_hook(lease_s=60)
+    assert (due.id, due.hook_state, due.hook_attempts) == ("j1", "pending", 0)
+    assert store.due_hook(lease_s=60) is None  # leased to the one delivering it
+    store.hook_tried("j1", "pending", retry_in=0.01)
+    time.sleep(0.02)  # its retry's wall-clock due time
+    again = store.due_hook(lease_s=60)
+    assert (again.id, again.hook_attempts) == ("j1", 1)
+    store.hook_tried("j1", "delivered", retry_in=0)
+    assert store.due_hook(lease_s=60) is None
+    assert store.get("j1", None).hook_state == "delivered"

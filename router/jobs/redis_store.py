@@ -1,0 +1,422 @@
+"""The job store for several router replicas: one Redis server (not a Cluster) that every
+worker of every replica shares, with the leases, attempts and TTLs store.py describes.
+
+Keys, under `key_prefix`: `job:<id>` (a hash per job), `queue` (the waiting ids, scored
+so that single async jobs come before batch lines, each in arrival order), `running`
+(ids by lease deadline), `hooks` (ids of due webhooks by due time), `file:<id>`,
+`batch:<id>` (a hash that counts its open, completed and failed lines) and
+`batch:<id>:lines` (its line ids by line number). Every step that must not be seen half
+done (a claim, a renewal, a result, a release, a cancel, a batch's end) is one Lua
+script, which Redis runs atomically. TTLs are Redis's own (`PEXPIRE`), so `expire` has
+nothing to do.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from router.config import ConfigError, RedisConfig
+from router.jobs.store import OPEN_BATCH, Batch, Job, Line, Outcome, StoredFile, Writer
+from router.secrets import read_secret
+
+#: batch lines score after every single job (epoch seconds stay far below this)
+_BATCH_SCORE = 1e10
+#: within a batch, lines in input order (Redis scores are doubles: 1e-5 still resolves)
+_LINE_STEP = 1e-5
+
+_CLAIM = """
+local now = tonumber(ARGV[1])
+local id = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', '(' .. ARGV[1], 'LIMIT', 0, 1)[1]
+if not id then
+  id = redis.call('ZRANGE', KEYS[1], 0, 0)[1]
+  if not id then return false end
+  redis.call('ZREM', KEYS[1], id)
+end
+local key = ARGV[4] .. 'job:' .. id
+local deadline = now + tonumber(ARGV[2])
+redis.call('ZADD', KEYS[2], deadline, id)
+redis.call('HSET', key, 'status', 'running', 'owner', ARGV[3], 'lease_until', deadline,
+  'updated', ARGV[1])
+redis.call('HINCRBY', key, 'attempts', 1)
+return redis.call('HGETALL', key)
+"""
+_RENEW = """
+local key = ARGV[4] .. 'job:' .. ARGV[1]
+if redis.call('HGET', key, 'owner') ~= ARGV[2] then return 0 end
+if redis.call('HGET', key, 'status') ~= 'running' then return 0 end
+redis.call('HSET', key, 'lease_until', ARGV[3])
+redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+return 1
+"""
+_FINISH = """
+local key = ARGV[8] .. 'job:' .. ARGV[1]
+if redis.call('HGET', key, 'owner') ~= ARGV[2] then return 0 end
+if redis.call('HGET', key, 'status') ~= 'running' then return 0 end
+local now = tonumber(ARGV[6])
+redis.call('HSET', key, 'status', ARGV[3], 'result_status', ARGV[4], 'result', ARGV[5],
+  'updated', ARGV[6])
+redis.call('HDEL', key, 'owner')
+redis.call('ZREM', KEYS[1], ARGV[1])
+local batch = redis.call('HGET', key, 'batch_id')
+if batch then
+  local bkey = ARGV[8] .. 'batch:' .. batch
+  redis.call('HINCRBY', bkey, 'open', -1)
+  redis.call('HINCRBY', bkey, tonumber(ARGV[4]) < 400 and 'completed' or 'failed', 1)
+else
+  redis.call('PEXPIRE', key, ARGV[7])
+end
+if redis.call('HEXISTS', key, 'webhook') == 1 then
+  redis.call('HSET', key, 'hook_state', 'pending')
+  redis.call('ZADD', KEYS[2], now, ARGV[1])
+end
+return 1
+"""
+_RELEASE = """
+local n = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  local key = ARGV[2] .. 'job:' .. id
+  if redis.call('HGET', key, 'owner') == ARGV[1] then
+    redis.call('ZREM', KEYS[1], id)
+    redis.call('HSET', key, 'status', 'queued', 'lease_until', 0)
+    redis.call('HDEL', key, 'owner')
+    redis.call('ZADD', KEYS[2], redis.call('HGET', key, 'score'), id)
+    n = n + 1
+  end
+end
+return n
+"""
+_DUE_HOOK = """
+local id = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1], 'LIMIT', 0, 1)[1]
+if not id then return false end
+local key = ARGV[3] .. 'job:' .. id
+if redis.call('EXISTS', key) == 0 then
+  redis.call('ZREM', KEYS[1], id)
+  return false
+end
+redis.call('ZADD', KEYS[1], ARGV[2], id)
+return redis.call('HGETALL', key)
+"""
+_HOOK_TRIED = """
+local key = ARGV[4] .. 'job:' .. ARGV[1]
+redis.call('HSET', key, 'hook_state', ARGV[2])
+redis.call('HINCRBY', key, 'hook_attempts', 1)
+if ARGV[2] == 'pending' then
+  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[1])
+else
+  redis.call('ZREM', KEYS[1], ARGV[1])
+end
+return 1
+"""
+_CANCEL = """
+if redis.call('HGET', KEYS[1], 'status') ~= 'in_progress' then return 0 end
+if (redis.call('HGET', KEYS[1], 'tenant') or '') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'status', 'cancelling', 'cancelling_at', ARGV[2])
+local dropped = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  local key = ARGV[3] .. 'job:' .. id
+  if redis.call('HGET', key, 'status') == 'queued' then
+    redis.call('HSET', key, 'status', 'cancelled')
+    redis.call('ZREM', KEYS[3], id)
+    dropped = dropped + 1
+  end
+end
+redis.call('HINCRBY', KEYS[1], 'open', -dropped)
+return 1
+"""
+_SETTLE = """
+local status = redis.call('HGET', KEYS[1], 'status')
+if status ~= 'in_progress' and status ~= 'cancelling' then return 0 end
+if tonumber(redis.call('HGET', KEYS[1], 'open')) > 0 then return 0 end
+local tenant = redis.call('HGET', KEYS[1], 'tenant')
+local names = {'batch_output.jsonl', 'batch_error.jsonl'}
+local fields = {'output_file_id', 'error_file_id'}
+for i = 1, 2 do
+  local id, content = ARGV[3 + i], ARGV[5 + i]
+  if content ~= '' then
+    local fkey = ARGV[1] .. 'file:' .. id
+    redis.call('HSET', fkey, 'purpose', 'batch_output', 'filename', names[i],
+      'created', ARGV[2], 'content', content)
+    if tenant then redis.call('HSET', fkey, 'tenant', tenant) end
+    redis.call('PEXPIRE', fkey, ARGV[3])
+    redis.call('HSET', KEYS[1], fields[i], id)
+  end
+end
+local final = status == 'cancelling' and 'cancelled' or 'completed'
+redis.call('HSET', KEYS[1], 'status', final, 'finished_at', ARGV[2])
+redis.call('PEXPIRE', KEYS[1], ARGV[3])
+for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+  redis.call('DEL', ARGV[1] .. 'job:' .. id)
+end
+redis.call('DEL', KEYS[2])
+return 1
+"""
+
+
+class RedisJobStore:
+    """The jobs in the Redis server `cfg` names."""
+
+    def __init__(self, cfg: RedisConfig) -> None:
+        """Connect and check the server answers (ConfigError if not)."""
+        try:
+            import redis
+        except ImportError:
+            raise ConfigError(
+                "jobs.store: redis needs the redis extra: pip install 'kvroute[redis]'"
+            ) from None
+        password = None
+        if cfg.password_file or cfg.password_env:
+            password = read_secret(cfg.password_file, cfg.password_env, "jobs.redis password")
+        self._p = cfg.key_prefix
+        self._db = redis.Redis.from_url(
+            cfg.url, password=password, socket_timeout=cfg.timeout_s,
+            socket_connect_timeout=cfg.timeout_s,
+        )  # fmt: skip
+        try:
+            self._db.ping()
+        except redis.RedisError as exc:
+            raise ConfigError(f"jobs.redis: {cfg.url} does not answer: {exc}") from None
+        scripts = (_CLAIM, _RENEW, _FINISH, _RELEASE, _DUE_HOOK, _HOOK_TRIED, _CANCEL, _SETTLE)
+        (
+            self._claim, self._renew, self._finish, self._release, self._due_hook,
+            self._hook_tried, self._cancel, self._settle,
+        ) = (self._db.register_script(s) for s in scripts)  # fmt: skip
+
+    def _key(self, kind: str, ident: str) -> str:
+        return f"{self._p}{kind}:{ident}"
+
+    @property
+    def _queue(self) -> str:
+        return self._p + "queue"
+
+    @property
+    def _running(self) -> str:
+        return self._p + "running"
+
+    @property
+    def _hooks(self) -> str:
+        return self._p + "hooks"
+
+    # jobs
+    def put(
+        self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
+    ) -> Job:
+        now = time.time()
+        fields = _job_fields(job_id, tenant, path, body, now, score=now, webhook=webhook)
+        with self._db.pipeline() as tx:
+            tx.hset(self._key("job", job_id), mapping=fields)
+            tx.zadd(self._queue, {job_id: now})
+            tx.execute()
+        return Job(job_id, tenant, path, body, "queued", now, now, 0, None, None, None, webhook)
+
+    def get(self, job_id: str, tenant: str | None) -> Job | None:
+        found = self._db.hgetall(self._key("job", job_id))
+        if not found or b"batch_id" in found or not _owned(found, tenant):
+            return None
+        return _job(found)
+
+    def claim(self, owner: str, lease_s: float) -> Job | None:
+        args = [time.time(), lease_s, owner, self._p]
+        found = self._claim(keys=[self._queue, self._running], args=args)
+        return None if not found else _job_of(found)
+
+    def renew(self, job_id: str, owner: str, lease_s: float) -> bool:
+        args = [job_id, owner, time.time() + lease_s, self._p]
+        return self._renew(keys=[self._running], args=args) == 1
+
+    def finish(
+        self, job_id: str, owner: str, status: str, code: int, result: bytes, ttl_s: float
+    ) -> bool:
+        args = [job_id, owner, status, code, result, time.time(), _ms(ttl_s), self._p]
+        return self._finish(keys=[self._running, self._hooks], args=args) == 1
+
+    def release(self, owner: str) -> int:
+        return self._release(keys=[self._running, self._queue], args=[owner, self._p])
+
+    def expire(self) -> int:
+        """Nothing: Redis drops what is past its TTL itself."""
+        return 0
+
+    def due_hook(self, lease_s: float) -> Job | None:
+        now = time.time()
+        found = self._due_hook(keys=[self._hooks], args=[now, now + lease_s, self._p])
+        return None if not found else _job_of(found)
+
+    def hook_tried(self, job_id: str, state: str, retry_in: float) -> None:
+        args = [job_id, state, time.time() + retry_in, self._p]
+        self._hook_tried(keys=[self._hooks], args=args)
+
+    # files
+    def put_file(
+        self,
+        file_id: str,
+        tenant: str | None,
+        purpose: str,
+        filename: str,
+        content: bytes,
+        ttl_s: float,
+    ) -> StoredFile:
+        now = time.time()
+        key = self._key("file", file_id)
+        fields = {"purpose": purpose, "filename": filename, "created": now, "content": content}
+        if tenant is not None:
+            fields["tenant"] = tenant
+        with self._db.pipeline() as tx:
+            tx.hset(key, mapping=fields)
+            tx.pexpire(key, _ms(ttl_s))
+            tx.execute()
+        return StoredFile(file_id, purpose, filename, now, len(content))
+
+    def file(self, file_id: str, tenant: str | None) -> StoredFile | None:
+        key = self._key("file", file_id)
+        with self._db.pipeline() as tx:
+            tx.hmget(key, ["tenant", "purpose", "filename", "created"])
+            tx.hstrlen(key, "content")
+            (owner, purpose, name, created), size = tx.execute()
+        if purpose is None or not _owned({b"tenant": owner} if owner else {}, tenant):
+            return None
+        return StoredFile(file_id, purpose.decode(), name.decode(), float(created), size)
+
+    def content(self, file_id: str, tenant: str | None) -> bytes | None:
+        owner, content = self._db.hmget(self._key("file", file_id), ["tenant", "content"])
+        if content is None or not _owned({b"tenant": owner} if owner else {}, tenant):
+            return None
+        return content
+
+    # batches
+    def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
+        key = self._key("batch", batch.id)
+        fields = {k: v for k, v in batch._asdict().items() if v is not None}
+        fields["open"] = len(lines)
+        if tenant is not None:
+            fields["tenant"] = tenant
+        with self._db.pipeline() as tx:
+            tx.hset(key, mapping=fields)
+            if batch.expires is not None:
+                tx.pexpireat(key, int(batch.expires * 1000))
+            start = _BATCH_SCORE + batch.created
+            for n, line in enumerate(lines):
+                score = start + n * _LINE_STEP
+                job = _job_fields(line.id, tenant, line.path, line.body, batch.created, score=score)
+                job |= {"batch_id": batch.id, "line": n, "custom_id": line.custom_id}
+                tx.hset(self._key("job", line.id), mapping=job)
+                tx.zadd(self._queue, {line.id: score})
+                tx.zadd(key + ":lines", {line.id: n})
+            tx.execute()
+
+    def batch(self, batch_id: str, tenant: str | None) -> Batch | None:
+        found = self._db.hgetall(self._key("batch", batch_id))
+        if not found or not _owned(found, tenant):
+            return None
+        return _batch(found)
+
+    def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
+        key = self._key("batch", batch_id)
+        keys = [key, key + ":lines", self._queue]
+        return self._cancel(keys=keys, args=[tenant or "", time.time(), self._p]) == 1
+
+    def settle(self, batch_id: str, files: tuple[str, str], write: Writer, ttl_s: float) -> bool:
+        key = self._key("batch", batch_id)
+        state = self._db.hmget(key, ["status", "open"])
+        if state[0] is None or state[0].decode() not in OPEN_BATCH or int(state[1]) > 0:
+            return False
+        good, bad = write(self._outcomes(key + ":lines"))
+        args = [self._p, time.time(), _ms(ttl_s), *files, good, bad]
+        return self._settle(keys=[key, key + ":lines"], args=args) == 1
+
+    def _outcomes(self, lines_key: str) -> list[Outcome]:
+        """A batch's finished lines, in input order."""
+        ids = [i.decode() for i in self._db.zrange(lines_key, 0, -1)]
+        fields = ["status", "custom_id", "result_status", "result"]
+        with self._db.pipeline(transaction=False) as reads:
+            for job_id in ids:
+                reads.hmget(self._key("job", job_id), fields)
+            rows = reads.execute()
+        return [
+            Outcome(job_id, custom.decode(), int(code), result)
+            for job_id, (status, custom, code, result) in zip(ids, rows, strict=True)
+            if status in (b"succeeded", b"failed")
+        ]
+
+
+def _ms(seconds: float) -> int:
+    return max(1, int(seconds * 1000))
+
+
+def _job_fields(
+    job_id: str, tenant: str | None, path: str, body: bytes, now: float, score: float,
+    webhook: str | None = None,
+) -> dict[str, object]:  # fmt: skip
+    fields: dict[str, object] = {
+        "id": job_id, "path": path, "body": body, "status": "queued", "created": now,
+        "updated": now, "attempts": 0, "score": score, "hook_attempts": 0,
+    }  # fmt: skip
+    if tenant is not None:
+        fields["tenant"] = tenant
+    if webhook is not None:
+        fields["webhook"] = webhook
+    return fields
+
+
+def _owned(found: dict[bytes, bytes], tenant: str | None) -> bool:
+    owner = found.get(b"tenant")
+    return (owner.decode() if owner is not None else None) == tenant
+
+
+def _job_of(flat: list[bytes]) -> Job:
+    """A job from a script's HGETALL (field, value, field, value, ...)."""
+    return _job(dict(zip(flat[::2], flat[1::2], strict=True)))
+
+
+def _job(f: dict[bytes, bytes]) -> Job:
+    def text(name: bytes) -> str | None:
+        value = f.get(name)
+        return None if value is None else value.decode()
+
+    code = f.get(b"result_status")
+    return Job(
+        id=f[b"id"].decode(),
+        tenant=text(b"tenant"),
+        path=f[b"path"].decode(),
+        body=f[b"body"],
+        status=f[b"status"].decode(),
+        created=float(f[b"created"]),
+        updated=float(f[b"updated"]),
+        attempts=int(f.get(b"attempts", 0)),
+        result_status=None if code is None else int(code),
+        result=f.get(b"result"),
+        batch_id=text(b"batch_id"),
+        webhook=text(b"webhook"),
+        hook_state=text(b"hook_state"),
+        hook_attempts=int(f.get(b"hook_attempts", 0)),
+    )
+
+
+def _batch(f: dict[bytes, bytes]) -> Batch:
+    def text(name: str) -> str | None:
+        value = f.get(name.encode())
+        return None if value is None else value.decode()
+
+    def number(name: str) -> float | None:
+        value = f.get(name.encode())
+        return None if value is None else float(value)
+
+    return Batch(
+        id=text("id") or "",
+        endpoint=text("endpoint") or "",
+        input_file_id=text("input_file_id") or "",
+        completion_window=text("completion_window") or "",
+        metadata=f.get(b"metadata"),
+        status=text("status") or "",
+        errors=f.get(b"errors"),
+        total=int(f.get(b"total", 0)),
+        completed=int(f.get(b"completed", 0)),
+        failed=int(f.get(b"failed", 0)),
+        output_file_id=text("output_file_id"),
+        error_file_id=text("error_file_id"),
+        created=float(f[b"created"]),
+        in_progress_at=number("in_progress_at"),
+        cancelling_at=number("cancelling_at"),
+        finished_at=number("finished_at"),
+        expires=number("expires"),
+    )

@@ -1,0 +1,367 @@
+"""The job store on one host: an embedded SQLite database in WAL mode, shared by every
+worker (SQLite serialises the writers with its file lock). Leases, attempts and TTLs as
+store.py says; expired rows are deleted by `expire`, which each worker calls now and
+then.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing, contextmanager
+from pathlib import Path
+
+from router.config import ConfigError
+from router.jobs.store import (
+    OPEN_BATCH,
+    Batch,
+    Job,
+    Line,
+    Outcome,
+    StoredFile,
+    Writer,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    tenant TEXT,
+    path TEXT NOT NULL,
+    body BLOB NOT NULL,
+    status TEXT NOT NULL,
+    created REAL NOT NULL,
+    updated REAL NOT NULL,
+    owner TEXT,
+    lease_until REAL NOT NULL DEFAULT 0,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    result_status INTEGER,
+    result BLOB,
+    expires REAL,
+    batch_id TEXT,
+    line INTEGER,
+    custom_id TEXT,
+    webhook TEXT,
+    hook_state TEXT,
+    hook_attempts INTEGER NOT NULL DEFAULT 0,
+    hook_due REAL NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS jobs_waiting ON jobs (status, created);
+CREATE INDEX IF NOT EXISTS jobs_of_batch ON jobs (batch_id, line);
+CREATE INDEX IF NOT EXISTS jobs_hooks ON jobs (hook_state, hook_due);
+CREATE TABLE IF NOT EXISTS files (
+    id TEXT PRIMARY KEY,
+    tenant TEXT,
+    purpose TEXT NOT NULL,
+    filename TEXT NOT NULL,
+    created REAL NOT NULL,
+    content BLOB NOT NULL,
+    expires REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS batches (
+    id TEXT PRIMARY KEY,
+    tenant TEXT,
+    endpoint TEXT NOT NULL,
+    input_file_id TEXT NOT NULL,
+    completion_window TEXT NOT NULL,
+    metadata BLOB,
+    status TEXT NOT NULL,
+    errors BLOB,
+    total INTEGER NOT NULL,
+    completed INTEGER NOT NULL DEFAULT 0,
+    failed INTEGER NOT NULL DEFAULT 0,
+    output_file_id TEXT,
+    error_file_id TEXT,
+    created REAL NOT NULL,
+    in_progress_at REAL,
+    cancelling_at REAL,
+    finished_at REAL,
+    expires REAL
+);
+"""
+_BUSY_SECONDS = 10.0
+_JOB = ", ".join(Job._fields)
+_BATCH = ", ".join(Batch._fields)
+
+
+class SqliteJobStore:
+    """The database at `path`."""
+
+    def __init__(self, path: str) -> None:
+        """Create the database if need be (ConfigError if it cannot be)."""
+        self._path = path
+        try:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            with closing(self._connect()) as db:
+                db.execute("PRAGMA journal_mode=WAL")
+                db.executescript(_SCHEMA)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError(f"jobs.path: cannot open {path}: {exc}") from exc
+
+    def _connect(self) -> sqlite3.Connection:
+        return sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction, taken at once (no lock upgrade to deadlock on)."""
+        with closing(self._connect()) as db:
+            db.execute("BEGIN IMMEDIATE")
+            try:
+                yield db
+            except BaseException:
+                db.execute("ROLLBACK")
+                raise
+            db.execute("COMMIT")
+
+    # jobs
+    def put(
+        self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
+    ) -> Job:
+        """Accept a job: committed before this returns."""
+        now = time.time()
+        with closing(self._connect()) as db:
+            db.execute(
+                "INSERT INTO jobs (id, tenant, path, body, status, created, updated, webhook) "
+                "VALUES (?, ?, ?, ?, 'queued', ?, ?, ?)",
+                (job_id, tenant, path, body, now, now, webhook),
+            )
+        return Job(job_id, tenant, path, body, "queued", now, now, 0, None, None, None, webhook)
+
+    def get(self, job_id: str, tenant: str | None) -> Job | None:
+        """The async job, if it is `tenant`'s (another tenant's is as good as absent)."""
+        with closing(self._connect()) as db:
+            row = db.execute(
+                f"SELECT {_JOB} FROM jobs WHERE id = ? AND tenant IS ? AND batch_id IS NULL",
+                (job_id, tenant),
+            ).fetchone()
+        return None if row is None else Job(*row)
+
+    def claim(self, owner: str, lease_s: float) -> Job | None:
+        """The oldest job waiting (single async jobs before batch lines), or running
+        under a lease that ran out, now leased to `owner` with one more attempt."""
+        now = time.time()
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "UPDATE jobs SET status = 'running', owner = ?, lease_until = ?, "
+                "attempts = attempts + 1, updated = ? WHERE id = (SELECT id FROM jobs "
+                "WHERE status = 'queued' OR (status = 'running' AND lease_until < ?) "
+                f"ORDER BY batch_id IS NOT NULL, created, line LIMIT 1) RETURNING {_JOB}",
+                (owner, now + lease_s, now, now),
+            ).fetchone()
+        return None if row is None else Job(*row)
+
+    def renew(self, job_id: str, owner: str, lease_s: float) -> bool:
+        """Extend `owner`'s lease; False if it lost the job (its lease ran out)."""
+        with closing(self._connect()) as db:
+            done = db.execute(
+                "UPDATE jobs SET lease_until = ? WHERE id = ? AND owner = ? AND status = 'running'",
+                (time.time() + lease_s, job_id, owner),
+            )
+        return done.rowcount == 1
+
+    def finish(
+        self, job_id: str, owner: str, status: str, code: int, result: bytes, ttl_s: float
+    ) -> bool:
+        """Record the job's result, if `owner` still holds it (False if not); its
+        webhook, if it has one, is due now."""
+        now = time.time()
+        with closing(self._connect()) as db:
+            done = db.execute(
+                "UPDATE jobs SET status = ?, result_status = ?, result = ?, updated = ?, "
+                "expires = ?, owner = NULL, hook_state = CASE WHEN webhook IS NULL THEN NULL "
+                "ELSE 'pending' END WHERE id = ? AND owner = ? AND status = 'running'",
+                (status, code, result, now, now + ttl_s, job_id, owner),
+            )
+        return done.rowcount == 1
+
+    def due_hook(self, lease_s: float) -> Job | None:
+        """A finished job whose webhook is due, leased for `lease_s` (a worker that dies
+        delivering leaves it due again then)."""
+        now = time.time()
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "UPDATE jobs SET hook_due = ? WHERE id = (SELECT id FROM jobs WHERE "
+                "hook_state = 'pending' AND hook_due <= ? ORDER BY hook_due LIMIT 1) "
+                f"RETURNING {_JOB}",
+                (now + lease_s, now),
+            ).fetchone()
+        return None if row is None else Job(*row)
+
+    def hook_tried(self, job_id: str, state: str, retry_in: float) -> None:
+        """One delivery attempt made: now `state` ("pending" to retry in `retry_in`)."""
+        with closing(self._connect()) as db:
+            db.execute(
+                "UPDATE jobs SET hook_state = ?, hook_attempts = hook_attempts + 1, "
+                "hook_due = ? WHERE id = ?",
+                (state, time.time() + retry_in, job_id),
+            )
+
+    def release(self, owner: str) -> int:
+        """Put `owner`'s running jobs back in the queue (a worker stopping); how many."""
+        with closing(self._connect()) as db:
+            return db.execute(
+                "UPDATE jobs SET status = 'queued', owner = NULL, lease_until = 0 "
+                "WHERE owner = ? AND status = 'running'",
+                (owner,),
+            ).rowcount
+
+    def expire(self) -> int:
+        """Drop what is past its TTL (finished jobs, batches and files); how many."""
+        now = time.time()
+        with self._transaction() as db:
+            return sum(
+                db.execute(f"DELETE FROM {table} WHERE expires < ?", (now,)).rowcount
+                for table in ("jobs", "batches", "files")
+            )
+
+    # files
+    def put_file(
+        self,
+        file_id: str,
+        tenant: str | None,
+        purpose: str,
+        filename: str,
+        content: bytes,
+        ttl_s: float,
+    ) -> StoredFile:
+        now = time.time()
+        with closing(self._connect()) as db:
+            db.execute(
+                "INSERT INTO files (id, tenant, purpose, filename, created, content, expires) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (file_id, tenant, purpose, filename, now, content, now + ttl_s),
+            )
+        return StoredFile(file_id, purpose, filename, now, len(content))
+
+    def file(self, file_id: str, tenant: str | None) -> StoredFile | None:
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "SELECT id, purpose, filename, created, length(content) FROM files "
+                "WHERE id = ? AND tenant IS ?",
+                (file_id, tenant),
+            ).fetchone()
+        return None if row is None else StoredFile(*row)
+
+    def content(self, file_id: str, tenant: str | None) -> bytes | None:
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "SELECT content FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant)
+            ).fetchone()
+        return None if row is None else row[0]
+
+    # batches
+    def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
+        """Accept a batch and its lines as jobs, in one transaction."""
+        with self._transaction() as db:
+            db.execute(
+                f"INSERT INTO batches (tenant, {_BATCH}) VALUES ({', '.join('?' * 18)})",
+                (tenant, *batch),
+            )
+            now = batch.created
+            db.executemany(
+                "INSERT INTO jobs (id, tenant, path, body, status, created, updated, "
+                "batch_id, line, custom_id) VALUES (?, ?, ?, ?, 'queued', ?, ?, ?, ?, ?)",
+                [
+                    (ln.id, tenant, ln.path, ln.body, now, now, batch.id, n, ln.custom_id)
+                    for n, ln in enumerate(lines)
+                ],
+            )
+
+    def batch(self, batch_id: str, tenant: str | None) -> Batch | None:
+        """The batch, with its counts so far while it runs."""
+        with closing(self._connect()) as db:
+            row = db.execute(
+                f"SELECT {_BATCH} FROM batches WHERE id = ? AND tenant IS ?", (batch_id, tenant)
+            ).fetchone()
+            if row is None:
+                return None
+            found = Batch(*row)
+            if found.status not in OPEN_BATCH:
+                return found
+            counts = dict(
+                db.execute(
+                    "SELECT status, count(*) FROM jobs WHERE batch_id = ? GROUP BY status",
+                    (batch_id,),
+                ).fetchall()
+            )
+        return found._replace(completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+
+    def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
+        """Stop a batch's waiting lines (those running finish); False if it had ended."""
+        with self._transaction() as db:
+            moved = db.execute(
+                "UPDATE batches SET status = 'cancelling', cancelling_at = ? WHERE id = ? "
+                "AND tenant IS ? AND status = 'in_progress'",
+                (time.time(), batch_id, tenant),
+            ).rowcount
+            if moved:
+                db.execute(
+                    "UPDATE jobs SET status = 'cancelled' WHERE batch_id = ? AND status = 'queued'",
+                    (batch_id,),
+                )
+        return moved == 1
+
+    def settle(self, batch_id: str, files: tuple[str, str], write: Writer, ttl_s: float) -> bool:
+        """End the batch if none of its lines waits or runs: its output and error files
+        (ids `files`) from `write`, its counts and state, its lines dropped. True if
+        this call ended it."""
+        with self._transaction() as db:
+            row = db.execute(
+                "SELECT status, tenant FROM batches WHERE id = ?", (batch_id,)
+            ).fetchone()
+            if row is None or row[0] not in OPEN_BATCH:
+                return False
+            status, tenant = row
+            if db.execute(
+                "SELECT 1 FROM jobs WHERE batch_id = ? AND status IN ('queued', 'running') LIMIT 1",
+                (batch_id,),
+            ).fetchone():
+                return False
+            outcomes = [
+                Outcome(*r)
+                for r in db.execute(
+                    "SELECT id, custom_id, result_status, result FROM jobs WHERE "
+                    "batch_id = ? AND status IN ('succeeded', 'failed') ORDER BY line",
+                    (batch_id,),
+                )
+            ]
+            now = time.time()
+            ids = self._write_outputs(db, tenant, files, write(outcomes), now + ttl_s)
+            done = sum(1 for o in outcomes if o.status < 400)
+            db.execute(
+                "UPDATE batches SET status = ?, completed = ?, failed = ?, output_file_id = ?, "
+                "error_file_id = ?, finished_at = ?, expires = ? WHERE id = ?",
+                (
+                    "cancelled" if status == "cancelling" else "completed",
+                    done,
+                    len(outcomes) - done,
+                    *ids,
+                    now,
+                    now + ttl_s,
+                    batch_id,
+                ),
+            )
+            db.execute("DELETE FROM jobs WHERE batch_id = ?", (batch_id,))
+        return True
+
+    @staticmethod
+    def _write_outputs(
+        db: sqlite3.Connection,
+        tenant: str | None,
+        ids: tuple[str, str],
+        contents: tuple[bytes, bytes],
+        expires: float,
+    ) -> tuple[str | None, str | None]:
+        """The output and error files, each only if it has a line."""
+        written: list[str | None] = []
+        for file_id, content, purpose in zip(ids, contents, ("output", "error"), strict=True):
+            if not content:
+                written.append(None)
+                continue
+            db.execute(
+                "INSERT INTO files (id, tenant, purpose, filename, created, content, expires) "
+                "VALUES (?, ?, 'batch_output', ?, ?, ?, ?)",
+                (file_id, tenant, f"batch_{purpose}.jsonl", time.time(), content, expires),
+            )
+            written.append(file_id)
+        return written[0], written[1]
