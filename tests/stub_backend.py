@@ -32,6 +32,9 @@ class Behaviour:
     tokenize_status: int = 200
     #: as vLLM's --api-key: /v1 routes answer 401 without `Authorization: Bearer <key>`
     api_key: str | None = None
+    #: each stream chunk after the first waits for a release of this: a test lets the
+    #: stream on one event at a time (the closing [DONE] is not held)
+    gate: asyncio.Semaphore | None = None
 
 
 @dataclass
@@ -172,6 +175,8 @@ class StubBackend:
                 await asyncio.sleep(3600)
             if i and b.pace:
                 await asyncio.sleep(b.pace)
+            if i and b.gate is not None:
+                await b.gate.acquire()
             self.chunk_sent_at.append(time.monotonic())
             await response.write(b"data: " + orjson.dumps(_chunk(self.model, chat, i)) + b"\n\n")
         if (request_body.get("stream_options") or {}).get("include_usage"):
