@@ -114,13 +114,13 @@ class EncodedReply:
         coding = self._coding
         if len(body) >= coding.min_bytes and compressible(headers):
             body = await _compressed(coding, body)
-            headers = encoded(headers, coding.name)
+            headers = _encoded(headers, coding.name)
         await self._reply.whole(status, headers, body, close)
 
     async def begin(self, status: int, headers: Mapping[str, str]) -> None:
         if compressible(headers):
             self._encoder = self._coding.stream()
-            headers = encoded(headers, self._coding.name)
+            headers = _encoded(headers, self._coding.name)
         await self._reply.begin(status, headers)
 
     def send(self, chunk: bytes) -> Awaitable[None] | None:
@@ -143,7 +143,7 @@ def compressible(headers: Mapping[str, str]) -> bool:
     return media_type.startswith("text/") or media_type.endswith("json")
 
 
-def encoded(headers: Mapping[str, str], coding: str) -> CIMultiDict[str]:
+def _encoded(headers: Mapping[str, str], coding: str) -> CIMultiDict[str]:
     """The headers of an answer compressed with `coding`, which caches key by the
     request's Accept-Encoding as well."""
     out = CIMultiDict(headers)
