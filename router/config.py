@@ -475,6 +475,37 @@ class UsageConfig(_Strict):
     interval_s: Seconds = 60.0
 
 
+#: the content codings the router can compress answers with (router/ingress/compression.py)
+ContentCoding = Literal["zstd", "gzip"]
+
+
+class CompressionConfig(_Strict):
+    """Answers compressed for clients that ask (`Accept-Encoding`), streams included:
+    each SSE event is flushed through the compressor as it arrives, so the client can
+    decode it at once (router/ingress/compression.py). Off by default: then nothing of
+    it runs, and the client's Accept-Encoding goes to the backend as before."""
+
+    enabled: bool = False
+    #: whole answers smaller than this go uncompressed (a few hundred bytes save less than
+    #: the encoder costs); a stream is compressed whatever its size, which is not known
+    #: when it begins
+    min_bytes: Annotated[int, Meta(ge=1)] = 1024
+    #: the codings offered, the router's preferred first; the client's q-values rank
+    #: them before this order does
+    algorithms: Annotated[tuple[ContentCoding, ...], Meta(min_length=1)] = ("zstd", "gzip")
+    #: gzip's level: 1, nginx's default too. Measured here, level 6 made a stream 1.5%
+    #: smaller (the flush after each event weighs more than the level) and whole JSON
+    #: answers 6-10% smaller, for 2 to 6 times the CPU
+    gzip_level: Annotated[int, Meta(ge=1, le=9)] = 1
+    #: zstd's level: 3 is the library's default; higher ones cost more CPU per byte
+    #: (levels past 19 want windows of hundreds of MB)
+    zstd_level: Annotated[int, Meta(ge=1, le=19)] = 3
+
+    def __post_init__(self) -> None:
+        if len(set(self.algorithms)) < len(self.algorithms):
+            raise ValueError(f"compression.algorithms: each at most once, got {self.algorithms}")
+
+
 class TracingConfig(_Strict):
     """OpenTelemetry spans per request, exported over OTLP/HTTP (the `otel` extra).
 
@@ -598,6 +629,7 @@ class Config(_Strict):
     capture: CaptureConfig = CaptureConfig()
     usage: UsageConfig = UsageConfig()
     jobs: JobsConfig = JobsConfig()
+    compression: CompressionConfig = CompressionConfig()
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

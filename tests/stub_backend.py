@@ -34,6 +34,9 @@ class Behaviour:
     api_key: str | None = None
     #: generation requests wait until this is set (a test holds them mid-request)
     gate: asyncio.Event | None = None
+    #: each stream chunk after the first waits for a release of this: a test lets the
+    #: stream on one event at a time (the closing [DONE] is not held)
+    chunk_gate: asyncio.Semaphore | None = None
 
 
 @dataclass
@@ -176,6 +179,8 @@ class StubBackend:
                 await asyncio.sleep(3600)
             if i and b.pace:
                 await asyncio.sleep(b.pace)
+            if i and b.chunk_gate is not None:
+                await b.chunk_gate.acquire()
             self.chunk_sent_at.append(time.monotonic())
             await response.write(b"data: " + orjson.dumps(_chunk(self.model, chat, i)) + b"\n\n")
         if (request_body.get("stream_options") or {}).get("include_usage"):

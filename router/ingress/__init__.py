@@ -14,7 +14,9 @@
   body.py           the body read within the limits: 413 above the limit, 408 too slow,
                     503 past the bodies' budget (body_budget.py)
   relay.py          the answer relayed back, whole or streamed, or the error answer;
-                    `Reply`, which both servers implement
+                    `Reply`, which both servers implement, and `EncodedReply` over it
+  compression.py    the answer's content coding from Accept-Encoding (gzip, zstd), and
+                    encoders whose every output decodes on its own (a stream's events)
   jobs_routes.py    with `jobs` on: async requests (202), OpenAI's files and batches
   status.py         the read-only routes: /health, /ready, /v1/models, /debug/routing
   grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages

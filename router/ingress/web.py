@@ -3,7 +3,8 @@
 Generation endpoints are routed by the policy; the rest of vLLM's OpenAI surface is
 proxied to a backend the same way (model-aware, fingerprint-free). `HttpIngress.serve`
 answers each of them, whichever server read it; the answer is relayed by relay.py,
-JSON whole and SSE chunk by chunk. The read-only routes are status.py's.
+JSON whole and SSE chunk by chunk, compressed when `compression` is on and the client
+accepts a coding it offers (compression.py). The read-only routes are status.py's.
 
 Hostile clients are refused before any work: the bearer token is checked before the
 body is read (auth.py, 401); the body must arrive in time and within its limits
@@ -32,6 +33,7 @@ from aiohttp.http import HttpVersion11
 from aiohttp.http_exceptions import HttpProcessingError, LineTooLong
 from aiohttp.streams import StreamReader
 from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 Continue
+from multidict import CIMultiDict
 
 from router import log
 from router.config import Config, LimitsConfig
@@ -46,8 +48,9 @@ from router.errors import (
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.body import BodyReader
+from router.ingress.compression import Compression
 from router.ingress.jobs_routes import JobRoutes
-from router.ingress.relay import AiohttpReply, Reply, refuse, relay
+from router.ingress.relay import AiohttpReply, EncodedReply, Reply, refuse, relay
 from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.jobs.runner import JobRunner
@@ -105,6 +108,7 @@ class HttpIngress:
         self._auth = auth or Authenticator(config.auth)
         self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
         self._body = BodyReader(config.limits, workers)
+        self._compression = Compression(config.compression) if config.compression.enabled else None
         #: request bodies held at once: this worker's share of the router's budget
         self.bodies = self._body.bodies
         self._status = StatusRoutes(
@@ -167,6 +171,8 @@ class HttpIngress:
         if self._auth.enabled:
             headers.popall("Authorization", None)  # the router's token stays here
         headers.popall("Content-Encoding", None)  # aiohttp decoded it; the bytes go as read
+        if self._compression is not None:
+            reply = self._negotiated(headers, reply)
         extra = {REQUEST_ID: rid}
         body, tenant = b"", None
         try:
@@ -182,6 +188,13 @@ class HttpIngress:
             await relay(self._dispatch, call, reply, extra)
         finally:
             self.bodies.give(len(body))
+
+    def _negotiated(self, headers: CIMultiDict[str], reply: Reply) -> Reply:
+        """`reply`, compressing the answer if the client accepts a coding offered. The
+        client's Accept-Encoding leaves `headers` either way: the router reads the
+        backend's answer (usage, capture, the usage strip), so it must come uncoded."""
+        coding = self._compression.choose(headers.popall("Accept-Encoding", ()))
+        return reply if coding is None else EncodedReply(reply, coding)
 
     async def _refuse(
         self, reply: Reply, err: KvrouteError, extra: dict[str, str], call: Call

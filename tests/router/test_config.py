@@ -76,6 +76,7 @@ def test_defaults_need_only_backends() -> None:
     assert cfg.listen.port == 8000
     assert cfg.limits.max_body_bytes > 0
     assert cfg.backends[0].key == "127.0.0.1:9001"
+    assert not cfg.compression.enabled  # answers go as the backend wrote them
 
 
 @pytest.mark.parametrize(
@@ -193,6 +194,26 @@ def test_defaults_need_only_backends() -> None:
             {"backends": ONE, "lora": {"adapters": ["a"], "source": "/models/loras"}},
             "lora.source must contain {name}",
             id="lora-source-without-the-name",
+        ),
+        pytest.param(
+            {"backends": ONE, "compression": {"algorithms": ["zstd", "br"]}},
+            "Invalid enum value 'br' - at `$.compression.algorithms[1]`",
+            id="compression-unknown-coding",
+        ),
+        pytest.param(
+            {"backends": ONE, "compression": {"algorithms": ["gzip", "gzip"]}},
+            "compression.algorithms: each at most once",
+            id="compression-coding-twice",
+        ),
+        pytest.param(
+            {"backends": ONE, "compression": {"algorithms": []}},
+            "Expected `array` of length >= 1 - at `$.compression.algorithms`",
+            id="compression-offers-nothing",
+        ),
+        pytest.param(
+            {"backends": ONE, "compression": {"gzip_level": 10}},
+            "Expected `int` <= 9 - at `$.compression.gzip_level`",
+            id="compression-gzip-level",
         ),
     ],
 )
