@@ -155,7 +155,7 @@ class Router(Node):
         self._tasks.append(asyncio.create_task(self.metrics.watch_loop_lag(), name="kvroute-lag"))
         if cfg.jobs.enabled:
             store = await asyncio.to_thread(open_store, cfg.jobs)
-            self.jobs = JobRunner(cfg.jobs, store, self.dispatcher, self.fleet)
+            self.jobs = JobRunner(cfg.jobs, store, self.dispatcher, self.fleet, self.metrics)
         await lst.start(
             cfg,
             self.fleet,

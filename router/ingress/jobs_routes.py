@@ -36,6 +36,7 @@ from router.jobs.wire import (
     read_lines,
     write_outputs,
 )
+from router.metrics import Metrics
 
 Tenant = Callable[[Mapping[str, str]], str | None]
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -67,8 +68,10 @@ class JobRoutes:
         tenant: Tenant,
         body: BodyReader,
         upload_timeout: float,
+        metrics: Metrics,
     ) -> None:
         self._cfg = cfg
+        self._metrics = metrics
         self._store = store
         self._wake = wake
         self._tenant = tenant
@@ -112,6 +115,7 @@ class JobRoutes:
         checked_body(KINDS[path], body)
         job_id = new_id("job_")
         job = await asyncio.to_thread(self._store.put, job_id, tenant, path, body, hook)
+        self._metrics.jobs_accepted.labels("async").inc()
         self._wake()
         url = f"/v1/async/{job.id}"
         return web.Response(
@@ -228,6 +232,8 @@ class JobRoutes:
             self._cfg.result_ttl_s,
         )  # fmt: skip
         await asyncio.to_thread(store.put_batch, batch, tenant, [] if errors else lines)
+        if not errors:
+            self._metrics.jobs_accepted.labels("batch").inc(len(lines))
         self._wake()
         return _json(batch_json(batch))
 

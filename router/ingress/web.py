@@ -118,7 +118,13 @@ class HttpIngress:
         if jobs is not None:
             limits = config.limits
             self._jobs = JobRoutes(
-                config.jobs, jobs.store, jobs.wake, self._tenant, self._body, limits.body_timeout
+                config.jobs,
+                jobs.store,
+                jobs.wake,
+                self._tenant,
+                self._body,
+                limits.body_timeout,
+                metrics,
             )
 
     def routes(self) -> list[web.RouteDef]:

@@ -32,6 +32,7 @@ from router.fleet.backends import Fleet
 from router.jobs.store import Job, JobStore
 from router.jobs.webhooks import Deliveries
 from router.jobs.wire import KINDS, new_id, write_outputs
+from router.metrics import Metrics
 from router.request import parse
 
 #: how often a worker drops what is past its TTL
@@ -47,6 +48,7 @@ class JobRunner:
         store: JobStore,
         dispatcher: Dispatcher,
         fleet: Fleet,
+        metrics: Metrics,
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._cfg = cfg
@@ -59,7 +61,8 @@ class JobRunner:
         self._woken = asyncio.Event()
         self._expired = 0.0
         self._loops: list[asyncio.Task] = []
-        self._hooks = Deliveries(cfg, store)
+        self._metrics = metrics
+        self._hooks = Deliveries(cfg, store, metrics)
 
     def wake(self) -> None:
         self._woken.set()
@@ -79,6 +82,7 @@ class JobRunner:
             if len(self._running) < cfg.concurrency and self._spare():
                 job = await asyncio.to_thread(self.store.claim, self._owner, cfg.lease_s)
                 if job is not None:
+                    self._metrics.job_attempts.inc()
                     self._start(job)
                     continue
                 await self._expire()
@@ -138,6 +142,7 @@ class JobRunner:
             store.finish, job.id, self._owner, outcome, status, body, ttl
         ):
             return  # its lease ran out and another worker runs it
+        self._metrics.jobs_ended.labels(outcome).inc()
         if job.batch_id is not None:
             files = (new_id("file-"), new_id("file-"))
             await asyncio.to_thread(store.settle, job.batch_id, files, write_outputs, ttl)
@@ -168,4 +173,5 @@ class JobRunner:
             await asyncio.sleep(lease / 3)
             if not await asyncio.to_thread(self.store.renew, job.id, self._owner, lease):
                 log.requests_failed.warning("job %s: its lease was lost", job.id)
+                self._metrics.job_leases_lost.inc()
                 return

@@ -21,6 +21,7 @@ from router.config import JobsConfig
 from router.errors import BadRequest
 from router.jobs.store import Job, JobStore
 from router.jobs.wire import job_json
+from router.metrics import Metrics
 
 WEBHOOK_HEADER = "X-Kvroute-Webhook"
 
@@ -45,9 +46,10 @@ def checked_webhook(url: str, cfg: JobsConfig) -> str:
 class Deliveries:
     """Delivers the due webhooks, one at a time per worker."""
 
-    def __init__(self, cfg: JobsConfig, store: JobStore) -> None:
+    def __init__(self, cfg: JobsConfig, store: JobStore, metrics: Metrics) -> None:
         self._cfg = cfg
         self._store = store
+        self._metrics = metrics
         self._session: aiohttp.ClientSession | None = None
 
     async def deliver_due(self) -> bool:
@@ -60,13 +62,15 @@ class Deliveries:
         delivered = await self._post(job)
         tries = job.hook_attempts + 1
         if delivered:
-            state, wait = "delivered", 0.0
+            state, wait, result = "delivered", 0.0, "delivered"
         elif tries > cfg.webhook_retries:
-            state, wait = "failed", 0.0
+            state, wait, result = "failed", 0.0, "failed"
             log.requests_failed.warning("job %s: its webhook failed %d times", job.id, tries)
         else:
             state, wait = "pending", cfg.webhook_backoff_s * 2 ** (tries - 1)
+            result = "retried"
         await asyncio.to_thread(self._store.hook_tried, job.id, state, wait)
+        self._metrics.webhooks.labels(result).inc()
         return True
 
     async def _post(self, job: Job) -> bool:

@@ -11,6 +11,7 @@
   process.py    the event loop's lag, and the process metrics or every worker's files
   tokens.py     the tokens the answers reported, by model and tenant; the access log's
                 lost lines
+  jobs.py       async jobs and batches: accepted, attempts, ended, leases lost, webhooks
   hot_path.py   `Tally` and `Labelled`: recording on the request path without
                 prometheus-client's per-call locks and checks
 

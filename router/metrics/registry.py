@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, genera
 from router.fleet.backend import Backend
 from router.fleet.pools import PoolState
 from router.metrics.backends import BackendCollector, BackendMetrics, PoolCollector
+from router.metrics.jobs import JobMetrics
 from router.metrics.process import ProcessMetrics, exported
 from router.metrics.requests import RequestMetrics
 from router.metrics.telemetry import TelemetryMetrics
@@ -33,7 +34,9 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 disable_created_metrics()
 
 
-class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, ProcessMetrics):
+class Metrics(
+    RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, JobMetrics, ProcessMetrics
+):
     """Every metric of one router, declared by group (the bases' modules)."""
 
     def __init__(
@@ -62,6 +65,7 @@ class Metrics(RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, Pr
         self._declare_tokens(r)
         self._declare_backends(r)
         self._declare_telemetry(r)
+        self._declare_jobs(r)
         self._declare_process(r)
 
     def render(self) -> bytes:

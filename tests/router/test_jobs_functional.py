@@ -80,6 +80,10 @@ async def test_an_async_request_is_accepted_then_answered(tmp_path: Path) -> Non
         assert job["attempts"] == 1
         answer = job["result"]["body"]
         assert job["result"]["status_code"] == 200
+        sample = router.metrics.registry.get_sample_value
+        assert sample("kvroute_jobs_accepted_total", {"kind": "async"}) == 1
+        assert sample("kvroute_job_attempts_total") == 1
+        assert sample("kvroute_jobs_ended_total", {"outcome": "succeeded"}) == 1
         assert answer["object"] == "chat.completion"
         assert answer["usage"]["completion_tokens"] == 4
         # another tenant's job is as good as absent
@@ -137,7 +141,7 @@ async def wait_batch(oai: AsyncOpenAI, batch_id: str):
 
 
 async def test_the_openai_sdk_runs_a_batch_end_to_end(tmp_path: Path) -> None:
-    async with jobs_router(tmp_path) as (_, oai):
+    async with jobs_router(tmp_path) as (router, oai):
         uploaded = await oai.files.create(
             file=("requests.jsonl", io.BytesIO(batch_file(12))), purpose="batch"
         )
@@ -154,6 +158,9 @@ async def test_the_openai_sdk_runs_a_batch_end_to_end(tmp_path: Path) -> None:
         done = await wait_batch(oai, batch.id)
         assert done.status == "completed"
         assert done.request_counts.completed == 12
+        sample = router.metrics.registry.get_sample_value
+        assert sample("kvroute_jobs_accepted_total", {"kind": "batch"}) == 12
+        assert sample("kvroute_jobs_ended_total", {"outcome": "succeeded"}) == 12
         assert done.request_counts.failed == 0
         assert done.metadata == {"team": "evals"}
         assert done.error_file_id is None
@@ -364,6 +371,9 @@ async def test_a_webhook_gets_the_jobs_status_and_is_retried_until_it_takes(
                     break
                 await asyncio.sleep(0.05)
     assert job["webhook"] == {"url": url, "state": "delivered", "attempts": 2}
+    sample = router.metrics.registry.get_sample_value
+    assert sample("kvroute_webhooks_total", {"result": "retried"}) == 1
+    assert sample("kvroute_webhooks_total", {"result": "delivered"}) == 1
     assert len(got) == 2  # one refused with a 500, then taken
     assert got[-1]["id"] == job["id"]
     assert got[-1]["status"] == "succeeded"
