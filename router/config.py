@@ -576,6 +576,11 @@ class JobsConfig(_Strict):
     result_ttl_s: Seconds = 86_400.0
     #: how often a worker with nothing to run looks for a job another worker accepted
     poll_s: Seconds = 0.5
+    #: a job the router refused for now (admission's 429, no backend available) is tried
+    #: again this many times, each after twice the wait of the one before, from
+    #: `refused_backoff_s`; then its answer is that refusal
+    refused_retries: Annotated[int, Meta(ge=0)] = 5
+    refused_backoff_s: Seconds = 1.0
     #: the hosts an async request's webhook (`X-Kvroute-Webhook: URL`) may name; none:
     #: webhooks are refused (the router would POST wherever a client asked)
     webhook_hosts: tuple[str, ...] = ()

@@ -27,7 +27,7 @@ from router import log
 from router.config import JobsConfig
 from router.dispatch.call import Call
 from router.dispatch.dispatcher import Dispatcher
-from router.errors import KvrouteError
+from router.errors import KvrouteError, NoBackendAvailable, Overloaded
 from router.fleet.backends import Fleet
 from router.jobs.store import Job, JobStore
 from router.jobs.webhooks import Deliveries
@@ -131,9 +131,7 @@ class JobRunner:
     async def _run(self, job: Job) -> None:
         renewing = asyncio.create_task(self._renew(job))
         try:
-            status, body = await self._exchange(job)
-        except KvrouteError as err:
-            status, body = err.status, err.http_answer({})[1]
+            status, body = await self._answer(job)
         finally:
             renewing.cancel()
         outcome = "succeeded" if status < 400 else "failed"
@@ -146,6 +144,24 @@ class JobRunner:
         if job.batch_id is not None:
             files = (new_id("file-"), new_id("file-"))
             await asyncio.to_thread(store.settle, job.batch_id, files, write_outputs, ttl)
+
+    async def _answer(self, job: Job) -> tuple[int, bytes]:
+        """The job's answer, or the router's error. A refusal that passes (admission's
+        429, no backend available: the fleet is full or down for now) is tried again
+        `refused_retries` times, each after twice the wait of the one before, since a
+        job's client is not there to retry it; the job keeps its lease meanwhile."""
+        cfg, tried = self._cfg, 0
+        while True:
+            try:
+                return await self._exchange(job)
+            except (Overloaded, NoBackendAvailable) as err:
+                if tried == cfg.refused_retries:
+                    return err.status, err.http_answer({})[1]
+                self._metrics.job_refusals_retried.inc()
+                await asyncio.sleep(cfg.refused_backoff_s * 2**tried)
+                tried += 1
+            except KvrouteError as err:
+                return err.status, err.http_answer({})[1]
 
     async def _exchange(self, job: Job) -> tuple[int, bytes]:
         """The job's request through the dispatcher: the answer's status and body."""

@@ -35,6 +35,12 @@ class JobMetrics:
             ["outcome"],
             registry=r,
         )
+        self.job_refusals_retried = Counter(
+            "kvroute_job_refusals_retried",
+            "Job attempts the router refused for now (admission's 429, no backend "
+            "available) and tried again after a wait",
+            registry=r,
+        )
         self.job_leases_lost = Counter(
             "kvroute_job_leases_lost",
             "Jobs whose lease ran out while this worker ran them (another may run them)",

@@ -445,3 +445,40 @@ async def test_two_replicas_share_their_jobs_through_redis(tmp_path: Path) -> No
             for router in replicas:
                 await router.stop()
             await fleet.stop()
+
+
+async def test_a_job_the_router_refuses_for_now_is_tried_again(tmp_path: Path) -> None:
+    """Admission full (one request at a time, no queue): the job's 429 is not its
+    answer; once the interactive request ends, the job runs."""
+    stub = StubBackend()
+    stub.behaviour.gate = asyncio.Event()
+    await stub.start()
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05,
+            "refused_backoff_s": 0.05, "refused_retries": 50}  # fmt: skip
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "stub"}],
+        "limits": {"max_concurrent_requests": 1, "queue_size": 0},
+        "jobs": jobs,
+    }
+    router = Router(build(data))
+    body = {**chat_body(1), "model": stub.model}
+    try:
+        await router.start()
+        sample = router.metrics.registry.get_sample_value
+        async with aiohttp.ClientSession() as http:
+            interactive = asyncio.create_task(
+                http.post(router.url + "/v1/chat/completions", json=body)
+            )
+            await until(lambda: stub.active == 1)
+            async with http.post(router.url + CHAT, json=body) as r:
+                status_url = router.url + (await r.json())["status_url"]
+            await until(lambda: sample("kvroute_job_refusals_retried_total") >= 2, timeout=10)
+            stub.behaviour.gate.set()
+            async with await interactive as answered:
+                assert answered.status == 200
+            job = await finished(http, status_url)
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert (job["status"], job["attempts"]) == ("succeeded", 1)
