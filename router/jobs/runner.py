@@ -68,10 +68,10 @@ class JobRunner:
         self._woken.set()
 
     def start(self) -> None:
-        self._loops = [
-            asyncio.create_task(self._claiming(), name="kvroute-jobs"),
-            asyncio.create_task(self._delivering(), name="kvroute-webhooks"),
-        ]
+        """The claiming loop, and the webhooks' when any host may take one."""
+        self._loops = [asyncio.create_task(self._claiming(), name="kvroute-jobs")]
+        if self._cfg.webhook_hosts:
+            self._loops.append(asyncio.create_task(self._delivering(), name="kvroute-webhooks"))
 
     async def _claiming(self) -> None:
         """Claim and start jobs for as long as the worker serves; between tries, wait
