@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated
+from typing import Annotated, TypeVar
 
 import msgspec
 from aiohttp import BodyPartReader, web
@@ -39,6 +39,7 @@ from router.jobs.wire import (
 from router.metrics import Metrics
 
 Tenant = Callable[[Mapping[str, str]], str | None]
+T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = "application/json"
 _UPLOAD_CHUNK = 1 << 16
@@ -141,10 +142,7 @@ class JobRoutes:
         return body
 
     async def _job(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
-        job_id = request.match_info["id"]
-        job = await asyncio.to_thread(self._store.get, job_id, tenant)
-        if job is None:
-            raise _absent("async job", job_id)
+        job = await _found(request, tenant, self._store.get, "async job")
         return _json(job_json(job, f"/v1/async/{job.id}"))
 
     # files
@@ -196,17 +194,10 @@ class JobRoutes:
         return bytes(data)
 
     async def _file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
-        file_id = request.match_info["id"]
-        stored = await asyncio.to_thread(self._store.file, file_id, tenant)
-        if stored is None:
-            raise _absent("file", file_id)
-        return _json(file_json(stored))
+        return _json(file_json(await _found(request, tenant, self._store.file, "file")))
 
     async def _content(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
-        file_id = request.match_info["id"]
-        content = await asyncio.to_thread(self._store.content, file_id, tenant)
-        if content is None:
-            raise _absent("file", file_id)
+        content = await _found(request, tenant, self._store.content, "file")
         return web.Response(body=content, content_type="application/jsonl")
 
     # batches
@@ -238,11 +229,7 @@ class JobRoutes:
         return _json(batch_json(batch))
 
     async def _batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
-        batch_id = request.match_info["id"]
-        batch = await asyncio.to_thread(self._store.batch, batch_id, tenant)
-        if batch is None:
-            raise _absent("batch", batch_id)
-        return _json(batch_json(batch))
+        return _json(batch_json(await _found(request, tenant, self._store.batch, "batch")))
 
     async def _cancel(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         """Lines not started are dropped; those running finish; the batch ends once they
@@ -258,6 +245,18 @@ class JobRoutes:
 
 def _json(body: bytes) -> web.Response:
     return web.Response(body=body, content_type=_JSON)
+
+
+async def _found(
+    request: web.Request, tenant: str | None, fetch: Callable[[str, str | None], T | None],
+    what: str,
+) -> T:  # fmt: skip
+    """What `fetch` finds under the path's id for `tenant`; a 404 when nothing."""
+    ident = request.match_info["id"]
+    found = await asyncio.to_thread(fetch, ident, tenant)
+    if found is None:
+        raise _absent(what, ident)
+    return found
 
 
 def _absent(what: str, ident: str) -> KvrouteError:

@@ -7,11 +7,29 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
+import pytest
+
 from router.config import build
 from router.control.worker import Router
+from router.ingress.fast import FastConnection
 from tests.stub_backend import StubBackend
 
 T = TypeVar("T")
+
+
+@pytest.fixture
+def handovers(monkeypatch) -> list[bytes]:
+    """The bytes each hand-over from the fast path to aiohttp's server started from
+    (router/ingress/fast.py): the requests aiohttp answered."""
+    seen: list[bytes] = []
+    real = FastConnection._hand_over
+
+    def spy(self: FastConnection, data: bytes) -> None:
+        seen.append(data)
+        real(self, data)
+
+    monkeypatch.setattr(FastConnection, "_hand_over", spy)
+    return seen
 
 
 @asynccontextmanager

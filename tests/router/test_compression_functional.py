@@ -17,7 +17,6 @@ import zstandard
 
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
-from router.ingress.fast import FastConnection
 from tests.router.conftest import running, sdk_through
 from tests.stub_backend import Behaviour
 
@@ -55,20 +54,6 @@ class Decoded:
             pass
         assert self._decoder is None or self._decoder.eof  # the trailer came
         return self.text
-
-
-@pytest.fixture
-def handovers(monkeypatch) -> list[bytes]:
-    """The requests aiohttp's server answered (the fast path handed them over)."""
-    seen: list[bytes] = []
-    real = FastConnection._hand_over
-
-    def spy(self: FastConnection, data: bytes) -> None:
-        seen.append(data)
-        real(self, data)
-
-    monkeypatch.setattr(FastConnection, "_hand_over", spy)
-    return seen
 
 
 async def _chunked(body: bytes) -> AsyncIterator[bytes]:

@@ -81,20 +81,6 @@ async def exchange(url: str, *writes: bytes, answers: int = 1, pause: float = 0.
         writer.close()
 
 
-@pytest.fixture
-def handovers(monkeypatch) -> list[bytes]:
-    """The bytes each hand-over to aiohttp started from."""
-    seen: list[bytes] = []
-    real = FastConnection._hand_over
-
-    def spy(self: FastConnection, data: bytes) -> None:
-        seen.append(data)
-        real(self, data)
-
-    monkeypatch.setattr(FastConnection, "_hand_over", spy)
-    return seen
-
-
 async def test_a_complete_request_is_answered_without_aiohttp(handovers) -> None:
     async with running(1) as (router, stubs):
         (answer,) = await exchange(router.url, post())
