@@ -482,3 +482,43 @@ async def test_a_job_the_router_refuses_for_now_is_tried_again(tmp_path: Path) -
         await router.stop()
         await stub.stop()
     assert (job["status"], job["attempts"]) == ("succeeded", 1)
+
+
+async def test_with_auth_on_every_job_path_needs_a_token_and_tenants_are_kept_apart(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KV_JOBS_TOKENS", "token-a team-a,token-b team-b")
+    auth = {"enabled": True, "tokens_env": "KV_JOBS_TOKENS"}
+    async with jobs_router(tmp_path, auth=auth) as (router, _), aiohttp.ClientSession() as http:
+        paths = [
+            ("POST", CHAT), ("GET", "/v1/async/job_x"), ("POST", "/v1/files"),
+            ("GET", "/v1/files/file-x"), ("GET", "/v1/files/file-x/content"),
+            ("POST", "/v1/batches"), ("GET", "/v1/batches/batch_x"),
+            ("POST", "/v1/batches/batch_x/cancel"),
+        ]  # fmt: skip
+        for method, path in paths:
+            async with http.request(method, router.url + path, json={}) as r:
+                assert r.status == 401, path
+                assert r.headers["WWW-Authenticate"] == "Bearer"
+        a = {"Authorization": "Bearer token-a"}
+        b = {"Authorization": "Bearer token-b"}
+        async with http.post(router.url + CHAT, json=chat_body(1), headers=a) as r:
+            assert r.status == 202
+            status_url = router.url + (await r.json())["status_url"]
+        assert (await finished(http, status_url, headers=a))["status"] == "succeeded"
+        async with http.get(status_url, headers=b) as r:
+            assert r.status == 404  # team-b's token does not see team-a's job
+    async with jobs_router(tmp_path, auth=auth) as (router, _):
+        a_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-a", max_retries=0)
+        b_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-b", max_retries=0)
+        async with a_sdk, b_sdk:
+            uploaded = await a_sdk.files.create(
+                file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+            )
+            with pytest.raises(Exception) as refused:
+                await b_sdk.batches.create(
+                    input_file_id=uploaded.id,
+                    endpoint="/v1/chat/completions",
+                    completion_window="24h",
+                )
+            assert getattr(refused.value, "status_code", None) == 404
