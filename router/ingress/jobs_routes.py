@@ -5,8 +5,9 @@ tenant's job, file or batch is a 404, as an absent one is.
   POST /v1/async/{chat/completions,completions,embeddings}   202, an id and a status URL
        (X-Kvroute-Webhook: URL, to have the status POSTed there when it ends)
   GET  /v1/async/{id}                                         its status, and its answer
-  POST /v1/files (purpose batch)        GET /v1/files/{id}, GET /v1/files/{id}/content
-  POST /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
+  POST /v1/files (purpose batch)   GET /v1/files   GET, DELETE /v1/files/{id}
+  GET /v1/files/{id}/content
+  POST /v1/batches   GET /v1/batches   GET /v1/batches/{id}   POST /v1/batches/{id}/cancel
 """
 
 from __future__ import annotations
@@ -28,8 +29,11 @@ from router.jobs.wire import (
     KINDS,
     WINDOW,
     batch_json,
+    batches_json,
     checked_body,
+    deleted_json,
     file_json,
+    files_json,
     job_json,
     new_batch,
     new_id,
@@ -43,6 +47,9 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = "application/json"
 _UPLOAD_CHUNK = 1 << 16
+#: listings' default and largest `limit`, as OpenAI's
+_FILES_LIMIT = (10_000, 10_000)
+_BATCHES_LIMIT = (20, 100)
 #: /v1/async/chat/completions runs /v1/chat/completions later
 _ASYNC = "/v1/async"
 
@@ -85,9 +92,12 @@ class JobRoutes:
             *accept,
             web.get("/v1/async/{id}", self._guarded(self._job)),
             web.post("/v1/files", self._guarded(self._upload)),
+            web.get("/v1/files", self._guarded(self._files)),
             web.get("/v1/files/{id}", self._guarded(self._file)),
+            web.delete("/v1/files/{id}", self._guarded(self._delete_file)),
             web.get("/v1/files/{id}/content", self._guarded(self._content)),
             web.post("/v1/batches", self._guarded(self._create_batch)),
+            web.get("/v1/batches", self._guarded(self._batches)),
             web.get("/v1/batches/{id}", self._guarded(self._batch)),
             web.post("/v1/batches/{id}/cancel", self._guarded(self._cancel)),
         ]
@@ -196,6 +206,19 @@ class JobRoutes:
     async def _file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(file_json(await _found(request, tenant, self._store.file, "file")))
 
+    async def _files(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        """The tenant's files, newest first (`purpose`, `after`, `limit` as OpenAI's)."""
+        after, limit = _paging(request, _FILES_LIMIT)
+        purpose = request.query.get("purpose")
+        page = await asyncio.to_thread(self._store.files, tenant, purpose, after, limit)
+        return _json(files_json(page))
+
+    async def _delete_file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        file_id = request.match_info["id"]
+        if not await asyncio.to_thread(self._store.delete_file, file_id, tenant):
+            raise _absent("file", file_id)
+        return _json(deleted_json(file_id))
+
     async def _content(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         content = await _found(request, tenant, self._store.content, "file")
         return web.Response(body=content, content_type="application/jsonl")
@@ -231,6 +254,12 @@ class JobRoutes:
     async def _batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(batch_json(await _found(request, tenant, self._store.batch, "batch")))
 
+    async def _batches(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
+        """The tenant's batches, newest first (`after`, `limit` as OpenAI's)."""
+        after, limit = _paging(request, _BATCHES_LIMIT)
+        page = await asyncio.to_thread(self._store.batches, tenant, after, limit)
+        return _json(batches_json(page))
+
     async def _cancel(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         """Lines not started are dropped; those running finish; the batch ends once they
         have (with an output file of what was done)."""
@@ -257,6 +286,19 @@ async def _found(
     if found is None:
         raise _absent(what, ident)
     return found
+
+
+def _paging(request: web.Request, limits: tuple[int, int]) -> tuple[str | None, int]:
+    """A listing's `after` cursor and `limit` (its default and most: `limits`)."""
+    default, most = limits
+    raw = request.query.get("limit")
+    try:
+        limit = default if raw is None else int(raw)
+    except ValueError:
+        limit = 0
+    if not 1 <= limit <= most:
+        raise BadRequest(f"limit must be a whole number from 1 to {most}", param="limit")
+    return request.query.get("after"), limit
 
 
 def _absent(what: str, ident: str) -> KvrouteError:

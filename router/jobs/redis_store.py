@@ -4,8 +4,10 @@ worker of every replica shares, with the leases, attempts and TTLs store.py desc
 Keys, under `key_prefix`: `job:<id>` (a hash per job), `queue` (the waiting ids, scored
 so that single async jobs come before batch lines, each in arrival order), `running`
 (ids by lease deadline), `hooks` (ids of due webhooks by due time), `file:<id>`,
-`batch:<id>` (a hash that counts its open, completed and failed lines) and
-`batch:<id>:lines` (its line ids by line number). Every step that must not be seen half
+`batch:<id>` (a hash that counts its open, completed and failed lines),
+`batch:<id>:lines` (its line ids by line number), and for listing `files:of:<tenant>`
+and `batches:of:<tenant>` (ids by creation; an id whose hash expired is dropped from
+them when a listing meets it). Every step that must not be seen half
 done (a claim, a renewal, a result, a release, a cancel, a batch's end) is one Lua
 script, which Redis runs atomically. TTLs are Redis's own (`PEXPIRE`), so `expire` has
 nothing to do.
@@ -17,7 +19,7 @@ import time
 from collections.abc import Sequence
 
 from router.config import ConfigError, RedisConfig
-from router.jobs.store import OPEN_BATCH, Batch, Job, Line, Outcome, StoredFile, Writer
+from router.jobs.store import OPEN_BATCH, Batch, Job, Line, Outcome, Page, StoredFile, Writer
 from router.secrets import read_secret
 
 #: batch lines score after every single job (epoch seconds stay far below this)
@@ -139,6 +141,7 @@ for i = 1, 2 do
       'created', ARGV[2], 'content', content)
     if tenant then redis.call('HSET', fkey, 'tenant', tenant) end
     redis.call('PEXPIRE', fkey, ARGV[3])
+    redis.call('ZADD', ARGV[1] .. 'files:of:' .. (tenant or ''), ARGV[2], id)
     redis.call('HSET', KEYS[1], fields[i], id)
   end
 end
@@ -264,6 +267,7 @@ class RedisJobStore:
         with self._db.pipeline() as tx:
             tx.hset(key, mapping=fields)
             tx.pexpire(key, _ms(ttl_s))
+            tx.zadd(self._of("files", tenant), {file_id: now})
             tx.execute()
         return StoredFile(file_id, purpose, filename, now, len(content))
 
@@ -283,6 +287,48 @@ class RedisJobStore:
             return None
         return content
 
+    def files(
+        self, tenant: str | None, purpose: str | None, after: str | None, limit: int
+    ) -> Page[StoredFile]:
+        found: list[StoredFile] = []
+        index = self._of("files", tenant)
+        ids, more = self._page(index, after, limit if purpose is None else None)
+        for file_id in ids:
+            stored = self.file(file_id, tenant)
+            if stored is None:
+                self._db.zrem(index, file_id)  # expired
+            elif purpose is None or stored.purpose == purpose:
+                found.append(stored)
+        return Page(found[:limit], more or len(found) > limit)
+
+    def delete_file(self, file_id: str, tenant: str | None) -> bool:
+        if self.file(file_id, tenant) is None:
+            return False
+        with self._db.pipeline() as tx:
+            tx.delete(self._key("file", file_id))
+            tx.zrem(self._of("files", tenant), file_id)
+            tx.execute()
+        return True
+
+    def _of(self, kind: str, tenant: str | None) -> str:
+        """The listing index of `kind` for `tenant`."""
+        return f"{self._p}{kind}:of:{tenant or ''}"
+
+    def _page(self, index: str, after: str | None, limit: int | None) -> tuple[list[str], bool]:
+        """Ids of `index`, newest first, past `after` (none if it is not there): `limit`
+        of them (None: all), and whether more follow."""
+        start = 0
+        if after is not None:
+            rank = self._db.zrevrank(index, after)
+            if rank is None:
+                return [], False
+            start = rank + 1
+        stop = -1 if limit is None else start + limit
+        ids = [i.decode() for i in self._db.zrevrange(index, start, stop)]
+        if limit is None or len(ids) <= limit:
+            return ids, False
+        return ids[:limit], True
+
     # batches
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
         key = self._key("batch", batch.id)
@@ -292,6 +338,7 @@ class RedisJobStore:
             fields["tenant"] = tenant
         with self._db.pipeline() as tx:
             tx.hset(key, mapping=fields)
+            tx.zadd(self._of("batches", tenant), {batch.id: batch.created})
             if batch.expires is not None:
                 tx.pexpireat(key, int(batch.expires * 1000))
             start = _BATCH_SCORE + batch.created
@@ -309,6 +356,18 @@ class RedisJobStore:
         if not found or not _owned(found, tenant):
             return None
         return _batch(found)
+
+    def batches(self, tenant: str | None, after: str | None, limit: int) -> Page[Batch]:
+        index = self._of("batches", tenant)
+        ids, more = self._page(index, after, limit)
+        found = []
+        for batch_id in ids:
+            batch = self.batch(batch_id, tenant)
+            if batch is None:
+                self._db.zrem(index, batch_id)  # expired
+            else:
+                found.append(batch)
+        return Page(found, more)
 
     def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
         key = self._key("batch", batch_id)

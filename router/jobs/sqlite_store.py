@@ -19,6 +19,7 @@ from router.jobs.store import (
     Job,
     Line,
     Outcome,
+    Page,
     StoredFile,
     Writer,
 )
@@ -81,6 +82,10 @@ CREATE TABLE IF NOT EXISTS batches (
 """
 _BUSY_SECONDS = 10.0
 _JOB = ", ".join(Job._fields)
+#: newest first, past the row `after` names: every row when it is NULL, none when no
+#: row has that id (a cursor gone is the end, never the start again); its two
+#: parameters are that id
+_AFTER = "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ?))"
 _BATCH = ", ".join(Batch._fields)
 
 
@@ -249,6 +254,23 @@ class SqliteJobStore:
             ).fetchone()
         return None if row is None else row[0]
 
+    def files(
+        self, tenant: str | None, purpose: str | None, after: str | None, limit: int
+    ) -> Page[StoredFile]:
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                "SELECT id, purpose, filename, created, length(content) FROM files WHERE "
+                f"tenant IS ? AND (? IS NULL OR purpose = ?) AND {_AFTER.format(table='files')} "
+                "ORDER BY created DESC, id DESC LIMIT ?",
+                (tenant, purpose, purpose, after, after, limit + 1),
+            ).fetchall()
+        return Page([StoredFile(*r) for r in rows[:limit]], len(rows) > limit)
+
+    def delete_file(self, file_id: str, tenant: str | None) -> bool:
+        with closing(self._connect()) as db:
+            gone = db.execute("DELETE FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant))
+        return gone.rowcount == 1
+
     # batches
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
         """Accept a batch and its lines as jobs, in one transaction."""
@@ -273,18 +295,16 @@ class SqliteJobStore:
             row = db.execute(
                 f"SELECT {_BATCH} FROM batches WHERE id = ? AND tenant IS ?", (batch_id, tenant)
             ).fetchone()
-            if row is None:
-                return None
-            found = Batch(*row)
-            if found.status not in OPEN_BATCH:
-                return found
-            counts = dict(
-                db.execute(
-                    "SELECT status, count(*) FROM jobs WHERE batch_id = ? GROUP BY status",
-                    (batch_id,),
-                ).fetchall()
-            )
-        return found._replace(completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+            return None if row is None else _counted(db, Batch(*row))
+
+    def batches(self, tenant: str | None, after: str | None, limit: int) -> Page[Batch]:
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                f"SELECT {_BATCH} FROM batches WHERE tenant IS ? AND "
+                f"{_AFTER.format(table='batches')} ORDER BY created DESC, id DESC LIMIT ?",
+                (tenant, after, after, limit + 1),
+            ).fetchall()
+            return Page([_counted(db, Batch(*r)) for r in rows[:limit]], len(rows) > limit)
 
     def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
         """Stop a batch's waiting lines (those running finish); False if it had ended."""
@@ -365,3 +385,15 @@ class SqliteJobStore:
             )
             written.append(file_id)
         return written[0], written[1]
+
+
+def _counted(db: sqlite3.Connection, batch: Batch) -> Batch:
+    """`batch` with its lines' counts so far, while it runs."""
+    if batch.status not in OPEN_BATCH:
+        return batch
+    counts = dict(
+        db.execute(
+            "SELECT status, count(*) FROM jobs WHERE batch_id = ? GROUP BY status", (batch.id,)
+        ).fetchall()
+    )
+    return batch._replace(completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))

@@ -15,7 +15,7 @@ blocks; callers run them in a thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import NamedTuple, Protocol
+from typing import Generic, NamedTuple, Protocol, TypeVar
 
 #: a batch's states before it ends (OpenAI's names)
 OPEN_BATCH = ("in_progress", "cancelling")
@@ -86,6 +86,16 @@ class Outcome(NamedTuple):
     body: bytes
 
 
+T = TypeVar("T")
+
+
+class Page(NamedTuple, Generic[T]):
+    """One page of a listing, and whether more follow it."""
+
+    items: list[T]
+    more: bool
+
+
 #: turns a batch's finished lines into its output and error files' contents
 Writer = Callable[[list[Outcome]], tuple[bytes, bytes]]
 
@@ -141,11 +151,23 @@ class JobStore(Protocol):
 
     def content(self, file_id: str, tenant: str | None) -> bytes | None: ...
 
+    def files(
+        self, tenant: str | None, purpose: str | None, after: str | None, limit: int
+    ) -> Page[StoredFile]:
+        """The tenant's files (of `purpose`, if given), newest first, from the one after
+        `after`."""
+
+    def delete_file(self, file_id: str, tenant: str | None) -> bool:
+        """Drop the tenant's file; False if there was none."""
+
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
         """Accept a batch and its lines as jobs, at once."""
 
     def batch(self, batch_id: str, tenant: str | None) -> Batch | None:
         """The batch, with its counts so far while it runs."""
+
+    def batches(self, tenant: str | None, after: str | None, limit: int) -> Page[Batch]:
+        """The tenant's batches, newest first, from the one after `after`."""
 
     def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
         """Stop a batch's waiting lines (those running finish); False if it had ended."""

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import msgspec
 
 from router.errors import KvrouteError
-from router.jobs.store import Batch, Job, Line, Outcome, StoredFile
+from router.jobs.store import Batch, Job, Line, Outcome, Page, StoredFile
 from router.request import Kind, parse
 
 #: the endpoints a job may run, by path
@@ -123,15 +123,43 @@ def _raw(body: bytes) -> msgspec.Raw | str:
 
 
 def file_json(f: StoredFile) -> bytes:
+    return _ENCODE.encode(_file(f))
+
+
+def _file(f: StoredFile) -> dict:
+    return {
+        "id": f.id,
+        "object": "file",
+        "bytes": f.size,
+        "created_at": int(f.created),
+        "filename": f.filename,
+        "purpose": f.purpose,
+        "status": "processed",
+    }
+
+
+def deleted_json(file_id: str) -> bytes:
+    return _ENCODE.encode({"id": file_id, "object": "file", "deleted": True})
+
+
+def files_json(page: Page[StoredFile]) -> bytes:
+    """OpenAI's list of files."""
+    return _list([_file(f) for f in page.items], page.more)
+
+
+def batches_json(page: Page[Batch]) -> bytes:
+    """OpenAI's list of batches."""
+    return _list([_batch(b) for b in page.items], page.more)
+
+
+def _list(items: list[dict], more: bool) -> bytes:
     return _ENCODE.encode(
         {
-            "id": f.id,
-            "object": "file",
-            "bytes": f.size,
-            "created_at": int(f.created),
-            "filename": f.filename,
-            "purpose": f.purpose,
-            "status": "processed",
+            "object": "list",
+            "data": items,
+            "first_id": items[0]["id"] if items else None,
+            "last_id": items[-1]["id"] if items else None,
+            "has_more": more,
         }
     )
 
@@ -171,31 +199,33 @@ def new_batch(
 
 def batch_json(b: Batch) -> bytes:
     """OpenAI's batch object."""
+    return _ENCODE.encode(_batch(b))
+
+
+def _batch(b: Batch) -> dict:
     end = None if b.finished_at is None else int(b.finished_at)
-    return _ENCODE.encode(
-        {
-            "id": b.id,
-            "object": "batch",
-            "endpoint": b.endpoint,
-            "errors": _raw(b.errors) if b.errors else None,
-            "input_file_id": b.input_file_id,
-            "completion_window": b.completion_window,
-            "status": b.status,
-            "output_file_id": b.output_file_id,
-            "error_file_id": b.error_file_id,
-            "created_at": int(b.created),
-            "in_progress_at": _int(b.in_progress_at),
-            "expires_at": int(b.created) + _WINDOW_S,
-            "finalizing_at": end if b.status in ("completed", "cancelled") else None,
-            "completed_at": end if b.status == "completed" else None,
-            "failed_at": end if b.status == "failed" else None,
-            "expired_at": None,
-            "cancelling_at": _int(b.cancelling_at),
-            "cancelled_at": end if b.status == "cancelled" else None,
-            "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
-            "metadata": _raw(b.metadata) if b.metadata else None,
-        }
-    )
+    return {
+        "id": b.id,
+        "object": "batch",
+        "endpoint": b.endpoint,
+        "errors": _raw(b.errors) if b.errors else None,
+        "input_file_id": b.input_file_id,
+        "completion_window": b.completion_window,
+        "status": b.status,
+        "output_file_id": b.output_file_id,
+        "error_file_id": b.error_file_id,
+        "created_at": int(b.created),
+        "in_progress_at": _int(b.in_progress_at),
+        "expires_at": int(b.created) + _WINDOW_S,
+        "finalizing_at": end if b.status in ("completed", "cancelled") else None,
+        "completed_at": end if b.status == "completed" else None,
+        "failed_at": end if b.status == "failed" else None,
+        "expired_at": None,
+        "cancelling_at": _int(b.cancelling_at),
+        "cancelled_at": end if b.status == "cancelled" else None,
+        "request_counts": {"total": b.total, "completed": b.completed, "failed": b.failed},
+        "metadata": _raw(b.metadata) if b.metadata else None,
+    }
 
 
 def job_json(job: Job, status_url: str) -> bytes:

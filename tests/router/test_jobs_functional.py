@@ -229,6 +229,12 @@ async def test_batch_and_file_refusals(tmp_path: Path) -> None:
             router.url + "/v1/batches", json={**body, "completion_window": "24h"}
         ) as r:
             assert r.status == 404
+        for query in ("limit=0", "limit=101", "limit=many"):
+            async with http.get(router.url + f"/v1/batches?{query}") as r:
+                assert r.status == 400
+                assert (await r.json())["error"]["param"] == "limit"
+        async with http.delete(router.url + "/v1/files/file-nope") as r:
+            assert r.status == 404
         form = aiohttp.FormData()
         form.add_field("purpose", "fine-tune")
         form.add_field("file", b"{}", filename="x.jsonl")
@@ -522,3 +528,23 @@ async def test_with_auth_on_every_job_path_needs_a_token_and_tenants_are_kept_ap
                     completion_window="24h",
                 )
             assert getattr(refused.value, "status_code", None) == 404
+
+
+async def test_the_sdk_lists_batches_and_files_and_deletes_a_file(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (_, oai):
+        created = []
+        for _ in range(3):
+            uploaded = await oai.files.create(
+                file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+            )
+            batch = await oai.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            created.append(batch.id)
+        listed = [b.id async for b in oai.batches.list(limit=2)]  # two pages, followed
+        assert listed == created[::-1]
+        files = [f async for f in oai.files.list(purpose="batch")]
+        assert len(files) == 3
+        deleted = await oai.files.delete(files[0].id)
+        assert (deleted.id, deleted.deleted) == (files[0].id, True)
+        assert len([f async for f in oai.files.list(purpose="batch")]) == 2

@@ -208,3 +208,40 @@ def test_a_webhook_is_due_when_its_job_ends_and_again_after_a_failed_try(
     store.hook_tried("j1", "delivered", retry_in=0)
     assert store.due_hook(lease_s=60) is None
     assert store.get("j1", None).hook_state == "delivered"
+
+
+def test_files_are_listed_newest_first_page_by_page_and_deleted(store: JobStore) -> None:
+    for i in range(5):
+        purpose = "batch" if i % 2 == 0 else "batch_output"
+        store.put_file(f"file-{i}", "t", purpose, f"f{i}.jsonl", b"x" * i, 60)
+        time.sleep(0.002)  # distinct creation times, as uploads have
+    store.put_file("file-other", "u", "batch", "o.jsonl", b"", 60)
+    first = store.files("t", None, None, 2)
+    assert ([f.id for f in first.items], first.more) == (["file-4", "file-3"], True)
+    rest = store.files("t", None, "file-3", 10)
+    assert ([f.id for f in rest.items], rest.more) == (["file-2", "file-1", "file-0"], False)
+    batch_only = store.files("t", "batch", None, 10)
+    assert [f.id for f in batch_only.items] == ["file-4", "file-2", "file-0"]
+    assert store.files("t", None, "file-gone", 10) == ([], False)  # a lost cursor ends it
+    assert not store.delete_file("file-4", "u")  # another tenant's
+    assert store.delete_file("file-4", "t")
+    assert not store.delete_file("file-4", "t")
+    assert store.file("file-4", "t") is None
+    assert [f.id for f in store.files("t", None, None, 1).items] == ["file-3"]
+
+
+def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> None:
+    ids = []
+    for _ in range(3):
+        batch = new_batch(CHAT, "file-1", None, 2, [], 60)
+        store.put_batch(batch, "t", lines_of(2))
+        ids.append(batch.id)
+        time.sleep(0.002)
+    job = store.claim("w", 60)
+    store.finish(job.id, "w", "succeeded", 200, b"{}", 60)
+    page = store.batches("t", None, 2)
+    assert ([b.id for b in page.items], page.more) == ([ids[2], ids[1]], True)
+    last = store.batches("t", ids[1], 2)
+    assert ([b.id for b in last.items], last.more) == ([ids[0]], False)
+    assert last.items[0].completed == 1  # the first batch's first line, done
+    assert store.batches("u", None, 10) == ([], False)
