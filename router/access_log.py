@@ -75,6 +75,7 @@ class AccessLog:
         """`path`: "-" for standard output, else a file opened for appending (OSError if
         it cannot be); `fmt`: "text" or "json"; `on_dropped` hears each lost batch's
         number of lines."""
+        self._path = path
         try:
             self._fd = os.dup(1) if path == "-" else _open_append(path)
         except OSError as exc:
@@ -85,7 +86,7 @@ class AccessLog:
         self._entries: list[Entry] = []
         self._timer: asyncio.TimerHandle | None = None
         self._pending = 0  # bytes queued for the writer, not yet written
-        self._queue: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | object | None] = queue.SimpleQueue()
         self._writer = threading.Thread(target=self._write_all, name="access-log", daemon=True)
         self._writer.start()
 
@@ -108,6 +109,14 @@ class AccessLog:
         self._pending += len(data)
         self._queue.put(data)
 
+    def reopen(self) -> None:
+        """Write what is buffered, then go on in a file opened anew at the path: after
+        logrotate moved the old one away (SIGHUP). Standard output stays as it is."""
+        if self._path == "-":
+            return
+        self.flush()
+        self._queue.put(_REOPEN)
+
     def close(self) -> None:
         """Write what is left and stop the writer (at shutdown)."""
         if self._timer is not None:
@@ -119,6 +128,10 @@ class AccessLog:
 
     def _write_all(self) -> None:
         while (data := self._queue.get()) is not None:
+            if data is _REOPEN:
+                self._reopened()
+                continue
+            assert isinstance(data, bytes)
             try:
                 for piece in _pieces(data):
                     os.write(self._fd, piece)
@@ -126,6 +139,22 @@ class AccessLog:
                 log.server.warning("access log: cannot write (%s); lines dropped", exc)
                 self._on_dropped(data.count(b"\n"))
             self._pending -= len(data)
+
+    def _reopened(self) -> None:
+        """In the writer: the file at the path now, or the old one if it cannot be
+        opened (the lines keep coming; a warning says why)."""
+        try:
+            fd = _open_append(self._path)
+        except OSError as exc:
+            log.server.warning("access log: cannot reopen %s (%s)", self._path, exc.strerror)
+            return
+        os.close(self._fd)
+        self._fd = fd
+        log.server.info("access log: reopened %s", self._path)
+
+
+#: the writer's cue to reopen the file
+_REOPEN = object()
 
 
 def _open_append(path: str) -> int:

@@ -44,6 +44,9 @@ class Collector(Node):
     def configure(self, config: Config) -> None:
         """No request path here: a reload changes nothing more."""
 
+    def reopen_logs(self) -> None:
+        """None: the access log is the workers'."""
+
     def admitted(self) -> None:
         """Backends joined: the workers get their verdicts."""
         self.telemetry.verdicts_changed()

@@ -141,6 +141,15 @@ class Node(ABC):
     def configure(self, config: Config) -> None:
         """A reload's swap: the request path takes `config` (never awaits)."""
 
+    def hangup(self) -> None:
+        """SIGHUP: the log files opened anew (logrotate moved them), then a reload."""
+        self.reopen_logs()
+        self.reloader.reload_soon()
+
+    @abstractmethod
+    def reopen_logs(self) -> None:
+        """The files this process writes logs to, opened anew."""
+
     @abstractmethod
     def admitted(self) -> None:
         """Backends joined the fleet."""

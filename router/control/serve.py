@@ -17,8 +17,9 @@ from router.control.worker import Router
 async def serve(
     config: Config, source: ConfigSource | None = None, context: WorkerContext | None = None
 ) -> None:
-    """Run until SIGINT or SIGTERM, then drain (`shutdown`); SIGHUP reloads. With a
-    `context`, this process is the collector or one worker of several."""
+    """Run until SIGINT or SIGTERM, then drain (`shutdown`); SIGHUP reopens the access
+    log and reloads. With a `context`, this process is the collector or one worker of
+    several."""
     if context is not None and context.collector:
         node: Router | Collector = Collector(config, source, context)
     else:
@@ -33,7 +34,7 @@ async def serve(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    loop.add_signal_handler(signal.SIGHUP, node.reloader.reload_soon)
+    loop.add_signal_handler(signal.SIGHUP, node.hangup)
     try:
         await stop.wait()
     finally:

@@ -221,6 +221,9 @@ class Router(Node):
     def admitted(self) -> None:
         """Nothing to tell: only the collector feeds other processes."""
 
+    def reopen_logs(self) -> None:
+        self.records.reopen()
+
     def configure(self, config: Config) -> None:
         """A reload's swap: the dispatcher takes the new timeouts, limits and retries."""
         if self.dispatcher is not None:

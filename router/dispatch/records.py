@@ -48,6 +48,11 @@ class Records:
             self.usage = UsageRecords(cfg.usage.path, cfg.usage.interval_s)
             self._flusher = asyncio.create_task(self.usage.run(), name="kvroute-usage")
 
+    def reopen(self) -> None:
+        """The access log in a file opened anew (logrotate moved the old one)."""
+        if self.access_log is not None:
+            self.access_log.reopen()
+
     async def close(self) -> None:
         """Write the last lines and export the last spans, once nothing is in flight; a
         collector's answer is awaited in a thread, never on the loop."""

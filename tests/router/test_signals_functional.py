@@ -187,3 +187,41 @@ def _unchunked(raw: bytes) -> bytes:
             return body
         body += rest[: int(size, 16)]
         rest = rest[int(size, 16) + 2 :]
+
+
+async def test_sighup_reopens_the_access_log_that_logrotate_moved(tmp_path: Path) -> None:
+    """Every worker writes its lines to the file at the path from the SIGHUP on: the
+    moved file keeps the lines from before, the new one gets those after."""
+    stub = await StubBackend().start()
+    path = tmp_path / "router.yaml"
+    access = tmp_path / "access.log"
+    _write(path, [stub], [0], workers=2, access_log={"enabled": True, "path": str(access)})
+    before = [f"before-{i}" for i in range(8)]
+    after = [f"after-{i}" for i in range(8)]
+    try:
+        async with kvroute(path) as served:
+            url = served.url + CHAT_PATH
+
+            async def send(ids: list[str]) -> None:
+                for rid in ids:  # new connections: the kernel spreads them over the workers
+                    async with aiohttp.ClientSession() as fresh:
+                        headers = {"X-Request-Id": rid}
+                        async with fresh.post(url, headers=headers, **chat()) as r:
+                            assert r.status == 200
+
+            def lines(file: Path) -> str:
+                return file.read_text() if file.exists() else ""
+
+            await send(before)
+            await until(lambda: all(r in lines(access) for r in before), timeout=10)
+            access.rename(tmp_path / "access.log.1")
+            served.proc.send_signal(signal.SIGHUP)
+            await until(lambda: served.log.count(b"access log: reopened") == 2, timeout=10)
+            await send(after)
+            await until(lambda: all(r in lines(access) for r in after), timeout=10)
+    finally:
+        await stub.stop()
+    moved = (tmp_path / "access.log.1").read_text()
+    assert all(r in moved for r in before)
+    assert not any(r in moved for r in after)
+    assert not any(r in lines(access) for r in before)
