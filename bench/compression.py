@@ -29,7 +29,8 @@ In a router: `kvroute serve` (one worker, compression on) in front of
 turn for identity (the fast path's relay from the connection's callbacks, as with
 compression off), gzip and zstd; the router's CPU time (its process tree, from /proc)
 per event relayed, the median of `--rounds` batches. This counts what the in-process
-figures do not: a compressed stream leaves the callback relay for the chunk loop.
+figures do not: the relay from the backend connection's callbacks, with the framed
+reads it forwards decoded before they are compressed.
 """
 
 from __future__ import annotations

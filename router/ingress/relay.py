@@ -12,7 +12,7 @@ either when the client accepts a coding the router offers (router/ingress/compre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Protocol
 
 from aiohttp import web
@@ -30,6 +30,7 @@ from router.errors import (
 )
 from router.ingress.compression import Coding, StreamEncoder
 from router.ingress.usage_strip import WithoutUsage
+from router.upstream.chunked import ChunkedBody
 from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"
@@ -92,12 +93,11 @@ class AiohttpReply:
 class EncodedReply:
     """A Reply whose answer `coding` compresses on its way to `reply`: a whole answer of
     at least `coding.min_bytes`, or a stream, each chunk flushed through the encoder
-    as it comes (so it is relayed chunk by chunk, never by `sink`). An answer that has
-    a Content-Encoding of its own, or a type that is not text, goes as it is."""
+    as it comes (from the backend connection's callbacks, through an `EncodedSink`,
+    when `reply` has a sink). An answer that has a Content-Encoding of its own, or a
+    type that is not text, goes as it is."""
 
     __slots__ = ("_coding", "_encoder", "_reply")
-
-    sink = None  # every chunk goes through the encoder
 
     def __init__(self, reply: Reply, coding: Coding) -> None:
         self._reply = reply
@@ -107,6 +107,14 @@ class EncodedReply:
     @property
     def started(self) -> bool:
         return self._reply.started
+
+    @property
+    def sink(self) -> Sink | None:
+        """Once the stream began: `reply`'s sink, through the encoder if it compresses."""
+        inner = self._reply.sink
+        if inner is None or self._encoder is None:
+            return inner
+        return EncodedSink(inner, self._encoder)
 
     async def whole(
         self, status: int, headers: Mapping[str, str], body: bytes, close: bool = False
@@ -132,6 +140,31 @@ class EncodedReply:
         if self._encoder is not None:
             await _send(self._reply, self._encoder.finish())
         await self._reply.end()
+
+
+class EncodedSink:
+    """A Sink that compresses what it passes to `inner`: each chunk flushed on its own,
+    and the reads the relay forwards as the backend framed them decoded first (each
+    holds whole chunks), since the encoder takes the payload."""
+
+    __slots__ = ("_encoder", "_inner")
+
+    def __init__(self, inner: Sink, encoder: StreamEncoder) -> None:
+        self._inner = inner
+        self._encoder = encoder
+
+    def put(self, chunk: bytes) -> None:
+        if chunk:
+            self._inner.put(self._encoder.compress(chunk))
+
+    def put_framed(self, chunks: bytes) -> None:
+        self.put(b"".join(ChunkedBody().feed(chunks)[0]))
+
+    def ready(self) -> bool:
+        return self._inner.ready()
+
+    def on_ready(self, callback: Callable[[], None] | None) -> None:
+        self._inner.on_ready(callback)
 
 
 def compressible(headers: Mapping[str, str]) -> bool:

@@ -129,12 +129,30 @@ def test_what_is_compressed(headers: Mapping[str, str], ours: bool) -> None:
     assert compressible(headers) is ours
 
 
+class _Sink:
+    """A Sink that keeps what it was given, each write apart."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def put(self, chunk: bytes) -> None:
+        self.writes.append(chunk)
+
+    def put_framed(self, chunks: bytes) -> None:
+        raise AssertionError("an encoded stream's framed reads reach the sink decoded")
+
+    def ready(self) -> bool:
+        return True
+
+    def on_ready(self, callback) -> None:
+        pass
+
+
 class _Reply:
     """A Reply that keeps what it was given."""
 
-    sink = object()  # a direct sink, which the encoded reply must not offer
-
     def __init__(self) -> None:
+        self.sink = _Sink()  # a direct sink, as the fast path's reply has
         self.started = False
         self.status = 0
         self.headers: Mapping[str, str] = {}
@@ -179,7 +197,7 @@ async def test_a_whole_answer(name: str, size: int, headers: dict, coded: bool) 
 async def test_a_stream_is_sent_event_by_event_and_finished(name: str) -> None:
     inner = _Reply()
     reply = EncodedReply(inner, _coding(name))
-    assert reply.sink is None and not reply.started
+    assert not reply.started
     await reply.begin(200, SSE)
     assert reply.started and inner.headers["Content-Encoding"] == name
     decoder = DECODERS[name][0]()
@@ -188,6 +206,32 @@ async def test_a_stream_is_sent_event_by_event_and_finished(name: str) -> None:
         assert decoder.decompress(inner.chunks[-1]) == event
     await reply.end()
     assert inner.ended and decoder.decompress(inner.chunks[-1]) == b"" and decoder.eof
+
+
+@pytest.mark.parametrize("name", ["gzip", "zstd"])
+async def test_a_stream_relayed_from_the_callbacks_goes_through_the_encoder(name: str) -> None:
+    """The fast path's relay writes to the sink: plain chunks, and reads of whole chunks
+    as the backend framed them; each decodes on its own to what the backend sent."""
+    inner = _Reply()
+    reply = EncodedReply(inner, _coding(name))
+    await reply.begin(200, SSE)
+    sink = reply.sink
+    assert sink is not inner.sink
+    decoder = DECODERS[name][0]()
+    sink.put(EVENTS[0])
+    assert decoder.decompress(inner.sink.writes[-1]) == EVENTS[0]
+    framed = b"".join(b"%x\r\n%b\r\n" % (len(e), e) for e in EVENTS[1:3])
+    sink.put_framed(framed)
+    assert decoder.decompress(inner.sink.writes[-1]) == EVENTS[1] + EVENTS[2]
+    await reply.end()  # the trailer, after what the sink took
+    assert decoder.decompress(inner.chunks[-1]) == b"" and decoder.eof
+
+
+async def test_an_answer_not_compressed_keeps_the_direct_sink() -> None:
+    inner = _Reply()
+    reply = EncodedReply(inner, _coding("gzip"))
+    await reply.begin(200, {"Content-Type": "audio/wav"})
+    assert reply.sink is inner.sink
 
 
 @pytest.mark.parametrize("name", ["gzip", "zstd"])
