@@ -33,7 +33,7 @@ from yarl import URL
 
 import policies
 from bench.overhead import free_port
-from router.config import ShutdownConfig, build
+from router.config import CaptureConfig, JobsConfig, ShutdownConfig, UsageConfig, build
 from tests.router.conftest import running
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -606,6 +606,12 @@ def test_systemd_unit() -> None:
     }.items():
         assert service[key] == value
     assert unit["Install"]["WantedBy"] == ["multi-user.target"]
+    # ProtectSystem=strict leaves writable only what systemd makes for the unit: the
+    # default paths of what the router writes must be there
+    state = Path("/var/lib") / service["StateDirectory"]
+    for default in (JobsConfig().path, UsageConfig().path, CaptureConfig().path):
+        assert Path(default).is_relative_to(state), default
+    assert service["LogsDirectory"] == "kvroute"  # the README's access_log.path example
 
 
 def test_rbac_grants_only_what_kubernetes_discovery_reads() -> None:
