@@ -457,3 +457,36 @@ def test_chart_and_kustomize_specs_agree() -> None:
 
 def test_chart_default_config_is_the_kustomize_config() -> None:
     assert render({}).config_data == kustomize._router_config_data()
+
+
+def test_every_file_key_is_read_from_a_mounted_secret() -> None:
+    """`*_file` keys point into Secrets the chart mounts read-only, readable by the pod's
+    fsGroup alone; one that points anywhere else fails the render, naming the path."""
+    config = {
+        "auth": {"enabled": True, "tokens_file": "/etc/kvroute-secrets/auth/tokens"},
+        "jobs": {"enabled": True, "store": "redis",
+                 "redis": {"url": "redis://redis:6379/0",
+                           "password_file": "/var/run/redis-secret/password"}},
+    }  # fmt: skip
+    files = [
+        {"secretName": "kvroute-auth", "mountPath": "/etc/kvroute-secrets/auth"},
+        {"secretName": "redis-secret", "mountPath": "/var/run/redis-secret"},
+    ]
+    rendered = render({"config": config, "secretFiles": files})
+    mounts = {m["mountPath"]: m for m in rendered.container["volumeMounts"]}
+    volumes = {v["name"]: v for v in rendered.deployment["spec"]["template"]["spec"]["volumes"]}
+    for secret in files:
+        mount = mounts[secret["mountPath"]]
+        assert mount["readOnly"] is True
+        assert volumes[mount["name"]]["secret"] == {
+            "secretName": secret["secretName"],
+            "defaultMode": 0o440,
+        }
+    assert rendered.config.jobs.redis.password_file == "/var/run/redis-secret/password"
+    error = render_error({"config": config, "secretFiles": files[:1]})
+    assert "config names the file /var/run/redis-secret/password" in error
+    by_name = [{"secretName": "auth"}, files[1]]  # mounted at /etc/kvroute-secrets/auth
+    default_mount = render({"config": config, "secretFiles": by_name})
+    assert "/etc/kvroute-secrets/auth" in {
+        m["mountPath"] for m in default_mount.container["volumeMounts"]
+    }

@@ -55,19 +55,26 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- else if .Values.rbac.create -}}true{{- end -}}
 {{- end -}}
 
-{{/* Every value of a `*_env` key anywhere in the config (a variable holding a secret), one a line. */}}
-{{- define "kvroute.envNames" -}}
-{{- if kindIs "map" . -}}
-{{- range $key, $value := . -}}
-{{- if and (hasSuffix "_env" $key) (kindIs "string" $value) -}}
+{{/* Every value of a key ending in .suffix anywhere in .node, one a line: `_env` keys
+name a variable holding a secret, `_file` keys a file holding one. */}}
+{{- define "kvroute.secretRefs" -}}
+{{- $suffix := .suffix -}}
+{{- if kindIs "map" .node -}}
+{{- range $key, $value := .node -}}
+{{- if and (hasSuffix $suffix $key) (kindIs "string" $value) -}}
 {{ $value }}{{ "\n" }}
 {{- else -}}
-{{ include "kvroute.envNames" $value }}
+{{ include "kvroute.secretRefs" (dict "node" $value "suffix" $suffix) }}
 {{- end -}}
 {{- end -}}
-{{- else if kindIs "slice" . -}}
-{{- range . -}}{{ include "kvroute.envNames" . }}{{- end -}}
+{{- else if kindIs "slice" .node -}}
+{{- range .node -}}{{ include "kvroute.secretRefs" (dict "node" . "suffix" $suffix) }}{{- end -}}
 {{- end -}}
+{{- end -}}
+
+{{/* Where a secretFiles entry is mounted. */}}
+{{- define "kvroute.secretMount" -}}
+{{- .mountPath | default (printf "/etc/kvroute-secrets/%s" .secretName) -}}
 {{- end -}}
 
 {{/* Ports from the config, and whether each one is served off loopback. */}}
@@ -103,9 +110,18 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if and (eq (include "kvroute.metricsPort" .) "admin") (not (include "kvroute.adminPort" .)) -}}
 {{- fail "config.metrics.listen is admin but config.admin.host is loopback: Prometheus cannot scrape it" -}}
 {{- end -}}
-{{- range $name := include "kvroute.envNames" .Values.config | splitList "\n" | compact | uniq -}}
+{{- range $name := include "kvroute.secretRefs" (dict "node" .Values.config "suffix" "_env") | splitList "\n" | compact | uniq -}}
 {{- if not (hasKey $.Values.secretEnv $name) -}}
 {{- fail (printf "config names the variable %s (a *_env key): add secretEnv.%s: {secretName: ..., key: ...}" $name $name) -}}
+{{- end -}}
+{{- end -}}
+{{- range $path := include "kvroute.secretRefs" (dict "node" .Values.config "suffix" "_file") | splitList "\n" | compact | uniq -}}
+{{- $mounted := false -}}
+{{- range $.Values.secretFiles -}}
+{{- if hasPrefix (printf "%s/" (include "kvroute.secretMount" .)) $path -}}{{- $mounted = true -}}{{- end -}}
+{{- end -}}
+{{- if not $mounted -}}
+{{- fail (printf "config names the file %s (a *_file key): mount its Secret with secretFiles: [{secretName: ..., mountPath: ...}] at a directory above it" $path) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
