@@ -177,11 +177,12 @@ class Accounting:
         """Hand the request's raw parts to the capture's queue (it encodes them)."""
         call, upstream, capture = attempt.call, attempt.upstream, self._capture
         response = upstream.body() if upstream is not None and upstream.kept else None
+        sent = call.headers if call.sent_headers is None else call.sent_headers
         capture.add(
             Captured(
                 entry,
                 attempt.backend.pool,
-                capture.headers(call.headers.items()),
+                capture.headers(sent.items()),
                 call.capture,
                 response,
                 upstream is not None and upstream.streaming,
