@@ -235,6 +235,9 @@ class PoolConfig(_Strict):
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
     priority: Annotated[int, Meta(ge=0)]
     model_map: dict[str, str] = msgspec.field(default_factory=dict)
+    #: false: the answers of a model `model_map` renamed name the model the client asked
+    #: for, and /v1/models lists the client's names; true: both show the backends' own
+    expose_backend_model: bool = False
     #: disaggregated serving (vLLM's KV connectors): a chat or completion request is
     #: prefilled in a `prefill` pool, then decoded in a `decode` pool; `both` serves whole
     role: Literal["both", "prefill", "decode"] = "both"

@@ -3,10 +3,13 @@ summed over a window and written to a SQLite database every `interval_s`.
 
 The same counts as `kvroute_tokens_total` and `kvroute_usage_requests_total` (one set of
 counters, two views): the metrics for dashboards, these rows for "what did tenant T use
-from Monday to Friday" (`GET /admin/usage`). A request adds to a dict in memory; the
-window's rows are written in a thread, never on the loop. Every worker writes its own
-rows (its pid in them) to the one database, in WAL mode with a busy timeout, so workers
-and the admin API's reader do not block each other. The rows are summed when read.
+from Monday to Friday" (`GET /admin/usage`). The metrics bound their tenant label (an
+unlisted tenant is `(other)`); these rows keep every tenant's id, already validated by
+auth, since a bill needs it and a database row costs no series. A request adds to a
+dict in memory; the window's rows are written in a thread, never on the loop. Every
+worker writes its own rows (its pid in them) to the one database, in WAL mode with a
+busy timeout, so workers and the admin API's reader do not block each other. The rows
+are summed when read.
 """
 
 from __future__ import annotations

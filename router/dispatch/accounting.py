@@ -24,7 +24,7 @@ from router.dispatch.attempt import Attempt
 from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
-from router.metrics import NO_POOL, Labelled, Metrics, model_label
+from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
 from router.upstream.usage import NO_USAGE, Usage
 from router.usage_records import UsageRecords
 
@@ -115,11 +115,12 @@ class Accounting:
             self._ttft(name, endpoint, model).observe(ttft)
         used = upstream.usage() if ok and upstream is not None else NO_USAGE
         if used is not NO_USAGE:
-            tenant = self._metrics.tenant_label(call.tenant, self.tenants())
+            label = self._metrics.tenant_label(call.tenant, self.tenants())
             pool = attempt.backend.pool
-            self._metrics.count_tokens(model, tenant, pool, *used)
+            self._metrics.count_tokens(model, label, pool, *used)
             if self._usage is not None:
-                self._usage.add(tenant, model, pool or NO_POOL, *used)
+                # chargeback keeps every tenant's id; only the metrics' labels are bounded
+                self._usage.add(call.tenant or NO_TENANT, model, pool or NO_POOL, *used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
         if trace is not None:
@@ -176,11 +177,12 @@ class Accounting:
         """Hand the request's raw parts to the capture's queue (it encodes them)."""
         call, upstream, capture = attempt.call, attempt.upstream, self._capture
         response = upstream.body() if upstream is not None and upstream.kept else None
+        sent = call.headers if call.sent_headers is None else call.sent_headers
         capture.add(
             Captured(
                 entry,
                 attempt.backend.pool,
-                capture.headers(call.headers.items()),
+                capture.headers(sent.items()),
                 call.capture,
                 response,
                 upstream is not None and upstream.streaming,

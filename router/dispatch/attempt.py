@@ -101,13 +101,14 @@ class Attempt:
         backend = self.backend
         if call.trace is not None:
             call.trace.attempt_begins(backend, call.method, call.headers)
+        renamed = self._fleet.renamed(backend, call.req.model)
         try:
             upstream = await open_upstream(
                 upstreams,
                 backend.url,
                 backend.prefix + call.path,
                 call.method,
-                self._body(),
+                self._body(renamed),
                 call.headers,
                 t.connect,
                 t.idle,
@@ -121,6 +122,8 @@ class Attempt:
             return
         upstream.backend_name = backend.name
         upstream.pool = backend.pool
+        if renamed is not None and self._fleet.answers_as_asked(backend):
+            upstream.answer_as(renamed, call.req.model)
         if call.capture is not None:
             upstream.keep()
         self.upstream = upstream
@@ -129,12 +132,11 @@ class Attempt:
         if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
             self._verdict(verdict)
 
-    def _body(self) -> bytes:
-        """The request's body as this backend is to get it: the model renamed where its
-        pool's `model_map` says so, else the client's bytes as they came."""
-        call = self.call
-        model = self._fleet.renamed(self.backend, call.req.model)
-        return call.body if model is None else with_fields(call.body, {"model": model})
+    def _body(self, renamed: str | None) -> bytes:
+        """The request's body as this backend is to get it: the model `renamed` where
+        its pool's `model_map` says so, else the client's bytes as they came."""
+        body = self.call.body
+        return body if renamed is None else with_fields(body, {"model": renamed})
 
     def __enter__(self) -> Attempt:
         return self

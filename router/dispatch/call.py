@@ -7,7 +7,7 @@ importing the Dispatcher that chains the steps.
 
 from __future__ import annotations
 
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -66,6 +66,9 @@ class Call:
     prefilled_by: str | None = None
     #: the body as the client sent it, when the request is captured (router/capture.py)
     capture: bytes | None = None
+    #: the headers as the client sent them, which the capture records (None: `headers`,
+    #: when the ingress made them up)
+    sent_headers: Mapping[str, str] | None = None
     #: the router asked for the stream's usage: its usage event is not the client's
     strip_usage: bool = False
 

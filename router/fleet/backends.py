@@ -54,6 +54,9 @@ class Fleet(Usability):
         self._views: dict[str, FleetView] = {}
         self._pool_views = {}
         self._model_maps: dict[str, dict[str, str]] = {}
+        #: the pools whose renamed models answer under the client's name, and those
+        #: names by the backend's (see `public_names`)
+        self._public: dict[str, dict[str, tuple[str, ...]]] = {}
         #: the policy of each pool with parameters of its own (see `policy_of`)
         self._pool_policies: dict[str, Policy] = {}
         #: the last decode picks of disaggregated requests (time, model, prefilled on,
@@ -65,6 +68,11 @@ class Fleet(Usability):
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""
         self.pools = tuple(sorted(pools, key=lambda p: p.priority))
         self._model_maps = {p.name: p.model_map for p in self.pools if p.model_map}
+        self._public = {
+            p.name: _inverse(p.model_map)
+            for p in self.pools
+            if p.model_map and not p.expose_backend_model
+        }
         self._tune(self.policy, self.members)
         self.changed()
 
@@ -91,6 +99,16 @@ class Fleet(Usability):
         if not self._model_maps or backend.pool is None or model is None:
             return None
         return self._model_maps.get(backend.pool, {}).get(model)
+
+    def answers_as_asked(self, backend: Backend) -> bool:
+        """Whether an answer `backend` gives under a renamed model is to name the model
+        the client asked for (its pool does not `expose_backend_model`)."""
+        return backend.pool in self._public
+
+    def public_names(self, backend: Backend) -> dict[str, tuple[str, ...]]:
+        """The names clients know `backend`'s models by, for each model its pool's
+        `model_map` renames and does not expose (/v1/models lists these)."""
+        return self._public.get(backend.pool, {}) if backend.pool is not None else {}
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements."""
@@ -166,3 +184,11 @@ class Fleet(Usability):
 
     def find(self, name: str) -> Backend | None:
         return next((b for b in self.members if b.name == name), None)
+
+
+def _inverse(model_map: dict[str, str]) -> dict[str, tuple[str, ...]]:
+    """The client's names of each backend's name a `model_map` gives."""
+    found: dict[str, tuple[str, ...]] = {}
+    for asked, served in model_map.items():
+        found[served] = (*found.get(served, ()), asked)
+    return found

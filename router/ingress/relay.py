@@ -30,7 +30,7 @@ from router.errors import (
 )
 from router.ingress.compression import Coding, StreamEncoder
 from router.ingress.usage_strip import WithoutUsage
-from router.upstream.chunked import ChunkedBody
+from router.upstream.chunked import payload
 from router.upstream.proxy import Sink, Upstream, forward_headers
 
 BACKEND_HEADER = "x-kvroute-backend"
@@ -158,7 +158,7 @@ class EncodedSink:
             self._inner.put(self._encoder.compress(chunk))
 
     def put_framed(self, chunks: bytes) -> None:
-        self.put(b"".join(ChunkedBody().feed(chunks)[0]))
+        self.put(payload(chunks))
 
     def ready(self) -> bool:
         return self._inner.ready()

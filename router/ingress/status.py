@@ -18,6 +18,8 @@ from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.relay import refused
 from router.telemetry.loops import Telemetry
 
+#: a model card's fields that name a model
+_NAMING = ("id", "root", "parent")
 #: a request's tenant from its headers; raises Unauthorized (HttpIngress._tenant)
 Tenant = Callable[[Mapping[str, str]], str | None]
 
@@ -56,10 +58,13 @@ class StatusRoutes:
             return await refused(request, err)
         cards: dict[str, dict] = {}
         for backend in self._fleet.members:
+            public = self._fleet.public_names(backend)
             for card in backend.model_cards:
-                cards.setdefault(str(card.get("id")), card)
+                for listed in _as_public(card, public):
+                    cards.setdefault(str(listed.get("id")), listed)
             for model in backend.configured_models or ():
-                cards.setdefault(model, _card(model))
+                for name in public.get(model, (model,)):
+                    cards.setdefault(name, _card(name))
         return web.json_response({"object": "list", "data": list(cards.values())})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -118,6 +123,17 @@ class StatusRoutes:
         if self._admin_token is None:
             raise Unauthorized("This needs the admin token, and the router has no admin API.")
         self._admin_token.check(authorization)
+
+
+def _as_public(card: dict, public: dict[str, tuple[str, ...]]) -> list[dict]:
+    """A backend's model card as clients are to see it: one per name they know a
+    renamed model by, its `root` and `parent` (a LoRA adapter's base) renamed too when
+    they name it; any other card as it is."""
+    known = {k: public[v] for k in _NAMING if isinstance(v := card.get(k), str) and v in public}
+    if not known:
+        return [card]
+    ids = known.pop("id", (card.get("id"),))
+    return [{**card, **{k: names[0] for k, names in known.items()}, "id": i} for i in ids]
 
 
 def _card(model: str) -> dict:

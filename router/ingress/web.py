@@ -187,6 +187,7 @@ class HttpIngress:
                 body = await read_body()
                 req = parse(kind, body)
                 call = Call(kind, req, method, path, body, headers, started, arrived, tenant, rid)
+                call.sent_headers = client_headers
             except KvrouteError as err:
                 unread = _unread(kind, method, path, headers, rid, (started, arrived), tenant)
                 await self._refuse(reply, err, extra, unread)

@@ -26,12 +26,13 @@ from router.metrics.hot_path import Labelled, Tally
 from router.metrics.process import LAG_INTERVAL
 from router.metrics.registry import CONTENT_TYPE, Metrics
 from router.metrics.requests import OTHER_TENANT, Refusal, model_label
-from router.metrics.tokens import NO_POOL
+from router.metrics.tokens import NO_POOL, NO_TENANT
 
 __all__ = [
     "CONTENT_TYPE",
     "LAG_INTERVAL",
     "NO_POOL",
+    "NO_TENANT",
     "OTHER_TENANT",
     "Labelled",
     "Metrics",

@@ -1,6 +1,7 @@
 """The tokens answers report (their `usage`) and the answers counted, by model, tenant
-and pool (cost allocation; router/usage_records.py keeps the same counts by time window);
-the access log's lost lines and the data capture's records."""
+and pool (cost allocation; router/usage_records.py keeps the same counts by time window,
+each tenant by its id, where these labels bound tenants); the access log's lost lines
+and the data capture's records."""
 
 from __future__ import annotations
 

@@ -14,6 +14,7 @@
   flow.py        read and write flow control for the router's own asyncio protocols
   failures.py    how an exchange broke, before proxy.py translates it
   usage.py       the token counts an answer reports (its `usage`), found by search
+  rename.py      a renamed model's answer given back the client's name (`model_map`)
   retry.py       which failures may be retried on another backend, and how often
 
 May import: router.metrics, router.fleet and the vocabulary (config, errors, log).

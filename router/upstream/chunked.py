@@ -25,6 +25,11 @@ class ChunkError(ValueError):
     """The body is not valid chunked framing."""
 
 
+def payload(chunks: bytes) -> bytes:
+    """The data of one read of whole chunks (a decoder of its own: it starts at a chunk)."""
+    return b"".join(ChunkedBody().feed(chunks)[0])
+
+
 class ChunkedBody:
     """Decodes one chunked body read by read (trailers are read and dropped)."""
 

@@ -4,8 +4,10 @@
 keep-alive connection from `Upstreams` (router/upstream/pool.py) and returns an
 `Upstream` once the backend's status and headers arrived. Its body is then read whole
 (JSON answers) or chunk by chunk as the backend flushes it (SSE): nothing is decoded or
-re-encoded, and nothing is buffered. Upstream failures are translated here and only
-here, so a failure writing to the *client* can never pass for a backend error.
+re-encoded, and nothing is buffered (but for the answer of a model a pool's `model_map`
+renamed, whose `model` is given back the client's name: `Upstream.answer_as`).
+Upstream failures are translated here and only here, so a failure writing to the
+*client* can never pass for a backend error.
 
 Why not aiohttp's client on this path: per request it builds a request object, a
 payload object, a response object, merges default headers and asks the cookie jar and
@@ -37,6 +39,7 @@ from router.upstream.connection import _Connection
 from router.upstream.failures import BackendBroke, Malformed
 from router.upstream.pool import Upstreams
 from router.upstream.relay import Relay, Sink
+from router.upstream.rename import ModelRename, RenamingSink
 from router.upstream.response import Head
 from router.upstream.usage import Usage, usage
 
@@ -113,6 +116,7 @@ class Upstream:
         "_conn",
         "_loop",
         "_payload",
+        "_rename",
         "backend_name",
         "headers",
         "pool",
@@ -136,6 +140,7 @@ class Upstream:
         self._loop = asyncio.get_running_loop()
         self._payload = payload
         self._clock = BodyClock(self._loop, idle, end, itl, on_first)
+        self._rename: ModelRename | None = None
         self.backend_name = ""
         #: the backend's pool (None in a flat fleet): the answer's x-kvroute-pool
         self.pool: str | None = None
@@ -154,11 +159,17 @@ class Upstream:
         after the last one (and at `end` at the latest)."""
         self._clock.watch(deadline)
 
+    def answer_as(self, served: str, asked: str) -> None:
+        """The backend serves the model asked for as `served` (a pool's `model_map`):
+        its answer, read any way, names `asked` instead (router/upstream/rename.py)."""
+        self._rename = ModelRename(served, asked)
+
     async def read(self) -> bytes:
         try:
-            self._clock.tail = await self._payload.read()
+            body = await self._payload.read()
         except BackendBroke as exc:
             raise UpstreamDisconnected(_broke(exc, "answer")) from exc
+        self._clock.tail = body if self._rename is None else self._rename.whole(body)
         return self._clock.tail
 
     def keep(self) -> None:
@@ -190,7 +201,7 @@ class Upstream:
         The gaps between chunks go to the inter-token latency histogram `itl` when the
         exchange finishes; `on_first` hears the first chunk (the prefill is done).
         """
-        clock, payload = self._clock, self._payload
+        clock, payload, rename = self._clock, self._payload, self._rename
         clock.begin()
         while True:
             try:
@@ -198,20 +209,28 @@ class Upstream:
             except BackendBroke as exc:
                 raise UpstreamDisconnected(_broke(exc, "stream")) from exc
             if not chunk:  # clean end; a cut-off body raises above
+                if rename is not None and (rest := rename.rest()):
+                    yield rest
                 return
             clock.arrived(chunk)
-            yield chunk
+            if rename is None:
+                yield chunk
+            elif out := rename.feed(chunk):
+                yield out
 
     async def relay(self, sink: Sink) -> None:
         """Stream the body into `sink` as `chunks` would, but from the connection's own
         callback (router/upstream/relay.py). Returns at the body's end."""
         self._clock.begin()
-        relay = Relay(self._payload, sink, self._clock, self._loop, _stream_broke)
+        renaming = None if self._rename is None else RenamingSink(sink, self._rename)
+        relay = Relay(self._payload, renaming or sink, self._clock, self._loop, _stream_broke)
         self._conn.relay = relay
         sink.on_ready(relay.drain)
         try:
             relay.drain()  # what came with the head
             await relay.done
+            if renaming is not None:
+                renaming.end()
         finally:
             self._conn.relay = None
             sink.on_ready(None)

@@ -135,6 +135,29 @@ async def test_the_aiohttp_path_captures_the_body_as_sent_and_off_keeps_figures_
     assert record["path"] == "/v1/completions" and record["ttft_ms"] > 0
 
 
+async def test_the_headers_recorded_are_the_clients_as_sent(tmp_path) -> None:
+    """Compression on: the router takes the client's Accept-Encoding for itself and adds
+    its X-Request-Id to what the backend gets; the record keeps what the client sent."""
+    capture = {"sample": 1.0, "path": str(tmp_path)}
+    sent = {"Accept-Encoding": "gzip", "Authorization": "Bearer sk-client", "X-Team": "search"}
+    body = {"model": MODEL, "max_tokens": 4, "prompt": "headers as sent"}
+    async with captured(capture, compression={"enabled": True, "min_bytes": 1}) as router:
+        async with aiohttp.ClientSession() as http:
+            for stream in (False, True):
+                async with http.post(
+                    router.url + "/v1/completions", json={**body, "stream": stream}, headers=sent
+                ) as resp:
+                    assert resp.status == 200 and resp.headers["Content-Encoding"] == "gzip"
+                    assert resp.headers["X-Request-Id"]
+                    await resp.read()
+    got = [{k.lower(): v for k, v in r["headers"].items()} for r in records(tmp_path)]
+    assert len(got) == 2
+    for headers in got:
+        assert headers["accept-encoding"] == "gzip" and headers["x-team"] == "search"
+        assert headers["authorization"] == "[redacted]"
+        assert "x-request-id" not in headers
+
+
 async def test_recommend_reads_a_long_prefix_runs_capture_and_covers_the_shared_part(
     tmp_path, capsys
 ) -> None:

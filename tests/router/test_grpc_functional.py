@@ -24,6 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
+from router.config import build
 from router.control.worker import Router
 from tests.router.conftest import running, settle
 from tests.stub_backend import StubBackend
@@ -155,14 +156,15 @@ async def _vllm_stream(request: web.Request, body: dict, b, chat: bool) -> web.S
     cut at odd places across writes (the client must still get whole messages)."""
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await response.prepare(request)
+    model = body["model"]
     events = [
-        {"id": "c", "model": MODEL, "created": 1, "choices": [{"index": 0, "delta": d}]}
+        {"id": "c", "model": model, "created": 1, "choices": [{"index": 0, "delta": d}]}
         for d in ({"role": "assistant", "content": ""}, {"content": "Hel"}, {"content": "lo"})
     ]
     events[-1]["choices"][0]["finish_reason"] = "stop"
     usage = {"prompt_tokens": 40, "completion_tokens": 2, "total_tokens": 42}
     usage["prompt_tokens_details"] = {"cached_tokens": 32}
-    events.append({"id": "c", "model": MODEL, "created": 1, "choices": [], "usage": usage})
+    events.append({"id": "c", "model": model, "created": 1, "choices": [], "usage": usage})
     raw = b"".join(b"data: " + orjson.dumps(e) + b"\n\n" for e in events) + b"data: [DONE]\n\n"
     for i in range(0, len(raw), 37):
         await response.write(raw[i : i + 37])
@@ -181,6 +183,33 @@ async def test_stream_decodes_vllm_events_across_chunk_boundaries() -> None:
         assert len(messages) == 4 and not messages[3].choices
         assert messages[3].usage.cached_tokens == 32 and messages[3].usage.prompt_tokens == 40
         await settle(rig.router)
+
+
+async def test_a_pools_renamed_model_answers_under_the_name_asked_for() -> None:
+    """A pool's `model_map` sends stub-model as stub-model-awq: the messages name
+    stub-model, a stream's events cut at odd places included."""
+    stub = await StubBackend(model="stub-model-awq").start()
+    stub._stream = _vllm_stream
+    backend = {"url": stub.url, "name": "b0", "models": ["stub-model-awq"]}
+    pool = {"name": "awq", "priority": 0, "model_map": {MODEL: "stub-model-awq"}}
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "grpc": {"enabled": True, "port": 0},
+        "pools": [{**pool, "backends": [backend]}],
+    }
+    router = Router(build(config))
+    try:
+        await router.start()
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{router.grpc_port}") as channel:
+            api = pb_grpc.InferenceStub(channel)
+            reply = await api.CreateChatCompletion(chat_request(), timeout=TIMEOUT)
+            messages = [m async for m in api.StreamChatCompletion(chat_request(), timeout=TIMEOUT)]
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert [r["model"] for r in stub.received] == ["stub-model-awq"] * 2
+    assert reply.model == MODEL and reply.choices[0].message.content
+    assert len(messages) == 4 and {m.model for m in messages} == {MODEL}
 
 
 async def test_stream_arrives_message_by_message() -> None:

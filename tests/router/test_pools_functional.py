@@ -4,6 +4,7 @@ front, the openai SDK and aiohttp as clients over real sockets."""
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,20 +13,28 @@ import msgspec
 import orjson
 from openai import AsyncOpenAI
 
+from bench.sim.fleet import start_fleet
+from bench.sim.params import SimParams
 from router.config import Config, build
 from router.control.worker import Router
+from tests.router.conftest import sdk_through
 from tests.stub_backend import StubBackend
 
 MESSAGES = [{"role": "user", "content": "the same question every time"}]
+SIM = "sim-llama-70b"
+#: the variant a pool serves SIM as
+AWQ = "sim-llama-70b-awq"
 
 
 ADMIN_TOKEN = "admin-token-for-pool-tests"
 
 
 @asynccontextmanager
-async def two_pools(**config: object) -> AsyncIterator[tuple[Router, StubBackend, StubBackend]]:
+async def two_pools(
+    fallback: dict | None = None, **config: object
+) -> AsyncIterator[tuple[Router, StubBackend, StubBackend]]:
     """`main` alone in pool `preferred`; `spare` in pool `fallback`, which serves the
-    public name stub-model as its own stub-model-awq."""
+    public name stub-model as its own stub-model-awq (`fallback`: more of its keys)."""
     main = await StubBackend().start()
     spare = await StubBackend(model="stub-model-awq").start()
     data = {
@@ -37,6 +46,7 @@ async def two_pools(**config: object) -> AsyncIterator[tuple[Router, StubBackend
                 "priority": 1,
                 "model_map": {"stub-model": "stub-model-awq"},
                 "backends": [{"url": spare.url, "name": "spare", "models": ["stub-model-awq"]}],
+                **(fallback or {}),
             },
         ],
         "routing": {"strategy": "PREFIX_AWARE", "concurrency_threshold": 1},
@@ -175,3 +185,97 @@ async def test_the_model_map_rewrites_the_model_field_and_nothing_else() -> None
             unknown = {"model": "nope", "messages": MESSAGES}
             async with http.post(router.url + "/v1/chat/completions", json=unknown) as resp:
                 assert resp.status == 404
+
+
+async def test_a_renamed_model_answers_and_is_listed_under_the_name_asked_for(tmp_path) -> None:
+    """The openai SDK, compression and capture on, a pool serving sim-llama-70b as its
+    own variant (a simulated backend, with a LoRA adapter on the variant)."""
+    fleet = await start_fleet(1, SimParams(model=AWQ, lora_adapters=["sql"], time_scale=0.02))
+    mapped = {"name": "awq", "priority": 0, "model_map": {SIM: AWQ}}
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{**mapped, "backends": [{"url": fleet.urls[0], "name": "sim-awq"}]}],
+        "compression": {"enabled": True, "min_bytes": 1},
+        "capture": {"enabled": True, "sample": 1.0, "path": str(tmp_path)},
+    }
+    args = {"model": SIM, "messages": MESSAGES, "max_tokens": 6}
+    async with sdk_through(config, fleet) as oai:
+        whole = await oai.chat.completions.with_raw_response.create(**args)
+        answer = whole.parse()
+        streamed = await oai.chat.completions.with_raw_response.create(
+            **args, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in streamed.parse()]
+        listed = [m.model_dump() for m in (await oai.models.list()).data]
+    for raw in (whole, streamed):
+        assert raw.headers["content-encoding"] in ("gzip", "zstd")
+    assert answer.model == SIM and answer.choices[0].message.content
+    assert len(chunks) >= 7 and [c.model for c in chunks] == [SIM] * len(chunks)
+    assert chunks[-1].usage.completion_tokens == 6
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    cards = {card["id"]: card for card in listed}
+    assert set(cards) == {SIM, "sql"}
+    assert (cards[SIM]["root"], cards["sql"]["parent"]) == (SIM, SIM)
+    records = [orjson.loads(x) for f in tmp_path.iterdir() for x in f.read_bytes().splitlines()]
+    responses = {r["response"].get("stream", False): r["response"] for r in records}
+    assert responses[False]["model"] == SIM
+    assert responses[True]["content"] == text and responses[True]["events"] >= 7
+
+
+async def test_only_a_renamed_models_answers_are_rewritten_and_only_their_model(
+    handovers: list[bytes],
+) -> None:
+    """Answers of the preferred pool come byte for byte as the backend sent them; the
+    fallback's, whole or streamed, by the fast path's relay or aiohttp's with the
+    usage event taken out, differ from its own only in the model they name."""
+    whole = {"model": "stub-model", "messages": MESSAGES, "max_tokens": 3}
+    stream = {**whole, "stream": True}
+    asked = [whole, {**stream, "stream_options": {"include_usage": True}}, stream]
+    async with two_pools(usage={"stream_usage": True}) as (router, main, spare):
+        async with aiohttp.ClientSession() as http:
+            home = [await _answer(http, router.url, body) for body in asked]
+            assert home == [("preferred", (await _answer(http, main.url, b))[1]) for b in asked]
+            main.behaviour.status = 503
+            router.fleet.set_healthy(router.fleet.find("main"), False)
+            spilled = [
+                await _answer(http, router.url, body, chunked=i == 2)
+                for i, body in enumerate(asked)
+            ]
+            for body, (pool, got) in zip(asked, spilled, strict=True):
+                _, own = await _answer(http, spare.url, {**body, "model": "stub-model-awq"})
+                assert pool == "fallback" and b"awq" in own and b"awq" not in got
+                assert got == re.sub(rb'("model"\s*:\s*)"stub-model-awq"', rb'\1"stub-model"', own)
+            async with http.get(router.url + "/v1/models") as resp:
+                assert [m["id"] for m in (await resp.json())["data"]] == ["stub-model"]
+    assert len(handovers) == 1 and b"data: [DONE]" in spilled[2][1]  # aiohttp's relay
+    assert spare.received[2]["stream_options"] == {"include_usage": True}  # taken out
+
+
+async def test_a_pool_that_exposes_its_model_answers_and_lists_it() -> None:
+    async with two_pools({"expose_backend_model": True}) as (router, _, _):
+        router.fleet.set_healthy(router.fleet.find("main"), False)
+        async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
+            args = {"model": "stub-model", "messages": MESSAGES, "max_tokens": 3}
+            answer = await oai.chat.completions.create(**args)
+            chunks = [c async for c in await oai.chat.completions.create(**args, stream=True)]
+            listed = {m.id for m in (await oai.models.list()).data}
+    assert answer.model == "stub-model-awq" and {c.model for c in chunks} == {"stub-model-awq"}
+    assert listed == {"stub-model", "stub-model-awq"}
+
+
+async def _answer(
+    http: aiohttp.ClientSession, url: str, body: dict, chunked: bool = False
+) -> tuple[str, bytes]:
+    """The chat answer's pool (from the router) and body; `chunked`: the request's body
+    sent in chunks, which aiohttp's server reads (not the fast path)."""
+    data = orjson.dumps(body)
+
+    async def pieces() -> AsyncIterator[bytes]:
+        yield data[:10]
+        yield data[10:]
+
+    headers = {"Content-Type": "application/json"}
+    sent = pieces() if chunked else data
+    async with http.post(url + "/v1/chat/completions", data=sent, headers=headers) as resp:
+        assert resp.status == 200
+        return resp.headers.get("x-kvroute-pool", ""), await resp.read()

@@ -147,3 +147,31 @@ async def test_usage_is_404_with_records_off(monkeypatch) -> None:
             async with http.get(router.admin.url + "/admin/usage") as resp:
                 assert resp.status == 404
                 assert "usage.records" in (await resp.json())["error"]["message"]
+
+
+async def test_usage_records_keep_a_tenant_the_metrics_label_other(monkeypatch, tmp_path) -> None:
+    monkeypatch.setenv("KV_USAGE_ADMIN", ADMIN)
+    usage = {"records": True, "path": str(tmp_path / "u.db"), "interval_s": 0.05}
+    async with accounting(usage) as (router, oai):
+        used = [await ask(oai, "globex", i, stream=False) for i in range(3)]
+        headers = {"Authorization": f"Bearer {ADMIN}"}
+        url = router.admin.url + "/admin/usage"
+        async with aiohttp.ClientSession(headers=headers) as http:
+            async with asyncio.timeout(10):  # until the window holding the 3rd is written
+                while True:
+                    async with http.get(url, params={"tenant": "globex"}) as resp:
+                        assert resp.status == 200
+                        rows = (await resp.json())["usage"]
+                    if sum(r["requests"] for r in rows) == 3:
+                        break
+                    await asyncio.sleep(0.02)
+            async with http.get(url, params={"tenant": "(other)"}) as resp:
+                assert (await resp.json())["usage"] == []
+            async with http.get(router.url + "/metrics") as resp:
+                page = await resp.text()
+    (row,) = rows
+    assert row["prompt_tokens"] == sum(u.prompt_tokens for u in used)
+    assert row["completion_tokens"] == 3 * MAX_TOKENS
+    other = 'kvroute_usage_requests_total{model="sim-llama-70b",pool="(none)",tenant="(other)"}'
+    assert f"{other} 3.0" in page.splitlines()
+    assert "globex" not in page
