@@ -26,6 +26,7 @@ from bench.report import (
 )
 from bench.sim import SimParams, start_fleet
 from bench.workloads import WorkloadSpec, generate
+from router.config import DEFAULT_STRATEGY
 from router.control.supervisor import usable_cores
 from router.control.worker import Router
 
@@ -95,6 +96,17 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
     assert all(o["cached_tokens"] is not None for o in doc["runs"][1]["outcomes"])
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (tmp_path / "ttft_hit_rate.png").exists() == has_matplotlib
+
+
+def test_default_strategies_include_what_serve_routes_with_by_default(tmp_path, capsys):
+    """`kvroute bench` and `kvroute demo` without --strategies: a row for the serve default."""
+    assert DEFAULT_STRATEGY in harness.build_parser().parse_args([]).strategies.split(",")
+    assert f"--strategies={','.join(harness.DEFAULT_STRATEGIES)}" in demo.demo_argv(4, 16, 0.25)
+    argv = [a for a in TINY if not a.startswith("--strategies")]
+    assert harness.main([*argv, "--requests=4", "--calibration=0", f"--out={tmp_path}"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert list(rows) == list(harness.DEFAULT_STRATEGIES)
+    assert rows[DEFAULT_STRATEGY][1:3] == ["4", "0"]  # ok, failed
 
 
 def test_replicas_share_the_requests_of_one_config(tmp_path, capsys):
