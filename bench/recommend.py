@@ -563,7 +563,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _traffic(args: argparse.Namespace) -> tuple[Traffic, WorkloadSpec | None]:
     """The capture's traffic (and no workload yet), or the workload's and its spec."""
     if args.captures:
-        return read_capture(args.captures), None
+        traffic = read_capture(args.captures)
+        for path in traffic.unfinished:
+            print(
+                f"kvroute recommend: warning: {path} ends mid-record (still being written, "
+                "or its writer was killed); read up to its last complete line",
+                file=sys.stderr,
+            )
+        return traffic, None
     spec = msgspec.structs.replace(workload_spec(args, args.rate or DEFAULT_RATE), seed=args.seed)
     return from_workload(spec, args.backends or DEFAULT_BACKENDS), spec
 
