@@ -70,12 +70,12 @@ from bench import processes, procstat, scrape
 from bench.loadgen import Outcome, replay
 from bench.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.report import (
-    LEGEND,
     BackendDelta,
     Run,
     Setup,
     Summary,
     chart,
+    legend,
     means_table,
     percentile,
     reading,
@@ -973,13 +973,19 @@ def _print(results: Sequence[_Seeded], options: Options) -> None:
         print(("\n" if i else "") + _header(seeded.workload, options, seeded.requests))
         print(table(seeded.summaries))
         if not i:
-            print(textwrap.fill(LEGEND, 92))
+            print(textwrap.fill(legend(seeded.summaries, _clock(options)), 92))
         for line in reading(seeded.summaries):
             print(line)
-    print("\nConfiguration of each row (every seed alike, the policies seeded with the table's):")
-    for run in results[0].runs:
-        if run.setup:
-            print(f"  {run.strategy}: {_described(run.setup, run.replica_requests, run.seed)}")
+    described = [
+        f"  {run.strategy}: {_described(run.setup, run.replica_requests, run.seed)}"
+        for run in results[0].runs
+        if run.setup  # none for a --target run
+    ]
+    if described:
+        print(
+            "\nConfiguration of each row (every seed alike, the policies seeded with the table's):"
+        )
+        print("\n".join(described))
     if len(results) > 1:
         seeds = ", ".join(str(r.workload.seed) for r in results)
         print(f"\nMean over seeds {seeds} (n/a if a seed has none):")
@@ -1037,7 +1043,7 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
     if options.concurrency:
         arrivals = f"closed loop, {options.concurrency} clients"
     else:
-        arrivals = f"Poisson {w.rate:g} req/s" + ("" if options.target else " (simulated)")
+        arrivals = f"Poisson {w.rate:g} req/s" + (" (simulated)" if _simulated(options) else "")
     if options.target:
         where = f"target {options.target}"
     else:
@@ -1050,8 +1056,19 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
     )
 
 
+def _simulated(options: Options) -> bool:
+    """Whether times are simulated: on a fleet started here, or on a target whose scale
+    --time-scale gives (a target is measured in wall time by default)."""
+    return options.target is None or options.time_scale != 1
+
+
+def _clock(options: Options) -> str:
+    """What the latencies and req/s are in."""
+    return "simulated time (wall / time_scale)" if _simulated(options) else "wall time"
+
+
 def _footer(runs: Sequence[Run], options: Options) -> list[str]:
-    clock = "wall time" if options.target else "simulated time (wall / time_scale)"
+    clock = _clock(options)
     names = sorted({name for r in runs for name in r.cpu})
     shares = ", ".join(f"{n} {max(r.cpu.get(n, 0.0) for r in runs):.0%}" for n in names)
     lag = max((r.loop_lag_p99 or 0.0) for r in runs)

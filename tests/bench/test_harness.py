@@ -271,6 +271,41 @@ async def test_target_mode_reads_what_a_kvroute_target_exposes():
     assert summary.hop_ms is None and summary.decision_us is not None
 
 
+@pytest.fixture
+def sim_url():
+    """One simulated vLLM server in a child process, for `kvroute bench --target` runs."""
+    cmd = [sys.executable, "-m", "bench.sim", "--instances=1", "--time-scale=0.05"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        url = proc.stdout.readline().decode().strip()  # its first line, once it listens
+        assert url.startswith("http://127.0.0.1:"), "the simulator did not start"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+TARGET = ["--requests=2", "--groups=1", "--prefix-tokens=100", "--max-tokens=4", "--rate=20"]
+
+
+@pytest.mark.parametrize(
+    ("scale", "clock"), [([], "wall time"), (["--time-scale=0.05"], "simulated time")]
+)
+def test_target_output_names_one_clock_and_no_empty_heading(sim_url, capsys, scale, clock):
+    """A target's latencies are wall time unless --time-scale gives a simulated target's
+    scale; nothing was started, so no row has a configuration to list."""
+    assert harness.main(["--target", sim_url, *TARGET, *scale]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"percentiles in ms of {clock}" in out
+    assert f"Latencies (ms) and req/s are in {clock}" in out
+    other = "simulated" if clock == "wall time" else "wall time"
+    assert other not in out.replace("(wall / time_scale)", "")
+    assert "Configuration of each row" not in out
+
+
 @pytest.mark.parametrize(
     ("values", "q", "expected"),
     [
