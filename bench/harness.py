@@ -625,7 +625,7 @@ async def _simulated_run(
                 raise HarnessError(f"the router did not start: {exc}") from None
             return _unmeasured(label, router.setup, f"did not start: {exc}", options)
         http = await stack.enter_async_context(aiohttp.ClientSession(timeout=_HTTP_TIMEOUT))
-        model = options.model or await _first_model(http, urls[0])
+        model = await _model(http, urls[0], options.model)
         hop = await _calibrate(http, urls, replicas[0][0], model, options.calibration)
         trees = [pid for _, root in replicas for pid in procstat.tree(root)]
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
@@ -651,7 +651,7 @@ async def _target_run(
     target: str, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
 ) -> Run:
     async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as http:
-        model = options.model or await _first_model(http, target)
+        model = await _model(http, target, options.model)
         entry = _Entry(None, [target], [], {"harness": [os.getpid()]}, None, None)
         return await _measured_replay(http, entry, model, specs, options, on_done)
 
@@ -810,15 +810,34 @@ def router_config(
 # --- measurements ---------------------------------------------------------------------
 
 
-async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
+async def _model(http: aiohttp.ClientSession, url: str, given: str | None) -> str:
+    """`given`, or the first model `url` lists. `url` must answer either way, so that an
+    unreachable one is one line naming it, not a table of failed requests."""
     try:
         async with http.get(url + "/v1/models") as resp:
             data = (await resp.json()).get("data") or []
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise HarnessError(f"{url}/v1/models did not answer: {exc}") from exc
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        raise HarnessError(f"cannot reach {url}: {_unreachable(exc)}") from None
+    except (aiohttp.ClientError, ValueError) as exc:
+        if given:
+            return given
+        raise HarnessError(f"{url}/v1/models did not answer: {exc}; pass --model") from None
+    if given:
+        return given
     if not data:
         raise HarnessError(f"{url}/v1/models lists no model; pass --model")
     return str(data[0]["id"])
+
+
+def _unreachable(exc: Exception) -> str:
+    """Why a connection failed, in the system's words: aiohttp's own message names
+    `ssl:default` even for an http URL."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {_HTTP_TIMEOUT.total:g} s"
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno > 0:
+        return os.strerror(exc.errno)
+    cause = getattr(exc, "os_error", None)  # a failed name lookup, for one
+    return str(cause.strerror or cause) if isinstance(cause, OSError) else str(exc)
 
 
 async def _calibrate(

@@ -2,9 +2,12 @@
 127.0.0.1; plus the report's pure arithmetic. The peers are pointed at an empty
 virtualenv and never pip-installed, so every machine runs the same tests."""
 
+import errno
 import importlib.util
 import math
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -304,6 +307,17 @@ def test_target_output_names_one_clock_and_no_empty_heading(sim_url, capsys, sca
     other = "simulated" if clock == "wall time" else "wall time"
     assert other not in out.replace("(wall / time_scale)", "")
     assert "Configuration of each row" not in out
+
+
+@pytest.mark.parametrize("model", [[], ["--model=m"]])
+def test_an_unreachable_target_is_one_line_naming_it(capsys, model):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{free.getsockname()[1]}"  # closed once the block ends
+    assert harness.main(["--target", url, "--requests=1", *model]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"kvroute bench: cannot reach {url}: {os.strerror(errno.ECONNREFUSED)}\n"
+    assert out == ""  # no table of failed requests
 
 
 @pytest.mark.parametrize(
