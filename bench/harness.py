@@ -75,6 +75,7 @@ from bench.report import (
     Setup,
     Summary,
     chart,
+    counted,
     legend,
     means_table,
     percentile,
@@ -1015,14 +1016,14 @@ def _print(results: Sequence[_Seeded], options: Options) -> None:
 
 def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int | None) -> str:
     """A row's configuration in words: router, processes, replicas, KV events, params."""
-    replicas = _count(setup.replicas, "replica")
+    replicas = counted(setup.replicas, "replica")
     if len(replica_requests) > 1 and any(n is not None for n in replica_requests):
         counts = " / ".join("n/a" if n is None else f"{n:.0f}" for n in replica_requests)
         replicas += f" (requests {counts} with seed {seed})"
     if setup.params is None:
         version = f" {setup.version}" if setup.version else ""
         return f"{setup.router}{version} --policy {setup.policy} with its defaults, {replicas}"
-    workers = _count(setup.workers, "worker")
+    workers = counted(setup.workers, "worker")
     if setup.workers_config == 0:
         workers += " (one per usable core)"
     if setup.processes is not None:
@@ -1036,10 +1037,6 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     return "; ".join([head, " ".join(knobs)] if knobs else [head])
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _compact(value: object) -> str:
     return value if isinstance(value, str) else orjson.dumps(value).decode()
 
@@ -1050,17 +1047,17 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         prompts = f"unique {w.shared_tokens + w.question_tokens}-token prompts"
     elif w.shape == "multi-turn":
         prompts = (
-            f"{w.groups} conversations, {w.shared_tokens}-token system prompt "
+            f"{counted(w.groups, 'conversation')}, {w.shared_tokens}-token system prompt "
             f"({'one for all' if w.system_prompt == 'shared' else 'one each'}), "
             f"{w.question_tokens}-token questions"
         )
     else:
         prompts = (
-            f"{w.groups} groups, {w.shared_tokens}-token shared prompts, "
+            f"{counted(w.groups, 'group')}, {w.shared_tokens}-token shared prompts, "
             f"{w.question_tokens}-token questions"
         )
     if options.concurrency:
-        arrivals = f"closed loop, {options.concurrency} clients"
+        arrivals = f"closed loop, {counted(options.concurrency, 'client')}"
     else:
         arrivals = f"Poisson {w.rate:g} req/s" + (" (simulated)" if _simulated(options) else "")
     if options.target:
@@ -1070,7 +1067,8 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         if options.pd:
             where += f" (P/D rows: {options.pd[0]} prefill + {options.pd[1]} decode)"
     return (
-        f"{w.shape}: {n} requests, {prompts}, {w.max_tokens} output tokens, {arrivals}, "
+        f"{w.shape}: {counted(n, 'request')}, {prompts}, {counted(w.max_tokens, 'output token')}, "
+        f"{arrivals}, "
         f"seed {w.seed}; {where}"
     )
 

@@ -309,6 +309,13 @@ def test_target_output_names_one_clock_and_no_empty_heading(sim_url, capsys, sca
     assert "Configuration of each row" not in out
 
 
+def test_a_count_of_one_is_singular(sim_url, capsys):
+    argv = ["--target", sim_url, "--requests=1", "--groups=1", "--prefix-tokens=100"]
+    assert harness.main([*argv, "--max-tokens=1", "--concurrency=1"]) == 0
+    header = "long-prefix: 1 request, 1 group, 100-token shared prompts, 100-token questions, "
+    assert header + "1 output token, closed loop, 1 client, seed 0;" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("model", [[], ["--model=m"]])
 def test_an_unreachable_target_is_one_line_naming_it(capsys, model):
     with socket.socket() as free:
