@@ -1068,8 +1068,7 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
             where += f" (P/D rows: {options.pd[0]} prefill + {options.pd[1]} decode)"
     return (
         f"{w.shape}: {counted(n, 'request')}, {prompts}, {counted(w.max_tokens, 'output token')}, "
-        f"{arrivals}, "
-        f"seed {w.seed}; {where}"
+        f"{arrivals}, seed {w.seed}; {where}"
     )
 
 
