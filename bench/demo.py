@@ -33,7 +33,7 @@ def demo_argv(backends: int, groups: int, time_scale: float) -> list[str]:
     """The `kvroute bench` arguments of the demo."""
     rate = 3.5 * backends / 4  # the same load per backend for any fleet size
     return [
-        "--strategies=RANDOM,LEAST_OUTSTANDING_REQUESTS,PREFIX_AWARE,KV_AWARE",
+        f"--strategies={','.join(harness.DEFAULT_STRATEGIES)}",
         "--workload=long-prefix",
         f"--backends={backends}",
         f"--groups={groups}",

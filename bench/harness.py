@@ -70,12 +70,13 @@ from bench import processes, procstat, scrape
 from bench.loadgen import Outcome, replay
 from bench.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.report import (
-    LEGEND,
     BackendDelta,
     Run,
     Setup,
     Summary,
     chart,
+    counted,
+    legend,
     means_table,
     percentile,
     reading,
@@ -84,7 +85,7 @@ from bench.report import (
     table,
 )
 from bench.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
-from router.config import Config, ConfigError, build
+from router.config import DEFAULT_STRATEGY, Config, ConfigError, build
 from router.control.supervisor import worker_count
 
 __all__ = [
@@ -100,7 +101,11 @@ __all__ = [
     "workload_spec",
 ]
 
-DEFAULT_STRATEGIES = ("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE")
+#: the baseline first; the strategy `kvroute serve` routes with by default is in every
+#: default table, so the comparison shows what a user gets without choosing
+DEFAULT_STRATEGIES = tuple(
+    dict.fromkeys(("RANDOM", "LEAST_OUTSTANDING_REQUESTS", "PREFIX_AWARE", DEFAULT_STRATEGY))
+)
 DEFAULT_BACKENDS = 7
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
 DEFAULT_TIME_SCALE = 0.5
@@ -621,7 +626,7 @@ async def _simulated_run(
                 raise HarnessError(f"the router did not start: {exc}") from None
             return _unmeasured(label, router.setup, f"did not start: {exc}", options)
         http = await stack.enter_async_context(aiohttp.ClientSession(timeout=_HTTP_TIMEOUT))
-        model = options.model or await _first_model(http, urls[0])
+        model = await _model(http, urls[0], options.model)
         hop = await _calibrate(http, urls, replicas[0][0], model, options.calibration)
         trees = [pid for _, root in replicas for pid in procstat.tree(root)]
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
@@ -647,7 +652,7 @@ async def _target_run(
     target: str, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
 ) -> Run:
     async with aiohttp.ClientSession(timeout=_HTTP_TIMEOUT) as http:
-        model = options.model or await _first_model(http, target)
+        model = await _model(http, target, options.model)
         entry = _Entry(None, [target], [], {"harness": [os.getpid()]}, None, None)
         return await _measured_replay(http, entry, model, specs, options, on_done)
 
@@ -806,15 +811,34 @@ def router_config(
 # --- measurements ---------------------------------------------------------------------
 
 
-async def _first_model(http: aiohttp.ClientSession, url: str) -> str:
+async def _model(http: aiohttp.ClientSession, url: str, given: str | None) -> str:
+    """`given`, or the first model `url` lists. `url` must answer either way, so that an
+    unreachable one is one line naming it, not a table of failed requests."""
     try:
         async with http.get(url + "/v1/models") as resp:
             data = (await resp.json()).get("data") or []
-    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
-        raise HarnessError(f"{url}/v1/models did not answer: {exc}") from exc
+    except (aiohttp.ClientConnectionError, TimeoutError) as exc:
+        raise HarnessError(f"cannot reach {url}: {_unreachable(exc)}") from None
+    except (aiohttp.ClientError, ValueError) as exc:
+        if given:
+            return given
+        raise HarnessError(f"{url}/v1/models did not answer: {exc}; pass --model") from None
+    if given:
+        return given
     if not data:
         raise HarnessError(f"{url}/v1/models lists no model; pass --model")
     return str(data[0]["id"])
+
+
+def _unreachable(exc: Exception) -> str:
+    """Why a connection failed, in the system's words: aiohttp's own message names
+    `ssl:default` even for an http URL."""
+    if isinstance(exc, TimeoutError):
+        return f"no answer within {_HTTP_TIMEOUT.total:g} s"
+    if isinstance(exc, OSError) and exc.errno is not None and exc.errno > 0:
+        return os.strerror(exc.errno)
+    cause = getattr(exc, "os_error", None)  # a failed name lookup, for one
+    return str(cause.strerror or cause) if isinstance(cause, OSError) else str(exc)
 
 
 async def _calibrate(
@@ -969,13 +993,19 @@ def _print(results: Sequence[_Seeded], options: Options) -> None:
         print(("\n" if i else "") + _header(seeded.workload, options, seeded.requests))
         print(table(seeded.summaries))
         if not i:
-            print(textwrap.fill(LEGEND, 92))
+            print(textwrap.fill(legend(seeded.summaries, _clock(options)), 92))
         for line in reading(seeded.summaries):
             print(line)
-    print("\nConfiguration of each row (every seed alike, the policies seeded with the table's):")
-    for run in results[0].runs:
-        if run.setup:
-            print(f"  {run.strategy}: {_described(run.setup, run.replica_requests, run.seed)}")
+    described = [
+        f"  {run.strategy}: {_described(run.setup, run.replica_requests, run.seed)}"
+        for run in results[0].runs
+        if run.setup  # none for a --target run
+    ]
+    if described:
+        print(
+            "\nConfiguration of each row (every seed alike, the policies seeded with the table's):"
+        )
+        print("\n".join(described))
     if len(results) > 1:
         seeds = ", ".join(str(r.workload.seed) for r in results)
         print(f"\nMean over seeds {seeds} (n/a if a seed has none):")
@@ -986,14 +1016,14 @@ def _print(results: Sequence[_Seeded], options: Options) -> None:
 
 def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int | None) -> str:
     """A row's configuration in words: router, processes, replicas, KV events, params."""
-    replicas = _count(setup.replicas, "replica")
+    replicas = counted(setup.replicas, "replica")
     if len(replica_requests) > 1 and any(n is not None for n in replica_requests):
         counts = " / ".join("n/a" if n is None else f"{n:.0f}" for n in replica_requests)
         replicas += f" (requests {counts} with seed {seed})"
     if setup.params is None:
         version = f" {setup.version}" if setup.version else ""
         return f"{setup.router}{version} --policy {setup.policy} with its defaults, {replicas}"
-    workers = _count(setup.workers, "worker")
+    workers = counted(setup.workers, "worker")
     if setup.workers_config == 0:
         workers += " (one per usable core)"
     if setup.processes is not None:
@@ -1007,10 +1037,6 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     return "; ".join([head, " ".join(knobs)] if knobs else [head])
 
 
-def _count(n: int, noun: str) -> str:
-    return f"{n} {noun}" + ("" if n == 1 else "s")
-
-
 def _compact(value: object) -> str:
     return value if isinstance(value, str) else orjson.dumps(value).decode()
 
@@ -1021,19 +1047,19 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         prompts = f"unique {w.shared_tokens + w.question_tokens}-token prompts"
     elif w.shape == "multi-turn":
         prompts = (
-            f"{w.groups} conversations, {w.shared_tokens}-token system prompt "
+            f"{counted(w.groups, 'conversation')}, {w.shared_tokens}-token system prompt "
             f"({'one for all' if w.system_prompt == 'shared' else 'one each'}), "
             f"{w.question_tokens}-token questions"
         )
     else:
         prompts = (
-            f"{w.groups} groups, {w.shared_tokens}-token shared prompts, "
+            f"{counted(w.groups, 'group')}, {w.shared_tokens}-token shared prompts, "
             f"{w.question_tokens}-token questions"
         )
     if options.concurrency:
-        arrivals = f"closed loop, {options.concurrency} clients"
+        arrivals = f"closed loop, {counted(options.concurrency, 'client')}"
     else:
-        arrivals = f"Poisson {w.rate:g} req/s" + ("" if options.target else " (simulated)")
+        arrivals = f"Poisson {w.rate:g} req/s" + (" (simulated)" if _simulated(options) else "")
     if options.target:
         where = f"target {options.target}"
     else:
@@ -1041,13 +1067,24 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         if options.pd:
             where += f" (P/D rows: {options.pd[0]} prefill + {options.pd[1]} decode)"
     return (
-        f"{w.shape}: {n} requests, {prompts}, {w.max_tokens} output tokens, {arrivals}, "
-        f"seed {w.seed}; {where}"
+        f"{w.shape}: {counted(n, 'request')}, {prompts}, {counted(w.max_tokens, 'output token')}, "
+        f"{arrivals}, seed {w.seed}; {where}"
     )
 
 
+def _simulated(options: Options) -> bool:
+    """Whether times are simulated: on a fleet started here, or on a target whose scale
+    --time-scale gives (a target is measured in wall time by default)."""
+    return options.target is None or options.time_scale != 1
+
+
+def _clock(options: Options) -> str:
+    """What the latencies and req/s are in."""
+    return "simulated time (wall / time_scale)" if _simulated(options) else "wall time"
+
+
 def _footer(runs: Sequence[Run], options: Options) -> list[str]:
-    clock = "wall time" if options.target else "simulated time (wall / time_scale)"
+    clock = _clock(options)
     names = sorted({name for r in runs for name in r.cpu})
     shares = ", ".join(f"{n} {max(r.cpu.get(n, 0.0) for r in runs):.0%}" for n in names)
     lag = max((r.loop_lag_p99 or 0.0) for r in runs)

@@ -49,7 +49,7 @@ from bench.harness import (
     run_bench,
     workload_spec,
 )
-from bench.report import Summary, percentile, reading, summarize, table
+from bench.report import Summary, counted, percentile, reading, summarize, table
 from bench.traffic import (
     NEARLY_ALL,
     Concurrency,
@@ -387,7 +387,8 @@ def _print_text(r: _Report) -> None:
     t, p = r.traffic, r.facts.prefixes
     skipped = "; ".join(f"{n} {why}" for why, n in t.skipped.items())
     print(
-        f"{t.source}: {len(t.requests)} requests" + (f" ({skipped}, left out)" if skipped else "")
+        f"{t.source}: {counted(len(t.requests), 'request')}"
+        + (f" ({skipped}, left out)" if skipped else "")
     )
     for line in [*_prefix_lines(p), *_load_lines(r.facts)]:
         indent = " " * (len(line) - len(line.lstrip()) + 2)
@@ -399,9 +400,9 @@ def _print_text(r: _Report) -> None:
     if r.validation is not None and r.workload is not None:
         w = r.workload
         header = (
-            f"Validation on simulated backends: {w.shape}, {w.requests} requests, "
-            f"{w.groups} groups, {w.shared_tokens}-token shared prompts, "
-            f"{w.question_tokens}-token questions, {w.max_tokens} output tokens, "
+            f"Validation on simulated backends: {w.shape}, {counted(w.requests, 'request')}, "
+            f"{counted(w.groups, 'group')}, {w.shared_tokens}-token shared prompts, "
+            f"{w.question_tokens}-token questions, {counted(w.max_tokens, 'output token')}, "
             f"Poisson {w.rate:.3g} req/s (simulated time)"
         )
         print("\n" + textwrap.fill(header, _WIDTH))
@@ -563,7 +564,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _traffic(args: argparse.Namespace) -> tuple[Traffic, WorkloadSpec | None]:
     """The capture's traffic (and no workload yet), or the workload's and its spec."""
     if args.captures:
-        return read_capture(args.captures), None
+        traffic = read_capture(args.captures)
+        for path in traffic.unfinished:
+            print(
+                f"kvroute recommend: warning: {path} ends mid-record (still being written, "
+                "or its writer was killed); read up to its last complete line",
+                file=sys.stderr,
+            )
+        return traffic, None
     spec = msgspec.structs.replace(workload_spec(args, args.rate or DEFAULT_RATE), seed=args.seed)
     return from_workload(spec, args.backends or DEFAULT_BACKENDS), spec
 

@@ -43,6 +43,8 @@ __all__ = [
     "Summary",
     "bucket_quantile",
     "chart",
+    "counted",
+    "legend",
     "means_table",
     "percentile",
     "reading",
@@ -275,16 +277,26 @@ def _cell(value: object, fmt: str) -> str:
     return fmt.format(value)
 
 
-#: what the columns of `table` mean, printed under it
-LEGEND = (
-    "TTFT, ITL (inter-token) and E2E: percentiles in simulated ms; req/s: successful "
-    "requests per second; KV hit: the fleet's prefix-cache hit rate (prompt tokens); "
-    "tier hit (with KV offloading, or --pd): the prompt tokens loaded from an offload tier "
-    "or transferred from a prefill backend (vLLM's external prefix cache counters); "
-    "spread req / spread busy: the busiest backend's requests / busy time over the mean "
-    "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
-    "what one pass through the router adds (/tokenize pairs, real time)."
-)
+def legend(summaries: Sequence[Summary], clock: str) -> str:
+    """What the columns of `table(summaries)` mean, printed under it; the latencies and
+    req/s are in `clock` (simulated time, or a target's wall time)."""
+    tiers = (
+        "tier hit (with KV offloading, or --pd): the prompt tokens loaded from an offload "
+        "tier or transferred from a prefill backend (vLLM's external prefix cache counters); "
+    )
+    return (
+        f"TTFT, ITL (inter-token) and E2E: percentiles in ms of {clock}; req/s: successful "
+        "requests per second; KV hit: the fleet's prefix-cache hit rate (prompt tokens); "
+        f"{tiers if _has_tiers(summaries) else ''}"
+        "spread req / spread busy: the busiest backend's requests / busy time over the mean "
+        "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
+        "what one pass through the router adds (/tokenize pairs, real time)."
+    )
+
+
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless n is 1: "1 request", "2 requests"."""
+    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def table(summaries: Sequence[Summary]) -> str:
@@ -296,8 +308,12 @@ def _present(
     items: Sequence[object], columns: Sequence[tuple[str, str, str]]
 ) -> list[tuple[str, str, str]]:
     """The columns, less the tier hit rate when no row has one (no offloading)."""
-    tiers = any(getattr(s, "tier_hit_rate", None) for s in items)
+    tiers = _has_tiers(items)
     return [c for c in columns if tiers or c[1] != "tier_hit_rate"]
+
+
+def _has_tiers(items: Sequence[object]) -> bool:
+    return any(getattr(s, "tier_hit_rate", None) for s in items)
 
 
 def _fixed_width(items: Sequence[object], columns: Sequence[tuple[str, str, str]]) -> str:

@@ -110,6 +110,9 @@ class Traffic:
     source: str
     requests: list[Seen]
     skipped: dict[str, int] = field(default_factory=dict)
+    #: capture files that end mid-record (still being written, or their writer killed),
+    #: read up to their last complete line
+    unfinished: list[str] = field(default_factory=list)
 
 
 # --- reading a capture -----------------------------------------------------------------
@@ -145,8 +148,9 @@ def read_capture(paths: Sequence[str]) -> Traffic:
     """Every usable request of the capture files, in order; TrafficError says what is wrong."""
     requests: list[Seen] = []
     skipped: Counter[str] = Counter()
+    unfinished: list[str] = []
     for path in paths:
-        for record in _records(path):
+        for record in _records(path, unfinished):
             seen = _seen(record, skipped)
             if seen is not None:
                 requests.append(seen)
@@ -157,17 +161,45 @@ def read_capture(paths: Sequence[str]) -> Traffic:
             f"{source}: no request with a prompt to analyse ({left}); capture with the "
             "request bodies on"
         )
-    return Traffic(source, requests, dict(skipped))
+    return Traffic(source, requests, dict(skipped), unfinished)
 
 
-def _records(path: str) -> Iterator[_Record]:
+def _records(path: str, unfinished: list[str]) -> Iterator[_Record]:
     try:
         with _open(path) as lines:
-            for number, line in enumerate(lines, 1):
+            for number, line in _complete_lines(lines, path, unfinished):
                 if line.strip():
                     yield _decode(line, f"{path}:{number}")
     except OSError as exc:  # missing, unreadable, or not gzip after all
         raise TrafficError(f"{path}: {exc.strerror or exc}") from None
+
+
+def _complete_lines(
+    lines: IO[bytes], path: str, unfinished: list[str]
+) -> Iterator[tuple[int, bytes]]:
+    """The lines of `lines`, numbered, up to the last complete one. The router's writer
+    ends every record with a newline, and a gzip file it has not closed (still writing,
+    or killed) lacks its end-of-stream marker: such a file stops at its last complete
+    line, and `unfinished` gets its path. A last line without a newline that is whole
+    JSON (a file written by hand) counts."""
+    try:
+        for number, line in enumerate(lines, 1):
+            if not line.endswith(b"\n") and not _is_json(line):
+                break
+            yield number, line
+        else:
+            return
+    except EOFError:  # gzip: the stream ends before its end-of-stream marker
+        pass
+    unfinished.append(path)
+
+
+def _is_json(line: bytes) -> bool:
+    try:
+        msgspec.json.decode(line)
+    except msgspec.DecodeError:
+        return False
+    return True
 
 
 def _open(path: str) -> IO[bytes]:

@@ -1,7 +1,8 @@
 """A faithful vLLM simulator: K fake vLLM servers in one process, for router tests and benches.
 
-Each backend speaks vLLM 0.33's HTTP surface (OpenAI chat/completions with SSE, /metrics
-under vLLM's names, /tokenize, /health, ...) and, optionally, its ZMQ KV-cache events.
+Each backend speaks vLLM 0.33's HTTP surface (OpenAI chat/completions with SSE,
+embeddings, /metrics under vLLM's names, /tokenize, /health, ...) and, optionally, its
+ZMQ KV-cache events.
 Behind it runs a small model of vLLM V1: a prefix cache of hashed blocks with LRU
 eviction of unreferenced blocks (kv_cache.py), continuous batching with chunked prefill
 and recompute preemption (scheduler.py), and a step loop whose durations follow a
@@ -10,7 +11,8 @@ start and at runtime (POST /sim/fault, /sim/restart).
 
 Modules, along one request: cli -> fleet (backends, sockets) -> server (HTTP, faults) ->
 protocol (bodies, responses) -> tokenizer -> engine -> scheduler -> kv_cache ->
-kv_events/publisher (ZMQ); metrics beside the engine; params holds every knob.
+kv_events/publisher (ZMQ); metrics beside the engine; embedding (/v1/embeddings,
+off the engine); params holds every knob.
 
     fleet = await start_fleet(4, SimParams(time_scale=0.1, kv_events=True))
     ... fleet.urls, fleet.backends[i].stats, fleet.backends[i].set_fault(Fault(mode="fail"))

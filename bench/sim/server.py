@@ -1,8 +1,9 @@
 """HTTP surface of one simulated vLLM server (aiohttp), faults included.
 
 Routes (vLLM 0.33 shapes, docs/vllm-telemetry.md §5): POST /v1/chat/completions,
-POST /v1/completions, GET /v1/models, GET /health, POST /tokenize, GET /metrics,
-GET /load, GET /version, GET /kv_event_sources, POST /reset_prefix_cache; with
+POST /v1/completions, POST /v1/embeddings (bench/sim/embedding.py), GET /v1/models,
+GET /health, POST /tokenize, GET /metrics, GET /load, GET /version,
+GET /kv_event_sources, POST /reset_prefix_cache; with
 runtime_lora_updating, POST /v1/load_lora_adapter and /v1/unload_lora_adapter (absent
 otherwise, so 404, as in vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING); and the
 simulator's admin routes GET|POST /sim/fault, POST /sim/restart, GET /sim/stats.
@@ -26,6 +27,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
+from bench.sim import embedding
 from bench.sim.engine import updates
 from bench.sim.lora import LoraError
 from bench.sim.metrics import CONTENT_TYPE
@@ -58,6 +60,7 @@ _TOKENIZE = msgspec.json.Decoder(TokenizeBody)
 _FAULT = msgspec.json.Decoder(Fault)
 _LOAD_LORA = msgspec.json.Decoder(LoadLoraBody)
 _UNLOAD_LORA = msgspec.json.Decoder(UnloadLoraBody)
+_EMBEDDING = msgspec.json.Decoder(embedding.EmbeddingBody)
 _ROLE_NAMES = {"prefill": "kv_producer", "decode": "kv_consumer"}
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 VLLM_VERSION = "0.33.0"
@@ -84,6 +87,7 @@ def make_app(backend: SimBackend) -> web.Application:
         [
             web.post("/v1/chat/completions", gen.chat),
             web.post("/v1/completions", gen.completions),
+            web.post("/v1/embeddings", vllm.embeddings),
             web.get("/v1/models", vllm.models),
             web.get("/health", vllm.health),
             web.post("/tokenize", vllm.tokenize),
@@ -294,7 +298,8 @@ class _Generation:
 
 
 class _VllmRoutes:
-    """vLLM's other routes: health, models, tokenize, metrics, load, cache reset, LoRA."""
+    """vLLM's other routes: embeddings, health, models, tokenize, metrics, load, cache
+    reset, LoRA."""
 
     def __init__(self, backend: SimBackend) -> None:
         self.b = backend
@@ -318,6 +323,21 @@ class _VllmRoutes:
                 "token_strs": token_strs(text) if body.return_token_strs else None,
             }
         )
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Answered at once, off the engine: the vectors cost no step (bench/sim/embedding.py)."""
+        if (imposed := await _fault_gate(request, self.b, self.b.fault)) is not None:
+            return imposed
+        body = await _decode(request, _EMBEDDING)
+        _lora_id(self.b, body.model)
+        if body.dimensions is not None and body.dimensions > embedding.DIMENSIONS:
+            message = f"`dimensions` is at most {embedding.DIMENSIONS} for this model."
+            raise ApiError(400, message, "dimensions")
+        try:
+            prompts = embedding.inputs(body.input, self.b.params.max_model_len)
+        except ValueError as e:
+            raise ApiError(400, str(e), "input") from None
+        return _json(embedding.answer(body, prompts, body.model or self.b.params.model))
 
     async def metrics(self, request: web.Request) -> web.Response:
         body = self.b.engine.metrics.render()

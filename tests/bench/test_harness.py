@@ -2,9 +2,12 @@
 127.0.0.1; plus the report's pure arithmetic. The peers are pointed at an empty
 virtualenv and never pip-installed, so every machine runs the same tests."""
 
+import errno
 import importlib.util
 import math
+import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -26,6 +29,7 @@ from bench.report import (
 )
 from bench.sim import SimParams, start_fleet
 from bench.workloads import WorkloadSpec, generate
+from router.config import DEFAULT_STRATEGY
 from router.control.supervisor import usable_cores
 from router.control.worker import Router
 
@@ -95,6 +99,17 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
     assert all(o["cached_tokens"] is not None for o in doc["runs"][1]["outcomes"])
     has_matplotlib = importlib.util.find_spec("matplotlib") is not None
     assert (tmp_path / "ttft_hit_rate.png").exists() == has_matplotlib
+
+
+def test_default_strategies_include_what_serve_routes_with_by_default(tmp_path, capsys):
+    """`kvroute bench` and `kvroute demo` without --strategies: a row for the serve default."""
+    assert DEFAULT_STRATEGY in harness.build_parser().parse_args([]).strategies.split(",")
+    assert f"--strategies={','.join(harness.DEFAULT_STRATEGIES)}" in demo.demo_argv(4, 16, 0.25)
+    argv = [a for a in TINY if not a.startswith("--strategies")]
+    assert harness.main([*argv, "--requests=4", "--calibration=0", f"--out={tmp_path}"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert list(rows) == list(harness.DEFAULT_STRATEGIES)
+    assert rows[DEFAULT_STRATEGY][1:3] == ["4", "0"]  # ok, failed
 
 
 def test_replicas_share_the_requests_of_one_config(tmp_path, capsys):
@@ -257,6 +272,59 @@ async def test_target_mode_reads_what_a_kvroute_target_exposes():
     assert summary.hit_rate_source == "usage.cached_tokens" and summary.hit_rate > 0.3
     assert summary.spread_busy is None and summary.spread_requests is not None
     assert summary.hop_ms is None and summary.decision_us is not None
+
+
+@pytest.fixture
+def sim_url():
+    """One simulated vLLM server in a child process, for `kvroute bench --target` runs."""
+    cmd = [sys.executable, "-m", "bench.sim", "--instances=1", "--time-scale=0.05"]
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL
+    )
+    try:
+        url = proc.stdout.readline().decode().strip()  # its first line, once it listens
+        assert url.startswith("http://127.0.0.1:"), "the simulator did not start"
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        proc.stdout.close()
+
+
+TARGET = ["--requests=2", "--groups=1", "--prefix-tokens=100", "--max-tokens=4", "--rate=20"]
+
+
+@pytest.mark.parametrize(
+    ("scale", "clock"), [([], "wall time"), (["--time-scale=0.05"], "simulated time")]
+)
+def test_target_output_names_one_clock_and_no_empty_heading(sim_url, capsys, scale, clock):
+    """A target's latencies are wall time unless --time-scale gives a simulated target's
+    scale; nothing was started, so no row has a configuration to list."""
+    assert harness.main(["--target", sim_url, *TARGET, *scale]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert f"percentiles in ms of {clock}" in out
+    assert f"Latencies (ms) and req/s are in {clock}" in out
+    other = "simulated" if clock == "wall time" else "wall time"
+    assert other not in out.replace("(wall / time_scale)", "")
+    assert "Configuration of each row" not in out
+
+
+def test_a_count_of_one_is_singular(sim_url, capsys):
+    argv = ["--target", sim_url, "--requests=1", "--groups=1", "--prefix-tokens=100"]
+    assert harness.main([*argv, "--max-tokens=1", "--concurrency=1"]) == 0
+    header = "long-prefix: 1 request, 1 group, 100-token shared prompts, 100-token questions, "
+    assert header + "1 output token, closed loop, 1 client, seed 0;" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", [[], ["--model=m"]])
+def test_an_unreachable_target_is_one_line_naming_it(capsys, model):
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{free.getsockname()[1]}"  # closed once the block ends
+    assert harness.main(["--target", url, "--requests=1", *model]) == 1
+    out, err = capsys.readouterr()
+    assert err == f"kvroute bench: cannot reach {url}: {os.strerror(errno.ECONNREFUSED)}\n"
+    assert out == ""  # no table of failed requests
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ bench.workloads' requests, timed by a virtual-time replay on simulated engines; 
 measurements on hand-made traffic; bad input; and --validate's two bench rows."""
 
 import gzip
+import time
+import zlib
 from pathlib import Path
 
 import orjson
@@ -15,6 +17,9 @@ from bench.sim import SimParams
 from bench.traffic import Seen, Tokens, Traffic, concurrency, prefixes
 from bench.workloads import WorkloadSpec, generate
 from router.__main__ import main as kvroute
+from router.access_log import Entry
+from router.capture import Capture, Captured
+from router.config import CaptureConfig
 
 pytestmark = pytest.mark.timeout(60)
 EPOCH = 1_780_000_000.0
@@ -143,6 +148,67 @@ def test_skipped_records_are_counted_and_the_text_report_reads(tmp_path, capsys)
     ) in out
     assert "Advice: KV_AWARE\n  routing: {strategy: KV_AWARE" in out
     assert "Runner-up: PREFIX_AWARE\n  routing: {strategy: PREFIX_AWARE, prefix_length: 256" in out
+
+
+def _captured(i: int, messages: list[dict]) -> Captured:
+    """A chat request as the router's request path hands it to the capture's writer."""
+    entry = Entry(
+        EPOCH + i, 0.5, 0.1, f"req-{i}", None, "POST", "/v1/chat/completions", MODEL,
+        "KV_AWARE", "b0", "kv_hit", "", "200", 0, 900, 0, 9, "",
+    )  # fmt: skip
+    request = orjson.dumps({"model": MODEL, "messages": messages})
+    return Captured(entry, None, (), request, b'{"choices": []}', False)
+
+
+def _complete_lines(gz: bytes) -> int:
+    """The newlines in what a gzip file's bytes decompress to, end-of-stream or not."""
+    return zlib.decompressobj(zlib.MAX_WBITS | 16).decompress(gz).count(b"\n")
+
+
+def _unfinished(capsys, path: Path) -> int:
+    """The requests recommend reads from `path`, with its one-line warning checked."""
+    assert recommend.main([str(path), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert err == (
+        f"kvroute recommend: warning: {path} ends mid-record (still being written, or its "
+        "writer was killed); read up to its last complete line\n"
+    )
+    return orjson.loads(out)["prefixes"]["requests"]
+
+
+def test_a_gzip_capture_still_being_written_or_killed_is_read_to_its_last_line(tmp_path, capsys):
+    """The router's writer with gzip on, not closed: its file is flushed whole lines,
+    without gzip's end-of-stream marker; cut short, as `kill -9` may leave it."""
+    spec = WorkloadSpec(shape="long-prefix", requests=12, groups=3, prefix_tokens=500)
+    written = tmp_path / "capture"
+    capture = Capture(
+        CaptureConfig(enabled=True, path=str(written), gzip=True), lambda _: None, lambda: None
+    )
+    capture.start()
+    try:
+        for req in generate(spec):
+            capture.add(_captured(req.index, req.messages))
+        (path,) = written.iterdir()
+        deadline = time.monotonic() + 10
+        while _complete_lines(path.read_bytes()) < 12:  # the writer flushes when idle
+            assert time.monotonic() < deadline, "the capture was not flushed"
+            time.sleep(0.01)
+        assert _unfinished(capsys, path) == 12
+        killed = tmp_path / "killed.jsonl.gz"
+        killed.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+        whole = _complete_lines(killed.read_bytes())
+        assert 0 < whole < 12
+        assert _unfinished(capsys, killed) == whole
+    finally:
+        capture.close()
+
+
+def test_a_plain_capture_whose_last_line_is_cut_is_read_without_it(tmp_path, capsys):
+    spec = WorkloadSpec(shape="long-prefix", requests=12, groups=3, prefix_tokens=500, rate=4)
+    path = _capture(tmp_path / "capture.jsonl", spec)
+    data = path.read_bytes()
+    path.write_bytes(data[: data.rindex(b"\n", 0, -1) + 100])  # the 12th line cut
+    assert _unfinished(capsys, path) == 11
 
 
 def _traffic(*prompts: str) -> Traffic:

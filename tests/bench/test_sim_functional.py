@@ -1,6 +1,7 @@
 """The vLLM simulator over real sockets on 127.0.0.1: HTTP, SSE, /metrics, ZMQ, faults."""
 
 import asyncio
+import math
 import os
 import signal
 import sys
@@ -21,6 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench.sim import SimFleet, SimParams, start_fleet
 from bench.sim.metrics import TTFT_BUCKETS
 from bench.sim.tokenizer import render_chat, tokenize
+from router.config import build
+from router.control.worker import Router
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -129,6 +132,63 @@ async def test_openai_sdk_chat_reports_cached_tokens_on_repeat(fleet: SimFleet) 
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == expected_hit
 
 
+def _cosine(a: list[float], b: list[float]) -> float:
+    return sum(x * y for x, y in zip(a, b, strict=True))  # unit vectors
+
+
+async def test_openai_sdk_embeddings_are_derived_from_the_input(fleet: SimFleet) -> None:
+    """The SDK asks for base64 by default; floats, batches, token ids and `dimensions`."""
+    client = openai.AsyncOpenAI(base_url=fleet.urls[0] + "/v1", api_key="sim", max_retries=0)
+    text = "Prefix caching keeps the KV of a prompt's first blocks for the next request."
+    texts = [text, text + " And more.", "Unrelated words entirely, see?"]
+    try:
+        one = await client.embeddings.create(model=MODEL, input=text, timeout=10)
+        floats = await client.embeddings.create(
+            model=MODEL, input=texts, encoding_format="float", timeout=10
+        )
+        ids = await client.embeddings.create(model=MODEL, input=tokenize(text), timeout=10)
+        short = await client.embeddings.create(model=MODEL, input=[[1, 2, 3]], dimensions=8)
+    finally:
+        await client.close()
+    assert one.id.startswith("embd-") and one.model == MODEL
+    assert one.usage.prompt_tokens == one.usage.total_tokens == len(tokenize(text))
+    (vector,) = [d.embedding for d in one.data]
+    assert len(vector) == 1024 and math.isclose(_cosine(vector, vector), 1, rel_tol=1e-5)
+    same, longer, other = (d.embedding for d in floats.data)
+    assert [d.index for d in floats.data] == [0, 1, 2]
+    assert same == pytest.approx(vector, abs=1e-6)  # base64 is float32 of the same values
+    assert _cosine(same, longer) > 0.8 > 0.2 > _cosine(same, other)
+    assert floats.usage.prompt_tokens == sum(len(tokenize(t)) for t in texts)
+    assert ids.data[0].embedding == vector  # token ids are the text they tokenize from
+    assert short.usage.prompt_tokens == 3 and len(short.data[0].embedding) == 8
+
+
+async def test_embeddings_through_the_router(fleet: SimFleet) -> None:
+    """The router's embeddings route, with its default strategy, in front of the simulator."""
+    backends = [{"url": url, "name": f"sim-{i}"} for i, url in enumerate(fleet.urls)]
+    router = Router(build({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends}))
+    await router.start()
+    try:
+        async with (
+            openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as routed,
+            openai.AsyncOpenAI(base_url=fleet.urls[0] + "/v1", api_key="x", max_retries=0) as sim,
+        ):
+            raw = await routed.embeddings.with_raw_response.create(
+                model=MODEL, input=["one text", "another"], dimensions=16, timeout=10
+            )
+            direct = await sim.embeddings.create(
+                model=MODEL, input=["one text", "another"], dimensions=16, timeout=10
+            )
+            with pytest.raises(openai.NotFoundError):
+                await routed.embeddings.create(model="nope", input="x", timeout=10)
+    finally:
+        await router.stop()
+    assert raw.headers["x-kvroute-backend"] in {"sim-0", "sim-1"}
+    answer = raw.parse()
+    assert [d.embedding for d in answer.data] == [d.embedding for d in direct.data]
+    assert answer.usage.prompt_tokens == direct.usage.prompt_tokens > 0
+
+
 async def test_a_stream_opens_with_its_first_token_as_vllm_does(
     http: aiohttp.ClientSession,
 ) -> None:
@@ -209,6 +269,21 @@ async def test_cache_salt_isolates_and_request_id_is_echoed(
                      "BadRequestError", None, id="too-long"),
         pytest.param("/v1/completions", {"prompt": ""}, 400, "BadRequestError", "prompt",
                      id="empty-prompt"),
+        pytest.param("/v1/embeddings", {"model": "nope", "input": "x"}, 404, "NotFoundError",
+                     "model", id="embeddings-unknown-model"),
+        pytest.param("/v1/embeddings", {"model": MODEL}, 400, "BadRequestError", None,
+                     id="embeddings-no-input"),
+        *(
+            pytest.param("/v1/embeddings", {"input": value}, 400, "BadRequestError", "input",
+                         id=f"embeddings-input-{name}")
+            for name, value in [("empty", ""), ("none", []), ("empty-ids", [[]]),
+                                ("mixed", ["x", 1]), ("vocab", [32000]),
+                                ("too-long", "word" * 8193)]
+        ),
+        pytest.param("/v1/embeddings", {"input": "x", "dimensions": 1025}, 400,
+                     "BadRequestError", "dimensions", id="embeddings-too-many-dimensions"),
+        pytest.param("/v1/embeddings", {"input": "x", "dimensions": 0}, 400, "BadRequestError",
+                     None, id="embeddings-no-dimensions"),
     ],
 )  # fmt: skip
 async def test_errors_have_vllm_shape(
