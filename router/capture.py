@@ -15,6 +15,7 @@ writes it, whole lines at a time, so no record is split or interleaved with anot
 
 from __future__ import annotations
 
+import base64
 import gzip
 import os
 import queue
@@ -109,13 +110,14 @@ class Capture:
         except queue.Full:
             self._dropped("queue_full")
 
-    def headers(self, headers: Iterable[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    def headers(self, headers: Iterable[tuple[str, str | bytes]]) -> tuple[tuple[str, str], ...]:
         """The request's headers to keep: none unless the config asks for requests; the
-        redacted ones' values replaced. Called only for a captured request."""
+        redacted ones' values replaced, a binary one (gRPC's `-bin` metadata) in base64,
+        as it travels. Called only for a captured request."""
         if not self._cfg.request:
             return ()
         redact = self._redact
-        return tuple((str(k), REDACTED if k.lower() in redact else v) for k, v in headers)
+        return tuple((str(k), REDACTED if k.lower() in redact else _text(v)) for k, v in headers)
 
     def close(self) -> None:
         """Write what is queued, then close the file (at the worker's stop)."""
@@ -246,3 +248,8 @@ def _json(body: bytes) -> object:
         return orjson.loads(body)
     except orjson.JSONDecodeError:
         return {"text": body.decode(errors="replace")}
+
+
+def _text(value: str | bytes) -> str:
+    """A header's value as JSON can hold it: a binary one in base64."""
+    return value if isinstance(value, str) else base64.b64encode(value).decode()

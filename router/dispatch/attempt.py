@@ -108,7 +108,7 @@ class Attempt:
                 backend.url,
                 backend.prefix + call.path,
                 call.method,
-                self._body(renamed),
+                sent_body(call, renamed),
                 call.headers,
                 t.connect,
                 t.idle,
@@ -131,12 +131,6 @@ class Attempt:
         verdict = outcome(upstream.status)
         if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
             self._verdict(verdict)
-
-    def _body(self, renamed: str | None) -> bytes:
-        """The request's body as this backend is to get it: the model `renamed` where
-        its pool's `model_map` says so, else the client's bytes as they came."""
-        body = self.call.body
-        return body if renamed is None else with_fields(body, {"model": renamed})
 
     def __enter__(self) -> Attempt:
         return self
@@ -183,6 +177,12 @@ class Attempt:
         if self._fleet.attempt_verdict(self.backend, verdict, self._trial):
             self._metrics.ejections_refused.labels(self.backend.name).inc()
         self._trial = False
+
+
+def sent_body(call: Call, renamed: str | None) -> bytes:
+    """`call`'s body as a backend is to get it: the model `renamed` where its pool's
+    `model_map` says so (`Fleet.renamed`), else the client's bytes as they came."""
+    return call.body if renamed is None else with_fields(call.body, {"model": renamed})
 
 
 def blame(err: UpstreamError, backend: Backend) -> UpstreamError:

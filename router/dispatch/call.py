@@ -66,9 +66,9 @@ class Call:
     prefilled_by: str | None = None
     #: the body as the client sent it, when the request is captured (router/capture.py)
     capture: bytes | None = None
-    #: the headers as the client sent them, which the capture records (None: `headers`,
-    #: when the ingress made them up)
-    sent_headers: Mapping[str, str] | None = None
+    #: the headers (gRPC: the metadata, a binary value as bytes) as the client sent
+    #: them, which the capture records (None: `headers`, when the ingress made them up)
+    sent_headers: Mapping[str, str | bytes] | None = None
     #: the router asked for the stream's usage: its usage event is not the client's
     strip_usage: bool = False
 

@@ -25,6 +25,7 @@ import orjson
 
 from policies import RouteRequest
 from router.config import Config
+from router.dispatch.attempt import sent_body
 from router.dispatch.call import Call
 from router.dispatch.pick import Picker
 from router.errors import KvrouteError, UpstreamError
@@ -97,9 +98,10 @@ class Disaggregation:
         return True
 
     async def _transfer(self, backend: Backend, call: Call, tokens: int) -> dict:
-        """The prefill leg on `backend`: the `kv_transfer_params` it answers with."""
+        """The prefill leg on `backend`, under the model name its pool serves: the
+        `kv_transfer_params` it answers with."""
         body = with_fields(
-            call.body,
+            sent_body(call, self._fleet.renamed(backend, call.req.model)),
             {"max_tokens": 1, "stream": False, "kv_transfer_params": _PREFILL_PARAMS},
             ("stream_options", "max_completion_tokens", "min_tokens"),
         )

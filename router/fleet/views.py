@@ -88,10 +88,13 @@ class Views:
 
     @property
     def models(self) -> frozenset[str]:
-        """Every model a member lists (configured or discovered), worked out once after
-        each change: the values of the metrics' model label."""
+        """Every model a member lists (configured or discovered) and every name a pool's
+        `model_map` renames (what clients ask for: a name only a renamed pool serves
+        is listed by no member), worked out once after each change: the values of the
+        metrics' model label."""
         if self._models is None:
-            self._models = frozenset().union(*(b.models or () for b in self.members))
+            listed = frozenset().union(*(b.models or () for b in self.members))
+            self._models = listed.union(*(p.model_map for p in self.pools))
         return self._models
 
     def changed(self) -> None:

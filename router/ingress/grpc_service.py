@@ -270,6 +270,7 @@ class _Inference(pb_grpc.InferenceServicer):
         headers.extend((k, v) for k, v in metadata if k in _TRACE_CONTEXT)
         call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, arrived, tenant)
         call.request_id = request_id
+        call.sent_headers = CIMultiDict(metadata)  # what the capture records
         return trailers, call
 
     def _metadata(self, metadata) -> tuple[str, str | None, str | None]:

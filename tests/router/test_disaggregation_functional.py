@@ -24,16 +24,20 @@ DOC = "".join(f"clause {k}: the tenant keeps the premises in good order. " for k
 
 @asynccontextmanager
 async def pd_fleet(
-    pools: list[tuple[str, str]], extra: dict | None = None
+    pools: list[tuple[str, str]], extra: dict | None = None, served_as: str | None = None
 ) -> AsyncIterator[tuple[SimFleet, AsyncOpenAI]]:
-    """One simulated backend per (pool name, role), the pools in that priority order."""
+    """One simulated backend per (pool name, role), the pools in that priority order;
+    `served_as`: the backends serve only that name, which every pool's `model_map`
+    gives MODEL (vLLM's 404 for any other name)."""
     roles = [role for _, role in pools]
-    fleet = await start_fleet(len(pools), SimParams(time_scale=0.05), roles=roles)
+    params = SimParams(model=served_as or MODEL, time_scale=0.05)
+    fleet = await start_fleet(len(pools), params, roles=roles)
     backends = [[{"url": b.url, "name": f"sim{i}"}] for i, b in enumerate(fleet.backends)]
+    renamed = {"model_map": {MODEL: served_as}} if served_as else {}
     config = {
         "listen": {"host": "127.0.0.1", "port": 0},
         "pools": [
-            {"name": name, "priority": i, "role": role, "backends": backends[i]}
+            {"name": name, "priority": i, "role": role, "backends": backends[i], **renamed}
             for i, (name, role) in enumerate(pools)
         ],
         "health": {"interval": 60},  # a backend killed here stays "usable": the retry is tested
@@ -91,6 +95,20 @@ async def test_prefill_then_decode_with_the_usage_of_a_whole_request(
         assert decoded == {"model": MODEL, "prefilled_on": "sim0", "chosen": "sim1"}
     (line,) = [orjson.loads(x) for x in log.read_bytes().splitlines()]  # flushed at stop
     assert (line["backend"], line["prefill"], line["prompt_tokens"]) == ("sim1", "sim0", prompt)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_both_legs_send_the_name_the_pools_model_map_gives(stream: bool) -> None:
+    """Backends that serve MODEL only as a variant (any other name is a 404): the
+    prefill leg, like the decode leg, asks for the variant."""
+    pools = [("prefill", "prefill"), ("decode", "decode")]
+    async with pd_fleet(pools, served_as=MODEL + "-awq") as (fleet, oai):
+        pool, backend, prompt, completion = await ask(oai, stream)
+        assert (pool, backend, completion) == ("decode", "sim1", 5)
+        prefill, decode = fleet.backends
+        assert prefill.stats.prefills_for_remote_decode == 1
+        assert decode.stats.decodes_from_remote_prefill == 1
+        assert decode.stats.kv_transfer_tokens == prompt - 1
 
 
 async def test_the_decode_pick_is_timed_as_a_decision_of_its_own() -> None:

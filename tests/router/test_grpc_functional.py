@@ -594,3 +594,30 @@ async def test_grpc_requests_are_accounted_like_http() -> None:
         assert (
             samples[("kvroute_e2e_request_latency_seconds_count", "b0", None, "chat", MODEL)] == 1
         )
+
+
+async def test_capture_records_the_clients_metadata_as_sent(tmp_path) -> None:
+    """The record holds the metadata the client sent (a binary value in base64, as it
+    travels), not the headers the router made up for the backend."""
+    capture = {"enabled": True, "sample": 1.0, "path": str(tmp_path)}
+    metadata = (
+        ("authorization", "Bearer t0k"),
+        ("x-team", "search"),
+        ("x-tenant-id", "acme"),
+        ("trace-bin", b"\x00\xfe\xff"),
+    )
+    async with grpc_router(tenant_header="X-Tenant-Id", capture=capture) as rig:
+        request = chat_request(routing=pb.RoutingHints(session_id="s-1"))
+        await rig.api.CreateChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+        stream = rig.api.StreamChatCompletion(request, metadata=metadata, timeout=TIMEOUT)
+        assert await collect(stream)
+        assert rig.stubs[0].headers[0]["X-Session-Id"] == "s-1"  # the backend's, not recorded
+    files = sorted(tmp_path.iterdir())
+    records = [orjson.loads(x) for f in files for x in f.read_bytes().splitlines()]
+    assert len(records) == 2
+    for record in records:
+        headers = {k.lower(): v for k, v in record["headers"].items()}
+        assert headers["x-team"] == "search" and headers["x-tenant-id"] == "acme"
+        assert headers["authorization"] == "[redacted]"
+        assert headers["trace-bin"] == "AP7/"
+        assert not headers.keys() & {"x-request-id", "x-session-id", "content-type"}

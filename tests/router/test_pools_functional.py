@@ -263,6 +263,55 @@ async def test_a_pool_that_exposes_its_model_answers_and_lists_it() -> None:
     assert listed == {"stub-model", "stub-model-awq"}
 
 
+async def test_a_name_only_a_renamed_pool_serves_labels_metrics_and_usage_records(
+    monkeypatch, tmp_path
+) -> None:
+    """The client's name, not `(other)`, in the metrics' model label and the usage
+    records' model column, though no backend lists it (only its variant)."""
+    monkeypatch.setenv("KV_POOLS_ADMIN", ADMIN_TOKEN)
+    spare = await StubBackend(model="stub-model-awq").start()
+    backend = {"url": spare.url, "name": "spare", "models": ["stub-model-awq"]}
+    pool = {"name": "awq", "priority": 0, "model_map": {"stub-model": "stub-model-awq"}}
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "pools": [{**pool, "backends": [backend]}],
+        "usage": {"records": True, "path": str(tmp_path / "u.db"), "interval_s": 0.05},
+        "admin": {"port": 0, "token_env": "KV_POOLS_ADMIN"},
+    }
+    try:
+        router = Router(build(data))
+        await router.start()
+        try:
+            rows, page = await _used_and_scraped(router)
+        finally:
+            await router.stop()
+    finally:
+        await spare.stop()
+    assert [(r["model"], r["pool"], r["requests"]) for r in rows] == [("stub-model", "awq", 1)]
+    usage = 'kvroute_usage_requests_total{model="stub-model",pool="awq",tenant="(none)"} 1.0'
+    assert usage in page.splitlines()
+    assert re.search(r'kvroute_requests_total\{[^}]*model="stub-model"[^}]*\} 1\.0', page)
+    assert 'model="(other)"' not in page
+
+
+async def _used_and_scraped(router: Router) -> tuple[list[dict], str]:
+    """One chat request through the SDK, then the usage records once its window is
+    written, and the /metrics page."""
+    async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
+        assert await ask(oai) == ("awq", "spare")
+    headers = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+    async with aiohttp.ClientSession(headers=headers) as http:
+        async with asyncio.timeout(10):  # until the window holding it is written
+            while True:
+                async with http.get(router.admin.url + "/admin/usage") as resp:
+                    rows = (await resp.json())["usage"]
+                if rows:
+                    break
+                await asyncio.sleep(0.02)
+        async with http.get(router.url + "/metrics") as resp:
+            return rows, await resp.text()
+
+
 async def _answer(
     http: aiohttp.ClientSession, url: str, body: dict, chunked: bool = False
 ) -> tuple[str, bytes]:
