@@ -10,8 +10,8 @@ the usable one holding the fewest adapters this router loaded, then the least bu
 without runtime LoRA updating, or without the adapter's files): the next is tried, and
 it is not asked again for `CANNOT_LOAD_S`, or until it comes back up after being down.
 With several workers, two may load one adapter at once: the second gets vLLM's "already
-loaded" and counts it as done. The requests for a served
-adapter pay one dict lookup (its last use); for any other model, nothing.
+loaded" and counts it as done. The requests for a served adapter pay one dict lookup
+(its last use); for any other model, nothing.
 """
 
 from __future__ import annotations
