@@ -17,10 +17,11 @@ from collections.abc import Callable
 
 from router.config import TimeoutsConfig
 from router.dispatch.call import Call, Routed
-from router.errors import UpstreamError, UpstreamTimeout
+from router.errors import UpstreamCredentialsRefused, UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
+from router.fleet.credentials import REFUSALS, routers_own
 from router.metrics import Labelled, Metrics, model_label
 from router.request import with_fields
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
@@ -119,6 +120,10 @@ class Attempt:
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
             self._note(exc)
             return
+        if upstream.status in REFUSALS and routers_own(backend.headers, call.headers):
+            upstream.finish(False)  # its answer is about the router, not for the client
+            self._note(_refused_credentials(upstream.status))
+            return
         upstream.backend_name = backend.name
         upstream.pool = backend.pool
         if call.capture is not None:
@@ -181,6 +186,13 @@ class Attempt:
         if self._fleet.attempt_verdict(self.backend, verdict, self._trial):
             self._metrics.ejections_refused.labels(self.backend.name).inc()
         self._trial = False
+
+
+def _refused_credentials(status: int) -> UpstreamCredentialsRefused:
+    return UpstreamCredentialsRefused(
+        f"The backend refused the router's credentials (HTTP {status}): the router's "
+        "api_key for it is wrong or missing."
+    )
 
 
 def blame(err: UpstreamError, backend: Backend) -> UpstreamError:

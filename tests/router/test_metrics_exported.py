@@ -190,7 +190,7 @@ def _at_zero() -> dict[str, list[dict[str, str]]]:
     """The counters a router in front of one backend (b0, serving MODEL) shows at 0
     before its first request, by sample name."""
     outcome = {"strategy": DEFAULT_STRATEGY, "model": MODEL}
-    kinds = ("upstream", "connect", "disconnect", "timeout")
+    kinds = ("upstream", "connect", "disconnect", "timeout", "credentials")
     return {
         "kvroute_requests_total": [
             {**outcome, "backend": backend, "status": status, "endpoint": endpoint}

@@ -148,7 +148,7 @@ async def test_a_backend_that_joins_by_reload_has_its_counters_at_0(tmp_path: Pa
     for status in ("200", "502", "503", "504"):
         labels = {"backend": "s1", "strategy": strategy, "status": status, "model": MODEL}
         assert value(page, "kvroute_requests_total", **labels, endpoint="chat") == 0
-    for kind in ("upstream", "connect", "disconnect", "timeout"):
+    for kind in ("upstream", "connect", "disconnect", "timeout", "credentials"):
         assert value(page, "kvroute_upstream_errors_total", backend="s1", kind=kind) == 0
         assert value(page, "kvroute_retries_total", backend="s1", reason=kind) == 0
     assert value(page, "kvroute_client_disconnects_total", backend="s1") == 0
