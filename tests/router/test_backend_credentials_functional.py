@@ -222,6 +222,34 @@ async def test_a_wrong_backend_key_is_a_warning_and_a_502_not_the_routers_401(
     assert "sk-wrong" not in error.message
 
 
+async def test_a_request_a_backend_refuses_so_is_served_by_another(secrets, monkeypatch) -> None:
+    monkeypatch.setenv("KV_CRED_WRONG", "sk-wrong")
+    refusing = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    other = await StubBackend().start()
+    config = _config(refusing, api_key_env="KV_CRED_WRONG")
+    config["backends"].append({"url": other.url, "name": "b1"})
+    router = Router(build(config))
+    await router.start()
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    refused = b'kvroute_upstream_errors_total{backend="b0",kind="credentials"} 1.0'
+    served = []
+    try:
+        url = router.url + "/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key=DATA_TOKEN, max_retries=0) as oai:
+            for _ in range(40):  # RANDOM: bounded, until one was tried on b0 first
+                raw = await oai.chat.completions.with_raw_response.create(**chat)
+                served.append(raw.headers["x-kvroute-backend"])
+                if refused in router.metrics.render():
+                    break
+            else:
+                raise AssertionError("no request was tried on b0 first")
+    finally:
+        await router.stop()
+        await refusing.stop()
+        await other.stop()
+    assert set(served) == {"b1"} and not refusing.received
+
+
 async def test_a_backend_401_to_the_clients_own_token_passes_through() -> None:
     """With the router's auth off and no key of its own for the backend, the client's
     token is what the backend judges: its 401 is the client's answer."""
