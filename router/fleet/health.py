@@ -51,15 +51,15 @@ REFUSED = b"R"
 
 
 class Refusals:
-    """Warns when a backend refuses the router's credentials to `what` (a 401 or 403),
-    once until the answer or the credentials it was sent change."""
+    """Warns when a backend refuses the router's credentials to one kind of request (a
+    401 or 403), once until the answer or the credentials it was sent change."""
 
-    def __init__(self, what: str) -> None:
-        self._what = what
+    def __init__(self) -> None:
         #: per backend refusing them, the headers it refused (secret: never shown)
         self._refused: dict[str, dict[str, str]] = {}
 
-    def heard(self, backend: Backend, status: int) -> None:
+    def heard(self, backend: Backend, what: str, status: int) -> None:
+        """`backend` answered `what` (e.g. "GET /health") with `status`."""
         name = backend.name
         if status not in REFUSALS:
             if self._refused.pop(name, None) is not None:
@@ -68,7 +68,7 @@ class Refusals:
             self._refused[name] = backend.headers
             log.backends.warning(
                 "backend %s refuses the router's credentials: %s answered %d (check its api_key)",
-                name, self._what, status,
+                name, what, status,
             )  # fmt: skip
 
 
@@ -77,7 +77,7 @@ class HealthChecker:
         self._fleet = fleet
         self._session = session
         self.cfg = cfg
-        self._refusals = Refusals(f"GET {cfg.path}")
+        self._refusals = Refusals()
         #: loop time of each backend's last passed check (telemetry freshness, admin API)
         self.last_pass: dict[str, float] = {}
         #: why each backend's last check failed, while it fails (for the log)
@@ -134,7 +134,7 @@ class HealthChecker:
             return f"GET {url.path}: {os.strerror(cause.errno) if cause.errno else cause}"
         except (aiohttp.ClientError, OSError) as exc:
             return f"GET {url.path}: {exc or type(exc).__name__}"
-        self._refusals.heard(backend, resp.status)
+        self._refusals.heard(backend, f"GET {url.path}", resp.status)
         return f"GET {url.path} answered {resp.status}" if resp.status >= 500 else None
 
     def failing(self, backends: Iterable[Backend]) -> list[str]:
@@ -174,7 +174,7 @@ class ModelPoller:
         self._session = session
         self._interval = interval
         self._timeout = timeout
-        self._refusals = Refusals("GET /v1/models")
+        self._refusals = Refusals()
 
     async def poll_once(self) -> None:
         await self.poll(self._fleet.members)
@@ -196,7 +196,7 @@ class ModelPoller:
                     body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError):
             return
-        self._refusals.heard(backend, resp.status)
+        self._refusals.heard(backend, f"GET {resp.url.path}", resp.status)
         if resp.status == 200:
             self._fleet.set_discovered(backend, cards_of(body))
 
