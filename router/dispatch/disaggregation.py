@@ -11,9 +11,9 @@ decode load (pick.py). A prefill that fails (no answer, an error status, no
 `kv_transfer_params`) is tried on another prefill backend, up to `retries.max_retries`
 more times, before the client has seen anything; when every try failed, the request is
 served whole by a `both` pool if there is one, else it is a 502 naming the last prefill
-backend tried (x-kvroute-backend). The decode leg goes
-through the usual attempts, retries included; when it fails before the client saw a
-byte and no decode backend is left to try, a `both` pool serves it whole, if any.
+backend tried (x-kvroute-backend). The decode leg goes through the usual attempts,
+retries included; when it fails before the client saw a byte and no decode backend is
+left to try, a `both` pool serves it whole, if any.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Disaggregation:
         prefill failing, a whole request for a `both` pool, if there is one. `t0`: when
         the first pick's decision began (a retry's begins when it is made)."""
         tried: list[str] = []
-        why, last = "", None  # the last prefill backend that failed, if one was tried
+        why, last = "", None  # why the last prefill failed, and on which backend
         for _ in range(self._tries):
             try:
                 backend = self._picker.pick(route_req, t0, tried, "prefill").backend
