@@ -216,6 +216,13 @@ class UpstreamDisconnected(UpstreamError):
     kind = "disconnect"
 
 
+class UpstreamCredentialsRefused(UpstreamError, PermissionError):
+    """A backend answered 401 or 403 to the router's own credentials (its `api_key`, or
+    none): a 502, since the client's token is not what it refused."""
+
+    kind = "credentials"
+
+
 class UpstreamTimeout(UpstreamError, TimeoutError):
     status = 504
     kind = "timeout"
@@ -244,7 +251,7 @@ _C = grpc.StatusCode
 #: the router knows the meaning (400 is the client's argument, 404 an unknown model).
 _GRPC_CODE = {
     400: _C.INVALID_ARGUMENT,
-    401: _C.UNAUTHENTICATED,  # the router's bearer-token check, or a backend's 401
+    401: _C.UNAUTHENTICATED,  # the router's bearer-token check, or a backend's to the client's
     403: _C.PERMISSION_DENIED,
     404: _C.NOT_FOUND,
     408: _C.DEADLINE_EXCEEDED,

@@ -31,19 +31,21 @@ class Throttled:
         self._said = 0
         self._left_out = 0
 
-    def warning(self, msg: str, *args: object) -> None:
+    def warning(self, msg: str, *args: object) -> bool:
+        """Log the line unless `burst` were this window; True if it was logged."""
         now = time.monotonic()
         if now >= self._until:
             if self._left_out:
                 self._logger.warning(
-                    "%d similar lines left out in the last %.0f s", self._left_out, self._window
+                    "%d similar lines left out in the last %g s", self._left_out, self._window
                 )
             self._until, self._said, self._left_out = now + self._window, 0, 0
         if self._said < self._burst:
             self._said += 1
             self._logger.warning(msg, *args)
-        else:
-            self._left_out += 1
+            return True
+        self._left_out += 1
+        return False
 
 
 #: failed and retried requests, one line each while they are rare

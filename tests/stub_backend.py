@@ -52,6 +52,8 @@ class StubBackend:
     completed: int = 0
     chunk_sent_at: list[float] = field(default_factory=list)
     health_checks: int = 0
+    #: POST /v1/load_lora_adapter received (answered 404: no runtime LoRA updating)
+    lora_loads: int = 0
     port: int = 0
     host: str = "127.0.0.1"
     #: serve https with this context (its certificate), else http
@@ -75,6 +77,7 @@ class StubBackend:
                 web.post("/v1/embeddings", self._embeddings),
                 web.post("/tokenize", self._tokenize),
                 web.get("/health", self._health),
+                web.post("/v1/load_lora_adapter", self._load_lora_adapter),
             ]
         )
         if self.prefix:  # only under the prefix: a request outside it is a 404
@@ -120,6 +123,12 @@ class StubBackend:
         self.health_checks += 1
         await asyncio.sleep(self.behaviour.health_delay)
         return web.Response(status=self.behaviour.health_status)
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        """What vLLM without VLLM_ALLOW_RUNTIME_LORA_UPDATING answers: the route is not
+        there (FastAPI's 404)."""
+        self.lora_loads += 1
+        return web.json_response({"detail": "Not Found"}, status=404)
 
     async def _tokenize(self, request: web.Request) -> web.Response:
         body = orjson.loads(await request.read())

@@ -70,6 +70,7 @@ class Node(ABC):
             context is not None,
             config.metrics.tenants,
             lambda: pool_states(self.fleet),
+            lambda: self.auth.tenants,
         )
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None

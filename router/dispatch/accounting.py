@@ -139,7 +139,7 @@ class Accounting:
             failure = type(error).__name__ if error is not None else _disconnected(attempt)
             retries = call.attempts - 1
             why = attempt.routed.reason
-            status = attempt.status
+            status = _answered(attempt)
             entry = _entry(
                 call, self.strategy, seconds, ttft, name, why, status, retries, used, failure
             )
@@ -222,6 +222,16 @@ def _entry(
         *used,
         failure,
     )
+
+
+def _answered(attempt: Attempt) -> str:
+    """The status the client got: a stream's that began, even if the backend broke it
+    after (its line's `error` says it did; the metrics count the failure), else the
+    outcome's."""
+    upstream = attempt.upstream
+    if attempt.call.began and attempt.error is not None and upstream is not None:
+        return str(upstream.status)
+    return attempt.status
 
 
 def _disconnected(attempt: Attempt) -> str:

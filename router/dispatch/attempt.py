@@ -17,10 +17,11 @@ from collections.abc import Callable
 
 from router.config import TimeoutsConfig
 from router.dispatch.call import Call, Routed
-from router.errors import UpstreamError, UpstreamTimeout
+from router.errors import UpstreamCredentialsRefused, UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
+from router.fleet.credentials import REFUSALS, routers_own
 from router.metrics import Labelled, Metrics, model_label
 from router.request import with_fields
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
@@ -120,6 +121,10 @@ class Attempt:
         except UpstreamError as exc:  # not a timeout: worth a retry elsewhere
             self._note(exc)
             return
+        if upstream.status in REFUSALS and routers_own(backend.headers, call.headers):
+            upstream.finish(False)  # its answer is about the router, not for the client
+            self._note(_refused_credentials(upstream.status))
+            return
         upstream.backend_name = backend.name
         upstream.pool = backend.pool
         if renamed is not None and self._fleet.answers_as_asked(backend):
@@ -183,6 +188,13 @@ def sent_body(call: Call, renamed: str | None) -> bytes:
     """`call`'s body as a backend is to get it: the model `renamed` where its pool's
     `model_map` says so (`Fleet.renamed`), else the client's bytes as they came."""
     return call.body if renamed is None else with_fields(call.body, {"model": renamed})
+
+
+def _refused_credentials(status: int) -> UpstreamCredentialsRefused:
+    return UpstreamCredentialsRefused(
+        f"The backend refused the router's credentials (HTTP {status}): the router's "
+        "api_key for it is wrong or missing."
+    )
 
 
 def blame(err: UpstreamError, backend: Backend) -> UpstreamError:

@@ -71,6 +71,9 @@ class Call:
     sent_headers: Mapping[str, str | bytes] | None = None
     #: the router asked for the stream's usage: its usage event is not the client's
     strip_usage: bool = False
+    #: the answer's status line went to the client (a stream began): a failure after it
+    #: reaches the client as an error event, under that status
+    began: bool = False
 
 
 class Routed(NamedTuple):

@@ -10,7 +10,8 @@ an attempt's creation and the `try` that releases it.
 When no answer came and every candidate was tried, the client gets a 503 with
 `Retry-After` (BackendsFailed) at once: a 502 would invite it to retry at once on a
 fleet that is down. With candidates left untried (the retry budget ran out), the last
-failure is the answer (a 502).
+failure is the answer (a 502), and so is a backend's refusal of the router's
+credentials: waiting mends no key.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts, blame
 from router.dispatch.call import Call, Routed
 from router.dispatch.pick import unavailable
-from router.errors import BackendsFailed, KvrouteError, UpstreamError
+from router.errors import BackendsFailed, KvrouteError, UpstreamCredentialsRefused, UpstreamError
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.upstream.proxy import Upstreams
@@ -103,6 +104,8 @@ class Connector:
         """What to answer when no attempt got an answer: the 503 once every candidate
         failed (after the refused ones were marked down, often none is left), else the
         last failure. O(candidates), on this failure path only."""
+        if isinstance(error, UpstreamCredentialsRefused):
+            return error
         model = call.req.model or ""
         names = {b.name for b in tried}
         if any(b.name not in names for b in self._fleet.view(model).candidates):

@@ -10,9 +10,10 @@ policy's pick in the prefill pools, where cache hits pay; the decode pick balanc
 decode load (pick.py). A prefill that fails (no answer, an error status, no
 `kv_transfer_params`) is tried on another prefill backend, up to `retries.max_retries`
 more times, before the client has seen anything; when every try failed, the request is
-served whole by a `both` pool if there is one, else it is a 502. The decode leg goes
-through the usual attempts, retries included; when it fails before the client saw a
-byte and no decode backend is left to try, a `both` pool serves it whole, if any.
+served whole by a `both` pool if there is one, else it is a 502 naming the last prefill
+backend tried (x-kvroute-backend). The decode leg goes through the usual attempts,
+retries included; when it fails before the client saw a byte and no decode backend is
+left to try, a `both` pool serves it whole, if any.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import orjson
 
 from policies import RouteRequest
 from router.config import Config
-from router.dispatch.attempt import sent_body
+from router.dispatch.attempt import blame, sent_body
 from router.dispatch.call import Call
 from router.dispatch.pick import Picker
 from router.errors import KvrouteError, UpstreamError
@@ -68,7 +69,7 @@ class Disaggregation:
         prefill failing, a whole request for a `both` pool, if there is one. `t0`: when
         the first pick's decision began (a retry's begins when it is made)."""
         tried: list[str] = []
-        why = ""
+        why, last = "", None  # why the last prefill failed, and on which backend
         for _ in range(self._tries):
             try:
                 backend = self._picker.pick(route_req, t0, tried, "prefill").backend
@@ -78,14 +79,15 @@ class Disaggregation:
                 params = await self._transfer(backend, call, route_req.prompt_tokens)
             except (_PrefillFailed, aiohttp.ClientError, OSError, TimeoutError) as exc:
                 tried.append(backend.name)
-                why = f"{backend.name}: {exc or type(exc).__name__}"
+                why, last = f"{backend.name}: {exc or type(exc).__name__}", backend
                 t0 = time.perf_counter()
                 continue
             call.body = with_fields(call.body, {"kv_transfer_params": params})
             call.role, call.prefilled_by = "decode", backend.name
             return
         if not self._fleet.has_role("both"):
-            raise UpstreamError(f"The prefill failed on every prefill backend tried ({why}).")
+            failed = UpstreamError(f"The prefill failed on every prefill backend tried ({why}).")
+            raise failed if last is None else blame(failed, last)
         call.role = "both"
 
     def whole_instead(self, call: Call) -> bool:

@@ -11,7 +11,7 @@ nothing logs or shows.
 from __future__ import annotations
 
 import ssl
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import NamedTuple
 
 from router.config import BackendConfig, BackendCredentials, ConfigError
@@ -27,6 +27,15 @@ class Reach(NamedTuple):
 
 
 NO_REACH = Reach({}, None)
+#: the statuses of a backend that refuses the credentials it was sent
+REFUSALS = frozenset({401, 403})
+
+
+def routers_own(own: Mapping[str, str], sent: Mapping[str, str]) -> bool:
+    """Whether a request carried the router's credentials rather than the client's: the
+    backend's own Authorization (`own`, which replaces the client's), or none at all
+    (`sent`: the client's headers as forwarded; the router keeps its own token)."""
+    return "Authorization" in own or "Authorization" not in sent
 
 
 def reach_all(configs: Iterable[BackendConfig], defaults: BackendCredentials) -> list[Reach]:

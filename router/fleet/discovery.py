@@ -25,7 +25,6 @@ import ipaddress
 import os
 import socket
 import ssl
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -48,8 +47,8 @@ from router.config import (
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 _NAMESPACE_FILE = "/var/run/secrets/kubernetes.io/serviceaccount/namespace"
 _RETRY_S = 1.0
-#: while a source keeps failing, its warning is repeated at most this often (the metric
-#: kvroute_discovery_errors_total counts every failure)
+#: a source's failures are warned of at most once this often, recoveries between them
+#: or not (the metric kvroute_discovery_errors_total counts every failure)
 _REPEAT_WARNING_S = 300.0
 
 
@@ -117,8 +116,11 @@ class Discovery:
         self.found: dict[str, list[BackendConfig]] = {}
         self._merged: set[str] = set()
         self._changed = asyncio.Event()
-        #: per failing source: failures in a row, and when the last warning was logged
-        self._outages: dict[str, tuple[int, float | None]] = {}
+        #: per failing source: failures in a row, and whether one of them was warned of
+        self._outages: dict[str, tuple[int, bool]] = {}
+        #: per source, its failure warnings: one per _REPEAT_WARNING_S, the next saying
+        #: how many were left out (a source that flaps must not warn at every failure)
+        self._warnings: dict[str, log.Throttled] = {}
 
     def merge(self, config: Config) -> Config:
         """`config` with the discovered backends in place of the previously merged ones."""
@@ -200,7 +202,7 @@ class Discovery:
         backends = backend_configs(source, addresses)
         self._host.metrics.discovered_backends.labels(source.label).set(len(backends))
         outage = self._outages.pop(source.label, None)
-        if outage is not None:
+        if outage is not None and outage[1]:  # the outage was warned of
             log.backends.info(
                 "discovery from %s answers again, after %d failures", source.label, outage[0]
             )
@@ -211,20 +213,18 @@ class Discovery:
             _log_change(source.label, before or [], backends)
 
     def _failed(self, label: str, exc: BaseException) -> None:
-        """Count a failure; warn on the first of a run, then at most every few minutes (a
-        source retried each second would otherwise flood the log)."""
+        """Count a failure; warn at most once per _REPEAT_WARNING_S for the source (one
+        retried each second, or one that flaps, would otherwise flood the log)."""
         self._host.metrics.discovery_errors.labels(label).inc()
-        failures, warned = self._outages.get(label, (0, None))
-        now = time.monotonic()
-        if warned is None or now - warned >= _REPEAT_WARNING_S:
-            warned = now
-            log.backends.warning(
-                "discovery from %s failed (%d in a row), keeping the last list: %s",
-                label,
-                failures + 1,
-                exc,
-            )
-        self._outages[label] = (failures + 1, warned)
+        failures, warned = self._outages.get(label, (0, False))
+        warnings = self._warnings.get(label)
+        if warnings is None:
+            warnings = self._warnings[label] = log.Throttled(log.backends, 1, _REPEAT_WARNING_S)
+        said = warnings.warning(
+            "discovery from %s failed (%d in a row), keeping the last list: %s",
+            label, failures + 1, exc,
+        )  # fmt: skip
+        self._outages[label] = (failures + 1, warned or said)
 
 
 def _log_change(label: str, before: list[BackendConfig], after: list[BackendConfig]) -> None:

@@ -18,6 +18,10 @@ to the breaker: nothing would bring it back).
 cards feed `/v1/models` and the per-model candidate lists. A failed fetch keeps what
 was known; reachability is the health checker's job.
 
+A check or poll answered 401 or 403 means the backend refuses the router's credentials
+(its `api_key`): each warns once per backend (`Refusals`), again only after the answer
+or the credentials changed, so a wrong key is neither silent nor a line per round.
+
 With several workers (router/control/supervisor.py) only the collector probes: `Verdicts` encodes
 its health verdicts and model cards after every round, and each worker adopts them, so
 a fleet is probed once per interval, not once per worker. A worker that finds a backend
@@ -37,11 +41,35 @@ import aiohttp
 import msgspec
 import orjson
 
+from router import log
 from router.config import HealthConfig
 from router.fleet.backends import Backend, Fleet
+from router.fleet.credentials import REFUSALS
 
 #: a worker's word to the collector, before a backend's name: it refused a connection
 REFUSED = b"R"
+
+
+class Refusals:
+    """Warns when a backend refuses the router's credentials to one kind of request (a
+    401 or 403), once until the answer or the credentials it was sent change."""
+
+    def __init__(self) -> None:
+        #: per backend refusing them, the headers it refused (secret: never shown)
+        self._refused: dict[str, dict[str, str]] = {}
+
+    def heard(self, backend: Backend, what: str, status: int) -> None:
+        """`backend` answered `what` (e.g. "GET /health") with `status`."""
+        name = backend.name
+        if status not in REFUSALS:
+            if self._refused.pop(name, None) is not None:
+                log.backends.info("backend %s accepts the router's credentials again", name)
+        elif self._refused.get(name) != backend.headers:
+            self._refused[name] = backend.headers
+            log.backends.warning(
+                "backend %s refuses the router's credentials: %s answered %d (check its api_key)",
+                name, what, status,
+            )  # fmt: skip
 
 
 class HealthChecker:
@@ -49,6 +77,7 @@ class HealthChecker:
         self._fleet = fleet
         self._session = session
         self.cfg = cfg
+        self._refusals = Refusals()
         #: loop time of each backend's last passed check (telemetry freshness, admin API)
         self.last_pass: dict[str, float] = {}
         #: why each backend's last check failed, while it fails (for the log)
@@ -105,6 +134,7 @@ class HealthChecker:
             return f"GET {url.path}: {os.strerror(cause.errno) if cause.errno else cause}"
         except (aiohttp.ClientError, OSError) as exc:
             return f"GET {url.path}: {exc or type(exc).__name__}"
+        self._refusals.heard(backend, f"GET {url.path}", resp.status)
         return f"GET {url.path} answered {resp.status}" if resp.status >= 500 else None
 
     def failing(self, backends: Iterable[Backend]) -> list[str]:
@@ -144,6 +174,7 @@ class ModelPoller:
         self._session = session
         self._interval = interval
         self._timeout = timeout
+        self._refusals = Refusals()
 
     async def poll_once(self) -> None:
         await self.poll(self._fleet.members)
@@ -165,6 +196,7 @@ class ModelPoller:
                     body = await resp.read()
         except (aiohttp.ClientError, OSError, TimeoutError):
             return
+        self._refusals.heard(backend, f"GET {resp.url.path}", resp.status)
         if resp.status == 200:
             self._fleet.set_discovered(backend, cards_of(body))
 

@@ -204,6 +204,7 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
                 body = await upstream.read()
                 await reply.whole(upstream.status, _headers(upstream, extra), body)
                 return
+            call.began = True
             await reply.begin(upstream.status, _headers(upstream, extra))
             if call.strip_usage:
                 await _without_usage(upstream, reply)

@@ -10,14 +10,27 @@ from collections.abc import Callable, Iterable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from router.errors import UpstreamConnectError, UpstreamDisconnected, UpstreamError, UpstreamTimeout
+from router.errors import (
+    UpstreamConnectError,
+    UpstreamCredentialsRefused,
+    UpstreamDisconnected,
+    UpstreamError,
+    UpstreamTimeout,
+)
 from router.fleet.backend import Backend
 from router.fleet.breaker import BreakerState
 from router.fleet.pools import PoolState
 
 #: the `kind` of kvroute_upstream_errors_total (and the `reason` of a retry after one)
 UPSTREAM_KINDS = tuple(
-    e.kind for e in (UpstreamError, UpstreamConnectError, UpstreamDisconnected, UpstreamTimeout)
+    e.kind
+    for e in (
+        UpstreamError,
+        UpstreamConnectError,
+        UpstreamDisconnected,
+        UpstreamTimeout,
+        UpstreamCredentialsRefused,
+    )
 )
 #: the states kvroute_backend_state_changes_total counts entering (fleet/usability.py)
 _STATES = ("up", "down", "draining", "undrained", *BreakerState)

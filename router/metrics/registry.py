@@ -6,16 +6,18 @@ the second sums its workers): no `_created` ones (multiprocess mode has none), a
 `_sum` for a histogram whose buckets go below zero (a single process's
 prometheus-client has none).
 
-Counters exist at 0 before anything is counted, so that rate() sees a first increment:
-unlabelled ones by themselves, labelled ones for the values known at the start (reasons,
-sources, tenants) and, from the first scrape after a backend joined (config, reload,
-discovery, admin API) or the strategy changed, each backend's. Each scrape compares the
-members and their models with what was primed last: O(fleet), off the request path.
+Counters and histograms exist at 0 before anything is counted, so that rate() sees a
+first increment: unlabelled ones by themselves, labelled ones for the values known at the
+start (reasons, sources, `metrics.tenants`) and, from the first scrape after a backend
+joined (config, reload, discovery, admin API), the strategy changed or a static token
+named a new tenant, each backend's (its latency histograms too) and each such tenant's.
+Each scrape compares the members, their models and the static tokens' tenants with what
+was primed last: O(fleet + tenants), off the request path.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 
@@ -45,14 +47,17 @@ class Metrics(
         multiprocess: bool = False,
         tenants: Iterable[str] = (),
         pools: Callable[[], list[PoolState]] | None = None,
+        static_tenants: Callable[[], Collection[str]] = tuple,
     ) -> None:
-        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones;
-        `pools`: the pools' states, for a fleet that has pools."""
+        """`tenants`: the ones `tenant_request` names, beside the static tokens' ones
+        (`static_tenants`, read at each scrape: a reload changes them); `pools`: the
+        pools' states, for a fleet that has pools."""
         self._tenants = frozenset(tenants)
+        self._static_tenants = static_tenants
         self._members = members
         #: the routing strategy's name, as the metrics label it (dispatch sets it)
         self.strategy = ""
-        self._primed: tuple[str, tuple] = ("", ())
+        self._primed: tuple[str, tuple, frozenset[str]] = ("", (), frozenset())
         r = self.registry = CollectorRegistry()
         #: what /metrics shows: this registry, or with several workers every process's
         self._exported = exported(r, multiprocess)
@@ -73,14 +78,17 @@ class Metrics(
         return generate_latest(self._exported)
 
     def _prime(self) -> None:
-        """Create at 0 the counters of the backends and strategy not primed yet."""
+        """Create at 0 the series of the backends, strategy and tenants not primed yet."""
         backends = tuple(self._members())
-        primed = (self.strategy, tuple((b.name, b.models) for b in backends))
+        static = frozenset(self._static_tenants())
+        primed = (self.strategy, tuple((b.name, b.models) for b in backends), static)
         if primed == self._primed:
             return
         self._primed = primed
         if self.strategy:  # else no request path in this process (the collector)
             self._prime_requests(backends, self.strategy)
-            self._prime_tokens({(m, b.pool) for b in backends for m in b.models or ()})
+            self._prime_tenants(static)
+            served = {(m, b.pool) for b in backends for m in b.models or ()}
+            self._prime_tokens(served, self._tenants | static)
         self._prime_backends(backends)
         self._prime_telemetry(backends)

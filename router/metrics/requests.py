@@ -179,13 +179,28 @@ class RequestMetrics:
         named in this module's _PRIMED_* constants)."""
         known = {m for b in backends for m in b.models or ()}
         for b in backends:
-            self._prime_outcomes(b.name, strategy, b.models or (OTHER_MODEL,), _PRIMED_STATUSES)
+            models = b.models or (OTHER_MODEL,)
+            self._prime_outcomes(b.name, strategy, models, _PRIMED_STATUSES)
+            self._prime_latencies(b.name, models)
             self.client_disconnects.labels(b.name)
             for kind in UPSTREAM_KINDS:
                 self.retries.labels(b.name, kind)
         self._prime_outcomes(NO_BACKEND, strategy, known or (OTHER_MODEL,), _PRIMED_REFUSALS)
         for reason in Reason:
             self.decisions.labels(strategy, reason)
+
+    def _prime_latencies(self, backend: str, models: Iterable[str]) -> None:
+        """Create at 0 the latency histograms of `backend` for each of `models`, on the
+        primed endpoints: a quantile over rate() has buckets to read from the start."""
+        for model in models:
+            for endpoint in _PRIMED_ENDPOINTS:
+                for histogram in (self.ttft, self.itl, self.e2e):
+                    histogram.labels(backend, endpoint, model)
+
+    def _prime_tenants(self, tenants: Iterable[str]) -> None:
+        """Create at 0 the request counter of each of `tenants` (the static tokens')."""
+        for tenant in tenants:
+            self._tenant_requests.labels(tenant)
 
     def _prime_outcomes(
         self, backend: str, strategy: str, models: Iterable[str], statuses: Iterable[str]

@@ -59,10 +59,10 @@ class TokenMetrics:
             registry=r,
         )
 
-    def _prime_tokens(self, served: Iterable[tuple[str, str | None]]) -> None:
+    def _prime_tokens(self, served: Iterable[tuple[str, str | None]], named: Iterable[str]) -> None:
         """Create at 0 the token and answer counters of each (model, pool) `served`, for
-        the tenants named by `metrics.tenants`, for others and for none."""
-        tenants = (*self._tenants, OTHER, NO_TENANT)
+        the tenants `named` (`metrics.tenants`, the static tokens'), others and none."""
+        tenants = (*named, OTHER, NO_TENANT)
         for model, pool in served:
             for tenant in tenants:
                 self._usage_children(model, tenant, pool or NO_POOL)

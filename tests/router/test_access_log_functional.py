@@ -187,6 +187,29 @@ async def test_a_client_that_leaves_mid_stream_is_a_499_line(tmp_path) -> None:
     assert line["ttft_ms"] is not None
 
 
+async def test_a_stream_the_backend_breaks_is_the_200_its_client_got_with_the_error(
+    tmp_path,
+) -> None:
+    """The client got a 200 and events, then an error event: the line says 200 and the
+    failure; the metrics count it as the backend's 502."""
+    path = tmp_path / "access.log"
+    stub = await StubBackend(behaviour=Behaviour(chunks=5, cut_after_chunks=2)).start()
+    try:
+        async with _router(path, stub.url) as router, aiohttp.ClientSession() as http:
+            body = {**CHAT, "stream": True}
+            async with http.post(router.url + "/v1/chat/completions", json=body) as resp:
+                got, text = resp.status, await resp.text()
+            page = router.metrics.render().decode()
+    finally:
+        await stub.stop()
+    assert got == 200 and '"code":502' in text and text.endswith("data: [DONE]\n\n")
+    (line,) = _lines(path, "text")
+    assert line["status"] == "200" and line["error"] == "UpstreamDisconnected"
+    assert line["backend"] == "b0" and line["ttft_ms"] is not None
+    labels = 'backend="b0",endpoint="chat",model="stub-model",status="502",strategy="RANDOM"'
+    assert f"kvroute_requests_total{{{labels}}} 1.0" in page
+
+
 def test_a_clients_strings_cannot_forge_fields_or_lines() -> None:
     evil = 'm" status=200\nfake=1'
     entry = Entry(

@@ -174,3 +174,101 @@ async def test_a_backend_behind_a_path_prefix_gets_every_call_under_it() -> None
         await stub.stop()
     assert answer.choices[0].message.content
     assert stub.health_checks >= 1 and len(stub.received) == 1
+
+
+async def test_a_wrong_backend_key_is_a_warning_and_a_502_not_the_routers_401(
+    secrets, monkeypatch, caplog
+) -> None:
+    """The backend refuses the key the router sends: the model polls and health checks
+    warn once (not each round), and a client with a good token gets a 502 naming the
+    backend and what it refused, not a 401 it would take for its own token's."""
+    monkeypatch.setenv("KV_CRED_WRONG", "sk-wrong")
+    stub = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    config = _config(stub, api_key_env="KV_CRED_WRONG")
+    config["health"] = {"path": "/v1/models"}  # a gateway that guards /health too
+    router = Router(build(config))
+    try:
+        with caplog.at_level(logging.INFO, logger="kvroute.backends"):
+            await router.start()
+            await router.poller.poll_once()  # a second round: no second warning
+            await router.health.check_once()
+            client = openai.AsyncOpenAI(
+                base_url=router.url + "/v1", api_key=DATA_TOKEN, max_retries=0
+            )
+            with pytest.raises(openai.APIStatusError) as info:
+                await client.chat.completions.create(
+                    model="stub-model", messages=[{"role": "user", "content": "hi"}]
+                )
+            await client.close()
+    finally:
+        await router.stop()
+        await stub.stop()
+    refusals = [
+        r.getMessage() for r in caplog.records if "refuses the router's credentials" in r.message
+    ]
+    assert (
+        sorted(refusals)
+        == [
+            "backend b0 refuses the router's credentials: GET /v1/models answered 401 (check its "
+            "api_key)"
+        ]
+        * 2
+    )  # one from the model polls, one from the health checks
+    error = info.value
+    assert error.status_code == 502
+    assert error.response.headers["x-kvroute-backend"] == "b0"
+    assert error.body["type"] == "BadGatewayError"
+    assert f"Backend b0 (127.0.0.1:{stub.port}) refused the router's credentials" in error.message
+    assert "sk-wrong" not in error.message
+
+
+async def test_a_request_a_backend_refuses_so_is_served_by_another(secrets, monkeypatch) -> None:
+    monkeypatch.setenv("KV_CRED_WRONG", "sk-wrong")
+    refusing = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    other = await StubBackend().start()
+    config = _config(refusing, api_key_env="KV_CRED_WRONG")
+    config["backends"].append({"url": other.url, "name": "b1"})
+    router = Router(build(config))
+    await router.start()
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    refused = b'kvroute_upstream_errors_total{backend="b0",kind="credentials"} 1.0'
+    served = []
+    try:
+        url = router.url + "/v1"
+        async with openai.AsyncOpenAI(base_url=url, api_key=DATA_TOKEN, max_retries=0) as oai:
+            for _ in range(40):  # RANDOM: bounded, until one was tried on b0 first
+                raw = await oai.chat.completions.with_raw_response.create(**chat)
+                served.append(raw.headers["x-kvroute-backend"])
+                if refused in router.metrics.render():
+                    break
+            else:
+                raise AssertionError("no request was tried on b0 first")
+    finally:
+        await router.stop()
+        await refusing.stop()
+        await other.stop()
+    assert set(served) == {"b1"} and not refusing.received
+
+
+async def test_a_backend_401_to_the_clients_own_token_passes_through() -> None:
+    """With the router's auth off and no key of its own for the backend, the client's
+    token is what the backend judges: its 401 is the client's answer."""
+    stub = await StubBackend(behaviour=Behaviour(api_key=KEY)).start()
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "b0"}],
+    }
+    router = Router(build(config))
+    await router.start()
+    chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    url = router.url + "/v1"
+    try:
+        async with openai.AsyncOpenAI(base_url=url, api_key="sk-bad", max_retries=0) as bad:
+            with pytest.raises(openai.AuthenticationError):
+                await bad.chat.completions.create(**chat)
+        async with openai.AsyncOpenAI(base_url=url, api_key=KEY, max_retries=0) as good:
+            answer = await good.chat.completions.create(**chat)
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert answer.choices[0].message.content

@@ -196,6 +196,7 @@ async def test_with_every_prefill_failing_a_whole_pool_serves_or_it_is_a_502(who
                 await ask(oai)
             assert info.value.status_code == 502
             assert "The prefill failed on every prefill backend tried" in info.value.message
+            assert info.value.response.headers["x-kvroute-backend"] == "sim0"  # it failed
         assert fleet.backends[1].stats.requests_received == 0
 
 

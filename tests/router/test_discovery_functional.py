@@ -31,6 +31,22 @@ class FakeDns:
         return sorted(self.addresses)
 
 
+class FlappingDns(FakeDns):
+    """Fails every other answer, `times` times, then answers every time."""
+
+    def __init__(self, addresses: list[str], times: int) -> None:
+        super().__init__(addresses)
+        self.left = times
+        self.calls = 0
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.calls += 1
+        if self.left and self.calls % 2 == 0:
+            self.left -= 1
+            raise OSError("SERVFAIL")
+        return sorted(self.addresses)
+
+
 async def until(predicate, timeout: float = 5.0) -> None:
     async with asyncio.timeout(timeout):
         while not predicate():
@@ -103,6 +119,28 @@ async def test_membership_follows_dns_without_dropping_requests(caplog) -> None:
         await router.stop()
         for stub in stubs:
             await stub.stop()
+
+
+async def test_a_flapping_source_warns_once_per_interval(caplog) -> None:
+    """Failures with answers between them: the first is warned of (and its recovery
+    logged), the next ones within the interval only counted."""
+    caplog.set_level(logging.INFO, logger="kvroute.backends")
+    (stub,) = await stubs_on(["127.0.0.2"])
+    dns = FlappingDns(["127.0.0.2"], times=3)
+    source = {"kind": "dns", "name": "vllm.test", "port": stub.port, "interval": 0.01}
+    router = Router(build({"listen": {"host": "127.0.0.1", "port": 0}, "discovery": [source]}))
+    router.discovery = Discovery(router, dns)
+    await router.start()
+    try:
+        await until(lambda: errors(router) == 3 and dns.calls > 7)  # answered after the last
+    finally:
+        await router.stop()
+        await stub.stop()
+    said = [r.getMessage() for r in caplog.records if "discovery from vllm.test" in r.message]
+    assert [m for m in said if "failed" in m or "again" in m] == [
+        "discovery from vllm.test failed (1 in a row), keeping the last list: SERVFAIL",
+        "discovery from vllm.test answers again, after 1 failures",
+    ]
 
 
 async def test_system_resolver_on_localhost_with_static_backends() -> None:

@@ -14,6 +14,7 @@ from openai import AsyncOpenAI
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
 from tests.router.conftest import sdk_through
+from tests.stub_backend import StubBackend
 
 ADAPTERS = ["sql-lora", "legal-lora", "med-lora"]
 
@@ -89,4 +90,31 @@ async def test_a_backend_that_cannot_load_is_a_clear_503() -> None:
         with pytest.raises(openai.APIStatusError) as info:
             await ask(oai, "sql-lora")
         assert info.value.status_code == 503
-        assert "The adapter `sql-lora` could not be loaded on sim0" in info.value.message
+        assert "No backend can load the adapter `sql-lora` (sim0: " in info.value.message
+        assert "/v1/load_lora_adapter answered 404" in info.value.message
+
+
+async def test_a_mixed_fleet_loads_where_loading_works_and_remembers_where_not() -> None:
+    """A backend whose load answers 404 (no runtime LoRA updating) is tried first (it
+    holds no adapter and is listed first), then left out: the next one loads, and the
+    next adapter goes there without asking the first again."""
+    params = SimParams(time_scale=0.01, runtime_lora_updating=True, lora_load_ms=100)
+    plain = await StubBackend(model=params.model).start()
+    try:
+        fleet = await start_fleet(1, params)
+        sim = fleet.backends[0]
+        backends = [{"url": plain.url, "name": "plain"}, {"url": sim.url, "name": "sim0"}]
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": backends,
+            "routing": {"strategy": "LEAST_OUTSTANDING_REQUESTS"},
+            "lora": {"load_on_demand": True, "adapters": ADAPTERS, "source": "/loras/{name}"},
+        }
+        async with sdk_through(config, fleet) as oai:
+            assert await ask(oai, "sql-lora") == "sim0"
+            assert plain.lora_loads == 1
+            assert await ask(oai, "legal-lora") == "sim0"
+            assert plain.lora_loads == 1  # remembered: not asked again
+            assert loads(fleet) == (2, 0)
+    finally:
+        await plain.stop()

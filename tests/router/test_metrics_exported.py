@@ -187,10 +187,10 @@ def _samples(page: str) -> dict[str, Series]:
 
 
 def _at_zero() -> dict[str, list[dict[str, str]]]:
-    """The counters a router in front of one backend (b0, serving MODEL) shows at 0
-    before its first request, by sample name."""
+    """The counters (and latency histograms) a router in front of one backend (b0,
+    serving MODEL) shows at 0 before its first request, by sample name."""
     outcome = {"strategy": DEFAULT_STRATEGY, "model": MODEL}
-    kinds = ("upstream", "connect", "disconnect", "timeout")
+    kinds = ("upstream", "connect", "disconnect", "timeout", "credentials")
     return {
         "kvroute_requests_total": [
             {**outcome, "backend": backend, "status": status, "endpoint": endpoint}
@@ -218,6 +218,13 @@ def _at_zero() -> dict[str, list[dict[str, str]]]:
         "kvroute_tenant_requests_total": [{"tenant": "(other)"}],
         "kvroute_cached_tokens_total": [{"source": s} for s in ("predicted", "reported")],
         "kvroute_panic_routing_total": [{}],
+        **{
+            f"kvroute_{name}_seconds_count": [
+                {"backend": "b0", "endpoint": endpoint, "model": MODEL}
+                for endpoint in ("chat", "completion")
+            ]
+            for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency")
+        },
     }
 
 

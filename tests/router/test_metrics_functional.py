@@ -148,9 +148,37 @@ async def test_a_backend_that_joins_by_reload_has_its_counters_at_0(tmp_path: Pa
     for status in ("200", "502", "503", "504"):
         labels = {"backend": "s1", "strategy": strategy, "status": status, "model": MODEL}
         assert value(page, "kvroute_requests_total", **labels, endpoint="chat") == 0
-    for kind in ("upstream", "connect", "disconnect", "timeout"):
+    for kind in ("upstream", "connect", "disconnect", "timeout", "credentials"):
         assert value(page, "kvroute_upstream_errors_total", backend="s1", kind=kind) == 0
         assert value(page, "kvroute_retries_total", backend="s1", reason=kind) == 0
     assert value(page, "kvroute_client_disconnects_total", backend="s1") == 0
     assert value(page, "kvroute_breaker_ejections_refused_total", backend="s1") == 0
     assert value(page, "kvroute_backend_state_changes_total", backend="s1", to="open") == 0
+
+
+async def test_static_token_tenants_and_latencies_are_at_0_before_any_request(
+    tmp_path: Path,
+) -> None:
+    """A static token's tenant has its request and token counters at 0 from the start
+    (and one a reload adds, from the next scrape), and each backend its latency
+    histograms: rate() and histogram_quantile() see the first request."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("tok-a acme\ntok-b\n")
+    async with running(1, auth={"enabled": True, "tokens_file": str(tokens)}) as (router, _):
+        await until(lambda: router.fleet.find("b0").models is not None)
+        before = samples(router)
+        tokens.write_text("tok-a acme\ntok-c globex\n")
+        await router.reloader.apply(router.config)
+        after = samples(router)
+    for tenant, page in (("acme", before), ("globex", after)):
+        assert value(page, "kvroute_tenant_requests_total", tenant=tenant) == 0
+        counted = {"model": MODEL, "tenant": tenant, "pool": "(none)"}
+        assert value(page, "kvroute_usage_requests_total", **counted) == 0
+        for kind in ("prompt", "cached", "completion"):
+            assert value(page, "kvroute_tokens_total", kind=kind, **counted) == 0
+    assert value(before, "kvroute_tenant_requests_total", tenant="globex") is None
+    for name in ("time_to_first_token", "inter_token_latency", "e2e_request_latency"):
+        for endpoint in ("chat", "completion"):
+            labels = {"backend": "b0", "endpoint": endpoint, "model": MODEL}
+            assert value(before, f"kvroute_{name}_seconds_count", **labels) == 0
+            assert value(before, f"kvroute_{name}_seconds_bucket", **labels, le="+Inf") == 0

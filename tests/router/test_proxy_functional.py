@@ -88,16 +88,22 @@ async def test_stream_arrives_chunk_by_chunk() -> None:
         assert min(gaps) > pace / 2, gaps
         await settle(router)
         # the paced gaps reach the inter-token histogram once the stream ended
-        itl = _samples(router.metrics.render(), "kvroute_inter_token_latency_seconds")
+        page = router.metrics.render()
+        itl = _samples(page, "kvroute_inter_token_latency_seconds", endpoint="chat")
         paced = itl["_bucket", "0.25"] - itl["_bucket", "0.1"]
         assert paced == n - 1, itl
         assert itl["_sum", None] >= (n - 1) * pace * 0.9, itl
 
 
-def _samples(text: bytes, family: str) -> dict[tuple[str, str | None], float]:
-    """One histogram's samples, keyed by suffix and `le`."""
+def _samples(text: bytes, family: str, **labels: str) -> dict[tuple[str, str | None], float]:
+    """One histogram's samples with `labels` (others are primed at 0), keyed by suffix
+    and `le`."""
     (found,) = (f for f in text_string_to_metric_families(text.decode()) if f.name == family)
-    return {(s.name[len(family) :], s.labels.get("le")): s.value for s in found.samples}
+    return {
+        (s.name[len(family) :], s.labels.get("le")): s.value
+        for s in found.samples
+        if labels.items() <= s.labels.items()
+    }
 
 
 @pytest.mark.parametrize(
