@@ -260,6 +260,20 @@ def test_probes_hit_the_http_port(case: Rendered) -> None:
         assert kustomize._container_port(container, probe["port"]) == case.config.listen.port
 
 
+def test_probes_speak_https_to_a_tls_listener() -> None:
+    tls = {
+        "cert_file": "/etc/kvroute-secrets/tls/tls.crt",
+        "key_file": "/etc/kvroute-secrets/tls/tls.key",
+    }
+    values = with_config(listen={"host": "0.0.0.0", "port": 8443, "tls": tls})
+    values["secretFiles"] = [{"secretName": "tls"}]
+    container = render(values).container
+    for probe in (container["readinessProbe"], container["livenessProbe"]):
+        assert probe["httpGet"]["scheme"] == "HTTPS"
+        assert probe["httpGet"]["port"] == "http"
+    assert "scheme" not in render({}).container["livenessProbe"]["httpGet"]  # HTTP's default
+
+
 def test_ports_follow_the_config() -> None:
     rendered = render(
         with_config(listen={"host": "0.0.0.0", "port": 9000}, grpc={"enabled": False})
