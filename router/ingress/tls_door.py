@@ -48,6 +48,8 @@ def _plain_answer() -> bytes:
 
 
 _PLAIN_ANSWER = _plain_answer()
+#: the handshakes (and plain answers) being set up
+_OPENING: set[asyncio.Task[None]] = set()
 
 
 class TlsDoor(asyncio.Protocol):
@@ -102,7 +104,11 @@ class _Doorway:
             return
         tls = first[0] == _HANDSHAKE
         app = self._app if tls else functools.partial(_PlainHttp, self._timeout)
-        asyncio.get_running_loop().create_task(self._open(app, self._context if tls else None))
+        task = asyncio.get_running_loop().create_task(
+            self._open(app, self._context if tls else None)
+        )
+        _OPENING.add(task)  # held until done: the loop keeps only a weak reference
+        task.add_done_callback(_OPENING.discard)
 
     async def _open(
         self, app: Callable[[], asyncio.Protocol], context: ssl.SSLContext | None
