@@ -197,6 +197,10 @@ _TOOLS = {
     "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
     "bench": ("bench.harness", "compare routing strategies on one workload (kvroute bench -h)"),
     "demo": ("bench.demo", "4 simulated backends, 4 strategies, one table, in about a minute"),
+    "health": (
+        "router.control.probe",
+        "GET /health on the config's listener over loopback (the image's HEALTHCHECK)",
+    ),
     "recommend": (
         "bench.recommend",
         "advise a strategy and its parameters from a capture (kvroute recommend -h)",

@@ -8,6 +8,7 @@ load the rest of the router trusts the config and never re-checks a value.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -233,7 +234,9 @@ class PoolConfig(_Strict):
     each marked with the pool's name."""
 
     name: Annotated[str, Meta(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")]
-    priority: Annotated[int, Meta(ge=0)]
+    #: required of a `both` pool; a prefill or decode pool without one comes after the
+    #: pools that have one, in the order listed (its role already says where it serves)
+    priority: Annotated[int, Meta(ge=0)] | None = None
     model_map: dict[str, str] = msgspec.field(default_factory=dict)
     #: false: the answers of a model `model_map` renamed name the model the client asked
     #: for, and /v1/models lists the client's names; true: both show the backends' own
@@ -249,6 +252,12 @@ class PoolConfig(_Strict):
     def params(self, fleet: policies.PolicyParams) -> policies.PolicyParams:
         """The strategy's parameters in this pool: the fleet's with its own."""
         return policies.tuned_params(fleet, self.routing) if self.routing else fleet
+
+
+def pools_in_order(pools: Iterable[PoolConfig]) -> list[PoolConfig]:
+    """The pools by priority, the preferred first; those without one (prefill and
+    decode pools may leave it out) after them, in the order given."""
+    return sorted(pools, key=lambda p: (p.priority is None, p.priority or 0))
 
 
 class TimeoutsConfig(_Strict):
@@ -661,7 +670,13 @@ class Config(_Strict):
         names = [p.name for p in self.pools]
         if len(set(names)) < len(names):
             raise ValueError(f"pools: names must be unique, got {names}")
-        priorities = [p.priority for p in self.pools]
+        for pool in self.pools:
+            if pool.priority is None and pool.role == "both":
+                raise ValueError(
+                    f"pools: {pool.name}: priority is required (pools are tried lowest "
+                    "first); only a prefill or decode pool may leave it out"
+                )
+        priorities = [p.priority for p in self.pools if p.priority is not None]
         if len(set(priorities)) < len(priorities):
             raise ValueError(f"pools: priorities must be unique, got {priorities}")
         roles = {p.role for p in self.pools} - {"both"}
@@ -693,7 +708,7 @@ class Config(_Strict):
     @property
     def pools_in_order(self) -> list[PoolConfig]:
         """The pools by priority, the preferred first."""
-        return sorted(self.pools, key=lambda p: p.priority)
+        return pools_in_order(self.pools)
 
 
 class ConfigError(ValueError):

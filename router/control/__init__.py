@@ -11,6 +11,7 @@
   reload.py      SIGHUP and admin reloads: build, validate, swap
   tls.py         the listeners' certificates: read at start, renewed by a reload
   admin.py       the admin API, on its own listener and token
+  probe.py       `kvroute health`: GET /health on the config's listener, over loopback
 
 May import every stage. Nothing imports it but router/__main__.py (the CLI).
 """

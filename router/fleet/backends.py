@@ -16,7 +16,13 @@ from collections.abc import Iterable
 from yarl import URL
 
 from policies import FleetView, Policy
-from router.config import BackendConfig, BackendCredentials, BreakerConfig, PoolConfig
+from router.config import (
+    BackendConfig,
+    BackendCredentials,
+    BreakerConfig,
+    PoolConfig,
+    pools_in_order,
+)
 from router.fleet.backend import DEFAULT_BREAKER, Backend
 from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
@@ -66,7 +72,7 @@ class Fleet(Usability):
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""
-        self.pools = tuple(sorted(pools, key=lambda p: p.priority))
+        self.pools = tuple(pools_in_order(pools))
         self._model_maps = {p.name: p.model_map for p in self.pools if p.model_map}
         self._public = {
             p.name: _inverse(p.model_map)

@@ -21,7 +21,8 @@ from router.fleet.backends import Fleet
 
 class PoolState(msgspec.Struct, frozen=True, kw_only=True):
     name: str
-    priority: int
+    #: None for a prefill or decode pool that sets none
+    priority: int | None
     backends: int
     usable: int
     inflight: int

@@ -7,6 +7,8 @@
   fast_body.py      a fast-path body, read only once the token passed and it fits
   fast_reply.py     the fast path's answers, written straight to the transport
   fast_idle.py      the fast path's keep-alive timeout
+  tls_door.py       the HTTPS port's first byte: TLS goes on to the handshake, plain
+                    HTTP gets a 400 that says to use https://
   web.py            aiohttp routes and `HttpIngress.serve`, which both servers call: the
                     token (auth.py, 401), the body (body.py), the routing fields
                     (router/request.py, 400 on bad JSON), a `Call` for the dispatcher;

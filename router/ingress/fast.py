@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Awaitable, Callable, Mapping
 
 from aiohttp import web
@@ -38,6 +39,7 @@ from router.ingress.fast_body import BodyReceiver, WholeBody
 from router.ingress.fast_idle import IdleTimer
 from router.ingress.fast_reply import FastReply
 from router.ingress.fast_request import ROUTES, Limits, common_request
+from router.ingress.tls_door import TlsDoor
 from router.ingress.web import (
     LINGER_SECONDS,
     REQUEST_ID,
@@ -282,19 +284,20 @@ class FastSite(web.TCPSite):
 
     async def start(self) -> None:
         self._runner._reg_site(self)
-        tls = {}
+        protocol: Callable[[], asyncio.Protocol] = self._fast
         if self._ssl_context is not None:  # TLS under both: aiohttp takes over the transport
-            # a handshake gets the header timeout (asyncio's default is 60 s): a client
-            # that stalls it holds a connection no longer than one that stalls its head
-            tls = {"ssl": self._ssl_context, "ssl_handshake_timeout": self._fast.keepalive}
+            # the door answers plain HTTP with a 400; the handshake and the wait for it get
+            # the header timeout (asyncio's default is 60 s): a client that stalls them
+            # holds a connection no longer than one that stalls its head
+            context, timeout = self._ssl_context, self._fast.keepalive
+            protocol = functools.partial(TlsDoor, self._fast, context, timeout)
         self._server = await asyncio.get_running_loop().create_server(
-            self._fast,
+            protocol,
             self._host,
             self._port,
             backlog=self._backlog,
             reuse_address=self._reuse_address,
             reuse_port=self._reuse_port,
-            **tls,
         )
 
     async def stop(self) -> None:

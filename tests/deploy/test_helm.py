@@ -40,7 +40,7 @@ SELECTOR_KEYS = {
 }
 
 #: every optional feature on: discovery in two namespaces, admin API with metrics on it,
-#: auth and backend keys from Secrets, ServiceMonitor, HPA
+#: auth and backend keys from Secrets, usage records on a writable volume, ServiceMonitor, HPA
 FULL: dict[str, Any] = {
     "config": {
         "discovery": [
@@ -53,6 +53,7 @@ FULL: dict[str, Any] = {
         "auth": {"enabled": True, "signing_key_env": "SIGNING_KEY"},
         "backend_defaults": {"api_key_env": "VLLM_API_KEY"},
         "shutdown": {"unready_seconds": 2.5, "drain_seconds": 120},
+        "usage": {"records": True},
     },
     "secretEnv": {
         "ADMIN_TOKEN": {"secretName": "kvroute-secrets", "key": "admin-token"},
@@ -259,6 +260,20 @@ def test_probes_hit_the_http_port(case: Rendered) -> None:
         assert kustomize._container_port(container, probe["port"]) == case.config.listen.port
 
 
+def test_probes_speak_https_to_a_tls_listener() -> None:
+    tls = {
+        "cert_file": "/etc/kvroute-secrets/tls/tls.crt",
+        "key_file": "/etc/kvroute-secrets/tls/tls.key",
+    }
+    values = with_config(listen={"host": "0.0.0.0", "port": 8443, "tls": tls})
+    values["secretFiles"] = [{"secretName": "tls"}]
+    container = render(values).container
+    for probe in (container["readinessProbe"], container["livenessProbe"]):
+        assert probe["httpGet"]["scheme"] == "HTTPS"
+        assert probe["httpGet"]["port"] == "http"
+    assert "scheme" not in render({}).container["livenessProbe"]["httpGet"]  # HTTP's default
+
+
 def test_ports_follow_the_config() -> None:
     rendered = render(
         with_config(listen={"host": "0.0.0.0", "port": 9000}, grpc={"enabled": False})
@@ -401,6 +416,112 @@ def test_rbac_create_overrides_the_config() -> None:
     forced = render({"rbac": {"create": True}})
     assert [r["metadata"]["namespace"] for r in forced.of_kind("Role")] == [NAMESPACE]
     assert not render({**FULL, "rbac": {"create": False}}).of_kind("Role")
+
+
+# ---- what the config writes ----------------------------------------------------------------
+
+
+def _written_dirs(config: Config) -> dict[str, str]:
+    """The directory each path the router writes under `config` needs writable, by key
+    (router.config's defaults: the chart must agree with them)."""
+    dirs = {}
+    if config.jobs.enabled and config.jobs.store == "sqlite":
+        dirs["jobs.path"] = str(Path(config.jobs.path).parent)
+    if config.usage.records:
+        dirs["usage.path"] = str(Path(config.usage.path).parent)
+    if config.capture.enabled:
+        dirs["capture.path"] = config.capture.path
+    if config.access_log.enabled and config.access_log.path != "-":
+        dirs["access_log.path"] = str(Path(config.access_log.path).parent)
+    return dirs
+
+
+def _writable_volume_of(rendered: Rendered, directory: str) -> dict:
+    """The volume of the writable mount that holds `directory` (AssertionError if none)."""
+    holding = [
+        m
+        for m in rendered.container["volumeMounts"]
+        if not m.get("readOnly") and (directory + "/").startswith(m["mountPath"].rstrip("/") + "/")
+    ]
+    assert holding, f"no writable mount holds {directory}"
+    volumes = {v["name"]: v for v in rendered.deployment["spec"]["template"]["spec"]["volumes"]}
+    return volumes[holding[-1]["name"]]
+
+
+def _writable_mounts(rendered: Rendered) -> list[str]:
+    return [
+        m["mountPath"]
+        for m in rendered.container["volumeMounts"]
+        if m["name"].startswith("writable-")
+    ]
+
+
+def test_every_path_the_config_writes_is_on_a_writable_volume() -> None:
+    """Jobs on SQLite, usage records, capture and an access-log file, at the router's
+    default paths: each directory is on an emptyDir under the read-only root."""
+    rendered = render(
+        with_config(
+            jobs={"enabled": True},
+            usage={"records": True},
+            capture={"enabled": True, "sample": 0.1},
+            access_log={"path": "/var/log/kvroute/access.log"},
+        )
+    )
+    dirs = _written_dirs(rendered.config)
+    assert set(dirs) == {"jobs.path", "usage.path", "capture.path", "access_log.path"}
+    for key, directory in dirs.items():
+        assert _writable_volume_of(rendered, directory)["emptyDir"] == {"sizeLimit": "1Gi"}, key
+    assert _writable_mounts(rendered) == ["/var/lib/kvroute", "/var/log/kvroute"]
+    assert rendered.container["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_notes_warn_that_sqlite_jobs_are_each_pods_own() -> None:
+    jobs = with_config(jobs={"enabled": True})
+    assert "Jobs on SQLite: each pod keeps its own jobs" in render(jobs).notes
+    assert "Jobs on SQLite" not in render({**jobs, "replicaCount": 1}).notes
+    assert "Jobs on SQLite" not in render({}).notes
+
+
+def test_writable_volumes_are_mounted_only_when_the_config_writes_there() -> None:
+    assert _writable_mounts(render({})) == []
+    redis = {"enabled": True, "store": "redis", "redis": {"url": "redis://redis:6379/0"}}
+    assert _writable_mounts(render(with_config(jobs=redis))) == []
+    assert _writable_mounts(render(with_config(usage={"records": True}))) == ["/var/lib/kvroute"]
+
+
+def test_a_claim_keeps_what_the_config_writes() -> None:
+    values = with_config(capture={"enabled": True, "path": "/data/capture"})
+    values["writableVolumes"] = [
+        {"mountPath": "/var/lib/kvroute"},
+        {"mountPath": "/data", "claimName": "kvroute-state"},
+    ]
+    rendered = render(values)
+    volume = _writable_volume_of(rendered, "/data/capture")
+    assert volume["persistentVolumeClaim"] == {"claimName": "kvroute-state"}
+    assert _writable_mounts(rendered) == ["/data"]
+
+
+@pytest.mark.parametrize(
+    "config,expected",
+    [
+        ({"jobs": {"enabled": True, "path": "/srv/kvroute/jobs.db"}},
+         "config.jobs.path /srv/kvroute/jobs.db: the root filesystem is read-only and no "
+         "writableVolumes entry holds /srv/kvroute; use writableVolumes: "
+         "[{mountPath: /srv/kvroute}]"),
+        ({"usage": {"records": True, "path": "/data/usage.db"}}, "config.usage.path /data/"),
+        ({"capture": {"enabled": True, "path": "/capture"}}, "config.capture.path /capture:"),
+        ({"access_log": {"path": "/tmp/access.log"}},
+         "config.access_log.path /tmp/access.log: the root filesystem is read-only and no "
+         "writableVolumes entry holds /tmp; use a directory of its own, e.g. /var/lib/kvroute"),
+        ({"jobs": {"enabled": True, "path": "jobs.db"}},
+         "config.jobs.path jobs.db is a relative path"),
+    ],
+    ids=["jobs", "usage", "capture", "access-log-in-tmp", "relative"],
+)  # fmt: skip
+def test_a_written_path_no_volume_holds_fails_the_render_naming_its_key(
+    config: dict, expected: str
+) -> None:
+    assert expected in render_error({"config": config})
 
 
 # ---- the chart's defaults are deploy/kubernetes/ ------------------------------------------

@@ -548,6 +548,10 @@ def test_dockerfile_final_stage() -> None:
     assert user == str(run_as)
     assert json.loads(ops["ENTRYPOINT"]) == ["kvroute", "serve"]
     assert json.loads(ops["CMD"]) == ["-c", "/etc/kvroute/router.yaml"]
+    # the health check reads the file the router runs with (port, TLS), not a fixed URL
+    interval, _, check = ops["HEALTHCHECK"].partition(" CMD ")
+    assert "--interval=" in interval
+    assert json.loads(check) == ["kvroute", "health", *json.loads(ops["CMD"])]
     assert "8000" in [p for op, rest in final if op == "EXPOSE" for p in rest.split()]
     assert any(op == "COPY" and rest.startswith("--from=") for op, rest in final)
     for op, rest in final:

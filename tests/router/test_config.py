@@ -70,6 +70,25 @@ def test_a_decode_pool_takes_no_routing_parameters() -> None:
         build({"pools": pools})
 
 
+def test_a_prefill_or_decode_pool_needs_no_priority() -> None:
+    """Its role says where it serves; without a priority it comes after the pools that
+    have one (for requests every pool may take), in the order listed."""
+    role = {"prefill": 0, "decode": 1}
+    unranked = [
+        {"name": name, "role": name, "backends": [{"url": f"http://127.0.0.1:{9200 + i}"}]}
+        for name, i in role.items()
+    ]
+    config = build({"pools": [*unranked, _pool("whole", 3)]})
+    assert [(p.name, p.priority) for p in config.pools_in_order] == [
+        ("whole", 3),
+        ("prefill", None),
+        ("decode", None),
+    ]
+    both = {k: v for k, v in _pool("whole", 3).items() if k != "priority"}
+    with pytest.raises(ConfigError, match="pools: whole: priority is required"):
+        build({"pools": [*unranked, both]})
+
+
 def test_defaults_need_only_backends() -> None:
     cfg = build({"backends": ONE})
     assert cfg.routing.__struct_config__.tag == "KV_AWARE"

@@ -19,6 +19,7 @@ from pathlib import Path
 import grpc
 import httpx2
 import openai
+import orjson
 import psutil
 import pytest
 import yaml
@@ -166,22 +167,50 @@ async def test_a_client_offering_h2_is_answered_http_1_1(tmp_path, pki) -> None:
         conn[1].close()
 
 
-async def test_plain_http_to_the_tls_port_is_refused_and_tls_serves_on(
+async def _plain(port: int, request: bytes) -> bytes:
+    """What `request`, sent as plain HTTP over a raw socket to `port`, gets back, up to
+    the router's close."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        return await asyncio.wait_for(reader.read(), TIMEOUT)
+    finally:
+        writer.close()
+
+
+async def test_plain_http_to_the_tls_port_is_answered_400_and_tls_serves_on(
     tmp_path, pki, caplog
 ) -> None:
+    """As nginx does: a 400 whose body says why, not an empty reply; TLS clients are
+    served before and after on the same port."""
+    get = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    body = orjson.dumps(CHAT)
+    post = b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s"
     async with tls_router(tmp_path, pki) as rig:
         with caplog.at_level(logging.DEBUG):
-            reader, writer = await asyncio.open_connection("127.0.0.1", rig.router.port)
-            writer.write(b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
-            reply = await asyncio.wait_for(reader.read(), TIMEOUT)  # until the router closes
-            writer.close()
+            before = await served_certificate(rig.router.port, pki.a)
+            replies = [
+                await _plain(rig.router.port, get),
+                await _plain(rig.router.port, post % (len(body), body)),
+            ]
             client = rig.openai(pki.a)
             try:
                 answer = await client.chat.completions.create(**CHAT)
             finally:
                 await client.close()
-    assert not reply.startswith(b"HTTP/")  # a TLS alert, or nothing: never an answer
+    assert before == _der(pki.a)
+    for reply in replies:
+        head, _, content = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 400 Bad Request\r\n"), reply
+        assert b"\r\nConnection: close" in head
+        assert orjson.loads(content)["error"] == {
+            "message": "The plain HTTP request was sent to the HTTPS port: use https:// for it.",
+            "type": "BadRequestError",
+            "param": None,
+            "code": 400,
+        }
     assert answer.choices[0].message.content
+    assert len(rig.stub.received) == 1  # no plain request reached a backend
     assert [r for r in caplog.records if r.levelno >= logging.ERROR] == []
 
 

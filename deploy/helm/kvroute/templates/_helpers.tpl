@@ -77,6 +77,59 @@ name a variable holding a secret, `_file` keys a file holding one. */}}
 {{- .mountPath | default (printf "/etc/kvroute-secrets/%s" .secretName) -}}
 {{- end -}}
 
+{{/* What the config has the router write, as JSON: [{key, path, dir}], `dir` being the
+directory that must be writable (the file's, or capture.path itself). */}}
+{{- define "kvroute.writtenPaths" -}}
+{{- $config := .Values.config | default dict -}}
+{{- $files := list -}}
+{{- $jobs := $config.jobs | default dict -}}
+{{- if and $jobs.enabled (eq (toString ($jobs.store | default "sqlite")) "sqlite") -}}
+{{- $files = append $files (list "jobs.path" ($jobs.path | default "/var/lib/kvroute/jobs.db")) -}}
+{{- end -}}
+{{- $usage := $config.usage | default dict -}}
+{{- if $usage.records -}}
+{{- $files = append $files (list "usage.path" ($usage.path | default "/var/lib/kvroute/usage.db")) -}}
+{{- end -}}
+{{- $log := $config.access_log | default dict -}}
+{{- $logging := true -}}
+{{- if hasKey $log "enabled" }}{{ $logging = $log.enabled }}{{ end -}}
+{{- if and $logging (ne (toString ($log.path | default "-")) "-") -}}
+{{- $files = append $files (list "access_log.path" $log.path) -}}
+{{- end -}}
+{{- $written := list -}}
+{{- range $files -}}
+{{- $path := toString (index . 1) -}}
+{{- $written = append $written (dict "key" (index . 0) "path" $path "dir" (dir $path)) -}}
+{{- end -}}
+{{- $capture := $config.capture | default dict -}}
+{{- if $capture.enabled -}}
+{{- $path := toString ($capture.path | default "/var/lib/kvroute/capture") -}}
+{{- $written = append $written (dict "key" "capture.path" "path" $path "dir" (clean $path)) -}}
+{{- end -}}
+{{- toJson $written -}}
+{{- end -}}
+
+{{/* "true" if the writableVolumes entry .volume holds the directory .dir. */}}
+{{- define "kvroute.holds" -}}
+{{- $mount := clean (toString .volume.mountPath) -}}
+{{- if or (eq .dir $mount) (hasPrefix (printf "%s/" $mount) .dir) -}}true{{- end -}}
+{{- end -}}
+
+{{/* The writableVolumes entries (their indices, as JSON) that hold a path the config
+writes: only those are mounted. */}}
+{{- define "kvroute.writableMounts" -}}
+{{- $used := list -}}
+{{- $written := include "kvroute.writtenPaths" . | fromJsonArray -}}
+{{- range $i, $volume := .Values.writableVolumes -}}
+{{- range $written -}}
+{{- if include "kvroute.holds" (dict "volume" $volume "dir" .dir) -}}
+{{- $used = append $used (toString $i) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- $used | uniq | toJson -}}
+{{- end -}}
+
 {{/* Ports from the config, and whether each one is served off loopback. */}}
 {{- define "kvroute.httpPort" -}}
 {{- (.Values.config.listen | default dict).port | default 8000 -}}
@@ -122,6 +175,24 @@ name a variable holding a secret, `_file` keys a file holding one. */}}
 {{- end -}}
 {{- if not $mounted -}}
 {{- fail (printf "config names the file %s (a *_file key): mount its Secret with secretFiles: [{secretName: ..., mountPath: ...}] at a directory above it" $path) -}}
+{{- end -}}
+{{- end -}}
+{{- range $written := include "kvroute.writtenPaths" . | fromJsonArray -}}
+{{- if not (isAbs $written.path) -}}
+{{- fail (printf "config.%s %s is a relative path: give an absolute one, under a writableVolumes mountPath" $written.key $written.path) -}}
+{{- end -}}
+{{- $held := false -}}
+{{- range $.Values.writableVolumes -}}
+{{- if include "kvroute.holds" (dict "volume" . "dir" $written.dir) -}}{{- $held = true -}}{{- end -}}
+{{- end -}}
+{{- $where := printf "writableVolumes: [{mountPath: %s}] (an emptyDir; claimName: an existing PersistentVolumeClaim to keep the files)" $written.dir -}}
+{{- range list "/" "/tmp" "/etc/kvroute" -}}
+{{- if or (eq $written.dir .) (hasPrefix (printf "%s/" .) $written.dir) -}}
+{{- $where = "a directory of its own, e.g. /var/lib/kvroute, which the default writableVolumes mount (/ is read-only, /tmp the router's 64Mi scratch space, /etc/kvroute the config)" -}}
+{{- end -}}
+{{- end -}}
+{{- if not $held -}}
+{{- fail (printf "config.%s %s: the root filesystem is read-only and no writableVolumes entry holds %s; use %s" $written.key $written.path $written.dir $where) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
