@@ -21,7 +21,8 @@ handlers write with `context.write` (not by yielding), so the cancellation lands
 `exchange`, which closes the upstream connection and vLLM aborts the generation.
 
 Beside the service: grpc.health.v1 (SERVING iff at least one backend is usable; Check is
-exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection. With auth on,
+exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection, v1 and v1alpha
+(grpc_reflection.py). With auth on,
 reflection (and any service but health and Inference) needs a data-plane token too
 (`_TokenGate`): only the probe answers a stranger.
 
@@ -38,7 +39,6 @@ import time
 import grpc
 import orjson
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 from multidict import CIMultiDict
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
@@ -48,7 +48,7 @@ from router.config import Config
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
 from router.fleet.backends import Fleet
-from router.ingress import grpc_convert
+from router.ingress import grpc_convert, grpc_reflection
 from router.ingress.auth import Authenticator
 from router.metrics import Metrics
 from router.request import NO_FIELDS, Kind, parse
@@ -59,7 +59,8 @@ from router.upstream.proxy import Upstream
 SERVICES = (
     pb.DESCRIPTOR.services_by_name["Inference"],
     health_pb2.DESCRIPTOR.services_by_name["Health"],
-    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    grpc_reflection.V1,
+    grpc_reflection.V1ALPHA,
 )
 SERVICE = SERVICES[0].full_name
 #: services the token gate lets through: Inference's handlers check the token themselves
@@ -71,7 +72,11 @@ REQUEST_ID_KEY = "x-request-id"
 #: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
 _HEALTH_POLL_SECONDS = 1.0
+#: how long and how many messages a refused streaming call is read before its status
+_REFUSED_DRAIN_SECONDS = 1.0
+_REFUSED_DRAIN_MESSAGES = 16
 _PATHS = {Kind.CHAT: "/v1/chat/completions", Kind.COMPLETION: "/v1/completions"}
+_REQUESTS = {Kind.CHAT: pb.ChatCompletionRequest, Kind.COMPLETION: pb.CompletionRequest}
 
 
 class GrpcIngress:
@@ -115,10 +120,10 @@ class GrpcIngress:
             interceptors=[_TokenGate(self._auth)], options=options
         )
         inference = _Inference(config, self._dispatcher, self._auth, self._metrics)
-        pb_grpc.add_InferenceServicer_to_server(inference, server)
+        pb_grpc.add_InferenceServicer_to_server(inference, _BytesIn(server))
         self._health = _Health(self._fleet)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection([s.full_name for s in SERVICES], server)
+        grpc_reflection.enable([s.full_name for s in SERVICES], server)
         host, port = config.grpc.host or config.listen.host, config.grpc.port
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self._credentials is None:
@@ -167,17 +172,56 @@ class _TokenGate(grpc.aio.ServerInterceptor):
 
 
 def _refusing(handler: grpc.RpcMethodHandler, err: KvrouteError) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that answers every call with `err`."""
+    """A handler of `handler`'s kind that answers every call with `err`.
+
+    Requests stay bytes: a stranger's message is never parsed. A streaming request is
+    read to its end (bounded) first: a status sent while the client is still writing
+    fails the client's pending write, and grpcio's client then reports INTERNAL instead
+    of the status the server sent."""
 
     async def refuse(request, context) -> None:
         await context.abort(*err.to_grpc())
 
+    async def refuse_stream(requests, context) -> None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(_REFUSED_DRAIN_SECONDS):
+                await _drain(requests, _REFUSED_DRAIN_MESSAGES)
+        await context.abort(*err.to_grpc())
+
     make = _HANDLERS[handler.request_streaming, handler.response_streaming]
     return make(
-        refuse,
-        request_deserializer=handler.request_deserializer,
+        refuse_stream if handler.request_streaming else refuse,
         response_serializer=handler.response_serializer,
     )
+
+
+async def _drain(requests, most: int) -> None:
+    """Read up to `most` messages of a request stream, or to its end."""
+    count = 0
+    async for _ in requests:
+        count += 1
+        if count >= most:
+            return
+
+
+class _BytesIn:
+    """A server for a generated `add_*Servicer_to_server` that registers its handlers
+    with requests left as bytes: the servicer parses them itself, after the token check,
+    so a malformed message is a stranger's 401 or a client's INVALID_ARGUMENT, never
+    grpcio's UNKNOWN with a logged traceback."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        """Unused: the same handlers come through `add_registered_method_handlers`."""
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        raw = {name: h._replace(request_deserializer=None) for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, raw),))
+        self._server.add_registered_method_handlers(service, raw)
 
 
 #: how a handler is made, by (request streaming, response streaming)
@@ -201,20 +245,22 @@ class _Inference(pb_grpc.InferenceServicer):
         self._tenant_key = tenant_header.lower() if tenant_header else None
         self._tenant_header = tenant_header
 
-    async def CreateChatCompletion(self, request, context):
-        return await self._unary(Kind.CHAT, request, context, grpc_convert.chat_completion)
+    # each takes its request as bytes (`_BytesIn`), parsed after the token check
 
-    async def StreamChatCompletion(self, request, context) -> None:
-        await self._stream(Kind.CHAT, request, context, grpc_convert.chat_chunk)
+    async def CreateChatCompletion(self, raw: bytes, context):
+        return await self._unary(Kind.CHAT, raw, context, grpc_convert.chat_completion)
 
-    async def CreateCompletion(self, request, context):
-        return await self._unary(Kind.COMPLETION, request, context, grpc_convert.completion)
+    async def StreamChatCompletion(self, raw: bytes, context) -> None:
+        await self._stream(Kind.CHAT, raw, context, grpc_convert.chat_chunk)
 
-    async def StreamCompletion(self, request, context) -> None:
-        await self._stream(Kind.COMPLETION, request, context, grpc_convert.completion)
+    async def CreateCompletion(self, raw: bytes, context):
+        return await self._unary(Kind.COMPLETION, raw, context, grpc_convert.completion)
 
-    async def _unary(self, kind: Kind, request, context, convert: grpc_convert.Convert):
-        trailers, call = await self._call(kind, request, context, stream=False)
+    async def StreamCompletion(self, raw: bytes, context) -> None:
+        await self._stream(Kind.COMPLETION, raw, context, grpc_convert.completion)
+
+    async def _unary(self, kind: Kind, raw: bytes, context, convert: grpc_convert.Convert):
+        trailers, call = await self._call(kind, raw, context, stream=False)
         try:
             async with self._dispatch.exchange(call) as upstream:
                 trailers.extend(_served_by(upstream))
@@ -228,8 +274,8 @@ class _Inference(pb_grpc.InferenceServicer):
         context.set_trailing_metadata(trailers)
         return reply
 
-    async def _stream(self, kind: Kind, request, context, convert: grpc_convert.Convert) -> None:
-        trailers, call = await self._call(kind, request, context, stream=True)
+    async def _stream(self, kind: Kind, raw: bytes, context, convert: grpc_convert.Convert) -> None:
+        trailers, call = await self._call(kind, raw, context, stream=True)
         try:
             async with self._dispatch.exchange(call) as upstream:
                 trailers.extend(_served_by(upstream))
@@ -243,16 +289,19 @@ class _Inference(pb_grpc.InferenceServicer):
             await context.abort(*err.to_grpc(_blaming(trailers, err)))
         context.set_trailing_metadata(trailers)
 
-    async def _call(self, kind: Kind, request, context, stream: bool):
+    async def _call(self, kind: Kind, raw: bytes, context, stream: bool):
         """The trailers so far and the `Call`, or abort with the request's error."""
         started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         metadata = context.invocation_metadata() or ()
         request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
-        routing = request.routing
         tenant = None
         try:
-            tenant = self._tenant(authorization, claimed, routing)  # no work for strangers
+            tenant = self._token_tenant(authorization, claimed)  # no work for strangers
+            request = grpc_convert.parse(_REQUESTS[kind], raw)
+            routing = request.routing
+            if not self._auth.enabled:
+                tenant = self._claimed_tenant(claimed, routing)
             body = orjson.dumps(grpc_convert.body_of(request, stream))
             if len(body) > self._max_body:
                 raise PayloadTooLarge(
@@ -285,19 +334,22 @@ class _Inference(pb_grpc.InferenceServicer):
                 tenant = value
         return passable_request_id(request_id), authorization, tenant
 
-    def _tenant(
-        self, authorization: str | None, claimed: str | None, routing: pb.RoutingHints
-    ) -> str | None:
-        """As over HTTP (`Authenticator.tenant`), the tenant metadata being the claimed
-        tenant. `routing.tenant` overrides that metadata with auth off only: a gateway
-        can vouch for metadata it sets, not for a field of the message. Raises
-        Unauthorized."""
-        if routing.HasField("tenant") and not self._auth.enabled:
-            claimed = routing.tenant
+    def _token_tenant(self, authorization: str | None, claimed: str | None) -> str | None:
+        """With auth on, the tenant as over HTTP (`Authenticator.tenant`), the tenant
+        metadata being the claimed tenant; None with auth off. Raises Unauthorized."""
+        if not self._auth.enabled:
+            return None
         tenant = self._auth.tenant(authorization, claimed)
-        if tenant is not None and self._auth.enabled:
+        if tenant is not None:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
+
+    def _claimed_tenant(self, claimed: str | None, routing: pb.RoutingHints) -> str | None:
+        """With auth off, the tenant metadata, or `routing.tenant` over it: only then,
+        since a gateway can vouch for metadata it sets, not for a field of the message."""
+        if routing.HasField("tenant"):
+            claimed = routing.tenant
+        return self._auth.tenant(None, claimed)
 
     def _headers(
         self,
