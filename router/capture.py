@@ -31,7 +31,8 @@ from router import log
 from router.access_log import Entry
 from router.config import CaptureConfig, ConfigError
 
-#: the header that captures its request whatever the sampling says (value "1")
+#: the header that captures its request whatever the sampling says (value "1"), from
+#: the clients `capture.force_tenants` or `force_header_anyone` allow
 FORCE_HEADER = "X-Kvroute-Capture"
 #: headers never written as sent: the client's credentials
 ALWAYS_REDACTED = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key"})
@@ -54,21 +55,26 @@ class Captured(NamedTuple):
 
 class Sampler:
     """Which requests are captured: every one of `tenants`, any that asks with
-    FORCE_HEADER, and `sample` of the rest."""
+    FORCE_HEADER from a client allowed to, and `sample` of the rest."""
 
-    __slots__ = ("_random", "_sample", "_tenants")
+    __slots__ = ("_force_anyone", "_force_tenants", "_random", "_sample", "_tenants")
 
     def __init__(self, cfg: CaptureConfig) -> None:
         self._sample = cfg.sample
         self._tenants = frozenset(cfg.tenants)
+        self._force_tenants = frozenset(cfg.force_tenants)
+        self._force_anyone = cfg.force_header_anyone
         self._random = random.random
 
     def wants(self, tenant: str | None, headers: Mapping[str, str]) -> bool:
-        if headers.get(FORCE_HEADER) == "1":
-            return True
         if tenant is not None and tenant in self._tenants:
             return True
+        if headers.get(FORCE_HEADER) == "1" and self._may_force(tenant):
+            return True
         return self._sample > 0 and self._random() < self._sample
+
+    def _may_force(self, tenant: str | None) -> bool:
+        return self._force_anyone or (tenant is not None and tenant in self._force_tenants)
 
 
 class Capture:

@@ -445,6 +445,11 @@ class CaptureConfig(_Strict):
     sample: Annotated[float, Meta(ge=0, le=1)] = 0.0
     #: every request of these tenants is captured (to debug one tenant's traffic)
     tenants: tuple[str, ...] = ()
+    #: whose `X-Kvroute-Capture: 1` header is honoured: these tenants' requests (the
+    #: token's tenant with auth on), or everyone's with `force_header_anyone` (a
+    #: trusted network); else the header is ignored, so no client can fill the disk
+    force_tenants: tuple[Tenant, ...] = ()
+    force_header_anyone: bool = False
     path: str = "/var/lib/kvroute/capture"
     #: a file is closed and a new one begun past this size (before gzip) or age
     max_bytes: Annotated[int, Meta(ge=4096)] = 256 << 20

@@ -10,7 +10,7 @@ import orjson
 import pytest
 
 from router.access_log import Entry
-from router.capture import Capture, Captured, line, stream
+from router.capture import Capture, Captured, Sampler, line, stream
 from router.config import CaptureConfig, ConfigError
 from router.upstream.clock import Framed
 from router.upstream.proxy import unframed
@@ -152,3 +152,25 @@ def test_a_kept_stream_joins_decoded_reads_and_decodes_the_relays_framed_ones() 
     events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"n": 3}\n\n']
     framed = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events[1:]) + b"0\r\n\r\n"
     assert unframed([events[0], Framed(framed)]) == b"".join(events)
+
+
+FORCE = {"X-Kvroute-Capture": "1"}
+
+
+@pytest.mark.parametrize(
+    ("config", "tenant", "headers", "wanted"),
+    [
+        pytest.param({}, "acme", FORCE, False, id="header-ignored-by-default"),
+        pytest.param({"force_tenants": ("ops",)}, "ops", FORCE, True, id="force-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, "acme", FORCE, False, id="other-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, None, FORCE, False, id="no-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, "ops", {}, False, id="force-tenant-no-header"),
+        pytest.param({"force_header_anyone": True}, None, FORCE, True, id="anyone"),
+        pytest.param({"tenants": ("acme",)}, "acme", {}, True, id="captured-tenant"),
+    ],
+)
+def test_the_force_header_counts_only_from_whom_the_config_allows(
+    config: dict, tenant: str | None, headers: dict[str, str], wanted: bool
+) -> None:
+    sampler = Sampler(CaptureConfig(enabled=True, **config))
+    assert sampler.wants(tenant, headers) is wanted
