@@ -4,6 +4,10 @@ record's lines, a stream reassembled."""
 from __future__ import annotations
 
 import gzip
+import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -88,6 +92,56 @@ def test_files_rotate_by_size_with_whole_lines_and_optional_gzip(tmp_path, gz: b
     files = list(tmp_path.iterdir())
     assert len(files) >= 5 and all(f.name.endswith(".jsonl.gz" if gz else ".jsonl") for f in files)
     assert [r["request_id"] for r in lines(tmp_path)] == [f"id{i}" for i in range(40)]
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs to fill (mounting one needs root: skipped otherwise)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command to mount a small tmpfs")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def noisy(i: int) -> Captured:
+    """A record that compresses to about 1 KB: 900 of them fill the small disk."""
+    entry = record(i).entry
+    body = orjson.dumps({"prompt": f"question {i} " + os.urandom(1000).hex()})
+    return Captured(entry, None, (), body, None, False)
+
+
+@pytest.mark.parametrize("gz", [True, False], ids=["gzip", "plain"])
+def test_a_full_disk_counts_its_losses_and_leaves_whole_lines(small_disk: Path, gz: bool) -> None:
+    """Every record is counted once, written or dropped (write_error), and the file
+    holds exactly the written ones, each whole: a batch that does not fit is taken
+    back, so the next one starts a sound gzip member."""
+    counted = Counted()
+    cfg = CaptureConfig(enabled=True, path=str(small_disk), gzip=gz, queue_records=1000)
+    capture = Capture(cfg, counted.drop, counted.write)
+    capture.start()
+    sent = 900
+    for i in range(sent):
+        capture.add(noisy(i))
+        if i % 10 == 9:  # batches of about ten records, as steady traffic makes
+            deadline = time.monotonic() + 10
+            while counted.written + len(counted.dropped) < i + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+    capture.close()
+    assert counted.written + len(counted.dropped) == sent
+    assert set(counted.dropped) == {"write_error"} and counted.written > 0
+    ids = [r["request_id"] for r in lines(small_disk)]
+    assert len(ids) == len(set(ids)) == counted.written
 
 
 def test_files_rotate_by_age(tmp_path) -> None:
