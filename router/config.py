@@ -356,8 +356,9 @@ class RetryConfig(_Strict):
     """Retries before the first byte reached the client, to another backend."""
 
     max_retries: Annotated[int, Meta(ge=0, le=10)] = 2
-    #: backend statuses worth another backend (vLLM answers 503 when its queue is full)
-    retry_on: tuple[Annotated[int, Meta(ge=400, le=599)], ...] = (502, 503, 504)
+    #: backend statuses worth another backend (vLLM answers 503 when its queue is full;
+    #: a 500 retried tells a backend's fault from the request's: router/dispatch/connect.py)
+    retry_on: tuple[Annotated[int, Meta(ge=400, le=599)], ...] = (500, 502, 503, 504)
     #: first backoff, doubled per retry up to backoff_max, with jitter; seconds
     backoff: Seconds = 0.025
     backoff_max: Seconds = 0.5
