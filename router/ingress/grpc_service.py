@@ -22,9 +22,10 @@ handlers write with `context.write` (not by yielding), so the cancellation lands
 
 Beside the service: grpc.health.v1 (SERVING iff at least one backend is usable; Check is
 exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection, v1 and v1alpha
-(grpc_reflection.py). With auth on,
-reflection (and any service but health and Inference) needs a data-plane token too
-(`_TokenGate`): only the probe answers a stranger.
+(grpc_reflection.py). With auth on, reflection (and any service but health and
+Inference) needs a data-plane token too (grpc_gate.py): only the probe answers a
+stranger. A message that does not parse is INVALID_ARGUMENT, after the token check,
+with nothing logged.
 
 Cost per request beyond HTTP's: one orjson encode of the body, and one orjson decode
 plus one message build per answer or SSE event (HTTP passes those bytes through).
@@ -46,10 +47,11 @@ from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router import log
 from router.config import Config
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
-from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
+from router.errors import KvrouteError, PayloadTooLarge, UpstreamError
 from router.fleet.backends import Fleet
 from router.ingress import grpc_convert, grpc_reflection
 from router.ingress.auth import Authenticator
+from router.ingress.grpc_gate import BytesIn, TokenGate
 from router.metrics import Metrics
 from router.request import NO_FIELDS, Kind, parse
 from router.upstream.proxy import Upstream
@@ -72,9 +74,6 @@ REQUEST_ID_KEY = "x-request-id"
 #: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
 _HEALTH_POLL_SECONDS = 1.0
-#: how long and how many messages a refused streaming call is read before its status
-_REFUSED_DRAIN_SECONDS = 1.0
-_REFUSED_DRAIN_MESSAGES = 16
 _PATHS = {Kind.CHAT: "/v1/chat/completions", Kind.COMPLETION: "/v1/completions"}
 _REQUESTS = {Kind.CHAT: pb.ChatCompletionRequest, Kind.COMPLETION: pb.CompletionRequest}
 
@@ -117,10 +116,10 @@ class GrpcIngress:
             ("grpc.max_receive_message_length", max_message),
         ]
         server = self._server = grpc.aio.server(
-            interceptors=[_TokenGate(self._auth)], options=options
+            interceptors=[TokenGate(self._auth, _UNGATED)], options=options
         )
         inference = _Inference(config, self._dispatcher, self._auth, self._metrics)
-        pb_grpc.add_InferenceServicer_to_server(inference, _BytesIn(server))
+        pb_grpc.add_InferenceServicer_to_server(inference, BytesIn(server))
         self._health = _Health(self._fleet)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         grpc_reflection.enable([s.full_name for s in SERVICES], server)
@@ -149,90 +148,6 @@ class GrpcIngress:
             await self._server.stop(grace)
 
 
-class _TokenGate(grpc.aio.ServerInterceptor):
-    """With auth on, every RPC but those of `_UNGATED` needs a data-plane token, as every
-    HTTP route but the probes does: reflection, and any service added later, is closed
-    unless let through here on purpose."""
-
-    def __init__(self, auth: Authenticator) -> None:
-        self._auth = auth
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or not self._auth.enabled:
-            return handler
-        if details.method.split("/")[1] in _UNGATED:  # the method is /package.Service/Name
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        try:
-            self._auth.authenticate(metadata.get("authorization"))
-        except Unauthorized as err:
-            return _refusing(handler, err)
-        return handler
-
-
-def _refusing(handler: grpc.RpcMethodHandler, err: KvrouteError) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that answers every call with `err`.
-
-    Requests stay bytes: a stranger's message is never parsed. A streaming request is
-    read to its end (bounded) first: a status sent while the client is still writing
-    fails the client's pending write, and grpcio's client then reports INTERNAL instead
-    of the status the server sent."""
-
-    async def refuse(request, context) -> None:
-        await context.abort(*err.to_grpc())
-
-    async def refuse_stream(requests, context) -> None:
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(_REFUSED_DRAIN_SECONDS):
-                await _drain(requests, _REFUSED_DRAIN_MESSAGES)
-        await context.abort(*err.to_grpc())
-
-    make = _HANDLERS[handler.request_streaming, handler.response_streaming]
-    return make(
-        refuse_stream if handler.request_streaming else refuse,
-        response_serializer=handler.response_serializer,
-    )
-
-
-async def _drain(requests, most: int) -> None:
-    """Read up to `most` messages of a request stream, or to its end."""
-    count = 0
-    async for _ in requests:
-        count += 1
-        if count >= most:
-            return
-
-
-class _BytesIn:
-    """A server for a generated `add_*Servicer_to_server` that registers its handlers
-    with requests left as bytes: the servicer parses them itself, after the token check,
-    so a malformed message is a stranger's 401 or a client's INVALID_ARGUMENT, never
-    grpcio's UNKNOWN with a logged traceback."""
-
-    def __init__(self, server: grpc.aio.Server) -> None:
-        self._server = server
-
-    def add_generic_rpc_handlers(self, handlers) -> None:
-        """Unused: the same handlers come through `add_registered_method_handlers`."""
-
-    def add_registered_method_handlers(
-        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
-    ) -> None:
-        raw = {name: h._replace(request_deserializer=None) for name, h in handlers.items()}
-        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, raw),))
-        self._server.add_registered_method_handlers(service, raw)
-
-
-#: how a handler is made, by (request streaming, response streaming)
-_HANDLERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 class _Inference(pb_grpc.InferenceServicer):
     def __init__(
         self, config: Config, dispatcher: Dispatcher, auth: Authenticator, metrics: Metrics
@@ -245,7 +160,7 @@ class _Inference(pb_grpc.InferenceServicer):
         self._tenant_key = tenant_header.lower() if tenant_header else None
         self._tenant_header = tenant_header
 
-    # each takes its request as bytes (`_BytesIn`), parsed after the token check
+    # each takes its request as bytes (grpc_gate.BytesIn), parsed after the token check
 
     async def CreateChatCompletion(self, raw: bytes, context):
         return await self._unary(Kind.CHAT, raw, context, grpc_convert.chat_completion)

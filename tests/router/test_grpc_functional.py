@@ -305,26 +305,53 @@ async def test_invalid_argument(request_: pb.ChatCompletionRequest, text: str) -
 MALFORMED = b"\xff" * 11
 
 
+def raw_call(channel: grpc.aio.Channel, path: str, streaming: tuple[bool, bool], metadata):
+    """`path` called with MALFORMED as its request (bytes: no serializer)."""
+    make = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, True): channel.stream_stream,
+    }[streaming]
+    request = iter([MALFORMED]) if streaming[0] else MALFORMED
+    return make(path)(request, metadata=metadata, timeout=TIMEOUT)
+
+
 @pytest.mark.parametrize(
-    "method", ["CreateChatCompletion", "StreamChatCompletion", "CreateCompletion"]
+    ("path", "streaming", "gated"),
+    [
+        pytest.param(f"/{SERVICE}/CreateChatCompletion", (False, False), True, id="unary"),
+        pytest.param(f"/{SERVICE}/StreamChatCompletion", (False, True), True, id="stream"),
+        pytest.param(f"/{SERVICE}/CreateCompletion", (False, False), True, id="completion"),
+        pytest.param("/grpc.health.v1.Health/Check", (False, False), False, id="health"),
+        pytest.param("/grpc.health.v1.Health/Watch", (False, True), False, id="health-watch"),
+        pytest.param(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            (True, True),
+            True,
+            id="reflection",
+        ),
+    ],
 )
 async def test_malformed_message_is_invalid_argument_after_auth(
-    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, method: str
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    streaming: tuple[bool, bool],
+    gated: bool,
 ) -> None:
     """Bytes that do not parse: UNAUTHENTICATED without a token (nothing is parsed for
-    a stranger), INVALID_ARGUMENT with one, and no traceback in the log either way."""
+    a stranger; health is open to all), INVALID_ARGUMENT with one, and no traceback in
+    the log either way."""
     monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a")
     auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
     caplog.set_level("DEBUG")
+    stranger = grpc.StatusCode.UNAUTHENTICATED if gated else grpc.StatusCode.INVALID_ARGUMENT
     async with grpc_router(auth=auth) as rig:
-        path = f"/{SERVICE}/{method}"
-        make = rig.channel.unary_stream if method.startswith("Stream") else rig.channel.unary_unary
         for metadata, code in (
-            ((), grpc.StatusCode.UNAUTHENTICATED),
+            ((), stranger),
             ((("authorization", "Bearer tok-a"),), grpc.StatusCode.INVALID_ARGUMENT),
         ):
-            call = make(path)(MALFORMED, metadata=metadata, timeout=TIMEOUT)
-            err = await expect_error(call, code)
+            err = await expect_error(raw_call(rig.channel, path, streaming, metadata), code)
             assert status_details(err)["ErrorInfo"].metadata["http_status"] in {"400", "401"}
         assert rig.stubs[0].received == []
         await settle(rig.router)
