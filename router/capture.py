@@ -44,8 +44,6 @@ REDACTED = "[redacted]"
 VERSION = 1
 #: lines written at once at most (before gzip): a batch is held in memory until written
 _BATCH_BYTES = 1 << 20
-#: a full disk fails every batch: its warnings must not flood the log
-_warn = log.Throttled(log.server).warning
 
 
 class Captured(NamedTuple):
@@ -147,7 +145,7 @@ class Capture:
                 data = line(record, self._cfg.request, self._cfg.response)
             except Exception as exc:  # an odd record: it alone is lost
                 self._dropped("write_error")
-                _warn("capture: a record was lost: %r", exc)
+                log.disk_failed.warning("capture: a record was lost: %r", exc)
             else:
                 self._take(data)
             if self._queue.empty() or self._pending >= _BATCH_BYTES:
@@ -177,7 +175,9 @@ class Capture:
         except OSError as exc:
             for _ in batch:
                 self._dropped("write_error")
-            _warn("capture: %d records lost: cannot write %s: %s", len(batch), self._cfg.path, exc)
+            log.disk_failed.warning(
+                "capture: %d records lost: cannot write %s: %s", len(batch), self._cfg.path, exc
+            )
             return
         self._bytes += pending
         for _ in batch:
@@ -188,7 +188,9 @@ class Capture:
         try:
             fresh = self._open()
         except OSError as exc:
-            _warn("capture: cannot open a new file under %s: %s", self._cfg.path, exc)
+            log.disk_failed.warning(
+                "capture: cannot open a new file under %s: %s", self._cfg.path, exc
+            )
             return
         self._file.close()
         self._file, self._opened, self._bytes = fresh, self._clock(), 0
