@@ -10,7 +10,10 @@ dropped and counted, and the request never waits.
 
 Each worker writes files of its own (its pid in the name), opened at start, rotated at
 `max_bytes` or `rotate_seconds`, gzipped if asked. Only the thread that owns a file
-writes it, whole lines at a time, so no record is split or interleaved with another.
+writes it, a batch of whole lines at a time (a gzip member of its own), so no record is
+split or interleaved with another. A batch the disk cannot take is cut back off the
+file and its records counted as dropped: the file holds exactly the records counted as
+written, whole, and a gzip file stays sound (concatenated members are one gzip file).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import IO, NamedTuple
+from typing import BinaryIO, NamedTuple
 
 import orjson
 
@@ -32,13 +35,16 @@ from router import log
 from router.access_log import Entry
 from router.config import CaptureConfig, ConfigError
 
-#: the header that captures its request whatever the sampling says (value "1")
+#: the header that captures its request whatever the sampling says (value "1"), from
+#: the clients `capture.force_tenants` or `force_header_anyone` allow
 FORCE_HEADER = "X-Kvroute-Capture"
 #: headers never written as sent: the client's credentials
 ALWAYS_REDACTED = frozenset({"authorization", "proxy-authorization", "cookie", "x-api-key"})
 REDACTED = "[redacted]"
 #: the record format's version, in every line's `v`
 VERSION = 1
+#: lines written at once at most (before gzip): a batch is held in memory until written
+_BATCH_BYTES = 1 << 20
 
 
 class Captured(NamedTuple):
@@ -55,21 +61,26 @@ class Captured(NamedTuple):
 
 class Sampler:
     """Which requests are captured: every one of `tenants`, any that asks with
-    FORCE_HEADER, and `sample` of the rest."""
+    FORCE_HEADER from a client allowed to, and `sample` of the rest."""
 
-    __slots__ = ("_random", "_sample", "_tenants")
+    __slots__ = ("_force_anyone", "_force_tenants", "_random", "_sample", "_tenants")
 
     def __init__(self, cfg: CaptureConfig) -> None:
         self._sample = cfg.sample
         self._tenants = frozenset(cfg.tenants)
+        self._force_tenants = frozenset(cfg.force_tenants)
+        self._force_anyone = cfg.force_header_anyone
         self._random = random.random
 
     def wants(self, tenant: str | None, headers: Mapping[str, str]) -> bool:
-        if headers.get(FORCE_HEADER) == "1":
-            return True
         if tenant is not None and tenant in self._tenants:
             return True
+        if headers.get(FORCE_HEADER) == "1" and self._may_force(tenant):
+            return True
         return self._sample > 0 and self._random() < self._sample
+
+    def _may_force(self, tenant: str | None) -> bool:
+        return self._force_anyone or (tenant is not None and tenant in self._force_tenants)
 
 
 class Capture:
@@ -94,6 +105,8 @@ class Capture:
         self._queue: queue.Queue[Captured | None] = queue.Queue(cfg.queue_records)
         self._thread = threading.Thread(target=self._write_all, name="kvroute-capture")
         self._seq = 0
+        self._batch: list[bytes] = []  # lines not written yet, and their size
+        self._pending = 0
         try:
             Path(cfg.path).mkdir(parents=True, exist_ok=True)
             self._file, self._opened, self._bytes = self._open(), clock(), 0
@@ -127,45 +140,91 @@ class Capture:
         self._file.close()
 
     def _write_all(self) -> None:
-        """The thread: a line per record, flushed whenever the queue runs dry."""
+        """The thread: a line per record, written in batches whenever the queue runs dry
+        (or a batch is large)."""
         while (record := self._queue.get()) is not None:
             try:
-                self._write(line(record, self._cfg.request, self._cfg.response))
-                self._written()
-            except Exception as exc:  # a full disk, an odd record: it alone is lost
+                data = line(record, self._cfg.request, self._cfg.response)
+            except Exception as exc:  # an odd record: it alone is lost
                 self._dropped("write_error")
-                log.server.warning("capture: a record was lost: %r", exc)
-            if self._queue.empty():
-                self._flush()
+                log.disk_failed.warning("capture: a record was lost: %r", exc)
+            else:
+                self._take(data)
+            if self._queue.empty() or self._pending >= _BATCH_BYTES:
+                self._commit()
+        self._commit()
 
-    def _write(self, data: bytes) -> None:
+    def _take(self, data: bytes) -> None:
+        """Add a line to the batch, in a new file if the current one is due."""
         cfg = self._cfg
-        if self._bytes >= cfg.max_bytes or self._clock() - self._opened >= cfg.rotate_seconds:
-            self._file.close()
-            self._file, self._opened, self._bytes = self._open(), self._clock(), 0
-        self._file.write(data)
-        self._bytes += len(data)
+        size = self._bytes + self._pending
+        if size >= cfg.max_bytes or self._clock() - self._opened >= cfg.rotate_seconds:
+            self._commit()
+            self._rotate()
+        self._batch.append(data)
+        self._pending += len(data)
 
-    def _flush(self) -> None:
+    def _commit(self) -> None:
+        """Write the batch as one piece (a gzip member of its own if gzipped): all of it,
+        counted as written, or none of it, counted as dropped, the file cut back to
+        where it was, so a full disk leaves whole lines and a sound gzip file."""
+        batch, self._batch, pending, self._pending = self._batch, [], self._pending, 0
+        if not batch:
+            return
+        data = b"".join(batch)
         try:
-            self._file.flush()
+            _append(self._file, gzip.compress(data) if self._cfg.gzip else data)
         except OSError as exc:
-            log.server.warning("capture: cannot write %s: %s", self._cfg.path, exc)
+            for _ in batch:
+                self._dropped("write_error")
+            log.disk_failed.warning(
+                "capture: %d records lost: cannot write %s: %s", len(batch), self._cfg.path, exc
+            )
+            return
+        self._bytes += pending
+        for _ in batch:
+            self._written()
 
-    def _open(self) -> IO[bytes]:
+    def _rotate(self) -> None:
+        """Close the file for a new one; the old one stays if none can be opened."""
+        try:
+            fresh = self._open()
+        except OSError as exc:
+            log.disk_failed.warning(
+                "capture: cannot open a new file under %s: %s", self._cfg.path, exc
+            )
+            return
+        self._file.close()
+        self._file, self._opened, self._bytes = fresh, self._clock(), 0
+
+    def _open(self) -> BinaryIO:
         """A new file: capture-<pid>-<UTC time>-<n>.jsonl[.gz], sorted by time within a
         worker; n tells apart files opened within one second, a restarted worker's that
-        got the same pid included (an existing file is never appended to)."""
+        got the same pid included (an existing file is never appended to). Unbuffered:
+        a batch is written by `_append`, which knows what reached the file."""
         stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(self._clock()))
         suffix = ".jsonl.gz" if self._cfg.gzip else ".jsonl"
         while True:
             self._seq += 1
             path = Path(self._cfg.path) / f"capture-{os.getpid()}-{stamp}-{self._seq}{suffix}"
             try:
-                raw = open(path, "xb")  # noqa: SIM115 - kept open until rotated or closed
+                return open(path, "xb", buffering=0)
             except FileExistsError:
                 continue
-            return gzip.GzipFile(fileobj=raw, mode="wb") if self._cfg.gzip else raw
+
+
+def _append(file: BinaryIO, data: bytes) -> None:
+    """Write all of `data` at the end of `file`, or raise OSError with the file as it
+    was (a write cut short by a full disk is taken back)."""
+    start = file.tell()
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[file.write(view) :]
+    except OSError:
+        file.truncate(start)
+        file.seek(start)
+        raise
 
 
 def line(record: Captured, request: bool, response: bool) -> bytes:

@@ -368,8 +368,9 @@ class RetryConfig(_Strict):
     """Retries before the first byte reached the client, to another backend."""
 
     max_retries: Annotated[int, Meta(ge=0, le=10)] = 2
-    #: backend statuses worth another backend (vLLM answers 503 when its queue is full)
-    retry_on: tuple[Annotated[int, Meta(ge=400, le=599)], ...] = (502, 503, 504)
+    #: backend statuses worth another backend (vLLM answers 503 when its queue is full;
+    #: a 500 retried tells a backend's fault from the request's: router/dispatch/connect.py)
+    retry_on: tuple[Annotated[int, Meta(ge=400, le=599)], ...] = (500, 502, 503, 504)
     #: first backoff, doubled per retry up to backoff_max, with jitter; seconds
     backoff: Seconds = 0.025
     backoff_max: Seconds = 0.5
@@ -457,6 +458,11 @@ class CaptureConfig(_Strict):
     sample: Annotated[float, Meta(ge=0, le=1)] = 0.0
     #: every request of these tenants is captured (to debug one tenant's traffic)
     tenants: tuple[str, ...] = ()
+    #: whose `X-Kvroute-Capture: 1` header is honoured: these tenants' requests (the
+    #: token's tenant with auth on), or everyone's with `force_header_anyone` (a
+    #: trusted network); else the header is ignored, so no client can fill the disk
+    force_tenants: tuple[Tenant, ...] = ()
+    force_header_anyone: bool = False
     path: str = "/var/lib/kvroute/capture"
     #: a file is closed and a new one begun past this size (before gzip) or age
     max_bytes: Annotated[int, Meta(ge=4096)] = 256 << 20

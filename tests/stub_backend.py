@@ -32,6 +32,9 @@ class Behaviour:
     tokenize_status: int = 200
     #: as vLLM's --api-key: /v1 routes answer 401 without `Authorization: Bearer <key>`
     api_key: str | None = None
+    #: a request whose body holds these bytes is answered 500, as vLLM answers some
+    #: bodies it cannot handle (the request's fault, not the backend's)
+    poison: bytes | None = None
     #: generation requests wait until this is set (a test holds them mid-request)
     gate: asyncio.Event | None = None
     #: each stream chunk after the first waits for a release of this: a test lets the
@@ -162,6 +165,8 @@ class StubBackend:
                 await asyncio.sleep(3600)
             if b.status != 200:
                 return _error(b.status, "stub failure")
+            if b.poison is not None and b.poison in raw:
+                return _error(500, "stub cannot handle this body")
             chat = request.path.endswith("chat/completions")
             if body.get("stream"):
                 response = await self._stream(request, body, b, chat)

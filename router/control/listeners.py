@@ -76,7 +76,8 @@ class Listeners:
 
     async def _listen_http(self, cfg: Config) -> None:
         app = web.Application(
-            client_max_size=cfg.limits.max_body_bytes, middlewares=[errors_middleware]
+            client_max_size=cfg.limits.max_body_bytes,
+            middlewares=[self.ingress.unrouted, errors_middleware],
         )
         app.on_response_prepare.append(no_server_header)
         app.add_routes(self.ingress.routes())

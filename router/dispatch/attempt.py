@@ -3,11 +3,14 @@ opening, and the breaker's verdict on it.
 
 An attempt takes its backend's in-flight slot (and the breaker's half-open trial slot,
 when it is the trial) as it begins; `release` gives them back, once. The breaker hears
-at most one verdict per attempt: at the response headers for a 5xx (breaker.py weighs
-which), when the attempt fails (connection, timeout, cut stream), or else a success
-once the answer was relayed whole, so a stream the backend cuts counts as the failure
-it is; a client that leaves gives none. A refused connection (nothing listens) is
-reported at once (`on_refused`: the health checker marks the backend down).
+at most one verdict per attempt: at the response headers for a 502, 503 or 504, when
+the attempt fails (connection, timeout, cut stream), or else a success once the answer
+was relayed whole, so a stream the backend cuts counts as the failure it is; a client
+that leaves gives none. A server error (a 500) may be the request's fault rather than
+the backend's, so its verdict is held: given at `release`, unless the connector retries
+the request elsewhere (`defer`) and lets the next answer decide (`judge`). A refused
+connection (nothing listens) is reported at once (`on_refused`: the health checker
+marks the backend down).
 """
 
 from __future__ import annotations
@@ -53,7 +56,9 @@ class Attempt:
     """
 
     __slots__ = (
+        "_deferred",
         "_fleet",
+        "_held",
         "_itl",
         "_judged",
         "_metrics",
@@ -87,6 +92,8 @@ class Attempt:
         backend.count(1, self._queued)
         self._trial = fleet.attempt_begins(backend)
         self._judged = False  # the breaker heard this attempt's verdict
+        self._held: Outcome | None = None  # a server error's verdict, not given yet
+        self._deferred = False  # `judge` gives it, not `release`
         self.status = "error"
         #: the exchange's timeout: this attempt sets it and hears when it expires
         self._timeout = timeout
@@ -134,8 +141,30 @@ class Attempt:
         self.upstream = upstream
         self.status = str(upstream.status)
         verdict = outcome(upstream.status)
-        if verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
+        if verdict is Outcome.SERVER_ERROR and not self._trial:  # a trial's counts at once
+            self._held = verdict
+        elif verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
             self._verdict(verdict)
+
+    @property
+    def server_error(self) -> bool:
+        """It answered a server error whose verdict is held (`defer`, `judge`)."""
+        return self._held is not None and not self._judged
+
+    def defer(self) -> None:
+        """Keep the held verdict past `release`: the request is retried elsewhere, and
+        the next answer says whose fault the server error was (`judge`)."""
+        self._deferred = True
+
+    def judge(self, blamed: bool) -> None:
+        """Give the held verdict: this backend's server error if `blamed`, else none
+        (another backend answered the same request with one too: the request's fault)."""
+        if not self.server_error:
+            return
+        if blamed:
+            self._verdict(self._held)
+        else:
+            self._judged = True
 
     def __enter__(self) -> Attempt:
         return self
@@ -154,11 +183,15 @@ class Attempt:
         self._queued = 0
 
     def release(self, clean: bool) -> None:
-        """Give the slots back; an answer relayed whole (`clean`) not judged yet is a
-        success, and a trial ending without a verdict frees the trial slot."""
+        """Give the slots back; a held server error is judged now unless deferred, an
+        answer relayed whole (`clean`) not judged yet is a success, and a trial ending
+        without a verdict frees the trial slot."""
         self.backend.count(-1, -self._queued)
         self._queued = 0
-        if not self._judged and (clean or self._trial):
+        if self.server_error:
+            if not self._deferred:
+                self.judge(blamed=True)
+        elif not self._judged and (clean or self._trial):
             self._verdict(Outcome.SUCCESS if clean else None)
         if self.upstream is not None:
             self.upstream.finish(clean)

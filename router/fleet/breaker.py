@@ -4,8 +4,11 @@ What counts (`outcome`): a client must not be able to eject a healthy backend, s
 what the backend cannot blame on the request is a FAILURE: a connection error, a
 timeout, a stream it cut, a 502, 503 or 504. A 500 (and any other 5xx but 501 and 505)
 is a SERVER_ERROR: a malformed body can provoke one from a healthy vLLM, so it counts
-as `server_error_weight` of a failure (0.1: ten in a row weigh one failure). Any other
-answer is a SUCCESS: 4xx (the client's), 501 and 505 (what the request asks for).
+as `server_error_weight` of a failure (0.1: ten in a row weigh one failure). When the
+request is retried, another backend's answer judges it first: a 500 there too is the
+request's fault, and no breaker hears either (router/dispatch/connect.py).
+Any other answer is a SUCCESS: 4xx (the client's), 501 and 505 (what the request asks
+for).
 
 States and moves (`BreakerConfig` gives the numbers):
 

@@ -23,6 +23,9 @@
   status.py         the read-only routes: /health, /ready, /v1/models, /debug/routing
   grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages
   grpc_convert.py   the conversions both ways
+  grpc_gate.py      before every RPC's servicer: the token gate, the request parsed
+                    (INVALID_ARGUMENT, never a logged traceback)
+  grpc_reflection.py  server reflection as grpc.reflection.v1 and v1alpha
   auth.py           data-plane bearer tokens (static, signed), the admin token,
                     `kvroute token issue`
   body_budget.py    the worker's share of the router-wide budget for request bodies

@@ -16,7 +16,9 @@ body declared over the limit), lingering close and OpenAI-style errors apply as 
 
 `serve` starts once the head is in; a body still coming then is read only when `serve`
 asks for it (router/ingress/fast_body.py), and a refused request's answer says
-`Connection: close`. Bytes after it (a pipelined request) wait for the answer. A client
+`Connection: close`. Bytes after it (a pipelined request) wait for the answer, outside
+the body budget: so reading stops once `PIPELINED_BYTES` of them are held, and the rest
+waits in the socket (the client's sends block) until the answer is out. A client
 that half-closes after its request still gets its answer. Answers are written by
 `FastReply` (router/ingress/fast_reply.py). A client that goes away cancels its
 request, as aiohttp's `handler_cancellation` does. A connection idle for `keepalive`
@@ -53,6 +55,9 @@ from router.upstream.flow import FlowProtocol
 __all__ = ["ROUTES", "FastConnection", "FastConnections", "FastReply", "FastSite"]
 
 _INTERNAL = KvrouteError(INTERNAL)
+#: bytes sent ahead of an answer that a connection holds before it stops reading (one
+#: read more may come in): room for a pipelined request's head, not for its body
+PIPELINED_BYTES = 64 * 1024
 
 
 class FastConnections:
@@ -155,6 +160,11 @@ class FastConnection(FlowProtocol):
         watch_half_closed(self.transport, self._unanswered)
         return True
 
+    @property
+    def pipelined(self) -> int:
+        """Bytes read ahead of the answer being served (a pipelined request's)."""
+        return len(self._pending)
+
     def _unanswered(self) -> bool:
         reply = self._reply
         return reply is not None and not reply.started
@@ -168,7 +178,7 @@ class FastConnection(FlowProtocol):
                 return
         if self.task is not None:  # the client did not wait for the answer
             self._pending += data
-            if len(self._pending) > self._owner.max_body:
+            if len(self._pending) >= PIPELINED_BYTES:
                 self.pause_reading()  # until this answer is out
             return
         self._process(data)

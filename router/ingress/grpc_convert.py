@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 import orjson
-from google.protobuf.message import Message
+from google.protobuf.message import DecodeError, Message
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from router.errors import BadRequest, UpstreamError
@@ -52,6 +52,15 @@ class SseEvents:
 
 
 # ------------------------------------------------------------------ request → JSON body
+
+
+def parse(message_type: type[Message], raw: bytes) -> Message:
+    """A request message from its wire bytes; BadRequest (INVALID_ARGUMENT) if they are
+    not one: bad input is the client's error, answered without a traceback."""
+    try:
+        return message_type.FromString(raw)
+    except DecodeError:
+        raise BadRequest(f"The request is not a valid {message_type.DESCRIPTOR.name}.") from None
 
 
 def body_of(request, stream: bool) -> dict:

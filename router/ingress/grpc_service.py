@@ -21,9 +21,11 @@ handlers write with `context.write` (not by yielding), so the cancellation lands
 `exchange`, which closes the upstream connection and vLLM aborts the generation.
 
 Beside the service: grpc.health.v1 (SERVING iff at least one backend is usable; Check is
-exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection. With auth on,
-reflection (and any service but health and Inference) needs a data-plane token too
-(`_TokenGate`): only the probe answers a stranger.
+exact, Watch follows within `_HEALTH_POLL_SECONDS`) and server reflection, v1 and v1alpha
+(grpc_reflection.py). With auth on, reflection (and any service but health and
+Inference) needs a data-plane token too (grpc_gate.py): only the probe answers a
+stranger. A message that does not parse is INVALID_ARGUMENT, after the token check,
+with nothing logged.
 
 Cost per request beyond HTTP's: one orjson encode of the body, and one orjson decode
 plus one message build per answer or SSE event (HTTP passes those bytes through).
@@ -38,7 +40,6 @@ import time
 import grpc
 import orjson
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection, reflection_pb2
 from multidict import CIMultiDict
 
 from proto.kvroute.v1 import kvroute_pb2 as pb
@@ -46,10 +47,11 @@ from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router import log
 from router.config import Config
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
-from router.errors import KvrouteError, PayloadTooLarge, Unauthorized, UpstreamError
+from router.errors import KvrouteError, PayloadTooLarge, UpstreamError
 from router.fleet.backends import Fleet
-from router.ingress import grpc_convert
+from router.ingress import grpc_convert, grpc_reflection
 from router.ingress.auth import Authenticator
+from router.ingress.grpc_gate import BytesIn, TokenGate
 from router.metrics import Metrics
 from router.request import NO_FIELDS, Kind, parse
 from router.upstream.proxy import Upstream
@@ -59,7 +61,8 @@ from router.upstream.proxy import Upstream
 SERVICES = (
     pb.DESCRIPTOR.services_by_name["Inference"],
     health_pb2.DESCRIPTOR.services_by_name["Health"],
-    reflection_pb2.DESCRIPTOR.services_by_name["ServerReflection"],
+    grpc_reflection.V1,
+    grpc_reflection.V1ALPHA,
 )
 SERVICE = SERVICES[0].full_name
 #: services the token gate lets through: Inference's handlers check the token themselves
@@ -72,6 +75,7 @@ REQUEST_ID_KEY = "x-request-id"
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
 _HEALTH_POLL_SECONDS = 1.0
 _PATHS = {Kind.CHAT: "/v1/chat/completions", Kind.COMPLETION: "/v1/completions"}
+_REQUESTS = {Kind.CHAT: pb.ChatCompletionRequest, Kind.COMPLETION: pb.CompletionRequest}
 
 
 class GrpcIngress:
@@ -112,13 +116,13 @@ class GrpcIngress:
             ("grpc.max_receive_message_length", max_message),
         ]
         server = self._server = grpc.aio.server(
-            interceptors=[_TokenGate(self._auth)], options=options
+            interceptors=[TokenGate(self._auth, _UNGATED)], options=options
         )
         inference = _Inference(config, self._dispatcher, self._auth, self._metrics)
-        pb_grpc.add_InferenceServicer_to_server(inference, server)
+        pb_grpc.add_InferenceServicer_to_server(inference, BytesIn(server))
         self._health = _Health(self._fleet)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection([s.full_name for s in SERVICES], server)
+        grpc_reflection.enable([s.full_name for s in SERVICES], server)
         host, port = config.grpc.host or config.listen.host, config.grpc.port
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         if self._credentials is None:
@@ -144,51 +148,6 @@ class GrpcIngress:
             await self._server.stop(grace)
 
 
-class _TokenGate(grpc.aio.ServerInterceptor):
-    """With auth on, every RPC but those of `_UNGATED` needs a data-plane token, as every
-    HTTP route but the probes does: reflection, and any service added later, is closed
-    unless let through here on purpose."""
-
-    def __init__(self, auth: Authenticator) -> None:
-        self._auth = auth
-
-    async def intercept_service(self, continuation, details):
-        handler = await continuation(details)
-        if handler is None or not self._auth.enabled:
-            return handler
-        if details.method.split("/")[1] in _UNGATED:  # the method is /package.Service/Name
-            return handler
-        metadata = dict(details.invocation_metadata or ())
-        try:
-            self._auth.authenticate(metadata.get("authorization"))
-        except Unauthorized as err:
-            return _refusing(handler, err)
-        return handler
-
-
-def _refusing(handler: grpc.RpcMethodHandler, err: KvrouteError) -> grpc.RpcMethodHandler:
-    """A handler of `handler`'s kind that answers every call with `err`."""
-
-    async def refuse(request, context) -> None:
-        await context.abort(*err.to_grpc())
-
-    make = _HANDLERS[handler.request_streaming, handler.response_streaming]
-    return make(
-        refuse,
-        request_deserializer=handler.request_deserializer,
-        response_serializer=handler.response_serializer,
-    )
-
-
-#: how a handler is made, by (request streaming, response streaming)
-_HANDLERS = {
-    (False, False): grpc.unary_unary_rpc_method_handler,
-    (False, True): grpc.unary_stream_rpc_method_handler,
-    (True, False): grpc.stream_unary_rpc_method_handler,
-    (True, True): grpc.stream_stream_rpc_method_handler,
-}
-
-
 class _Inference(pb_grpc.InferenceServicer):
     def __init__(
         self, config: Config, dispatcher: Dispatcher, auth: Authenticator, metrics: Metrics
@@ -201,20 +160,22 @@ class _Inference(pb_grpc.InferenceServicer):
         self._tenant_key = tenant_header.lower() if tenant_header else None
         self._tenant_header = tenant_header
 
-    async def CreateChatCompletion(self, request, context):
-        return await self._unary(Kind.CHAT, request, context, grpc_convert.chat_completion)
+    # each takes its request as bytes (grpc_gate.BytesIn), parsed after the token check
 
-    async def StreamChatCompletion(self, request, context) -> None:
-        await self._stream(Kind.CHAT, request, context, grpc_convert.chat_chunk)
+    async def CreateChatCompletion(self, raw: bytes, context):
+        return await self._unary(Kind.CHAT, raw, context, grpc_convert.chat_completion)
 
-    async def CreateCompletion(self, request, context):
-        return await self._unary(Kind.COMPLETION, request, context, grpc_convert.completion)
+    async def StreamChatCompletion(self, raw: bytes, context) -> None:
+        await self._stream(Kind.CHAT, raw, context, grpc_convert.chat_chunk)
 
-    async def StreamCompletion(self, request, context) -> None:
-        await self._stream(Kind.COMPLETION, request, context, grpc_convert.completion)
+    async def CreateCompletion(self, raw: bytes, context):
+        return await self._unary(Kind.COMPLETION, raw, context, grpc_convert.completion)
 
-    async def _unary(self, kind: Kind, request, context, convert: grpc_convert.Convert):
-        trailers, call = await self._call(kind, request, context, stream=False)
+    async def StreamCompletion(self, raw: bytes, context) -> None:
+        await self._stream(Kind.COMPLETION, raw, context, grpc_convert.completion)
+
+    async def _unary(self, kind: Kind, raw: bytes, context, convert: grpc_convert.Convert):
+        trailers, call = await self._call(kind, raw, context, stream=False)
         try:
             async with self._dispatch.exchange(call) as upstream:
                 trailers.extend(_served_by(upstream))
@@ -228,8 +189,8 @@ class _Inference(pb_grpc.InferenceServicer):
         context.set_trailing_metadata(trailers)
         return reply
 
-    async def _stream(self, kind: Kind, request, context, convert: grpc_convert.Convert) -> None:
-        trailers, call = await self._call(kind, request, context, stream=True)
+    async def _stream(self, kind: Kind, raw: bytes, context, convert: grpc_convert.Convert) -> None:
+        trailers, call = await self._call(kind, raw, context, stream=True)
         try:
             async with self._dispatch.exchange(call) as upstream:
                 trailers.extend(_served_by(upstream))
@@ -243,16 +204,19 @@ class _Inference(pb_grpc.InferenceServicer):
             await context.abort(*err.to_grpc(_blaming(trailers, err)))
         context.set_trailing_metadata(trailers)
 
-    async def _call(self, kind: Kind, request, context, stream: bool):
+    async def _call(self, kind: Kind, raw: bytes, context, stream: bool):
         """The trailers so far and the `Call`, or abort with the request's error."""
         started, arrived = asyncio.get_running_loop().time(), time.perf_counter()
         metadata = context.invocation_metadata() or ()
         request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
-        routing = request.routing
         tenant = None
         try:
-            tenant = self._tenant(authorization, claimed, routing)  # no work for strangers
+            tenant = self._token_tenant(authorization, claimed)  # no work for strangers
+            request = grpc_convert.parse(_REQUESTS[kind], raw)
+            routing = request.routing
+            if not self._auth.enabled:
+                tenant = self._claimed_tenant(claimed, routing)
             body = orjson.dumps(grpc_convert.body_of(request, stream))
             if len(body) > self._max_body:
                 raise PayloadTooLarge(
@@ -286,19 +250,22 @@ class _Inference(pb_grpc.InferenceServicer):
                 tenant = value
         return passable_request_id(request_id), authorization, tenant
 
-    def _tenant(
-        self, authorization: str | None, claimed: str | None, routing: pb.RoutingHints
-    ) -> str | None:
-        """As over HTTP (`Authenticator.tenant`), the tenant metadata being the claimed
-        tenant. `routing.tenant` overrides that metadata with auth off only: a gateway
-        can vouch for metadata it sets, not for a field of the message. Raises
-        Unauthorized."""
-        if routing.HasField("tenant") and not self._auth.enabled:
-            claimed = routing.tenant
+    def _token_tenant(self, authorization: str | None, claimed: str | None) -> str | None:
+        """With auth on, the tenant as over HTTP (`Authenticator.tenant`), the tenant
+        metadata being the claimed tenant; None with auth off. Raises Unauthorized."""
+        if not self._auth.enabled:
+            return None
         tenant = self._auth.tenant(authorization, claimed)
-        if tenant is not None and self._auth.enabled:
+        if tenant is not None:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
+
+    def _claimed_tenant(self, claimed: str | None, routing: pb.RoutingHints) -> str | None:
+        """With auth off, the tenant metadata, or `routing.tenant` over it: only then,
+        since a gateway can vouch for metadata it sets, not for a field of the message."""
+        if routing.HasField("tenant"):
+            claimed = routing.tenant
+        return self._auth.tenant(None, claimed)
 
     def _headers(
         self,

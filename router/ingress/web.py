@@ -10,8 +10,10 @@ Hostile clients are refused before any work: the bearer token is checked before 
 body is read (auth.py, 401); the body must arrive in time and within its limits
 (body.py: 408, 413 (one declared larger is refused before a `100 Continue` invites
 it), 503); aiohttp enforces the header limits (431) and the header timeout
-(`server_limits`). A refusal never reaches dispatch or a backend. Proxied routes
-forward the path in origin-form, dot segments resolved (targets.py).
+(`server_limits`). A refusal never reaches dispatch or a backend. With auth on, a path
+or method the router does not serve is a 401 too without a valid token, not a 404 or
+405 (`unrouted`), so a stranger cannot map the routes. Proxied routes forward the path
+in origin-form, dot segments resolved (targets.py).
 
 Every answer carries X-Request-Id (the client's, else a new one), including the errors
 aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`).
@@ -44,13 +46,14 @@ from router.errors import (
     HeadersTooLarge,
     KvrouteError,
     RequestTimeout,
+    Unauthorized,
 )
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.body import BodyReader
 from router.ingress.compression import Compression
 from router.ingress.jobs_routes import JobRoutes
-from router.ingress.relay import AiohttpReply, EncodedReply, Reply, refuse, relay
+from router.ingress.relay import AiohttpReply, EncodedReply, Reply, refuse, refused, relay
 from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.jobs.runner import JobRunner
@@ -68,6 +71,8 @@ _PROBE_SECONDS = 0.25
 _STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: vLLM OpenAI-surface paths that are proxied but not fingerprinted
+#: the probes' and the scraper's paths: open with auth on
+_OPEN = frozenset({"/health", "/ready", "/metrics"})
 _PROXIED = (
     "/v1/responses",
     "/v1/responses/{tail:.*}",
@@ -241,6 +246,21 @@ class HttpIngress:
         if tenant is not None and self._auth.enabled:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
+
+    @web.middleware
+    async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:
+        """With auth on, a request no route serves (404, 405) needs a token as any
+        other does, the probes' paths aside; the routes that serve check it themselves."""
+        if (
+            self._auth.enabled
+            and request.match_info.http_exception is not None
+            and request.path not in _OPEN
+        ):
+            try:
+                self._auth.authenticate(request.headers.get("Authorization"))
+            except Unauthorized as err:
+                return await refused(request, err)
+        return await handler(request)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)

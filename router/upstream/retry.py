@@ -4,9 +4,10 @@ A retry is safe only while nothing has reached the client: dispatch asks this mo
 before it hands the response to the ingress, never after, so a generation is never
 duplicated into a stream that already started. Retried: a connection that failed
 before the backend answered (refused, reset, closed keep-alive), and the statuses in
-`retry_on` (vLLM answers 503 when its queue is full). Not retried: timeouts (the
-backend may be generating; `first_byte` already waited long) and every other status,
-which is passed through as the backend sent it.
+`retry_on` (vLLM answers 503 when its queue is full; a 500 retried tells a request
+that every backend fails on from a failing backend: router/dispatch/connect.py). Not
+retried: timeouts (the backend may be generating; `first_byte` already waited long)
+and every other status, which is passed through as the backend sent it.
 
 The next backend is the policy's own next choice with the backends already tried taken
 out of the candidates (`excluding`): PREFIX_AWARE walks on along the prefix's ring

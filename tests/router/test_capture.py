@@ -4,13 +4,17 @@ record's lines, a stream reassembled."""
 from __future__ import annotations
 
 import gzip
+import os
+import subprocess
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 import pytest
 
 from router.access_log import Entry
-from router.capture import Capture, Captured, line, stream
+from router.capture import Capture, Captured, Sampler, line, stream
 from router.config import CaptureConfig, ConfigError
 from router.upstream.clock import Framed
 from router.upstream.proxy import unframed
@@ -90,6 +94,56 @@ def test_files_rotate_by_size_with_whole_lines_and_optional_gzip(tmp_path, gz: b
     assert [r["request_id"] for r in lines(tmp_path)] == [f"id{i}" for i in range(40)]
 
 
+@pytest.fixture
+def small_disk(tmp_path: Path) -> Iterator[Path]:
+    """A 256 KiB tmpfs to fill (mounting one needs root: skipped otherwise)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    try:
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command to mount a small tmpfs")
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.decode().strip()}")
+    try:
+        yield disk
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def noisy(i: int) -> Captured:
+    """A record that compresses to about 1 KB: 900 of them fill the small disk."""
+    entry = record(i).entry
+    body = orjson.dumps({"prompt": f"question {i} " + os.urandom(1000).hex()})
+    return Captured(entry, None, (), body, None, False)
+
+
+@pytest.mark.parametrize("gz", [True, False], ids=["gzip", "plain"])
+def test_a_full_disk_counts_its_losses_and_leaves_whole_lines(small_disk: Path, gz: bool) -> None:
+    """Every record is counted once, written or dropped (write_error), and the file
+    holds exactly the written ones, each whole: a batch that does not fit is taken
+    back, so the next one starts a sound gzip member."""
+    counted = Counted()
+    cfg = CaptureConfig(enabled=True, path=str(small_disk), gzip=gz, queue_records=1000)
+    capture = Capture(cfg, counted.drop, counted.write)
+    capture.start()
+    sent = 900
+    for i in range(sent):
+        capture.add(noisy(i))
+        if i % 10 == 9:  # batches of about ten records, as steady traffic makes
+            deadline = time.monotonic() + 10
+            while counted.written + len(counted.dropped) < i + 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+    capture.close()
+    assert counted.written + len(counted.dropped) == sent
+    assert set(counted.dropped) == {"write_error"} and counted.written > 0
+    ids = [r["request_id"] for r in lines(small_disk)]
+    assert len(ids) == len(set(ids)) == counted.written
+
+
 def test_files_rotate_by_age(tmp_path) -> None:
     now = [1000.0]
     cfg = CaptureConfig(enabled=True, path=str(tmp_path), rotate_seconds=60)
@@ -152,3 +206,25 @@ def test_a_kept_stream_joins_decoded_reads_and_decodes_the_relays_framed_ones() 
     events = [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b'data: {"n": 3}\n\n']
     framed = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events[1:]) + b"0\r\n\r\n"
     assert unframed([events[0], Framed(framed)]) == b"".join(events)
+
+
+FORCE = {"X-Kvroute-Capture": "1"}
+
+
+@pytest.mark.parametrize(
+    ("config", "tenant", "headers", "wanted"),
+    [
+        pytest.param({}, "acme", FORCE, False, id="header-ignored-by-default"),
+        pytest.param({"force_tenants": ("ops",)}, "ops", FORCE, True, id="force-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, "acme", FORCE, False, id="other-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, None, FORCE, False, id="no-tenant"),
+        pytest.param({"force_tenants": ("ops",)}, "ops", {}, False, id="force-tenant-no-header"),
+        pytest.param({"force_header_anyone": True}, None, FORCE, True, id="anyone"),
+        pytest.param({"tenants": ("acme",)}, "acme", {}, True, id="captured-tenant"),
+    ],
+)
+def test_the_force_header_counts_only_from_whom_the_config_allows(
+    config: dict, tenant: str | None, headers: dict[str, str], wanted: bool
+) -> None:
+    sampler = Sampler(CaptureConfig(enabled=True, **config))
+    assert sampler.wants(tenant, headers) is wanted

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 from openai import AsyncOpenAI
 
 from bench import recommend
@@ -98,8 +99,20 @@ async def test_streamed_and_whole_answers_are_captured_complete_under_concurrenc
     assert router.metrics.capture_written._value.get() == 12
 
 
-async def test_a_tenant_and_the_force_header_are_captured_and_nothing_else(tmp_path) -> None:
+def questions(path: Path) -> dict[str, str | None]:
+    """The captured questions' numbers, and their tenants."""
+    return {
+        r["request"]["messages"][0]["content"].split(":")[0]: r["tenant"] for r in records(path)
+    }
+
+
+@pytest.mark.parametrize("anyone", [True, False], ids=["force-header-anyone", "by-default"])
+async def test_a_tenant_and_the_force_header_are_captured_and_nothing_else(
+    tmp_path, anyone: bool
+) -> None:
+    """With auth off the force header counts only where `force_header_anyone` says."""
     capture = {"sample": 0.0, "path": str(tmp_path), "tenants": ["acme"]}
+    capture["force_header_anyone"] = anyone
     async with captured(capture, tenant_header="X-Tenant") as router:
         async with AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0) as oai:
             await ask(oai, 1, stream=False, extra_headers={"X-Tenant": "acme"})
@@ -108,10 +121,25 @@ async def test_a_tenant_and_the_force_header_are_captured_and_nothing_else(tmp_p
                 oai, 3, stream=True, extra_headers={"X-Tenant": "beta", "X-Kvroute-Capture": "1"}
             )
             await ask(oai, 4, stream=False)
-    got = {
-        r["request"]["messages"][0]["content"].split(":")[0]: r["tenant"] for r in records(tmp_path)
-    }
-    assert got == {"question number 1": "acme", "question number 3": "beta"}
+    forced = {"question number 3": "beta"} if anyone else {}
+    assert questions(tmp_path) == {"question number 1": "acme", **forced}
+
+
+async def test_with_auth_only_the_force_tenants_tokens_can_force_a_capture(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVROUTE_TEST_CAPTURE_TOKENS", "tok-ops ops,tok-beta beta")
+    capture = {"sample": 0.0, "path": str(tmp_path), "force_tenants": ["ops"]}
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_CAPTURE_TOKENS"}
+    force = {"X-Kvroute-Capture": "1"}
+    async with captured(capture, auth=auth) as router:
+        for i, token in enumerate(("tok-ops", "tok-beta")):
+            async with AsyncOpenAI(
+                base_url=router.url + "/v1", api_key=token, max_retries=0
+            ) as oai:
+                await ask(oai, 2 * i, stream=False, extra_headers=force)
+                await ask(oai, 2 * i + 1, stream=True)
+    assert questions(tmp_path) == {"question number 0": "ops"}
 
 
 async def test_the_aiohttp_path_captures_the_body_as_sent_and_off_keeps_figures_only(

@@ -16,7 +16,7 @@ import socket
 import orjson
 import pytest
 
-from router.ingress.fast import FastConnection
+from router.ingress.fast import PIPELINED_BYTES, FastConnection
 from router.upstream.connection import _Connection
 from tests.router.conftest import running, settle
 
@@ -176,6 +176,41 @@ async def test_a_request_sent_before_the_last_answer_waits_for_it(handovers) -> 
         assert answers[0][2].endswith(b"data: [DONE]\n\n")
         assert b'tok4 "}, "finish_reason": "stop"' in answers[1][2]
         assert handovers == []  # the early request was kept and served after the stream
+
+
+async def test_bytes_pipelined_behind_a_stream_stay_bounded_and_are_served(handovers) -> None:
+    """A client that sends a large request behind a running stream: the connection
+    stops reading at PIPELINED_BYTES (plus one read), outside the body budget nothing
+    more is held, and the pipelined request is served whole once the stream is over."""
+    content = "x" * 1_000_000  # the stub backend's own limit is 1 MiB
+    big = orjson.dumps({"model": "stub-model", "messages": [{"role": "user", "content": content}]})
+    second = post(big)
+    async with running(1) as (router, stubs):
+        gate = stubs[0].behaviour.chunk_gate = asyncio.Semaphore(0)
+        host, port = router.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        try:
+            async with asyncio.timeout(30):
+                writer.write(post(STREAM))
+                await reader.readuntil(b"\r\n\r\n")  # the stream runs, held after its first event
+                writer.write(second)  # not drained: the router reads what it will
+                (conn,) = [o for o in gc.get_objects() if isinstance(o, FastConnection) and o.task]
+                while not conn.reading_paused and conn.pipelined < len(second):
+                    await asyncio.sleep(0.01)
+                assert conn.reading_paused
+                assert conn.pipelined < PIPELINED_BYTES + 256 * 1024  # one read at most more
+                for _ in range(stubs[0].behaviour.chunks):
+                    gate.release()
+                while b"data: [DONE]" not in await reader.readuntil(b"\r\n"):
+                    pass
+                await reader.readuntil(b"0\r\n\r\n")
+                status, _, body = await read_response(reader)
+        finally:
+            writer.close()
+        assert status == 200 and ANSWER in body
+        assert stubs[0].raw[-1] == big
+        assert handovers == []
+        await settle(router)
 
 
 async def test_errors_are_openai_json_from_the_fast_path(handovers) -> None:

@@ -6,6 +6,8 @@ Everything runs on 127.0.0.1 with bounded timeouts; `running()` stops every serv
 from __future__ import annotations
 
 import asyncio
+import collections
+import contextlib
 import itertools
 import time
 from collections.abc import AsyncIterator
@@ -328,6 +330,63 @@ async def test_invalid_argument(request_: pb.ChatCompletionRequest, text: str) -
         await settle(rig.router)
 
 
+#: bytes that are no protobuf message: a field tag whose varint never ends
+MALFORMED = b"\xff" * 11
+
+
+def raw_call(channel: grpc.aio.Channel, path: str, streaming: tuple[bool, bool], metadata):
+    """`path` called with MALFORMED as its request (bytes: no serializer)."""
+    make = {
+        (False, False): channel.unary_unary,
+        (False, True): channel.unary_stream,
+        (True, True): channel.stream_stream,
+    }[streaming]
+    request = iter([MALFORMED]) if streaming[0] else MALFORMED
+    return make(path)(request, metadata=metadata, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize(
+    ("path", "streaming", "gated"),
+    [
+        pytest.param(f"/{SERVICE}/CreateChatCompletion", (False, False), True, id="unary"),
+        pytest.param(f"/{SERVICE}/StreamChatCompletion", (False, True), True, id="stream"),
+        pytest.param(f"/{SERVICE}/CreateCompletion", (False, False), True, id="completion"),
+        pytest.param("/grpc.health.v1.Health/Check", (False, False), False, id="health"),
+        pytest.param("/grpc.health.v1.Health/Watch", (False, True), False, id="health-watch"),
+        pytest.param(
+            "/grpc.reflection.v1.ServerReflection/ServerReflectionInfo",
+            (True, True),
+            True,
+            id="reflection",
+        ),
+    ],
+)
+async def test_malformed_message_is_invalid_argument_after_auth(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    path: str,
+    streaming: tuple[bool, bool],
+    gated: bool,
+) -> None:
+    """Bytes that do not parse: UNAUTHENTICATED without a token (nothing is parsed for
+    a stranger; health is open to all), INVALID_ARGUMENT with one, and no traceback in
+    the log either way."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-a")
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
+    caplog.set_level("DEBUG")
+    stranger = grpc.StatusCode.UNAUTHENTICATED if gated else grpc.StatusCode.INVALID_ARGUMENT
+    async with grpc_router(auth=auth) as rig:
+        for metadata, code in (
+            ((), stranger),
+            ((("authorization", "Bearer tok-a"),), grpc.StatusCode.INVALID_ARGUMENT),
+        ):
+            err = await expect_error(raw_call(rig.channel, path, streaming, metadata), code)
+            assert status_details(err)["ErrorInfo"].metadata["http_status"] in {"400", "401"}
+        assert rig.stubs[0].received == []
+        await settle(rig.router)
+    assert not [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
+
+
 async def test_unknown_model_is_not_found() -> None:
     async with grpc_router() as rig:
         call = rig.api.CreateCompletion(pb.CompletionRequest(model="gpt-nope", text="x"))
@@ -517,24 +576,63 @@ async def test_health_follows_backend_usability() -> None:
         )
 
 
+def reflection_info(channel: grpc.aio.Channel, version: str):
+    """The ServerReflectionInfo method of reflection `version`. v1's messages are
+    v1alpha's field for field (only the package differs), so one set of classes encodes
+    both, as on the wire."""
+    return channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
 @pytest.mark.parametrize("auth", [False, True], ids=["auth-off", "auth-on-with-a-token"])
-async def test_reflection_lists_the_service(monkeypatch: pytest.MonkeyPatch, auth: bool) -> None:
-    """With auth on, reflection answers a client with a data-plane token (grpcurl -H)."""
+async def test_reflection_lists_the_service(
+    monkeypatch: pytest.MonkeyPatch, auth: bool, version: str
+) -> None:
+    """With auth on, reflection answers a client with a data-plane token (grpcurl -H);
+    v1 (what current clients ask first) and v1alpha answer alike."""
     monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-b")
     config = {"auth": {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}} if auth else {}
     async with grpc_router(**config) as rig:
-        reflection = reflection_pb2_grpc.ServerReflectionStub(rig.channel)
+        v1 = "grpc.reflection.v1.ServerReflection"
         requests = [
             reflection_pb2.ServerReflectionRequest(list_services=""),
             reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol=v1),
         ]
         metadata = (("authorization", "Bearer tok-b"),) if auth else ()
-        info = reflection.ServerReflectionInfo(iter(requests), timeout=5, metadata=metadata)
+        info = reflection_info(rig.channel, version)(iter(requests), timeout=5, metadata=metadata)
         replies = [r async for r in info]
         names = {s.name for s in replies[0].list_services_response.service}
-        assert {SERVICE, "grpc.health.v1.Health"} <= names
+        assert {SERVICE, "grpc.health.v1.Health", v1} <= names
         files = replies[1].file_descriptor_response.file_descriptor_proto
         assert any(b"kvroute/v1/kvroute.proto" in f for f in files)
+        files = replies[2].file_descriptor_response.file_descriptor_proto
+        assert any(b"grpc/reflection/v1/reflection.proto" in f for f in files)
+
+
+async def test_refused_reflection_is_unauthenticated_every_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stranger's reflection stream is refused with UNAUTHENTICATED, never INTERNAL:
+    the refusal waits for the client's last write (one that fails on a finished call is
+    reported as INTERNAL by grpcio's client)."""
+    monkeypatch.setenv("KVROUTE_TEST_GRPC_TOKENS", "tok-b")
+    auth = {"enabled": True, "tokens_env": "KVROUTE_TEST_GRPC_TOKENS"}
+    async with grpc_router(auth=auth) as rig:
+        stub = reflection_pb2_grpc.ServerReflectionStub(rig.channel)
+        codes = collections.Counter()
+        for _ in range(100):
+            call = stub.ServerReflectionInfo(timeout=TIMEOUT)
+            with contextlib.suppress(grpc.aio.AioRpcError):
+                await call.write(reflection_pb2.ServerReflectionRequest(list_services=""))
+                await call.write(reflection_pb2.ServerReflectionRequest(file_by_filename="x"))
+                await call.done_writing()
+            codes[(await call.code()).name] += 1
+        assert codes == {"UNAUTHENTICATED": 100}
 
 
 # ------------------------------------------------------------------ same routing as HTTP

@@ -98,6 +98,36 @@ async def test_every_http_route_but_the_probes_needs_a_token(config, listen: str
         assert stubs[0].received == []  # nothing reached a backend
 
 
+#: paths and methods no route serves: with auth on, a 401 too (a 404 or 405 with a token)
+UNROUTED = frozenset(
+    {
+        ("GET", "/v1/chat/completions"),
+        ("PATCH", "/v1/embeddings"),
+        ("PUT", "/v1/models"),
+        ("DELETE", "/v1/files/file-x"),
+        ("POST", "/admin/backends"),
+        ("GET", "/v1/completions/x"),
+        ("OPTIONS", "/nope"),
+        ("HEAD", "/.env"),
+    }
+)
+
+
+async def test_a_path_or_method_no_route_serves_needs_a_token_too(config) -> None:
+    """Without a token, a route cannot be told from no route: both answer 401."""
+    async with (
+        running(1, **config) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        assert not UNROUTED & data_routes(router)
+        assert await walk(http, router.url, set(UNROUTED)) == expected(set(UNROUTED), {})
+        token = {"Authorization": f"Bearer {DATA_TOKEN}"}
+        for method, path in sorted(UNROUTED):
+            async with http.request(method, router.url + path, headers=token) as reply:
+                assert reply.status in (404, 405), (method, path)
+        assert stubs[0].received == []
+
+
 async def call(channel: grpc.aio.Channel, service: ServiceDescriptor, method: MethodDescriptor):
     """Call `method` with an empty message and no metadata: its status code (OK once its
     first answer came)."""
