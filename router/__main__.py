@@ -127,6 +127,7 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
+    from router.control.paths import unwritable
     from router.control.serve import serve
     from router.control.worker import Router
 
@@ -136,6 +137,9 @@ def _cmd_serve(args: argparse.Namespace) -> int:
             Router(config)  # also reads the secrets and tokenizer the config names
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kvroute: invalid config: {exc}", file=sys.stderr)
+        return 2
+    if problem := unwritable(config):  # before any worker meets it
+        print(f"kvroute: {problem}", file=sys.stderr)
         return 2
     if args.check:
         strategy = config.routing.__struct_config__.tag
