@@ -128,7 +128,9 @@ def _overrides(args: argparse.Namespace) -> dict:
 def _cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     from router.control.paths import unwritable
-    from router.control.serve import serve
+    from router.control.serve import hold_reloads, serve
+
+    hold_reloads()
     from router.control.worker import Router
 
     try:
@@ -145,7 +147,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         strategy = config.routing.__struct_config__.tag
         for warning in advice(config):
             print(f"kvroute: warning: {warning}", file=sys.stderr)
-        print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
+        print(f"config OK: {log.counted(len(config.backends), 'backend')}, strategy {strategy}")
         return 0
     from router.control.reload import ConfigSource
     from router.control.supervisor import Supervisor, worker_count

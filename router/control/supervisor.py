@@ -149,7 +149,6 @@ def _child_main(ctx: WorkerContext, parent: int) -> None:
     _die_with_parent(parent)
     _title(ctx.name)
     _hold(Path(ctx.rundir) / OWNER_LOCK)  # until this process exits
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before serve() is a no-op
     import uvloop
 
     from router.config import load
@@ -217,6 +216,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # held since the CLI
         log.server.info(
             "kvroute supervisor %d: %d workers on port %d", os.getpid(), self.workers, self.port
         )
@@ -245,10 +245,16 @@ class Supervisor:
         self._hup = True
 
     def _start(self, child: _Child) -> None:
+        """Spawn `child` with SIGHUP held: a reload forwarded while it starts waits for
+        its `serve` (router/control/serve.py), instead of ending it."""
         process = self._mp.Process(
             target=_child_main, args=(child.ctx, os.getpid()), name=f"kvroute {child.ctx.name}"
         )
-        process.start()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         child.process, child.started = process, time.monotonic()
         child.starts += 1
 

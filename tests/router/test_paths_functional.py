@@ -65,5 +65,5 @@ def test_writable_paths_pass_the_check(tmp_path: Path) -> None:
         timeout=30,
     )
     assert (done.returncode, done.stderr) == (0, "")
-    assert done.stdout.startswith("config OK")
+    assert done.stdout == "config OK: 1 backend, strategy KV_AWARE\n"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["router.yaml"]  # nothing made
