@@ -127,7 +127,10 @@ def _overrides(args: argparse.Namespace) -> dict:
 
 def _cmd_serve(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
-    from router.control.serve import serve
+    from router.control.paths import unwritable
+    from router.control.serve import hold_reloads, serve
+
+    hold_reloads()
     from router.control.worker import Router
 
     try:
@@ -137,11 +140,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     except (ConfigError, OSError, ValueError) as exc:
         print(f"kvroute: invalid config: {exc}", file=sys.stderr)
         return 2
+    if problem := unwritable(config):  # before any worker meets it
+        print(f"kvroute: {problem}", file=sys.stderr)
+        return 2
     if args.check:
         strategy = config.routing.__struct_config__.tag
         for warning in advice(config):
             print(f"kvroute: warning: {warning}", file=sys.stderr)
-        print(f"config OK: {len(config.backends)} backends, strategy {strategy}")
+        print(f"config OK: {log.counted(len(config.backends), 'backend')}, strategy {strategy}")
         return 0
     from router.control.reload import ConfigSource
     from router.control.supervisor import Supervisor, worker_count

@@ -723,16 +723,30 @@ class ConfigError(ValueError):
 
 def read_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text())
+        with open(path, "rb") as stream:  # PyYAML's messages name the file
+            data = yaml.safe_load(stream)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read: {exc.strerror}") from exc
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from exc
+        raise ConfigError(_yaml_error(path, exc)) from None
     if data is None:
         return {}
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping")
     return data
+
+
+def _yaml_error(path: str | Path, exc: yaml.YAMLError) -> str:
+    """A syntax error in one line, as compilers put it: `FILE:LINE:COL: problem`, and
+    where the construct it broke began, if elsewhere (PyYAML's own message spans lines)."""
+    mark = getattr(exc, "problem_mark", None)
+    if mark is None:  # e.g. bytes that are not text
+        return f"{path}: not valid YAML: {' '.join(str(exc).split())}"
+    line = f"{path}:{mark.line + 1}:{mark.column + 1}: {exc.problem}"
+    began = exc.context_mark
+    if exc.context and began and (began.line, began.column) != (mark.line, mark.column):
+        return f"{line} ({exc.context} at {began.line + 1}:{began.column + 1})"
+    return line
 
 
 def build(data: dict[str, Any], source: str = "config") -> Config:

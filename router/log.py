@@ -55,6 +55,11 @@ requests_failed = Throttled(requests)
 disk_failed = Throttled(server)
 
 
+def counted(n: int, noun: str) -> str:
+    """`n` and `noun`, plural unless one: "1 backend", "2 backends"."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: time, level, logger, process, message (and traceback)."""
 

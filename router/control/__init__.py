@@ -8,6 +8,7 @@
   node.py        `Node`: the parts both roles are composed of
   listeners.py   a worker's HTTP (fast path first), admin and gRPC listeners
   supervisor.py  `serve --workers N`: ports, run directory, children, restarts, signals
+  paths.py       the paths the workers will write, checked before any starts
   reload.py      SIGHUP and admin reloads: build, validate, swap
   tls.py         the listeners' certificates: read at start, renewed by a reload
   admin.py       the admin API, on its own listener and token

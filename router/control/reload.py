@@ -187,8 +187,8 @@ class Reloader:
             "at_restart": at_restart,
         }
         log.config.info(
-            "config reloaded: %d backends (added %s, removed %s)%s",
-            len(backends),
+            "config reloaded: %s (added %s, removed %s)%s",
+            log.counted(len(backends), "backend"),
             report["added"] or "none",
             removed or "none",
             f"; changes to {', '.join(at_restart)} apply at restart" if at_restart else "",

@@ -14,6 +14,13 @@ from router.control.reload import ConfigSource
 from router.control.worker import Router
 
 
+def hold_reloads() -> None:
+    """Hold SIGHUP (blocked, so pending, not lost) until `serve` can reload: its default
+    action would end a process still starting. Children spawned meanwhile inherit the
+    hold, and `serve` in each releases it."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+
+
 async def serve(
     config: Config, source: ConfigSource | None = None, context: WorkerContext | None = None
 ) -> None:
@@ -35,6 +42,7 @@ async def serve(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     loop.add_signal_handler(signal.SIGHUP, node.hangup)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # one held is a reload now
     try:
         await stop.wait()
     finally:

@@ -20,7 +20,11 @@ Process model (all children are spawned, not forked, so none inherits a running 
   "Run directories" below),
   restarts a child that dies (zeroing a dead worker's counters first, with a backoff
   when a child keeps dying young), forwards SIGHUP to every child (each re-reads the
-  file) and turns SIGTERM/SIGINT into a graceful stop of every child.
+  file) and turns SIGTERM/SIGINT into a graceful stop of every child. A child that
+  could not start (a ConfigError or ListenError: a store that does not answer, a file
+  it cannot write) says why in one line; one that failed so at every start, the same
+  way `GIVE_UP` times, stops the router with that error (exit 2, or 1 for a
+  listener), as a single process would, instead of being restarted forever.
 
 /metrics on any worker aggregates every process's counters and histograms
 (prometheus-client's multiprocess mode); the per-backend gauges are read from the
@@ -49,6 +53,7 @@ import os
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -58,11 +63,11 @@ from prometheus_client import multiprocess
 from setproctitle import setproctitle
 
 from router import log
-from router.config import Config
+from router.config import Config, ConfigError
 from router.context import COLLECTOR, WorkerContext
 from router.control.tls import ServingTls
 from router.dispatch.shared_admission import AdmissionTable
-from router.errors import listening
+from router.errors import ListenError, listening
 from router.fleet.shared_load import LoadTable
 
 #: backends the shared load table tells apart at once (freed slots are reused), at least
@@ -71,6 +76,8 @@ _MIN_SLOTS = 4096
 _YOUNG_SECONDS = 10.0
 _MAX_RESTART_DELAY = 30.0
 _POLL_SECONDS = 0.2
+#: a child that failed the same way at each of this many starts stops the router
+GIVE_UP = 3
 _PR_SET_PDEATHSIG = 1
 RUNDIR_PREFIX = "kvroute-"
 #: a directory to keep run directories in instead of /dev/shm
@@ -142,16 +149,24 @@ def _child_main(ctx: WorkerContext, parent: int) -> None:
     _die_with_parent(parent)
     _title(ctx.name)
     _hold(Path(ctx.rundir) / OWNER_LOCK)  # until this process exits
-    signal.signal(signal.SIGHUP, signal.SIG_IGN)  # a reload before serve() is a no-op
     import uvloop
 
     from router.config import load
     from router.control.reload import ConfigSource
     from router.control.serve import serve
 
-    config = load(ctx.config_path, ctx.overrides)
-    log.setup(config.log_level, ctx.name, config.log_format)
-    uvloop.run(serve(config, ConfigSource(ctx.config_path, ctx.overrides), ctx))
+    try:
+        config = load(ctx.config_path, ctx.overrides)
+        log.setup(config.log_level, ctx.name, config.log_format)
+        uvloop.run(serve(config, ConfigSource(ctx.config_path, ctx.overrides), ctx))
+    except (ConfigError, ListenError) as exc:  # raised only before it serves
+        _failure(ctx).write_text(str(exc))
+        sys.exit(2 if isinstance(exc, ConfigError) else 1)
+
+
+def _failure(ctx: WorkerContext) -> Path:
+    """Where a child that could not start leaves why, for the supervisor."""
+    return Path(ctx.rundir) / f"{ctx.name.replace(' ', '-')}.failed"
 
 
 @dataclass
@@ -161,6 +176,9 @@ class _Child:
     started: float = 0.0
     deaths: int = 0  # in a row, each younger than _YOUNG_SECONDS
     restart_at: float = 0.0
+    starts: int = 0
+    failure: str = ""  # why it could not start, the last time
+    failures: int = 0  # starts in a row that failed so
 
 
 class Supervisor:
@@ -190,6 +208,7 @@ class Supervisor:
         ]
         self._stopping = False
         self._hup = False
+        self._failed: ConfigError | ListenError | None = None  # a child that cannot start
         self._grace = config.shutdown.unready_seconds + config.shutdown.drain_seconds + 10.0
 
     def run(self) -> int:
@@ -197,6 +216,7 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # held since the CLI
         log.server.info(
             "kvroute supervisor %d: %d workers on port %d", os.getpid(), self.workers, self.port
         )
@@ -214,6 +234,8 @@ class Supervisor:
             shutil.rmtree(self.rundir, ignore_errors=True)
             os.close(self._owner)
         log.server.info("kvroute supervisor %d stopped", os.getpid())
+        if self._failed is not None:
+            raise self._failed
         return 0
 
     def _on_stop(self, signum: int, frame: object) -> None:
@@ -223,11 +245,18 @@ class Supervisor:
         self._hup = True
 
     def _start(self, child: _Child) -> None:
+        """Spawn `child` with SIGHUP held: a reload forwarded while it starts waits for
+        its `serve` (router/control/serve.py), instead of ending it."""
         process = self._mp.Process(
             target=_child_main, args=(child.ctx, os.getpid()), name=f"kvroute {child.ctx.name}"
         )
-        process.start()
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
         child.process, child.started = process, time.monotonic()
+        child.starts += 1
 
     def _watch(self) -> None:
         """One turn: restart the dead (after their backoff), forward a SIGHUP."""
@@ -254,11 +283,20 @@ class Supervisor:
         child.deaths = child.deaths + 1 if young else 0
         delay = min(_MAX_RESTART_DELAY, 0.5 * 2**child.deaths) if young else 0.0
         child.restart_at = now + delay
+        why = _reported(child)
+        if child.failures >= GIVE_UP and child.failures == child.starts:
+            log.server.error(
+                "%s failed at each of its %d starts: stopping", child.ctx.name, child.starts
+            )
+            error = ConfigError if process.exitcode == 2 else ListenError
+            self._failed, self._stopping = error(child.failure), True
+            return
         log.server.warning(
-            "%s (pid %d) exited with code %s; restarting in %.1fs",
+            "%s (pid %d) exited with code %s%s; restarting in %.1fs",
             child.ctx.name,
             process.pid,
             process.exitcode,
+            f": {why}" if why else "",
             delay,
         )
 
@@ -280,6 +318,20 @@ class Supervisor:
                     log.server.warning("%s did not stop in time: killed", child.ctx.name)
                     child.process.kill()
                     child.process.join()
+
+
+def _reported(child: _Child) -> str:
+    """Why `child` could not start, if it said (counted in a row); else ""."""
+    report = _failure(child.ctx)
+    try:
+        why = report.read_text()
+    except FileNotFoundError:
+        child.failures, child.failure = 0, ""
+        return ""
+    report.unlink()
+    child.failures = child.failures + 1 if why == child.failure else 1
+    child.failure = why
+    return why
 
 
 def _tmpfs() -> str:

@@ -115,10 +115,10 @@ class Router(Node):
             await self.stop()
             raise
         log.server.info(
-            "kvroute listening on %s, strategy %s, %d backends",
+            "kvroute listening on %s, strategy %s, %s",
             self.url,
             self.dispatcher.strategy,
-            len(self.fleet.members),
+            log.counted(len(self.fleet.members), "backend"),
         )
 
     async def _own_upkeep(self) -> None:

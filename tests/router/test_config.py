@@ -274,18 +274,34 @@ def test_backends_from_flags_need_no_file() -> None:
     assert [b.key for b in cfg.backends] == ["127.0.0.1:1", "127.0.0.1:2"]
 
 
-def test_unreadable_and_invalid_yaml(tmp_path) -> None:
+def test_an_unreadable_file_is_named(tmp_path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load(tmp_path / "missing.yaml")
-    bad = tmp_path / "bad.yaml"
-    bad.write_text("backends: [\n")
-    with pytest.raises(ConfigError, match="not valid YAML"):
-        load(bad)
 
 
 def _kvroute(*args: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "router", *args]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=60, check=False)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        pytest.param("backends: [\n", "2:1: expected the node content, but found '<stream end>'",
+                     id="unclosed"),
+        pytest.param("backends: [a, b\n", "2:1: expected ',' or ']', but got '<stream end>' "
+                     "(while parsing a flow sequence at 1:11)", id="unclosed-after-items"),
+        pytest.param("a: 1\n b: 2\n", "2:3: mapping values are not allowed here", id="indent"),
+    ],
+)  # fmt: skip
+def test_a_yaml_syntax_error_is_one_line_naming_file_line_and_column(
+    tmp_path, text: str, message: str
+) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(text)
+    res = _kvroute("serve", "--check", "-c", str(bad))
+    assert (res.returncode, res.stdout) == (2, "")
+    assert res.stderr == f"kvroute: invalid config: {bad}:{message}\n"
 
 
 def test_check_command(tmp_path) -> None:

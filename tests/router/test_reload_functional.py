@@ -135,7 +135,7 @@ async def test_unchanged_backends_keep_their_prefixes(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        pytest.param("backends: [", "not valid YAML", id="bad-yaml"),
+        pytest.param("backends: [", "router.yaml:1:12: expected the node", id="bad-yaml"),
         pytest.param("backends: []\n", "at least one backend", id="no-backends"),
         pytest.param("backends: [{url: 'http://a:1'}]\nroutng: {}\n", "routng", id="typo"),
         pytest.param(

@@ -15,7 +15,7 @@ import orjson
 import yaml
 
 from tests.router.chaos import Reply, Tally, chat, until
-from tests.stub_backend import StubBackend
+from tests.stub_backend import Behaviour, StubBackend
 
 CHAT_PATH = "/v1/chat/completions"
 _LISTENING = re.compile(rb"listening on (http://\S+),")
@@ -27,8 +27,9 @@ class Served:
 
 
 @asynccontextmanager
-async def kvroute(config: Path) -> AsyncIterator[Served]:
-    """`python -m router serve -c config`, once it listens; killed if a test fails."""
+async def running(config: Path) -> AsyncIterator[Served]:
+    """`python -m router serve -c config` from its start, its log gathered as it comes
+    (`url` unknown yet); killed if a test fails."""
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "router", "serve", "-c", str(config),
         stderr=asyncio.subprocess.PIPE,
@@ -41,17 +42,30 @@ async def kvroute(config: Path) -> AsyncIterator[Served]:
 
     reader = asyncio.create_task(read_log())
     try:
-        async with asyncio.timeout(20):
-            while not (found := _LISTENING.search(log)):
-                if proc.returncode is not None:
-                    raise AssertionError(log.decode())
-                await asyncio.sleep(0.02)
-        yield Served(proc, found.group(1).decode(), log)
+        yield Served(proc, "", log)
     finally:
         if proc.returncode is None:
             proc.kill()
         await proc.wait()
         await reader
+
+
+@asynccontextmanager
+async def kvroute(config: Path) -> AsyncIterator[Served]:
+    """`python -m router serve -c config`, once it listens; killed if a test fails."""
+    async with running(config) as served:
+        served.url = await listening(served)
+        yield served
+
+
+async def listening(served: Served) -> str:
+    """The URL the router logs it listens on, once it does (bounded)."""
+    async with asyncio.timeout(20):
+        while not (found := _LISTENING.search(served.log)):
+            if served.proc.returncode is not None:
+                raise AssertionError(served.log.decode())
+            await asyncio.sleep(0.02)
+    return found.group(1).decode()
 
 
 def _write(path: Path, stubs: list[StubBackend], members: list[int], **extra) -> None:
@@ -128,6 +142,50 @@ async def test_sighup_reloads_and_a_bad_file_keeps_the_old_config(tmp_path: Path
             served.proc.send_signal(signal.SIGTERM)
             assert await asyncio.wait_for(served.proc.wait(), 10) == 0
         assert (tally.failed, tally.hung) == (0, 0)
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_a_sighup_while_the_router_starts_is_a_reload_once_it_serves(tmp_path) -> None:
+    """One process: a SIGHUP during its start-up probe (its backend slow to answer
+    /health) waits for the router to serve, then reloads it; it used to end it."""
+    stubs = [await StubBackend(behaviour=Behaviour(health_delay=1.0)).start() for _ in range(2)]
+    path = tmp_path / "router.yaml"
+    _write(path, stubs, [0], workers=1)
+    try:
+        async with running(path) as served:
+            await until(lambda: stubs[0].health_checks > 0, timeout=20)  # probing, not serving
+            _write(path, stubs, [0, 1])
+            served.proc.send_signal(signal.SIGHUP)
+            await listening(served)
+            await until(lambda: b"config reloaded: 2 backends" in served.log, timeout=20)
+            assert served.proc.returncode is None
+            assert re.search(
+                rb"listening on http://\S+, strategy KV_AWARE, 1 backend\n", served.log
+            )
+            assert served.log.count(b"listening on") == 1
+    finally:
+        for stub in stubs:
+            await stub.stop()
+
+
+async def test_a_sighup_while_workers_start_reloads_each_once_it_serves(tmp_path) -> None:
+    """Several workers: the supervisor forwards a SIGHUP to children still starting (they
+    wait for the collector's slow first probe); each reloads once it serves, none is
+    ended and restarted (which read as a restart: each logged `listening on` again)."""
+    stubs = [await StubBackend(behaviour=Behaviour(health_delay=1.0)).start() for _ in range(3)]
+    path = tmp_path / "router.yaml"
+    _write(path, stubs, [0, 1], workers=2)
+    try:
+        async with running(path) as served:
+            await until(lambda: b"kvroute supervisor" in served.log, timeout=20)  # spawning
+            _write(path, stubs, [0, 1, 2], workers=2)
+            served.proc.send_signal(signal.SIGHUP)
+            # two workers and the collector
+            await until(lambda: served.log.count(b"config reloaded: 3 backends") == 3, timeout=30)
+            assert served.log.count(b"listening on http") == 2
+            assert b"exited with code" not in served.log
     finally:
         for stub in stubs:
             await stub.stop()

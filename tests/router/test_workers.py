@@ -21,6 +21,7 @@ import contextlib
 import functools
 import os
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
@@ -42,7 +43,7 @@ from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
-from router.control.supervisor import RUN_PARENT_ENV, sweep_stale
+from router.control.supervisor import GIVE_UP, RUN_PARENT_ENV, sweep_stale
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -616,6 +617,36 @@ async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> N
     finally:
         for s in servers:
             await s.stop()
+
+
+def test_a_worker_that_fails_at_every_start_stops_the_router_with_its_error(tmp_path) -> None:
+    """Every worker's job store answers nothing at start: each says why in one line, and
+    after a bounded number of starts the supervisor stops with that error, exit 2, as
+    a single process would."""
+    redis = f"redis://127.0.0.1:{free_port()}/0"
+    path = tmp_path / "router.yaml"
+    config = {"listen": {"host": "127.0.0.1", "port": 0}, "backends": [{"url": "http://127.0.0.1:9"}],
+              "jobs": {"enabled": True, "store": "redis", "redis": {"url": redis}}}  # fmt: skip
+    path.write_text(yaml.safe_dump(config))
+    runs = tmp_path / "run"
+    runs.mkdir()
+    cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--workers", str(WORKERS)]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, RUN_PARENT_ENV: str(runs)},
+    )
+    why = f"jobs.redis: {redis} does not answer"
+    lines = done.stderr.splitlines()
+    assert done.returncode == 2, done.stderr
+    assert lines[-1].startswith(f"kvroute: invalid config: {why}")
+    assert "Traceback" not in done.stderr
+    restarts = [line for line in lines if f"exited with code 2: {why}" in line]
+    assert GIVE_UP - 1 <= len(restarts) <= WORKERS * (GIVE_UP - 1)
+    assert f"failed at each of its {GIVE_UP} starts: stopping" in done.stderr
+    assert not list(runs.iterdir())  # its run directory removed
 
 
 async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
