@@ -6,12 +6,14 @@ then.
 
 from __future__ import annotations
 
+import errno
 import sqlite3
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
 
+from router import log
 from router.config import ConfigError
 from router.jobs.store import (
     OPEN_BATCH,
@@ -87,24 +89,66 @@ _JOB = ", ".join(Job._fields)
 #: parameters are that id
 _AFTER = "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ?))"
 _BATCH = ", ".join(Batch._fields)
+#: what `expire` drops: the tables, each with what else a row must be
+_EXPIRING = (("jobs", " AND batch_id IS NULL"), ("batches", ""), ("files", ""))
+#: SQLite's error codes (their names' beginnings), as a client may read them
+_REASONS = (
+    ("SQLITE_FULL", "its disk is full"),
+    ("SQLITE_BUSY", "its database is locked by another process"),
+    ("SQLITE_LOCKED", "its database is locked by another process"),
+    ("SQLITE_CORRUPT", "its database is corrupt"),
+    ("SQLITE_NOTADB", "its database is corrupt"),
+    ("SQLITE_READONLY", "its database is read-only"),
+    ("SQLITE_CANTOPEN", "its database cannot be opened"),
+    ("SQLITE_IOERR", "its disk failed"),
+)
 
 
 class SqliteJobStore:
-    """The database at `path`."""
+    """The database at `path`; a database deleted while the router runs is created
+    anew at the next call (what it held is lost, the router goes on)."""
+
+    faults: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
 
     def __init__(self, path: str) -> None:
         """Create the database if need be (ConfigError if it cannot be)."""
         self._path = path
+        self._opened = False
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            with closing(self._connect()) as db:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.executescript(_SCHEMA)
+            with closing(self._connect()):
+                pass
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"jobs.path: cannot open {path}: {exc}") from exc
+        self._opened = True
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        """A connection to the database, created with its schema where there is none."""
+        db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        try:
+            if db.execute("PRAGMA schema_version").fetchone()[0] == 0:
+                self._create(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _create(self, db: sqlite3.Connection) -> None:
+        """The schema in an empty database (another worker may be creating it too)."""
+        if self._opened:
+            log.server.warning("jobs: %s was gone; created anew, empty", self._path)
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(_SCHEMA)
+
+    def reason(self, exc: Exception) -> str:
+        """What failed, from SQLite's error code."""
+        name = getattr(exc, "sqlite_errorname", "")
+        if isinstance(exc, OSError):
+            return "its disk is full" if exc.errno == errno.ENOSPC else "its disk failed"
+        for prefix, reason in _REASONS:
+            if name.startswith(prefix):
+                return reason
+        return f"its database failed ({name or type(exc).__name__})"
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -173,7 +217,8 @@ class SqliteJobStore:
         with closing(self._connect()) as db:
             done = db.execute(
                 "UPDATE jobs SET status = ?, result_status = ?, result = ?, updated = ?, "
-                "expires = ?, owner = NULL, hook_state = CASE WHEN webhook IS NULL THEN NULL "
+                "expires = CASE WHEN batch_id IS NULL THEN ? END, owner = NULL, "
+                "hook_state = CASE WHEN webhook IS NULL THEN NULL "
                 "ELSE 'pending' END WHERE id = ? AND owner = ? AND status = 'running'",
                 (status, code, result, now, now + ttl_s, job_id, owner),
             )
@@ -211,13 +256,25 @@ class SqliteJobStore:
             ).rowcount
 
     def expire(self) -> int:
-        """Drop what is past its TTL (finished jobs, batches and files); how many."""
+        """Drop what is past its TTL (finished async jobs, ended batches, files); how
+        many. A batch's lines are not: they go when it ends (an older release gave
+        them a TTL of their own)."""
         now = time.time()
         with self._transaction() as db:
             return sum(
-                db.execute(f"DELETE FROM {table} WHERE expires < ?", (now,)).rowcount
-                for table in ("jobs", "batches", "files")
+                db.execute(f"DELETE FROM {table} WHERE expires < ?{only}", (now,)).rowcount
+                for table, only in _EXPIRING
             )
+
+    def unsettled(self) -> list[str]:
+        """The open batches none of whose lines waits or runs."""
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                f"SELECT id FROM batches WHERE status IN {OPEN_BATCH} AND NOT EXISTS "
+                "(SELECT 1 FROM jobs WHERE batch_id = batches.id "
+                "AND status IN ('queued', 'running'))"
+            ).fetchall()
+        return [r[0] for r in rows]
 
     # files
     def put_file(
