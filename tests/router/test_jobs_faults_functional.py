@@ -6,22 +6,37 @@ again. The router answers 503s that say why, its job runner waits and goes on, i
 from __future__ import annotations
 
 import asyncio
+import io
+import logging
+import signal
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
+import pytest
+import yaml
 
+from router.config import RedisConfig
 from router.jobs import sqlite_store
+from router.jobs.redis_store import RedisJobStore
+from router.jobs.sqlite_store import SqliteJobStore
+from router.jobs.store import JobStore
+from router.jobs.wire import new_batch
 from tests.redis_server import RedisServer
-from tests.router.chaos import until
+from tests.router.chaos import Tally, chat, until
 from tests.router.test_jobs_functional import (
     CHAT,
+    batch_file,
     chat_body,
     finished,
     jobs_router,
+    wait_batch,
 )
+from tests.router.test_jobs_store import lines_of
+from tests.router.test_signals_functional import CHAT_PATH, kvroute
+from tests.stub_backend import StubBackend
 
 
 @asynccontextmanager
@@ -108,3 +123,122 @@ async def test_the_runner_outlives_a_redis_stopped_and_started_again(tmp_path: P
             assert (await ready(http, router.url))["jobs"] == {"store": "ok"}
     finally:
         server.stop()
+
+
+def corrupt(db: Path) -> None:
+    """Garbage where the database's pages were (its header included)."""
+    for leftover in (db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        leftover.unlink(missing_ok=True)
+    db.write_bytes(b"not a database, " * 4096)
+
+
+@pytest.mark.parametrize("fault", ["sqlite-corrupt", "redis-stopped"])
+async def test_sigterm_drains_the_streams_whatever_the_job_store_does(
+    tmp_path: Path, fault: str
+) -> None:
+    """The jobs' stop meets a store that fails; the streams open still end whole, and
+    the router exits 0."""
+    stub = await StubBackend().start()
+    stub.behaviour.chunks, stub.behaviour.pace = 10, 0.1  # ~1 s streams
+    redis = RedisServer(tmp_path) if fault == "redis-stopped" else None
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05}
+    if redis is not None:
+        redis.start()
+        jobs |= {"store": "redis", "redis": {"url": redis.url}}
+    path = tmp_path / "router.yaml"
+    backends = [{"url": stub.url, "name": "s0"}]
+    path.write_text(
+        yaml.safe_dump({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends,
+                        "jobs": jobs, "shutdown": {"drain_seconds": 10}})
+    )  # fmt: skip
+    tally = Tally.new()
+    try:
+        async with kvroute(path) as served, aiohttp.ClientSession() as http:
+            url = served.url + CHAT_PATH
+            streams = [
+                asyncio.create_task(tally.send(http, url, **chat(stream=True))) for _ in range(5)
+            ]
+            await until(lambda: stub.active == 5)
+            if redis is not None:
+                redis.stop()
+            else:
+                corrupt(tmp_path / "jobs.db")
+            served.proc.send_signal(signal.SIGTERM)
+            replies = await asyncio.gather(*streams)
+            assert await asyncio.wait_for(served.proc.wait(), 15) == 0, served.log.decode()
+        for reply in replies:
+            assert reply.status == 200
+            assert reply.events()[-1] == b"[DONE]" and b'"error"' not in reply.body
+            assert len(reply.events()) == 11  # every chunk, then [DONE]
+        assert (tally.failed, tally.hung) == (0, 0)
+    finally:
+        if redis is not None:
+            redis.stop()
+        await stub.stop()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_a_batch_whose_settle_was_missed_is_ended_by_a_sweep(
+    tmp_path: Path, kind: str
+) -> None:
+    """Its worker died between its last line's end and the batch's: the next worker
+    that looks for a job ends it."""
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05, "lease_s": 0.5}
+    redis = RedisServer(tmp_path) if kind == "redis" else None
+    try:
+        if redis is not None:
+            redis.start()
+            jobs |= {"store": "redis", "redis": {"url": redis.url}}
+            store: JobStore = RedisJobStore(RedisConfig(url=redis.url))
+        else:
+            store = SqliteJobStore(jobs["path"])
+        batch = new_batch("/v1/chat/completions", "file-1", None, 2, [], 60)
+        store.put_batch(batch, None, lines_of(2))
+        for _ in range(2):
+            line = store.claim("dead-worker", 60)
+            store.finish(line.id, "dead-worker", "succeeded", 200, b'{"ok":1}', 60)
+        async with jobs_router(tmp_path, jobs=jobs) as (_, oai):
+            done = await wait_batch(oai, batch.id)
+            assert (done.status, done.request_counts.completed) == ("completed", 2)
+            output = (await oai.files.content(done.output_file_id)).content
+            assert output.count(b"\n") == 2
+    finally:
+        if redis is not None:
+            redis.stop()
+
+
+async def test_a_deleted_database_is_created_anew(tmp_path: Path) -> None:
+    async with jobs_router(tmp_path) as (router, oai), aiohttp.ClientSession() as http:
+        uploaded = await oai.files.create(
+            file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+        )
+        for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
+            (tmp_path / name).unlink(missing_ok=True)
+        async with http.get(router.url + f"/v1/files/{uploaded.id}") as r:
+            assert r.status == 404  # gone with its database
+        async with http.post(router.url + CHAT, json=chat_body(1)) as r:
+            assert r.status == 202
+            status_url = router.url + (await r.json())["status_url"]
+        assert (await finished(http, status_url))["status"] == "succeeded"
+
+
+async def test_a_corrupt_database_answers_503s_and_logs_a_few_lines(tmp_path: Path, caplog) -> None:
+    """Every job route says why it fails, with no traceback and a throttled log; once
+    the file is moved aside, a new one is created and jobs run again."""
+    async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
+        caplog.set_level(logging.WARNING)
+        corrupt(tmp_path / "jobs.db")
+        for _ in range(50):
+            await refused_for(http, router.url, "its database is corrupt")
+        for method, path in (("GET", "/v1/files"), ("DELETE", "/v1/files/file-x"),
+                             ("GET", "/v1/batches"), ("GET", "/v1/async/job_x")):  # fmt: skip
+            async with http.request(method, router.url + path) as r:
+                assert r.status == 503, path
+        failures = [r for r in caplog.records if r.levelno >= logging.WARNING]
+        assert not [r for r in failures if r.exc_info]
+        assert len(failures) <= 6, [r.getMessage() for r in failures]
+        (tmp_path / "jobs.db").rename(tmp_path / "jobs.db.corrupt")
+        async with http.post(router.url + CHAT, json=chat_body(1)) as r:
+            assert r.status == 202
+            status_url = router.url + (await r.json())["status_url"]
+        assert (await finished(http, status_url))["status"] == "succeeded"
