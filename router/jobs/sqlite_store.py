@@ -2,16 +2,29 @@
 worker (SQLite serialises the writers with its file lock). Leases, attempts and TTLs as
 store.py says; expired rows are deleted by `expire`, which each worker calls now and
 then.
+
+A full disk must not stop the deletes that would free it: a database in WAL mode needs
+room even to delete. So a file beside the database (`<path>.reserve`,
+`_RESERVE_BYTES`) holds room back: a delete that meets a full disk gives it up and
+goes through, and the database, made with incremental auto-vacuum, gives the freed
+pages back to the filesystem. A client's write (a job, a file, a batch) is refused as
+"disk full" while the reserve cannot be made again, so clients never take its room.
+Deleted rows are not overwritten (`secure_delete=FAST`): that would need as much room
+as they took. A database made by an older release (no auto-vacuum) keeps the freed
+pages for its next rows instead, and its clients' writes are not held back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 from router import log
 from router.config import ConfigError
@@ -83,6 +96,12 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 """
 _BUSY_SECONDS = 10.0
+#: room held back on the database's filesystem for deletes on a full disk
+_RESERVE_BYTES = 1 << 20
+#: pages given back to the filesystem per step after a delete (each step's moves pass
+#: through the WAL, so each needs at most this much room)
+_GIVE_BACK_PAGES = 64
+T = TypeVar("T")
 _JOB = ", ".join(Job._fields)
 #: newest first, past the row `after` names: every row when it is NULL, none when no
 #: row has that id (a cursor gone is the end, never the start again); its two
@@ -114,18 +133,22 @@ class SqliteJobStore:
         """Create the database if need be (ConfigError if it cannot be)."""
         self._path = path
         self._opened = False
+        self._reserve = _Reserve(path + ".reserve")
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-            with closing(self._connect()):
-                pass
+            with closing(self._connect()) as db:
+                #: whether deletes give room back to the filesystem (auto-vacuum)
+                self._gives_back = db.execute("PRAGMA auto_vacuum").fetchone()[0] != 0
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"jobs.path: cannot open {path}: {exc}") from exc
         self._opened = True
+        self._reserve.keep()
 
     def _connect(self) -> sqlite3.Connection:
         """A connection to the database, created with its schema where there is none."""
         db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
         try:
+            db.execute("PRAGMA secure_delete = FAST")
             if db.execute("PRAGMA schema_version").fetchone()[0] == 0:
                 self._create(db)
         except BaseException:
@@ -137,8 +160,10 @@ class SqliteJobStore:
         """The schema in an empty database (another worker may be creating it too)."""
         if self._opened:
             log.server.warning("jobs: %s was gone; created anew, empty", self._path)
+        db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # before anything is written
         db.execute("PRAGMA journal_mode=WAL")
         db.executescript(_SCHEMA)
+        self._gives_back = db.execute("PRAGMA auto_vacuum").fetchone()[0] != 0
 
     def reason(self, exc: Exception) -> str:
         """What failed, from SQLite's error code."""
@@ -162,11 +187,50 @@ class SqliteJobStore:
                 raise
             db.execute("COMMIT")
 
+    def _room(self) -> None:
+        """Before a client's write: the reserve in place, else the disk is full."""
+        if not self._reserve.keep() and self._gives_back:
+            raise OSError(errno.ENOSPC, "no room for the jobs database's reserve")
+
+    def _freeing(self, delete: Callable[[sqlite3.Connection], T]) -> T:
+        """`delete` in one transaction, through a full disk (the reserve's room is given
+        up for it); then the freed pages go back to the filesystem."""
+        try:
+            with self._transaction() as db:
+                done = delete(db)
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                raise
+            if not self._reserve.give_up():
+                raise
+            log.server.warning(
+                "jobs: %s: the disk is full; its reserve let a delete in", self._path
+            )
+            with self._transaction() as db:
+                done = delete(db)
+        self._give_back()
+        return done
+
+    def _give_back(self) -> None:
+        """The free pages back to the filesystem, a few at a time (best effort: what
+        stays is used by the next rows), then the reserve made again if there is room."""
+        with contextlib.suppress(sqlite3.Error), closing(self._connect()) as db:
+            free = db.execute("PRAGMA freelist_count").fetchone()[0]
+            while free:
+                db.execute(f"PRAGMA incremental_vacuum({_GIVE_BACK_PAGES})").fetchall()
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                left = db.execute("PRAGMA freelist_count").fetchone()[0]
+                if left >= free:
+                    break  # an older database (no auto-vacuum), or readers hold pages
+                free = left
+        self._reserve.keep()
+
     # jobs
     def put(
         self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
     ) -> Job:
         """Accept a job: committed before this returns."""
+        self._room()
         now = time.time()
         with closing(self._connect()) as db:
             db.execute(
@@ -260,11 +324,12 @@ class SqliteJobStore:
         many. A batch's lines are not: they go when it ends (an older release gave
         them a TTL of their own)."""
         now = time.time()
-        with self._transaction() as db:
-            return sum(
+        return self._freeing(
+            lambda db: sum(
                 db.execute(f"DELETE FROM {table} WHERE expires < ?{only}", (now,)).rowcount
                 for table, only in _EXPIRING
             )
+        )
 
     def unsettled(self) -> list[str]:
         """The open batches none of whose lines waits or runs."""
@@ -286,6 +351,7 @@ class SqliteJobStore:
         content: bytes,
         ttl_s: float,
     ) -> StoredFile:
+        self._room()
         now = time.time()
         with closing(self._connect()) as db:
             db.execute(
@@ -324,13 +390,14 @@ class SqliteJobStore:
         return Page([StoredFile(*r) for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None) -> bool:
-        with closing(self._connect()) as db:
-            gone = db.execute("DELETE FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant))
-        return gone.rowcount == 1
+        """Drop the tenant's file, on a full disk too."""
+        query = "DELETE FROM files WHERE id = ? AND tenant IS ?"
+        return self._freeing(lambda db: db.execute(query, (file_id, tenant)).rowcount) == 1
 
     # batches
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
         """Accept a batch and its lines as jobs, in one transaction."""
+        self._room()
         with self._transaction() as db:
             db.execute(
                 f"INSERT INTO batches (tenant, {_BATCH}) VALUES ({', '.join('?' * 18)})",
@@ -454,3 +521,37 @@ def _counted(db: sqlite3.Connection, batch: Batch) -> Batch:
         ).fetchall()
     )
     return batch._replace(completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+
+
+class _Reserve:
+    """Room held back on a filesystem: a file of `_RESERVE_BYTES` (every worker's
+    store shares it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def keep(self) -> bool:
+        """The reserve in place, made again if it is not and there is room: whether it is."""
+        if os.path.exists(self._path):
+            return True
+        making = f"{self._path}.{os.getpid()}"
+        try:
+            fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, _RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            os.replace(making, self._path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(making)
+            return False
+        return True
+
+    def give_up(self) -> bool:
+        """Its room, for a delete on a full disk: whether there was a reserve."""
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            return False
+        return True

@@ -9,9 +9,10 @@ import asyncio
 import io
 import logging
 import signal
+import subprocess
 import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 
 import aiohttp
@@ -242,3 +243,64 @@ async def test_a_corrupt_database_answers_503s_and_logs_a_few_lines(tmp_path: Pa
             assert r.status == 202
             status_url = router.url + (await r.json())["status_url"]
         assert (await finished(http, status_url))["status"] == "succeeded"
+
+
+@contextmanager
+def small_disk(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `where` meanwhile (skipped where none can be)."""
+    where.mkdir()
+    try:
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
+            capture_output=True,
+        )
+    except FileNotFoundError:
+        pytest.skip("no mount command here to make a small filesystem")
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs (root only): {mounted.stderr.decode().strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=True)
+
+
+async def upload(http: aiohttp.ClientSession, url: str, size: int) -> tuple[int, dict, str]:
+    """A file of `size` bytes: the answer's status, body and Retry-After."""
+    form = aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", b"x" * size, filename="in.jsonl")
+    async with http.post(url + "/v1/files", data=form) as r:
+        return r.status, await r.json(), r.headers.get("Retry-After", "")
+
+
+async def test_on_a_full_disk_files_can_still_be_deleted_to_make_room(
+    tmp_path: Path, caplog
+) -> None:
+    """Uploads fill a small filesystem: then they are refused with a 503 that says so,
+    deletes go through, and give the room back for the next uploads."""
+    with small_disk(tmp_path / "disk", "8m") as disk:
+        jobs = {"enabled": True, "path": str(disk / "jobs.db"), "poll_s": 0.05}
+        async with jobs_router(tmp_path, jobs=jobs) as (router, _), aiohttp.ClientSession() as http:
+            caplog.set_level(logging.WARNING)
+            ids = []
+            for _ in range(40):  # 16 MB: twice the disk
+                status, answer, retry_after = await upload(http, router.url, 400_000)
+                if status != 200:
+                    break
+                ids.append(answer["id"])
+            assert status == 503, answer
+            assert "its disk is full" in answer["error"]["message"]
+            assert retry_after == "5"
+            assert len(ids) > 5
+            for file_id in ids[:3]:
+                async with http.delete(router.url + f"/v1/files/{file_id}") as gone:
+                    assert gone.status == 200, await gone.text()
+                    assert (await gone.json())["deleted"] is True
+            assert (await upload(http, router.url, 400_000))[0] == 200
+            for _ in range(30):  # full again, and deletes still go through
+                if (await upload(http, router.url, 400_000))[0] == 503:
+                    break
+            async with http.delete(router.url + f"/v1/files/{ids[3]}") as gone:
+                assert gone.status == 200, await gone.text()
+            warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert len(warnings) <= 10, [r.getMessage() for r in warnings]
