@@ -48,6 +48,9 @@ class Throttled:
 
 #: failed and retried requests, one line each while they are rare
 requests_failed = Throttled(requests)
+#: writes to disk that failed: a full disk fails every one (the access log's, capture's,
+#: the usage records')
+disk_failed = Throttled(server)
 
 
 class JsonFormatter(logging.Formatter):

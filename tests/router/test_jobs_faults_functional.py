@@ -6,6 +6,7 @@ again. The router answers 503s that say why, its job runner waits and goes on, i
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import logging
 import signal
@@ -27,6 +28,7 @@ from router.jobs.store import JobStore
 from router.jobs.wire import new_batch
 from tests.redis_server import RedisServer
 from tests.router.chaos import Tally, chat, until
+from tests.router.conftest import running
 from tests.router.test_jobs_functional import (
     CHAT,
     batch_file,
@@ -304,3 +306,27 @@ async def test_on_a_full_disk_files_can_still_be_deleted_to_make_room(
                 assert gone.status == 200, await gone.text()
             warnings = [r for r in caplog.records if r.levelno >= logging.WARNING]
             assert len(warnings) <= 10, [r.getMessage() for r in warnings]
+
+
+def fill(disk: Path) -> None:
+    """Every byte of `disk` taken, by a file of its own."""
+    with (disk / "filler").open("wb", buffering=0) as filler, contextlib.suppress(OSError):
+        while True:
+            filler.write(b"\0" * 4096)
+
+
+async def test_a_full_disk_is_logged_a_few_times_not_once_a_write(tmp_path: Path, caplog) -> None:
+    """The access log on a disk that filled up: its lost writes are logged throttled."""
+    with small_disk(tmp_path / "disk", "1m") as disk:
+        log_file = {"path": str(disk / "access.log")}
+        async with running(1, access_log=log_file) as (router, _), aiohttp.ClientSession() as http:
+            fill(disk)
+            caplog.set_level(logging.WARNING)
+            for _ in range(40):  # a write each (its flush timer is 0.2 s)
+                async with http.post(router.url + CHAT_PATH, **chat()) as r:
+                    assert r.status == 200
+                await asyncio.sleep(0.21)
+        # the router stopped: its access log's writer wrote (or lost) every line
+        warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+        assert any("cannot write" in w for w in warnings)
+        assert len(warnings) <= 21, warnings[:5]
