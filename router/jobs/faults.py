@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from router import log
 from router.errors import StoreUnavailable
+from router.jobs.store import JobStore
 from router.metrics import Metrics
 
 #: lines a failing store may log per window, then one that says how many were left out
@@ -57,32 +58,24 @@ class StoreFaults:
         return {"store": "unavailable", "reason": reason, "since": int(since)}
 
 
-class Faulty(Protocol):
-    """What a store says of its own failures."""
-
-    #: the exceptions that are the store failing (not a bug of the caller's)
-    faults: tuple[type[Exception], ...]
-
-    def reason(self, exc: Exception) -> str:
-        """What failed, in a few words a client may read (no path, no address)."""
-
-
 class GuardedStore:
     """`store` whose failures are StoreUnavailable, and noted in `faults`; otherwise the
     same calls (it is a JobStore)."""
 
-    def __init__(self, store: Faulty, faults: StoreFaults) -> None:
+    def __init__(self, store: JobStore, faults: StoreFaults) -> None:
         self._store = store
         self._faults = faults
 
     def __getattr__(self, op: str) -> Callable[..., Any]:
         call = getattr(self._store, op)
+        if not callable(call):
+            return call
         store, faults = self._store, self._faults
 
         def guarded(*args: Any, **kwargs: Any) -> Any:
             try:
                 found = call(*args, **kwargs)
-            except store.faults as exc:
+            except store.errors as exc:
                 reason = store.reason(exc)
                 faults.failed(op, reason)
                 raise StoreUnavailable(f"The job store is unavailable: {reason}.") from exc

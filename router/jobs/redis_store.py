@@ -178,7 +178,7 @@ class RedisJobStore:
         if cfg.password_file or cfg.password_env:
             password = read_secret(cfg.password_file, cfg.password_env, "jobs.redis password")
         self._redis = redis.exceptions
-        self.faults: tuple[type[Exception], ...] = (redis.RedisError,)
+        self.errors: tuple[type[Exception], ...] = (redis.RedisError,)
         self._p = cfg.key_prefix
         self._db = redis.Redis.from_url(
             cfg.url, password=password, socket_timeout=cfg.timeout_s,

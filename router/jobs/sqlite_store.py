@@ -127,7 +127,7 @@ class SqliteJobStore:
     """The database at `path`; a database deleted while the router runs is created
     anew at the next call (what it held is lost, the router goes on)."""
 
-    faults: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
+    errors: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
 
     def __init__(self, path: str) -> None:
         """Create the database if need be (ConfigError if it cannot be)."""
@@ -142,7 +142,8 @@ class SqliteJobStore:
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"jobs.path: cannot open {path}: {exc}") from exc
         self._opened = True
-        self._reserve.keep()
+        with contextlib.suppress(OSError):  # none yet: the first client's write says why
+            self._reserve.keep()
 
     def _connect(self) -> sqlite3.Connection:
         """A connection to the database, created with its schema where there is none."""
@@ -169,7 +170,8 @@ class SqliteJobStore:
         """What failed, from SQLite's error code."""
         name = getattr(exc, "sqlite_errorname", "")
         if isinstance(exc, OSError):
-            return "its disk is full" if exc.errno == errno.ENOSPC else "its disk failed"
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            return "its disk is full" if full else "its disk failed"
         for prefix, reason in _REASONS:
             if name.startswith(prefix):
                 return reason
@@ -188,9 +190,13 @@ class SqliteJobStore:
             db.execute("COMMIT")
 
     def _room(self) -> None:
-        """Before a client's write: the reserve in place, else the disk is full."""
-        if not self._reserve.keep() and self._gives_back:
-            raise OSError(errno.ENOSPC, "no room for the jobs database's reserve")
+        """Before a client's write: the reserve in place (OSError, the disk full, if it
+        cannot be made again)."""
+        try:
+            self._reserve.keep()
+        except OSError:
+            if self._gives_back:
+                raise
 
     def _freeing(self, delete: Callable[[sqlite3.Connection], T]) -> T:
         """`delete` in one transaction, through a full disk (the reserve's room is given
@@ -223,7 +229,8 @@ class SqliteJobStore:
                 if left >= free:
                     break  # an older database (no auto-vacuum), or readers hold pages
                 free = left
-        self._reserve.keep()
+        with contextlib.suppress(OSError):  # no room yet: the next delete may make some
+            self._reserve.keep()
 
     # jobs
     def put(
@@ -530,10 +537,11 @@ class _Reserve:
     def __init__(self, path: str) -> None:
         self._path = path
 
-    def keep(self) -> bool:
-        """The reserve in place, made again if it is not and there is room: whether it is."""
+    def keep(self) -> None:
+        """The reserve in place, made again if it is not (OSError if it cannot be: no
+        room, most likely)."""
         if os.path.exists(self._path):
-            return True
+            return
         making = f"{self._path}.{os.getpid()}"
         try:
             fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -545,8 +553,7 @@ class _Reserve:
         except OSError:
             with contextlib.suppress(OSError):
                 os.unlink(making)
-            return False
-        return True
+            raise
 
     def give_up(self) -> bool:
         """Its room, for a delete on a full disk: whether there was a reserve."""

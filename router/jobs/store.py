@@ -105,7 +105,7 @@ class JobStore(Protocol):
     """A store of jobs, files and batches (each call blocks)."""
 
     #: the exceptions that are the store failing, not a bug (faults.py makes them 503s)
-    faults: tuple[type[Exception], ...]
+    errors: tuple[type[Exception], ...]
 
     def reason(self, exc: Exception) -> str:
         """What failed, in a few words a client may read (no path, no address)."""
