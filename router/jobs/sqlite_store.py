@@ -146,8 +146,13 @@ class SqliteJobStore:
             self._reserve.keep()
 
     def _connect(self) -> sqlite3.Connection:
-        """A connection to the database, created with its schema where there is none."""
-        db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        """A connection to the database, created with its schema where there is none
+        (its directory too, if that was removed)."""
+        try:
+            db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        except sqlite3.OperationalError:
+            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
         try:
             db.execute("PRAGMA secure_delete = FAST")
             if db.execute("PRAGMA schema_version").fetchone()[0] == 0:
@@ -342,9 +347,10 @@ class SqliteJobStore:
         """The open batches none of whose lines waits or runs."""
         with closing(self._connect()) as db:
             rows = db.execute(
-                f"SELECT id FROM batches WHERE status IN {OPEN_BATCH} AND NOT EXISTS "
+                "SELECT id FROM batches WHERE status IN (?, ?) AND NOT EXISTS "
                 "(SELECT 1 FROM jobs WHERE batch_id = batches.id "
-                "AND status IN ('queued', 'running'))"
+                "AND status IN ('queued', 'running'))",
+                OPEN_BATCH,
             ).fetchall()
         return [r[0] for r in rows]
 

@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import io
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -210,13 +211,22 @@ async def test_a_batch_whose_settle_was_missed_is_ended_by_a_sweep(
             redis.stop()
 
 
-async def test_a_deleted_database_is_created_anew(tmp_path: Path) -> None:
-    async with jobs_router(tmp_path) as (router, oai), aiohttp.ClientSession() as http:
+@pytest.mark.parametrize("removed", ["files", "directory"])
+async def test_a_deleted_database_is_created_anew(tmp_path: Path, removed: str) -> None:
+    where = tmp_path / "jobs"
+    jobs = {"enabled": True, "path": str(where / "jobs.db"), "poll_s": 0.05}
+    async with (
+        jobs_router(tmp_path, jobs=jobs) as (router, oai),
+        aiohttp.ClientSession() as http,
+    ):
         uploaded = await oai.files.create(
             file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
         )
-        for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
-            (tmp_path / name).unlink(missing_ok=True)
+        if removed == "directory":
+            shutil.rmtree(where)
+        else:
+            for name in ("jobs.db", "jobs.db-wal", "jobs.db-shm"):
+                (where / name).unlink(missing_ok=True)
         async with http.get(router.url + f"/v1/files/{uploaded.id}") as r:
             assert r.status == 404  # gone with its database
         async with http.post(router.url + CHAT, json=chat_body(1)) as r:
