@@ -132,7 +132,7 @@ class Capture:
                 self._written()
             except Exception as exc:  # a full disk, an odd record: it alone is lost
                 self._dropped("write_error")
-                log.disk_failed.warning("capture: a record was lost: %r", exc)
+                log.server.warning("capture: a record was lost: %r", exc)
             if self._queue.empty():
                 self._flush()
 
@@ -148,7 +148,7 @@ class Capture:
         try:
             self._file.flush()
         except OSError as exc:
-            log.disk_failed.warning("capture: cannot write %s: %s", self._cfg.path, exc)
+            log.server.warning("capture: cannot write %s: %s", self._cfg.path, exc)
 
     def _open(self) -> IO[bytes]:
         """A new file: capture-<pid>-<UTC time>-<n>.jsonl[.gz], sorted by time within a
