@@ -163,12 +163,13 @@ class SqliteJobStore:
         return db
 
     def _create(self, db: sqlite3.Connection) -> None:
-        """The schema in an empty database (another worker may be creating it too)."""
+        """The schema in an empty database, in one transaction: another connection
+        creating it too, or reading it, sees every table or none."""
         if self._opened:
             log.server.warning("jobs: %s was gone; created anew, empty", self._path)
         db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # before anything is written
         db.execute("PRAGMA journal_mode=WAL")
-        db.executescript(_SCHEMA)
+        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")  # all tables, or none yet
         self._gives_back = db.execute("PRAGMA auto_vacuum").fetchone()[0] != 0
 
     def reason(self, exc: Exception) -> str:
