@@ -34,6 +34,7 @@ from pathlib import Path
 import msgspec
 
 from bench.loadgen import Outcome
+from router.log import counted
 
 __all__ = [
     "BackendDelta",
@@ -292,11 +293,6 @@ def legend(summaries: Sequence[Summary], clock: str) -> str:
         "(1.00 is even); decide µs: the router's routing decision, P50 (real time); hop ms: "
         "what one pass through the router adds (/tokenize pairs, real time)."
     )
-
-
-def counted(n: int, noun: str) -> str:
-    """`n` and `noun`, plural unless n is 1: "1 request", "2 requests"."""
-    return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
 def table(summaries: Sequence[Summary]) -> str:

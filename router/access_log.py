@@ -136,7 +136,7 @@ class AccessLog:
                 for piece in _pieces(data):
                     os.write(self._fd, piece)
             except OSError as exc:  # a full disk, a closed pipe: the lines are lost
-                log.server.warning("access log: cannot write (%s); lines dropped", exc)
+                log.disk_failed.warning("access log: cannot write (%s); lines dropped", exc)
                 self._on_dropped(data.count(b"\n"))
             self._pending -= len(data)
 

@@ -189,6 +189,17 @@ class BodyBudgetFull(KvrouteError):
     status = 503
 
 
+class StoreUnavailable(KvrouteError):
+    """The job store failed: its disk is full, its database locked, corrupt or gone,
+    or Redis does not answer. A 503 that says which, with Retry-After: the job routes
+    answer it, and the job runner backs off and tries again."""
+
+    status = 503
+
+    def __init__(self, message: str, retry_after: int = 5) -> None:
+        super().__init__(message, retry_after=retry_after)
+
+
 class UpstreamError(KvrouteError, ConnectionError):
     """A backend failed before or while answering. The message says what it did, as
     "The backend ..."; `blame` names which backend once dispatch knows it."""

@@ -97,7 +97,7 @@ class UsageRecords:
             try:
                 await asyncio.to_thread(_write, self._path, start, end, window)
             except sqlite3.Error as exc:
-                log.server.warning("usage records: a window was lost: %s", exc)
+                log.disk_failed.warning("usage records: a window was lost: %s", exc)
 
 
 def _connect(path: str) -> sqlite3.Connection:

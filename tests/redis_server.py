@@ -22,29 +22,51 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@contextmanager
-def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
-    """Its URL while it runs; stopped (and waited for) on the way out."""
-    binary = shutil.which("redis-server")
-    if binary is None:
-        pytest.skip("redis-server is not installed (Debian's redis-server package)")
-    port = _free_port()
-    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-            "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
-    if password is not None:
-        args += ["--requirepass", password]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
+class RedisServer:
+    """A redis-server on one port that a test may stop and start again (nothing kept
+    in between)."""
+
+    def __init__(self, workdir: Path, password: str | None = None) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.skip("redis-server is not installed (Debian's redis-server package)")
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self._args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
+                      "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+        if password is not None:
+            self._args += ["--requirepass", password]
+        self._proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        """Start it, and return once it accepts a connection (bounded)."""
+        proc = self._proc = subprocess.Popen(
+            self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + _START_SECONDS
-        while True:  # until it accepts a connection, bounded
+        while True:
             try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
+                return
             except OSError:
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.02)
-        yield f"redis://127.0.0.1:{port}/0"
+
+    def stop(self) -> None:
+        """Stop it, and wait for it to end."""
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc.wait(timeout=10)
+            self._proc = None
+
+
+@contextmanager
+def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
+    """Its URL while it runs; stopped (and waited for) on the way out."""
+    server = RedisServer(workdir, password)
+    try:
+        server.start()
+        yield server.url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        server.stop()

@@ -172,9 +172,11 @@ class Router(Node):
         self.port, self.grpc_port = lst.port, lst.grpc_port
 
     async def stop(self) -> None:
-        if self.jobs is not None:  # what runs goes back in the queue for the next start
-            await self.jobs.stop()
-        await self._drain()
+        """The jobs stop (what runs goes back in the queue for the next start) beside
+        the drain, which waits for no job store: one that fails or hangs leaves the
+        interactive requests their drain."""
+        stopping = [] if self.jobs is None else [self.jobs.stop()]
+        await asyncio.gather(*stopping, self._drain())
         await self.listeners.stop_admin()
         if self.dispatcher is not None:
             self.dispatcher.close()  # idle upstream connections

@@ -16,6 +16,7 @@ from router.errors import KvrouteError, Unauthorized
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.relay import refused
+from router.jobs.faults import StoreFaults
 from router.telemetry.loops import Telemetry
 
 #: a model card's fields that name a model
@@ -35,13 +36,16 @@ class StatusRoutes:
         tenant: Tenant,
         telemetry: Telemetry | None,
         admin_token: AdminToken | None,
+        jobs: StoreFaults | None = None,
     ) -> None:
+        """`jobs`: the job store's failures, when jobs are on."""
         self._fleet = fleet
         self._dispatch = dispatcher
         self._auth = auth
         self._tenant = tenant
         self._telemetry = telemetry
         self._admin_token = admin_token
+        self._jobs = jobs
 
     def routes(self) -> list[web.RouteDef]:
         return [
@@ -71,11 +75,15 @@ class StatusRoutes:
         return web.Response(status=200)
 
     async def ready(self, request: web.Request) -> web.Response:
+        """503 while shutting down or with no usable backend. A job store that fails
+        keeps it 200 (interactive requests do not need it), and its body says why."""
         if self._dispatch.draining:
             return web.json_response({"status": "shutting down"}, status=503)
-        if self._fleet.any_usable():
-            return web.json_response({"status": "ready"})
-        return web.json_response({"status": "no usable backend"}, status=503)
+        usable = self._fleet.any_usable()
+        found: dict[str, object] = {"status": "ready" if usable else "no usable backend"}
+        if self._jobs is not None:
+            found["jobs"] = self._jobs.describe()
+        return web.json_response(found, status=200 if usable else 503)
 
     async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,

@@ -117,8 +117,9 @@ class HttpIngress:
         #: request bodies held at once: this worker's share of the router's budget
         self.bodies = self._body.bodies
         self._status = StatusRoutes(
-            fleet, dispatcher, self._auth, self._tenant, telemetry, admin_token
-        )
+            fleet, dispatcher, self._auth, self._tenant, telemetry, admin_token,
+            None if jobs is None else jobs.faults,
+        )  # fmt: skip
         self._jobs = None
         if jobs is not None:
             limits = config.limits

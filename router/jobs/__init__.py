@@ -9,6 +9,8 @@ routing, on spare capacity only, from a store that survives a restart.
               one Redis server several router replicas share (Lua scripts for the
               steps that must be atomic)
   stores.py   the store the config names
+  faults.py   the store's failures: 503s that say why, counted, logged (throttled),
+              shown in /ready's body
   runner.py   each worker's loop: claim a job while there is spare capacity, run it
               through the dispatcher, record its answer, end its batch if it was last
   wire.py     OpenAI's shapes: batch input lines checked, output files written, the

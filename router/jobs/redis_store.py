@@ -10,7 +10,9 @@ and `batches:of:<tenant>` (ids by creation; an id whose hash expired is dropped 
 them when a listing meets it). Every step that must not be seen half
 done (a claim, a renewal, a result, a release, a cancel, a batch's end) is one Lua
 script, which Redis runs atomically. TTLs are Redis's own (`PEXPIRE`), so `expire` has
-nothing to do.
+nothing to do; a batch's lines have none (they go when it ends). `unsettled` holds the
+batches whose last line ended, until they end: a sweep ends those whose worker died
+in between.
 """
 
 from __future__ import annotations
@@ -63,7 +65,9 @@ redis.call('ZREM', KEYS[1], ARGV[1])
 local batch = redis.call('HGET', key, 'batch_id')
 if batch then
   local bkey = ARGV[8] .. 'batch:' .. batch
-  redis.call('HINCRBY', bkey, 'open', -1)
+  if redis.call('HINCRBY', bkey, 'open', -1) <= 0 then
+    redis.call('SADD', ARGV[8] .. 'unsettled', batch)
+  end
   redis.call('HINCRBY', bkey, tonumber(ARGV[4]) < 400 and 'completed' or 'failed', 1)
 else
   redis.call('PEXPIRE', key, ARGV[7])
@@ -123,7 +127,9 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
     dropped = dropped + 1
   end
 end
-redis.call('HINCRBY', KEYS[1], 'open', -dropped)
+if redis.call('HINCRBY', KEYS[1], 'open', -dropped) <= 0 then
+  redis.call('SADD', ARGV[3] .. 'unsettled', ARGV[4])
+end
 return 1
 """
 _SETTLE = """
@@ -152,6 +158,7 @@ for _, id in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
   redis.call('DEL', ARGV[1] .. 'job:' .. id)
 end
 redis.call('DEL', KEYS[2])
+redis.call('SREM', ARGV[1] .. 'unsettled', ARGV[8])
 return 1
 """
 
@@ -170,6 +177,8 @@ class RedisJobStore:
         password = None
         if cfg.password_file or cfg.password_env:
             password = read_secret(cfg.password_file, cfg.password_env, "jobs.redis password")
+        self._redis = redis.exceptions
+        self.errors: tuple[type[Exception], ...] = (redis.RedisError,)
         self._p = cfg.key_prefix
         self._db = redis.Redis.from_url(
             cfg.url, password=password, socket_timeout=cfg.timeout_s,
@@ -199,6 +208,26 @@ class RedisJobStore:
     @property
     def _hooks(self) -> str:
         return self._p + "hooks"
+
+    @property
+    def _unsettled(self) -> str:
+        return self._p + "unsettled"
+
+    def reason(self, exc: Exception) -> str:
+        """What failed, from redis-py's exception."""
+        redis = self._redis
+        for kind, reason in (
+            (redis.BusyLoadingError, "Redis is loading its data"),
+            (redis.AuthenticationError, "Redis refused the password"),
+            (redis.TimeoutError, "Redis did not answer in time"),
+            (redis.ConnectionError, "Redis does not answer"),
+            (redis.ReadOnlyError, "Redis is a read-only replica"),
+        ):
+            if isinstance(exc, kind):
+                return reason
+        if str(exc).startswith("OOM"):
+            return "Redis is out of memory"
+        return f"Redis failed ({type(exc).__name__})"
 
     # jobs
     def put(
@@ -372,16 +401,24 @@ class RedisJobStore:
     def cancel_batch(self, batch_id: str, tenant: str | None) -> bool:
         key = self._key("batch", batch_id)
         keys = [key, key + ":lines", self._queue]
-        return self._cancel(keys=keys, args=[tenant or "", time.time(), self._p]) == 1
+        args = [tenant or "", time.time(), self._p, batch_id]
+        return self._cancel(keys=keys, args=args) == 1
 
     def settle(self, batch_id: str, files: tuple[str, str], write: Writer, ttl_s: float) -> bool:
         key = self._key("batch", batch_id)
         state = self._db.hmget(key, ["status", "open"])
-        if state[0] is None or state[0].decode() not in OPEN_BATCH or int(state[1]) > 0:
+        if state[0] is None or state[0].decode() not in OPEN_BATCH:
+            self._db.srem(self._unsettled, batch_id)  # ended, or past its TTL
+            return False
+        if int(state[1]) > 0:
             return False
         good, bad = write(self._outcomes(key + ":lines"))
-        args = [self._p, time.time(), _ms(ttl_s), *files, good, bad]
+        args = [self._p, time.time(), _ms(ttl_s), *files, good, bad, batch_id]
         return self._settle(keys=[key, key + ":lines"], args=args) == 1
+
+    def unsettled(self) -> list[str]:
+        """The batches whose last line ended (or was cancelled) and that did not end."""
+        return [b.decode() for b in self._db.smembers(self._unsettled)]
 
     def _outcomes(self, lines_key: str) -> list[Outcome]:
         """A batch's finished lines, in input order."""

@@ -2,16 +2,31 @@
 worker (SQLite serialises the writers with its file lock). Leases, attempts and TTLs as
 store.py says; expired rows are deleted by `expire`, which each worker calls now and
 then.
+
+A full disk must not stop the deletes that would free it: a database in WAL mode needs
+room even to delete. So a file beside the database (`<path>.reserve`,
+`_RESERVE_BYTES`) holds room back: a delete that meets a full disk gives it up and
+goes through, and the database, made with incremental auto-vacuum, gives the freed
+pages back to the filesystem. A client's write (a job, a file, a batch) is refused as
+"disk full" while the reserve cannot be made again, so clients never take its room.
+Deleted rows are not overwritten (`secure_delete=FAST`): that would need as much room
+as they took. A database made by an older release (no auto-vacuum) keeps the freed
+pages for its next rows instead, and its clients' writes are not held back.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import sqlite3
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import closing, contextmanager
 from pathlib import Path
+from typing import TypeVar
 
+from router import log
 from router.config import ConfigError
 from router.jobs.store import (
     OPEN_BATCH,
@@ -81,30 +96,92 @@ CREATE TABLE IF NOT EXISTS batches (
 );
 """
 _BUSY_SECONDS = 10.0
+#: room held back on the database's filesystem for deletes on a full disk
+_RESERVE_BYTES = 1 << 20
+#: pages given back to the filesystem per step after a delete (each step's moves pass
+#: through the WAL, so each needs at most this much room)
+_GIVE_BACK_PAGES = 64
+T = TypeVar("T")
 _JOB = ", ".join(Job._fields)
 #: newest first, past the row `after` names: every row when it is NULL, none when no
 #: row has that id (a cursor gone is the end, never the start again); its two
 #: parameters are that id
 _AFTER = "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ?))"
 _BATCH = ", ".join(Batch._fields)
+#: what `expire` drops: the tables, each with what else a row must be
+_EXPIRING = (("jobs", " AND batch_id IS NULL"), ("batches", ""), ("files", ""))
+#: SQLite's error codes (their names' beginnings), as a client may read them
+_REASONS = (
+    ("SQLITE_FULL", "its disk is full"),
+    ("SQLITE_BUSY", "its database is locked by another process"),
+    ("SQLITE_LOCKED", "its database is locked by another process"),
+    ("SQLITE_CORRUPT", "its database is corrupt"),
+    ("SQLITE_NOTADB", "its database is corrupt"),
+    ("SQLITE_READONLY", "its database is read-only"),
+    ("SQLITE_CANTOPEN", "its database cannot be opened"),
+    ("SQLITE_IOERR", "its disk failed"),
+)
 
 
 class SqliteJobStore:
-    """The database at `path`."""
+    """The database at `path`; a database deleted while the router runs is created
+    anew at the next call (what it held is lost, the router goes on)."""
+
+    errors: tuple[type[Exception], ...] = (sqlite3.Error, OSError)
 
     def __init__(self, path: str) -> None:
         """Create the database if need be (ConfigError if it cannot be)."""
         self._path = path
+        self._opened = False
+        self._reserve = _Reserve(path + ".reserve")
         try:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             with closing(self._connect()) as db:
-                db.execute("PRAGMA journal_mode=WAL")
-                db.executescript(_SCHEMA)
+                #: whether deletes give room back to the filesystem (auto-vacuum)
+                self._gives_back = db.execute("PRAGMA auto_vacuum").fetchone()[0] != 0
         except (OSError, sqlite3.Error) as exc:
             raise ConfigError(f"jobs.path: cannot open {path}: {exc}") from exc
+        self._opened = True
+        with contextlib.suppress(OSError):  # none yet: the first client's write says why
+            self._reserve.keep()
 
     def _connect(self) -> sqlite3.Connection:
-        return sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        """A connection to the database, created with its schema where there is none
+        (its directory too, if that was removed)."""
+        try:
+            db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        except sqlite3.OperationalError:
+            Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+            db = sqlite3.connect(self._path, timeout=_BUSY_SECONDS, isolation_level=None)
+        try:
+            db.execute("PRAGMA secure_delete = FAST")
+            if db.execute("PRAGMA schema_version").fetchone()[0] == 0:
+                self._create(db)
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _create(self, db: sqlite3.Connection) -> None:
+        """The schema in an empty database, in one transaction: another connection
+        creating it too, or reading it, sees every table or none."""
+        if self._opened:
+            log.server.warning("jobs: %s was gone; created anew, empty", self._path)
+        db.execute("PRAGMA auto_vacuum = INCREMENTAL")  # before anything is written
+        db.execute("PRAGMA journal_mode=WAL")
+        db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} COMMIT;")  # all tables, or none yet
+        self._gives_back = db.execute("PRAGMA auto_vacuum").fetchone()[0] != 0
+
+    def reason(self, exc: Exception) -> str:
+        """What failed, from SQLite's error code."""
+        name = getattr(exc, "sqlite_errorname", "")
+        if isinstance(exc, OSError):
+            full = exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            return "its disk is full" if full else "its disk failed"
+        for prefix, reason in _REASONS:
+            if name.startswith(prefix):
+                return reason
+        return f"its database failed ({name or type(exc).__name__})"
 
     @contextmanager
     def _transaction(self) -> Iterator[sqlite3.Connection]:
@@ -118,11 +195,55 @@ class SqliteJobStore:
                 raise
             db.execute("COMMIT")
 
+    def _room(self) -> None:
+        """Before a client's write: the reserve in place (OSError, the disk full, if it
+        cannot be made again)."""
+        try:
+            self._reserve.keep()
+        except OSError:
+            if self._gives_back:
+                raise
+
+    def _freeing(self, delete: Callable[[sqlite3.Connection], T]) -> T:
+        """`delete` in one transaction, through a full disk (the reserve's room is given
+        up for it); then the freed pages go back to the filesystem."""
+        try:
+            with self._transaction() as db:
+                done = delete(db)
+        except sqlite3.OperationalError as exc:
+            if getattr(exc, "sqlite_errorcode", None) != sqlite3.SQLITE_FULL:
+                raise
+            if not self._reserve.give_up():
+                raise
+            log.server.warning(
+                "jobs: %s: the disk is full; its reserve let a delete in", self._path
+            )
+            with self._transaction() as db:
+                done = delete(db)
+        self._give_back()
+        return done
+
+    def _give_back(self) -> None:
+        """The free pages back to the filesystem, a few at a time (best effort: what
+        stays is used by the next rows), then the reserve made again if there is room."""
+        with contextlib.suppress(sqlite3.Error), closing(self._connect()) as db:
+            free = db.execute("PRAGMA freelist_count").fetchone()[0]
+            while free:
+                db.execute(f"PRAGMA incremental_vacuum({_GIVE_BACK_PAGES})").fetchall()
+                db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+                left = db.execute("PRAGMA freelist_count").fetchone()[0]
+                if left >= free:
+                    break  # an older database (no auto-vacuum), or readers hold pages
+                free = left
+        with contextlib.suppress(OSError):  # no room yet: the next delete may make some
+            self._reserve.keep()
+
     # jobs
     def put(
         self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
     ) -> Job:
         """Accept a job: committed before this returns."""
+        self._room()
         now = time.time()
         with closing(self._connect()) as db:
             db.execute(
@@ -173,7 +294,8 @@ class SqliteJobStore:
         with closing(self._connect()) as db:
             done = db.execute(
                 "UPDATE jobs SET status = ?, result_status = ?, result = ?, updated = ?, "
-                "expires = ?, owner = NULL, hook_state = CASE WHEN webhook IS NULL THEN NULL "
+                "expires = CASE WHEN batch_id IS NULL THEN ? END, owner = NULL, "
+                "hook_state = CASE WHEN webhook IS NULL THEN NULL "
                 "ELSE 'pending' END WHERE id = ? AND owner = ? AND status = 'running'",
                 (status, code, result, now, now + ttl_s, job_id, owner),
             )
@@ -211,13 +333,27 @@ class SqliteJobStore:
             ).rowcount
 
     def expire(self) -> int:
-        """Drop what is past its TTL (finished jobs, batches and files); how many."""
+        """Drop what is past its TTL (finished async jobs, ended batches, files); how
+        many. A batch's lines are not: they go when it ends (an older release gave
+        them a TTL of their own)."""
         now = time.time()
-        with self._transaction() as db:
-            return sum(
-                db.execute(f"DELETE FROM {table} WHERE expires < ?", (now,)).rowcount
-                for table in ("jobs", "batches", "files")
+        return self._freeing(
+            lambda db: sum(
+                db.execute(f"DELETE FROM {table} WHERE expires < ?{only}", (now,)).rowcount
+                for table, only in _EXPIRING
             )
+        )
+
+    def unsettled(self) -> list[str]:
+        """The open batches none of whose lines waits or runs."""
+        with closing(self._connect()) as db:
+            rows = db.execute(
+                "SELECT id FROM batches WHERE status IN (?, ?) AND NOT EXISTS "
+                "(SELECT 1 FROM jobs WHERE batch_id = batches.id "
+                "AND status IN ('queued', 'running'))",
+                OPEN_BATCH,
+            ).fetchall()
+        return [r[0] for r in rows]
 
     # files
     def put_file(
@@ -229,6 +365,7 @@ class SqliteJobStore:
         content: bytes,
         ttl_s: float,
     ) -> StoredFile:
+        self._room()
         now = time.time()
         with closing(self._connect()) as db:
             db.execute(
@@ -267,13 +404,14 @@ class SqliteJobStore:
         return Page([StoredFile(*r) for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None) -> bool:
-        with closing(self._connect()) as db:
-            gone = db.execute("DELETE FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant))
-        return gone.rowcount == 1
+        """Drop the tenant's file, on a full disk too."""
+        query = "DELETE FROM files WHERE id = ? AND tenant IS ?"
+        return self._freeing(lambda db: db.execute(query, (file_id, tenant)).rowcount) == 1
 
     # batches
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
         """Accept a batch and its lines as jobs, in one transaction."""
+        self._room()
         with self._transaction() as db:
             db.execute(
                 f"INSERT INTO batches (tenant, {_BATCH}) VALUES ({', '.join('?' * 18)})",
@@ -397,3 +535,37 @@ def _counted(db: sqlite3.Connection, batch: Batch) -> Batch:
         ).fetchall()
     )
     return batch._replace(completed=counts.get("succeeded", 0), failed=counts.get("failed", 0))
+
+
+class _Reserve:
+    """Room held back on a filesystem: a file of `_RESERVE_BYTES` (every worker's
+    store shares it)."""
+
+    def __init__(self, path: str) -> None:
+        self._path = path
+
+    def keep(self) -> None:
+        """The reserve in place, made again if it is not (OSError if it cannot be: no
+        room, most likely)."""
+        if os.path.exists(self._path):
+            return
+        making = f"{self._path}.{os.getpid()}"
+        try:
+            fd = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, _RESERVE_BYTES)
+            finally:
+                os.close(fd)
+            os.replace(making, self._path)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(making)
+            raise
+
+    def give_up(self) -> bool:
+        """Its room, for a delete on a full disk: whether there was a reserve."""
+        try:
+            os.unlink(self._path)
+        except FileNotFoundError:
+            return False
+        return True

@@ -8,7 +8,8 @@ lease (`claim`): the lease names the worker and runs out `lease_s` after it was 
 renewed, so a worker killed mid-job (`kill -9`) leaves a lease that runs out, and any
 worker, that router's next start included, claims the job again. That is
 at-least-once: each attempt is counted. A result is kept until its TTL, then dropped
-with its job; a batch's lines are dropped once its output file is written. Every call
+with its job; a batch's lines are dropped once its output file is written, and its TTL
+counts from its end, however long it ran. Every call
 blocks; callers run them in a thread.
 """
 
@@ -103,6 +104,12 @@ Writer = Callable[[list[Outcome]], tuple[bytes, bytes]]
 class JobStore(Protocol):
     """A store of jobs, files and batches (each call blocks)."""
 
+    #: the exceptions that are the store failing, not a bug (faults.py makes them 503s)
+    errors: tuple[type[Exception], ...]
+
+    def reason(self, exc: Exception) -> str:
+        """What failed, in a few words a client may read (no path, no address)."""
+
     def put(
         self, job_id: str, tenant: str | None, path: str, body: bytes, webhook: str | None = None
     ) -> Job:
@@ -128,7 +135,12 @@ class JobStore(Protocol):
         """Put `owner`'s running jobs back in the queue (a worker stopping); how many."""
 
     def expire(self) -> int:
-        """Drop what is past its TTL (where the store does not itself); how many."""
+        """Drop what is past its TTL (where the store does not itself); how many. A
+        batch's lines go with their batch, never before it ends."""
+
+    def unsettled(self) -> list[str]:
+        """The open batches none of whose lines waits or runs: the worker that ended
+        the last one died before it settled the batch."""
 
     def due_hook(self, lease_s: float) -> Job | None:
         """A finished job whose webhook is due, leased for `lease_s` (a worker that dies

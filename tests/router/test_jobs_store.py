@@ -245,3 +245,20 @@ def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> N
     assert ([b.id for b in last.items], last.more) == ([ids[0]], False)
     assert last.items[0].completed == 1  # the first batch's first line, done
     assert store.batches("u", None, 10) == ([], False)
+
+
+def test_a_line_that_ended_early_keeps_its_answer_until_its_batch_ends(store: JobStore) -> None:
+    """A batch that runs longer than the results' TTL: its TTL counts from its end."""
+    batch = new_batch(CHAT, "file-1", None, 3, [], 60)
+    store.put_batch(batch, None, lines_of(3))
+    first = store.claim("w", 60)
+    store.finish(first.id, "w", "succeeded", 200, b'{"n":1}', ttl_s=0.01)
+    time.sleep(0.02)  # past the TTL a result of its own would have
+    store.expire()
+    for _ in range(2):
+        job = store.claim("w", 60)
+        store.finish(job.id, "w", "succeeded", 200, b"{}", ttl_s=0.01)
+    assert store.settle(batch.id, ("file-out", "file-err"), write_outputs, 60)
+    ended = store.batch(batch.id, None)
+    assert (ended.status, ended.completed, ended.failed) == ("completed", 3, 0)
+    assert store.content("file-out", None).count(b"\n") == 3
