@@ -575,7 +575,10 @@ async def _knees(
         on_done = progress(label, len(specs)) if progress else None
         return await run_row(row, specs, options, on_done)  # type: ignore[arg-type]
 
-    return await knee.find_knees(rows, workload, ramp, step)
+    def told(label: str, done: knee.KneeStep) -> None:
+        print(f"kvroute bench --knee: {knee.step_line(label, done)}", file=sys.stderr, flush=True)
+
+    return await knee.find_knees(rows, workload, ramp, step, told)
 
 
 def _print_knees(

@@ -44,6 +44,7 @@ __all__ = [
     "judge",
     "knee_settings",
     "lines",
+    "step_line",
 ]
 
 DEFAULT_FACTOR = 1.25
@@ -187,15 +188,27 @@ def _above_one(text: str) -> float:
     return value
 
 
+#: told each step as it ends (a ramp takes minutes): the row's label and the step
+OnStep = Callable[[str, KneeStep], None]
+
+
 async def find_knees(
-    rows: Sequence[Ramped], workload: WorkloadSpec, settings: KneeSettings, run_step: RunStep
+    rows: Sequence[Ramped],
+    workload: WorkloadSpec,
+    settings: KneeSettings,
+    run_step: RunStep,
+    on_step: OnStep | None = None,
 ) -> list[KneeRow]:
     """Each row's ramp, in order."""
-    return [await _ramp(row, workload, settings, run_step) for row in rows]
+    return [await _ramp(row, workload, settings, run_step, on_step) for row in rows]
 
 
 async def _ramp(
-    row: Ramped, workload: WorkloadSpec, settings: KneeSettings, run_step: RunStep
+    row: Ramped,
+    workload: WorkloadSpec,
+    settings: KneeSettings,
+    run_step: RunStep,
+    on_step: OnStep | None,
 ) -> KneeRow:
     steps: list[KneeStep] = []
     rate = settings.start
@@ -205,6 +218,8 @@ async def _ramp(
         if run.unmeasured:
             return KneeRow(label=row.label, peer=row.peer, steps=steps, unmeasured=run.unmeasured)
         steps.append(judge(run, rate, settings.slo_ttft))
+        if on_step is not None:
+            on_step(row.label, steps[-1])
         if not steps[-1].passed:
             break
         rate *= settings.factor
@@ -328,6 +343,15 @@ def lines(rows: Sequence[KneeRow], settings: KneeSettings) -> list[str]:
         ]
         out.append(f"  {row.label}: {', '.join(cells) or row.unmeasured}")
     return out
+
+
+def step_line(label: str, step: KneeStep) -> str:
+    """One finished step in words, for a progress log."""
+    verdict = "held" if step.passed else f"over: {step.why}"
+    return (
+        f"{label} at {step.rate:.2f} req/s: TTFT P90 {_ms(step.summary.ttft_p90)} ms, "
+        f"{step.summary.failed} failed, {verdict}"
+    )
 
 
 def _ms(seconds: float | None) -> str:

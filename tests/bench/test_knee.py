@@ -57,7 +57,14 @@ async def test_each_ramp_stops_at_its_first_failing_step_and_its_knee_is_the_las
         failing_above={"RANDOM": 1.3},
     )
     rows = _ramped("KV_AWARE", "RANDOM", "hopeless", "peer-fast", "peer-missing", peers=2)
-    found = await knee.find_knees(rows, WORKLOAD, SETTINGS, fleet)
+    told: list[str] = []
+    found = await knee.find_knees(
+        rows,
+        WORKLOAD,
+        SETTINGS,
+        fleet,
+        lambda label, step: told.append(knee.step_line(label, step)),
+    )
     by_label = {r.label: r for r in found}
     rates = [1.0 * 1.25**i for i in range(SETTINGS.steps)]
 
@@ -83,6 +90,9 @@ async def test_each_ramp_stops_at_its_first_failing_step_and_its_knee_is_the_las
     assert calls == ["KV_AWARE"] * 6 + ["RANDOM"] * 3 + ["hopeless"] + ["peer-fast"] * 5 + [
         "peer-missing"
     ]
+    assert len(told) == len(calls) - 1  # every step but the unmeasured row's, as it ended
+    p90 = f"TTFT P90 {rates[5] / 3 * 1e3:.0f} ms"
+    assert told[5] == f"KV_AWARE at {rates[5]:.2f} req/s: {p90}, 0 failed, over: {p90}"
     first = [spec.messages for spec in fleet.calls[0][1]]
     assert all([spec.messages for spec in specs] == first for _, specs, _ in fleet.calls)
 
