@@ -359,7 +359,7 @@ def _add_output_options(out: _Group) -> None:
         "--max-wall",
         type=positive(float),
         default=600.0,
-        help="wall seconds per row and seed, then cancel",
+        help="wall seconds per row and seed (with --knee, per step), then cancel",
     )
     out.add_argument(
         "--calibration",
@@ -594,6 +594,8 @@ def _print_knees(
     ramped = f"Poisson rates ramped from {ramp.start:.2f} req/s by {ramp.factor:g}x (simulated)"
     print(_header(workload, options, len(generate(workload)), ramped))
     for line in knee.lines(knees, ramp):
+        print(line)
+    for line in _machine([step for row in knees for step in row.steps], options):
         print(line)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
@@ -1198,13 +1200,21 @@ def _clock(options: Options) -> str:
 
 def _footer(runs: Sequence[Run], options: Options) -> list[str]:
     clock = _clock(options)
+    head = (
+        f"Latencies (ms) and req/s are in {clock}. The router's own cost is real time: "
+        "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
+        "direct/routed pairs)."
+    )
+    return [head, *_machine(runs, options)]
+
+
+def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]:
+    """The processes' CPU shares and this loop's lag over the replays, and what they
+    distort."""
     names = sorted({name for r in runs for name in r.cpu})
     shares = ", ".join(f"{n} {max(r.cpu.get(n, 0.0) for r in runs):.0%}" for n in names)
     lag = max((r.loop_lag_p99 or 0.0) for r in runs)
     lines = [
-        f"Latencies (ms) and req/s are in {clock}. The router's own cost is real time: "
-        "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
-        "direct/routed pairs).",
         f"CPU, peak share of one core over a replay (router: every process of every "
         f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",
     ]

@@ -79,6 +79,8 @@ class KneeStep(msgspec.Struct, kw_only=True):
     e2e_p99: float | None
     passed: bool
     why: str = ""  # why the step failed
+    cpu: dict[str, float] = {}  # the run's: process -> share of one core
+    loop_lag_p99: float | None = None  # the harness's event loop, seconds
 
 
 class KneeRow(msgspec.Struct, kw_only=True):
@@ -243,6 +245,8 @@ def judge(run: Run, rate: float, slo_ttft: float) -> KneeStep:
         e2e_p99=percentile(e2e, 0.99),
         passed=not why,
         why=why,
+        cpu=run.cpu,
+        loop_lag_p99=run.loop_lag_p99,
     )
 
 
