@@ -572,8 +572,9 @@ async def _knees(
     rows = [knee.Ramped(row_label(r), isinstance(r, Peer), r) for r in bench_rows(options)]
 
     async def step(row: object, specs: Sequence[RequestSpec], label: str) -> Run:
+        assert isinstance(row, str | _Split | Peer)  # one of `rows`, handed back
         on_done = progress(label, len(specs)) if progress else None
-        return await run_row(row, specs, options, on_done)  # type: ignore[arg-type]
+        return await run_row(row, specs, options, on_done)
 
     def told(label: str, done: knee.KneeStep) -> None:
         print(f"kvroute bench --knee: {knee.step_line(label, done)}", file=sys.stderr, flush=True)
