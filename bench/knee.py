@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from collections import Counter
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
@@ -234,7 +235,7 @@ def judge(run: Run, rate: float, slo_ttft: float) -> KneeStep:
     e2e = [o.e2e / run.time_scale for o in run.outcomes if o.ok and o.e2e is not None]
     why = ""
     if summary.failed or not summary.ok:
-        why = f"{summary.failed} of {summary.ok + summary.failed} failed"
+        why = f"{summary.failed} of {summary.ok + summary.failed} failed{_commonest(run)}"
     elif summary.ttft_p90 is None or summary.ttft_p90 >= slo_ttft:
         p90 = "n/a" if summary.ttft_p90 is None else f"{summary.ttft_p90 * 1e3:.0f} ms"
         why = f"TTFT P90 {p90}"
@@ -248,6 +249,12 @@ def judge(run: Run, rate: float, slo_ttft: float) -> KneeStep:
         cpu=run.cpu,
         loop_lag_p99=run.loop_lag_p99,
     )
+
+
+def _commonest(run: Run) -> str:
+    """The failed requests' commonest error, to say why a step failed."""
+    errors = Counter((o.error or "?")[:60] for o in run.outcomes if not o.ok)
+    return f" (commonest: {errors.most_common(1)[0][0]})" if errors else ""
 
 
 def reference(rows: Sequence[KneeRow]) -> KneeRow | None:

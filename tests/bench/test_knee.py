@@ -34,9 +34,11 @@ class FakeFleet:
         ttft = rate / self.capacity[row]
         broken = rate > self.failing_above.get(row, math.inf)
         outcomes = [
-            Outcome(index=i, group=0, ok=not (broken and i == 0), sent=i, ttft=ttft, e2e=2 * ttft)
+            Outcome(index=i, group=0, ok=True, sent=i, ttft=ttft, e2e=2 * ttft)
             for i in range(len(specs))
         ]
+        if broken:
+            outcomes[0].ok, outcomes[0].error = False, "HTTP 503: " + "busy " * 20
         return Run(strategy=row, time_scale=1, wall_seconds=1, outcomes=outcomes)
 
 
@@ -77,7 +79,10 @@ async def test_each_ramp_stops_at_its_first_failing_step_and_its_knee_is_the_las
 
     random_row = by_label["RANDOM"]  # fast, but a request fails above 1.3 req/s
     assert [s.passed for s in random_row.steps] == [True, True, False]
-    assert random_row.steps[-1].why == "1 of 12 failed"
+    assert (
+        random_row.steps[-1].why
+        == f"1 of 12 failed (commonest: {('HTTP 503: ' + 'busy ' * 10)[:60]})"
+    )
     assert random_row.knee is random_row.steps[1]
 
     hopeless = by_label["hopeless"]  # fails its first step: no knee
