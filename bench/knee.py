@@ -370,8 +370,8 @@ def _ms(seconds: float | None) -> str:
 
 
 def chart(rows: Sequence[KneeRow], settings: KneeSettings, path: Path) -> bool:
-    """Rate against TTFT P90, one line per row, the SLO and each knee marked, as a PNG;
-    False if matplotlib is missing."""
+    """Rate against TTFT P90, one line per row, the SLO, each knee and each failed step
+    marked, as a PNG; False if matplotlib is missing."""
     try:
         import matplotlib
 
@@ -386,9 +386,12 @@ def chart(rows: Sequence[KneeRow], settings: KneeSettings, path: Path) -> bool:
         ax.plot(*zip(*points, strict=True), marker="o", color=f"C{i}", label=row.label)
         if row.knee is not None and row.knee.summary.ttft_p90:
             ax.plot(row.knee.rate, row.knee.summary.ttft_p90, "*", ms=14, color=f"C{i}")
+        for s in row.steps:
+            if not s.passed and s.summary.ttft_p90:  # over the SLO, or requests failed
+                ax.plot(s.rate, s.summary.ttft_p90, "x", ms=10, mew=2, color=f"C{i}")
     ax.axhline(settings.slo_ttft, color="grey", linestyle="--", label="SLO (TTFT P90)")
     ax.set(xscale="log", yscale="log", xlabel="Poisson rate, requests per simulated second")
-    ax.set(ylabel="TTFT P90, simulated seconds", title="capacity: each row's knee (*)")
+    ax.set(ylabel="TTFT P90, simulated seconds", title="capacity: each row's knee (*), failed (x)")
     plain = matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}")
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(plain)
