@@ -22,6 +22,9 @@ The peers (sglang-router with cache_aware and with round_robin, vllm-router with
 cache_aware) are pip-installed on first use into bench.throughput's virtualenv; one that
 cannot be installed or started is a row of n/a with the reason, and the run goes on.
 --seeds runs the whole comparison once per seed and adds each row's mean over them.
+--speeds gives each simulated backend a speed (a mixed fleet) for every row. --knee
+ramps each row's rate instead, a fresh fleet per step, to find its capacity
+(bench/knee.py).
 With --target URL nothing is started: the workload goes to URL, and hit rate and spread
 come from what it exposes (kvroute's x-kvroute-backend header, vLLM's /metrics,
 usage.cached_tokens), n/a otherwise.
@@ -57,7 +60,7 @@ import textwrap
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import aiohttp
 import msgspec
@@ -66,7 +69,7 @@ import uvloop
 import yaml
 
 import policies
-from bench import processes, procstat, scrape
+from bench import knee, processes, procstat, scrape
 from bench.loadgen import Outcome, replay
 from bench.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.report import (
@@ -113,6 +116,7 @@ _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
 _WARMUP_PAIRS = 5
 _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=30)
+_T = TypeVar("_T")
 
 
 class HarnessError(RuntimeError):
@@ -132,6 +136,10 @@ _EXAMPLES = """examples:
       --seeds 0,1,2
   # prefill/decode disaggregation: 2 prefill + 2 decode backends beside 4 combined
   kvroute bench --pd 2:2 --strategies KV_AWARE --requests 100 --groups 20 --rate 2
+  # each row's capacity: the highest rate whose TTFT P90 stays under 1 s, beside the peers
+  kvroute bench --knee --workload long-prefix --backends 4 --peers --seed 0
+  # a mixed fleet: two backends at half speed, every row on it
+  kvroute bench --backends 4 --speeds 1,1,0.5,0.5 --strategies PREFIX_AWARE,KV_AWARE --peers
   # the same workload against a router (or vLLM) that is already running
   kvroute bench --target http://127.0.0.1:8000 --rate 2 --requests 100
 """
@@ -170,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_workload_options(work)
     _add_seed_options(work)
     _add_arrival_options(work)
+    knee.add_knee_options(p.add_argument_group("capacity (bench/knee.py)"))
     _add_output_options(p.add_argument_group("bounds and output"))
     return p
 
@@ -193,6 +202,13 @@ def _add_fleet_options(run: _Group) -> None:
         help="prefill/decode disaggregation: each strategy also runs on P prefill and D "
         "decode backends (pools with roles, vLLM's kv_transfer_params between them), "
         "beside its row on the same P + D backends combined",
+    )
+    run.add_argument(
+        "--speeds",
+        type=_speeds,
+        metavar="LIST",
+        help="a mixed fleet: each backend's speed in order, e.g. 1,1,0.5,0.5 (the last two "
+        "prefill and decode at half speed; kvroute sim --speeds); every row runs on it",
     )
     run.add_argument(
         "--time-scale",
@@ -343,7 +359,7 @@ def _add_output_options(out: _Group) -> None:
         "--max-wall",
         type=positive(float),
         default=600.0,
-        help="wall seconds per row and seed, then cancel",
+        help="wall seconds per row and seed (with --knee, per step), then cancel",
     )
     out.add_argument(
         "--calibration",
@@ -423,6 +439,27 @@ def _backend_count(args: argparse.Namespace) -> int:
     return total
 
 
+def _speeds(text: str) -> tuple[float, ...]:
+    try:
+        speeds = tuple(float(part) for part in text.split(","))
+    except ValueError:
+        speeds = ()
+    if not speeds or min(speeds) <= 0:
+        raise argparse.ArgumentTypeError(f"want positive numbers like 1,1,0.5,0.5, got {text!r}")
+    return speeds
+
+
+def _fleet_speeds(args: argparse.Namespace, backends: int) -> tuple[float, ...] | None:
+    """--speeds, one per backend of the simulated fleet."""
+    if args.speeds is None:
+        return None
+    if args.target:
+        raise ValueError("--speeds sets the simulated fleet; it does not go with --target")
+    if len(args.speeds) != backends:
+        raise ValueError(f"--speeds gives {len(args.speeds)} speeds for {backends} backends")
+    return args.speeds
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -456,6 +493,7 @@ class Options(NamedTuple):
     peers: tuple[Peer, ...] = ()
     #: (prefill, decode) backends: each strategy also runs disaggregated
     pd: tuple[int, int] | None = None
+    speeds: tuple[float, ...] | None = None  # each simulated backend's (a mixed fleet)
 
 
 class _Split(NamedTuple):
@@ -489,12 +527,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         workload, options = _from_args(args)
+        ramp = knee.knee_settings(args, sum(options.speeds or [1.0] * options.backends))
     except ValueError as exc:
         parser.error(str(exc))
     seeds = args.seeds or [args.seed]
     try:
         if args.peers and options.target is None:
             options = options._replace(peers=find_peers(args.peers_venv, args.install))
+        if ramp is not None:
+            knees = uvloop.run(_until_signal(_knees(workload, options, ramp)))
+            return _print_knees(knees, workload, options, ramp, args.out, argv)
         results = uvloop.run(_until_signal(_every_seed(workload, seeds, options)))
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("\nkvroute bench: interrupted; everything started was stopped", file=sys.stderr)
@@ -522,6 +564,55 @@ async def _every_seed(
     return out
 
 
+async def _knees(
+    workload: WorkloadSpec, options: Options, ramp: knee.KneeSettings
+) -> list[knee.KneeRow]:
+    """Each row's ramp (bench/knee.py), every step through `run_row`."""
+    progress = _progress_factory()
+    rows = [knee.Ramped(row_label(r), isinstance(r, Peer), r) for r in bench_rows(options)]
+
+    async def step(row: object, specs: Sequence[RequestSpec], label: str) -> Run:
+        assert isinstance(row, str | _Split | Peer)  # one of `rows`, handed back
+        on_done = progress(label, len(specs)) if progress else None
+        return await run_row(row, specs, options, on_done)
+
+    def told(label: str, done: knee.KneeStep) -> None:
+        print(f"kvroute bench --knee: {knee.step_line(label, done)}", file=sys.stderr, flush=True)
+
+    return await knee.find_knees(rows, workload, ramp, step, told)
+
+
+def _print_knees(
+    knees: list[knee.KneeRow],
+    workload: WorkloadSpec,
+    options: Options,
+    ramp: knee.KneeSettings,
+    out: Path | None,
+    argv: Sequence[str] | None,
+) -> int:
+    """The knee table, and with --out its results.json and chart; 1 if a measured step
+    served nothing."""
+    ramped = f"Poisson rates ramped from {ramp.start:.2f} req/s by {ramp.factor:g}x (simulated)"
+    print(_header(workload, options, len(generate(workload)), ramped))
+    for line in knee.lines(knees, ramp):
+        print(line)
+    for line in _machine([step for row in knees for step in row.steps], options):
+        print(line)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        doc = {
+            "command": ["kvroute", "bench", *(sys.argv[1:] if argv is None else argv)],
+            "workload": workload,
+            "options": options._asdict(),
+            "knee": ramp._asdict(),
+            "rows": knees,
+        }
+        (out / "results.json").write_bytes(msgspec.json.encode(doc))
+        drawn = knee.chart(knees, ramp, out / "knee.png")
+        print(f"wrote {out / 'results.json'}" + (f" and {out / 'knee.png'}" if drawn else ""))
+    return 0 if all(s.summary.ok for r in knees for s in r.steps) else 1
+
+
 def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
     unknown = [s for s in strategies if s not in policies.names()]
@@ -529,9 +620,10 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         raise ValueError(f"unknown strategies {unknown}; known: {', '.join(policies.names())}")
     rate = None if args.concurrency else (args.rate or DEFAULT_RATE)
     workload = workload_spec(args, rate, args.duration)
+    backends = _backend_count(args)
     options = Options(
         strategies=["target"] if args.target else strategies,
-        backends=_backend_count(args),
+        backends=backends,
         time_scale=args.time_scale or (1.0 if args.target else DEFAULT_TIME_SCALE),
         sim_args=args.sim_arg,
         routing=_routing_knobs(args, strategies),
@@ -543,6 +635,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         workers=args.workers,
         replicas=args.replicas,
         pd=args.pd,
+        speeds=_fleet_speeds(args, backends),
     )
     return workload, options
 
@@ -570,7 +663,7 @@ def workload_spec(
         raise ValueError(flag.replace("--shape", "--workload")) from None
 
 
-async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:
+async def _until_signal(work: Awaitable[_T]) -> _T:
     """Await `work`; SIGTERM cancels it like Ctrl-C does, so every `finally` still runs."""
     task = asyncio.current_task()
     assert task is not None
@@ -578,26 +671,45 @@ async def _until_signal(work: Awaitable[list[Run]]) -> list[Run]:
     return await work
 
 
-async def run_bench(
-    specs: Sequence[RequestSpec], options: Options, progress: _ProgressFactory | None = None
-) -> list[Run]:
-    """One `Run` per row: each strategy (with --pd, then the same disaggregated), then
-    each peer (or one for --target), in order."""
-    rows: list[str | _Split | Peer] = []
+#: one row of the table: a kvroute strategy, its --pd split, or a peer router
+Row = str | _Split | Peer
+
+
+def bench_rows(options: Options) -> list[Row]:
+    """Each strategy (with --pd, then the same disaggregated), then each peer, in order."""
+    rows: list[Row] = []
     for strategy in options.strategies:
         rows.append(strategy)
         if options.pd is not None and options.target is None:
             rows.append(_Split(strategy, *options.pd))
     rows.extend(options.peers)
+    return rows
+
+
+def row_label(row: Row) -> str:
+    return row if isinstance(row, str) else row.label
+
+
+async def run_bench(
+    specs: Sequence[RequestSpec], options: Options, progress: _ProgressFactory | None = None
+) -> list[Run]:
+    """One `Run` per row of `bench_rows` (or one for --target), in order."""
     runs = []
-    for row in rows:
-        label = row if isinstance(row, str) else row.label
-        on_done = progress(label, len(specs)) if progress else _ignore
-        if options.target is None:
-            runs.append(await _simulated_run(row, specs, options, on_done))
-        else:
-            runs.append(await _target_run(options.target, specs, options, on_done))
+    for row in bench_rows(options):
+        on_done = progress(row_label(row), len(specs)) if progress else _ignore
+        runs.append(await run_row(row, specs, options, on_done))
     return runs
+
+
+async def run_row(
+    row: Row, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone | None = None
+) -> Run:
+    """`specs` through `row`'s router: on a fresh, cold fleet started for it, or through
+    --target."""
+    on_done = on_done or _ignore
+    if options.target is None:
+        return await _simulated_run(row, specs, options, on_done)
+    return await _target_run(options.target, specs, options, on_done)
 
 
 async def _simulated_run(
@@ -641,6 +753,8 @@ async def _fleet(
     """The simulated fleet on `stack` (`roles`: the simulator's --roles, if any): its
     backend configs and its process's pid."""
     sim_args = [*options.sim_args, *roles]
+    if options.speeds:
+        sim_args += ["--speeds", ",".join(f"{s:g}" for s in options.speeds)]
     fleet = processes.simulator(options.backends, options.time_scale, sim_args)
     try:
         return await stack.enter_async_context(fleet)
@@ -1041,7 +1155,7 @@ def _compact(value: object) -> str:
     return value if isinstance(value, str) else orjson.dumps(value).decode()
 
 
-def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
+def _header(workload: WorkloadSpec, options: Options, n: int, arrivals: str = "") -> str:
     w = workload
     if w.shape == "no-sharing":
         prompts = f"unique {w.shared_tokens + w.question_tokens}-token prompts"
@@ -1058,12 +1172,14 @@ def _header(workload: WorkloadSpec, options: Options, n: int) -> str:
         )
     if options.concurrency:
         arrivals = f"closed loop, {counted(options.concurrency, 'client')}"
-    else:
+    elif not arrivals:  # a --knee ramp names its own
         arrivals = f"Poisson {w.rate:g} req/s" + (" (simulated)" if _simulated(options) else "")
     if options.target:
         where = f"target {options.target}"
     else:
         where = f"{options.backends} simulated backends, time_scale {options.time_scale:g}"
+        if options.speeds:
+            where += f", speeds {','.join(f'{s:g}' for s in options.speeds)}"
         if options.pd:
             where += f" (P/D rows: {options.pd[0]} prefill + {options.pd[1]} decode)"
     return (
@@ -1085,13 +1201,21 @@ def _clock(options: Options) -> str:
 
 def _footer(runs: Sequence[Run], options: Options) -> list[str]:
     clock = _clock(options)
+    head = (
+        f"Latencies (ms) and req/s are in {clock}. The router's own cost is real time: "
+        "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
+        "direct/routed pairs)."
+    )
+    return [head, *_machine(runs, options)]
+
+
+def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]:
+    """The processes' CPU shares and this loop's lag over the replays, and what they
+    distort."""
     names = sorted({name for r in runs for name in r.cpu})
     shares = ", ".join(f"{n} {max(r.cpu.get(n, 0.0) for r in runs):.0%}" for n in names)
     lag = max((r.loop_lag_p99 or 0.0) for r in runs)
     lines = [
-        f"Latencies (ms) and req/s are in {clock}. The router's own cost is real time: "
-        "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
-        "direct/routed pairs).",
         f"CPU, peak share of one core over a replay (router: every process of every "
         f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",
     ]

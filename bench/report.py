@@ -45,6 +45,7 @@ __all__ = [
     "bucket_quantile",
     "chart",
     "counted",
+    "fixed_width",
     "legend",
     "means_table",
     "percentile",
@@ -297,7 +298,7 @@ def legend(summaries: Sequence[Summary], clock: str) -> str:
 
 def table(summaries: Sequence[Summary]) -> str:
     """A fixed-width text table, one row per strategy."""
-    return _fixed_width(summaries, _present(summaries, _COLUMNS))
+    return fixed_width(summaries, _present(summaries, _COLUMNS))
 
 
 def _present(
@@ -312,7 +313,7 @@ def _has_tiers(items: Sequence[object]) -> bool:
     return any(getattr(s, "tier_hit_rate", None) for s in items)
 
 
-def _fixed_width(items: Sequence[object], columns: Sequence[tuple[str, str, str]]) -> str:
+def fixed_width(items: Sequence[object], columns: Sequence[tuple[str, str, str]]) -> str:
     """Text columns to the left, numbers to the right."""
     rows = [[h for h, _, _ in columns]]
     rows += [[_cell(getattr(s, f), fmt) for _, f, fmt in columns] for s in items]
@@ -364,7 +365,7 @@ def _mean(values: Iterable[float | None]) -> float | None:
 
 
 def means_table(means: Sequence[SeedMean]) -> str:
-    return _fixed_width(means, _present(means, _MEAN_COLUMNS))
+    return fixed_width(means, _present(means, _MEAN_COLUMNS))
 
 
 def reading(summaries: Sequence[Summary]) -> list[str]:

@@ -5,11 +5,12 @@ Struct so the help text is the field's description; `--config FILE` reads the sa
 from YAML, and explicit flags win over the file. Faults use `--fault INDEX:MODE[:ARG]`.
 `--instances N` says how many servers to run; it is a count, not an address, so it is
 not named like `kvroute serve --backend URL`. `--roles prefill decode ...` gives each
-instance its P/D kv_role, for a disaggregated fleet. Once every socket is bound, stderr
-names the served model (and the roles, if any is not "both"), and stdout gets one line
-per instance, `http://HOST:PORT`, then (with --kv-events) one line per instance,
-`kv-events http://HOST:PORT pub=tcp://... replay=tcp://...`, flushed, so a harness can
-read the addresses when ports are free-picked.
+instance its P/D kv_role, for a disaggregated fleet; `--speeds 1,1,0.5,0.5` gives each
+its speed, for a mixed fleet (every step of a 0.5 instance takes twice as long). Once
+every socket is bound, stderr names the served model (and the roles, if any is not
+"both"), and stdout gets one line per instance, `http://HOST:PORT`, then (with
+--kv-events) one line per instance, `kv-events http://HOST:PORT pub=tcp://...
+replay=tcp://...`, flushed, so a harness can read the addresses when ports are free-picked.
 """
 
 import argparse
@@ -18,7 +19,7 @@ import contextlib
 import signal
 import sys
 import typing
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 import uvloop
@@ -44,7 +45,10 @@ _EPILOG = f"""example:
       the router in front of them, in another terminal
   kvroute sim --instances 3 --roles prefill prefill decode
       prefill/decode disaggregation (NixlConnector's kv_transfer_params): two prefill
-      instances and one decode instance"""
+      instances and one decode instance
+  kvroute sim --instances 4 --speeds 1,1,0.5,0.5
+      a mixed fleet: the last two prefill and decode at half speed (GET /sim/stats
+      shows each instance's true_speeds)"""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -102,7 +106,10 @@ def _add_flag(group: Any, field: msgspec.structs.FieldInfo) -> None:
     elif typing.get_origin(base) is list:
         kwargs["nargs"] = "*"
         (item,) = typing.get_args(base)
-        if typing.get_origin(item) is Literal:
+        item = typing.get_args(item)[0] if typing.get_origin(item) is Annotated else item
+        if item is float:  # numbers as one comma-separated argument: --speeds 1,1,0.5
+            kwargs.update(nargs=None, type=_floats, metavar="X,X,...")
+        elif typing.get_origin(item) is Literal:
             kwargs["choices"] = typing.get_args(item)
         else:
             kwargs["metavar"] = "NAME"
@@ -112,6 +119,14 @@ def _add_flag(group: Any, field: msgspec.structs.FieldInfo) -> None:
     default = field.default_factory() if field.default is msgspec.NODEFAULT else field.default
     kwargs["help"] += f" (default: {default!r})"
     group.add_argument("--" + field.name.replace("_", "-"), **kwargs)
+
+
+def _floats(text: str) -> list[float]:
+    """`1,1,0.5` as [1.0, 1.0, 0.5]."""
+    try:
+        return [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want numbers like 1,1,0.5, got {text!r}") from None
 
 
 def _parse_fault(spec: str) -> tuple[int, Fault]:
@@ -128,8 +143,10 @@ def _parse_fault(spec: str) -> tuple[int, Fault]:
 
 
 async def _serve(config: SimConfig) -> None:
-    roles = config.roles or None
-    fleet = await start_fleet(config.instances, config, config.host, config.base_port, roles)
+    roles, speeds = config.roles or None, config.speeds or None
+    fleet = await start_fleet(
+        config.instances, config, config.host, config.base_port, roles, speeds
+    )
     try:
         _announce(fleet, config.model)
         task = asyncio.current_task()

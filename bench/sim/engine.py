@@ -51,6 +51,8 @@ class EngineStats(msgspec.Struct):
     preemptions: int = 0
     steps: int = 0
     busy_seconds: float = 0.0  # sum of step durations (wall-clock, i.e. scaled)
+    busy_sim_ms: float = 0.0  # the same in simulated ms (not scaled by time_scale)
+    prefill_sim_ms: float = 0.0  # of which, steps that prefilled prompt tokens
 
 
 class SimEngine:
@@ -138,7 +140,8 @@ class SimEngine:
             scheduler = self.scheduler  # a restart during the sleep swaps it
             plan = scheduler.schedule()
             await self._publish()
-            duration = scaled_seconds(self.params, scheduler.step_ms(plan)) * self.slow_factor
+            step_ms = scheduler.step_ms(plan) * self.slow_factor
+            duration = scaled_seconds(self.params, step_ms)
             # Deadlines accumulate across back-to-back steps, so steps shorter than the
             # loop's timer resolution (1 ms on uvloop) still add up to the right wall time;
             # after idling or falling behind, the next step starts from now.
@@ -147,6 +150,9 @@ class SimEngine:
             outcome = scheduler.commit(plan)
             self.stats.steps += 1
             self.stats.busy_seconds += duration
+            self.stats.busy_sim_ms += step_ms
+            if plan.prefill_tokens:
+                self.stats.prefill_sim_ms += step_ms
             self._account(plan, outcome, loop.time())
 
     async def _publish(self) -> None:

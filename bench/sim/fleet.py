@@ -5,7 +5,8 @@ event publisher + a fault setting. Every socket is bound before anything is serv
 port 0 meaning "any free port" (the real port is read back). Startup runs in order and
 shutdown in reverse: stop the engine (in-flight requests are dropped, hung handlers
 released), close the HTTP server, then the ZMQ sockets. A fleet for prefill/decode
-disaggregation gives each backend its own `kv_role` (`roles`); all else is shared.
+disaggregation gives each backend its own `kv_role` (`roles`), and a mixed fleet its own
+`speed` (`speeds`); all else is shared.
 """
 
 import asyncio
@@ -160,8 +161,26 @@ class SimBackend:
             "lora_unloads": self.loras.unloads,
             "loaded_adapters": self.loras.names,
             "loading_adapters": self.loras.loading,
+            "true_speeds": self.true_speeds(),
         }
         return {**msgspec.to_builtins(self.stats), **live}
+
+    def true_speeds(self) -> dict[str, float | None]:
+        """What a router could learn about this backend, in simulated time: prefill tokens
+        per second, and a decode step's time (base + per sequence in the batch), for
+        `speed` and any `slow` fault now in force. A router observes wall-clock time:
+        multiply durations (divide rates) by `time_scale` to compare."""
+        p = self.params
+        pace = p.speed / self.engine.slow_factor
+        return {
+            "speed": pace,
+            "prefill_tokens_per_s": 1000.0 * pace / p.prefill_per_token_ms
+            if p.prefill_per_token_ms
+            else None,
+            "decode_step_base_ms": p.step_base_ms / pace,
+            "decode_per_seq_ms": p.decode_per_seq_ms / pace,
+            "time_scale": p.time_scale,
+        }
 
     def _card(self, name: str, root: str, parent: str | None) -> dict[str, Any]:
         return {
@@ -220,17 +239,21 @@ async def start_fleet(
     host: str = "127.0.0.1",
     base_port: int = 0,
     roles: Sequence[KVRole] | None = None,
+    speeds: Sequence[float] | None = None,
 ) -> SimFleet:
     """Start `n` simulated vLLM servers on `host`; backend i listens on base_port + i.
 
     base_port 0 picks free ports (read them from `fleet.urls`). With params.kv_events,
     backend i publishes on kv_events_base_port + i and serves replay on
     kv_events_base_port + n + i (free ports when that is 0). `roles`, one per backend,
-    overrides params.kv_role, e.g. ["prefill", "decode"] for a 1P1D fleet.
+    overrides params.kv_role, e.g. ["prefill", "decode"] for a 1P1D fleet; `speeds`, one
+    per backend, overrides params.speed, e.g. [1, 1, 0.5, 0.5] for a mixed fleet.
     """
     params = params or SimParams()
     if roles is not None and len(roles) != n:
         raise ValueError(f"{len(roles)} roles for {n} backends")
+    if speeds is not None and len(speeds) != n:
+        raise ValueError(f"{len(speeds)} speeds for {n} backends")
     ctx = zmq.asyncio.Context() if params.kv_events else None
     fleet = SimFleet([], ctx)
     try:
@@ -241,7 +264,7 @@ async def start_fleet(
             except BaseException:
                 sock.close()
                 raise
-            own = params if roles is None else msgspec.structs.replace(params, kv_role=roles[i])
+            own = _own(params, i, roles, speeds)
             backend = SimBackend(i, own, sock, publisher)
             fleet.backends.append(backend)
             await backend.start()
@@ -249,6 +272,18 @@ async def start_fleet(
         await fleet.stop()
         raise
     return fleet
+
+
+def _own(
+    params: SimParams, i: int, roles: Sequence[KVRole] | None, speeds: Sequence[float] | None
+) -> SimParams:
+    """Backend i's params: the fleet's, with its own role and speed where given."""
+    own: dict[str, object] = {}
+    if roles is not None:
+        own["kv_role"] = roles[i]
+    if speeds is not None:
+        own["speed"] = speeds[i]
+    return msgspec.structs.replace(params, **own) if own else params
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -82,7 +82,9 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
       copying it to the GPUs), during which the adapter is not served yet.
 
     `time_scale` multiplies every simulated duration (0.1 = ten times faster); metrics and
-    client-visible latencies are wall-clock, i.e. already scaled.
+    client-visible latencies are wall-clock, i.e. already scaled. `speed` models other
+    hardware (an A100 beside an H100): every step's simulated duration is divided by it,
+    so prefill tokens/s and decode steps/s both scale by `speed`.
     """
 
     model: Annotated[str, Meta(min_length=1, description="served model name")] = "sim-llama-70b"
@@ -132,6 +134,10 @@ class SimParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only
     ] = 0.1
     time_scale: Annotated[
         float, Meta(gt=0, description="multiplier on every simulated duration (0.1 = 10x faster)")
+    ] = 1.0
+    speed: Annotated[
+        float,
+        Meta(gt=0, description="this hardware's speed: every step takes 1/speed (0.5 = half)"),
     ] = 1.0
     default_max_tokens: Annotated[
         int, Meta(ge=1, description="output length when a request sets no max_tokens")
@@ -192,11 +198,20 @@ class SimConfig(SimParams, kw_only=True):
             "decode; empty = every instance has --kv-role"
         ),
     ] = []
+    speeds: Annotated[
+        list[Annotated[float, Meta(gt=0)]],
+        Meta(
+            description="speed of each instance in order, e.g. --speeds 1,1,0.5,0.5 (a mixed "
+            "fleet); empty = every instance has --speed"
+        ),
+    ] = []
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.roles and len(self.roles) != self.instances:
             raise ValueError(f"{len(self.roles)} roles for {self.instances} instances")
+        if self.speeds and len(self.speeds) != self.instances:
+            raise ValueError(f"{len(self.speeds)} speeds for {self.instances} instances")
         unknown = sorted(i for i in self.faults if not 0 <= i < self.instances)
         if unknown:
             raise ValueError(

@@ -19,7 +19,8 @@ Each engine step (`schedule`, then the step's duration passes, then `commit`):
 
 Step time (simulated ms) = step_base_ms + decode_per_seq_ms * decoding requests
 + prefill_per_token_ms * prefill tokens (recomputed tokens after a preemption count as
-prefill) + cpu_load_per_token_ms * tokens loaded from the CPU tier. Prefix-cache hits cost
+prefill) + cpu_load_per_token_ms * tokens loaded from the CPU tier, all divided by the
+instance's `speed`. Prefix-cache hits cost
 nothing, so TTFT grows with uncached prompt tokens and
 with the queue ahead. Cost of a step: O(running + admitted) Python work.
 """
@@ -95,13 +96,14 @@ class Scheduler:
 
     def step_ms(self, plan: StepPlan) -> float:
         p = self.params
-        return (
+        work = (
             p.step_base_ms
             + p.decode_per_seq_ms * plan.decode_seqs
             + p.prefill_per_token_ms * plan.prefill_tokens
             + p.cpu_load_per_token_ms * plan.loaded_tokens
             + p.kv_transfer_per_token_ms * plan.transferred_tokens
         )
+        return work / p.speed
 
     def commit(self, plan: StepPlan) -> StepOutcome:
         sampled: list[SimRequest] = []

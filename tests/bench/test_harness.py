@@ -224,6 +224,54 @@ def test_pd_runs_each_strategy_disaggregated_beside_the_same_backends_combined(t
     assert split["itl_p50"] is not None
 
 
+def test_knee_ramps_each_row_on_a_mixed_fleet_and_reports_its_last_step_under_the_slo(
+    tmp_path, capsys
+):
+    """Two strategies, three steps each, on one full-speed and one half-speed backend."""
+    argv = [a for a in TINY if not a.startswith("--rate")]
+    argv += ["--knee", "--knee-start=2", "--knee-steps=3", "--slo-ttft=0.8", "--speeds=1,0.5"]
+    assert harness.main([*argv, "--calibration=0", f"--out={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "Poisson rates ramped from 2.00 req/s by 1.25x" in out and "speeds 1,0.5" in out
+    assert "CPU, peak share of one core over a replay" in out  # what may distort the steps
+    header = next(line for line in out.splitlines() if line.startswith("row "))
+    assert header.split() == [
+        *("row", "knee", "req/s", "steps", "TTFT", "p50", "p90", "p99"),
+        *("E2E", "p50", "p90", "p99", "KV", "hit", "vs", "best", "stopped", "by"),
+    ]
+    doc = _results(tmp_path)
+    assert doc["options"]["speeds"] == [1.0, 0.5]
+    rows = doc["rows"]
+    assert [r["label"] for r in rows] == ["RANDOM", "PREFIX_AWARE"]
+    printed = {line.split()[0]: line.split() for line in out.splitlines()[2:4]}
+    knees = {}
+    for row in rows:
+        steps = row["steps"]
+        assert 1 <= len(steps) <= 3
+        assert [s["rate"] for s in steps] == pytest.approx([2 * 1.25**i for i in range(len(steps))])
+        for s in steps:  # each step judged by its own results
+            summary = s["summary"]
+            assert summary["ok"] + summary["failed"] == 20
+            held = summary["failed"] == 0 and summary["ttft_p90"] < 0.8
+            assert s["passed"] == held
+        assert all(s["passed"] for s in steps[:-1])  # the ramp stopped at its first failure
+        passed = [s for s in steps if s["passed"]]
+        knees[row["label"]] = passed[-1]["rate"] if passed else None
+        cell = printed[row["label"]][1]
+        if passed:
+            bound = "" if not steps[-1]["passed"] else ">="
+            assert cell == f"{bound}{passed[-1]['rate']:.2f}"
+            assert printed[row["label"]][9].endswith("%")  # the knee step's hit rate
+        else:
+            assert cell == "<2.00"
+    best = max((k for k in knees.values() if k), default=None)
+    for label, rate in knees.items():
+        if rate and best:
+            assert printed[label][10] == f"{rate / best:.2f}x"
+    has_matplotlib = importlib.util.find_spec("matplotlib") is not None
+    assert (tmp_path / "knee.png").exists() == has_matplotlib
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -235,6 +283,17 @@ def test_pd_runs_each_strategy_disaggregated_beside_the_same_backends_combined(t
         (["--pd=0:1"], "expected P:D with P, D >= 1"),
         (["--pd=2:2", "--backends=3"], "--pd 2:2 is 4 backends, not --backends 3"),
         (["--pd=1:1", "--target=http://127.0.0.1:9"], "--pd starts its own fleet"),
+        (["--backends=4", "--speeds=1,0.5"], "--speeds gives 2 speeds for 4 backends"),
+        (["--speeds=1,0"], "want positive numbers like 1,1,0.5,0.5"),
+        (["--speeds=1", "--target=http://127.0.0.1:9"], "--speeds sets the simulated fleet"),
+        (["--knee", "--rate=3"], "it does not go with --rate"),
+        (["--knee", "--concurrency=3"], "it does not go with --concurrency"),
+        (["--knee", "--target=http://127.0.0.1:9"], "it does not go with --target"),
+        (["--knee", "--seeds=0,1"], "--knee runs one seed"),
+        (["--knee", "--knee-factor=1"], "must be above 1"),
+        (["--knee", "--knee-steps=0"], "--knee-steps must be 1 or more"),
+        (["--knee", "--slo-ttft=0"], "must be positive"),
+        (["--slo-ttft=2"], "--slo-ttft goes with --knee"),
     ],
 )
 def test_bad_arguments_exit_2(argv, message, capsys):

@@ -303,6 +303,28 @@ def test_step_time_model() -> None:
     assert sched.step_ms(decode) == 21
 
 
+def test_speed_divides_every_step() -> None:
+    """Half speed: the same plan takes twice the simulated time, prefill and decode."""
+    full, half = _scheduler(), _scheduler(speed=0.5)
+    for sched in (full, half):
+        sched.add(_req(range(300), rid="a", max_tokens=2))
+    plans = [(full.schedule(), half.schedule())]
+    full.commit(plans[0][0])
+    half.commit(plans[0][1])
+    plans.append((full.schedule(), half.schedule()))
+    assert plans[1][0].decode_seqs == 1
+    for fast, slow in plans:
+        assert half.step_ms(slow) == 2 * full.step_ms(fast)
+
+
+def test_speeds_flag_takes_one_comma_separated_list(capsys: Any) -> None:
+    args = cli.build_parser().parse_args(["--instances", "3", "--speeds", "1,1,0.5"])
+    assert args.speeds == [1.0, 1.0, 0.5]
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["--speeds", "1,fast"])
+    assert "want numbers like 1,1,0.5, got '1,fast'" in capsys.readouterr().err
+
+
 def test_chunked_prefill_respects_the_token_budget() -> None:
     sched = _scheduler(max_num_batched_tokens=32)
     req = _req(range(100), max_tokens=1)
@@ -402,6 +424,8 @@ def test_map_encoding_omits_none_defaults() -> None:
         pytest.param({"faults": {4: {"mode": "hang"}}}, "only 0..3 exist", id="fault-index"),
         pytest.param({"faults": {0: {"mode": "boom"}}}, "`$.faults[...].mode`", id="fault-mode"),
         pytest.param({"kv_events_topic": "kv@{pod}"}, "kv_events_topic", id="topic-field"),
+        pytest.param({"speeds": [1, 0.5]}, "2 speeds for 4 instances", id="speeds-count"),
+        pytest.param({"instances": 2, "speeds": [1, 0]}, "`$.speeds[1]`", id="speed-bound"),
     ],
 )
 def test_config_is_checked_once(raw: dict[str, Any], error: str) -> None:
@@ -448,6 +472,7 @@ def test_every_param_has_a_flag_with_help() -> None:
         pytest.param(["--block-size", "0"], id="bound"),
         pytest.param(["--config", "/nonexistent/sim.yaml"], id="missing-file"),
         pytest.param(["-c", "/nonexistent/sim.yaml"], id="missing-file-short-flag"),
+        pytest.param(["--instances", "2", "--speeds", "1"], id="speeds-count"),
     ],
 )
 def test_cli_rejects_bad_config_with_status_2(argv: list[str], capsys: Any) -> None:

@@ -609,6 +609,46 @@ async def test_client_disconnect_aborts_the_request(
 # --- entry points ------------------------------------------------------------------------
 
 
+async def test_cli_speeds_make_a_half_speed_instance_prefill_twice_as_long(
+    http: aiohttp.ClientSession,
+) -> None:
+    """`kvroute sim --speeds 1,0.5`: the same prompt, asked of each instance, costs the
+    half-speed one twice the simulated prefill time, by the simulator's own account, and
+    /sim/stats reports each one's true speeds."""
+    root = Path(__file__).resolve().parents[2]
+    argv = ["--instances", "2", "--time-scale", "0.01", "--speeds", "1,0.5"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "bench.sim", *argv,
+        cwd=root, env={**os.environ, "PYTHONPATH": str(root)},
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        urls = [(await asyncio.wait_for(proc.stdout.readline(), 10)).decode().strip()]
+        urls.append((await asyncio.wait_for(proc.stdout.readline(), 10)).decode().strip())
+        stats = []
+        for url in urls:
+            assert (await _chat(http, url, max_tokens=1))[0] == 200
+            async with http.get(f"{url}/sim/stats") as r:
+                stats.append(await r.json())
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        await asyncio.wait_for(proc.wait(), 10)
+    fast, slow = stats
+    assert fast["prompt_tokens"] == slow["prompt_tokens"] == len(PROMPT_TOKENS)
+    assert fast["prefill_sim_ms"] > 0
+    assert slow["prefill_sim_ms"] == pytest.approx(2 * fast["prefill_sim_ms"])
+    assert fast["true_speeds"] == {
+        "speed": 1.0,
+        "prefill_tokens_per_s": pytest.approx(10_000),
+        "decode_step_base_ms": 25.0,
+        "decode_per_seq_ms": 0.15,
+        "time_scale": 0.01,
+    }
+    assert slow["true_speeds"]["prefill_tokens_per_s"] == pytest.approx(5_000)
+    assert slow["true_speeds"]["decode_step_base_ms"] == 50.0
+
+
 async def test_cli_prints_urls_and_stops_on_sigterm(http: aiohttp.ClientSession) -> None:
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(root)}
