@@ -581,14 +581,33 @@ class JobsConfig(_Strict):
     #: `refused_backoff_s`; then its answer is that refusal
     refused_retries: Annotated[int, Meta(ge=0)] = 5
     refused_backoff_s: Seconds = 1.0
-    #: the hosts an async request's webhook (`X-Kvroute-Webhook: URL`) may name; none:
-    #: webhooks are refused (the router would POST wherever a client asked)
+    #: where an async request's webhook (`X-Kvroute-Webhook: URL`) may point, each
+    #: `host:port` (`[v6addr]:port`), or a bare `host` for its scheme's default port
+    #: only (80, 443); none: webhooks are refused (the router would POST wherever a
+    #: client asked). Redirects are never followed.
     webhook_hosts: tuple[str, ...] = ()
     #: deliveries tried again after a failure (each after twice the wait of the one
     #: before, from `webhook_backoff_s`), then the webhook is given up as failed
     webhook_retries: Annotated[int, Meta(ge=0)] = 5
     webhook_backoff_s: Seconds = 1.0
     webhook_timeout_s: Seconds = 10.0
+
+    def __post_init__(self) -> None:
+        for entry in self.webhook_hosts:
+            webhook_target(entry)
+
+
+def webhook_target(entry: str) -> tuple[str, int | None]:
+    """A `webhook_hosts` entry as (host, port; None: the scheme's default); ValueError
+    if it is not `host`, `host:port` or `[v6addr]:port`."""
+    try:
+        url = URL(f"//{entry}")
+        port = url.explicit_port
+    except ValueError:
+        url, port = None, None
+    if url is None or not url.host or url.raw_path not in ("", "/") or url.user is not None:
+        raise ValueError(f"jobs.webhook_hosts: {entry!r} is not host or host:port")
+    return url.host, port
 
 
 class Config(_Strict):

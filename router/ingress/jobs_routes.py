@@ -13,7 +13,8 @@ tenant's job, file or batch is a 404, as an absent one is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -23,7 +24,7 @@ from router.config import JobsConfig
 from router.errors import BadRequest, KvrouteError, PayloadTooLarge, RequestTimeout
 from router.ingress.body import BodyReader
 from router.ingress.relay import refused
-from router.jobs.store import JobStore
+from router.jobs.store import Batch, JobStore, Line
 from router.jobs.webhooks import WEBHOOK_HEADER, checked_webhook
 from router.jobs.wire import (
     KINDS,
@@ -31,13 +32,13 @@ from router.jobs.wire import (
     batch_json,
     batches_json,
     checked_body,
+    checking_lines,
     deleted_json,
     file_json,
     files_json,
     job_json,
     new_batch,
     new_id,
-    read_lines,
     write_outputs,
 )
 from router.metrics import Metrics
@@ -52,6 +53,8 @@ _FILES_LIMIT = (10_000, 10_000)
 _BATCHES_LIMIT = (20, 100)
 #: /v1/async/chat/completions runs /v1/chat/completions later
 _ASYNC = "/v1/async"
+#: the longest a batch input file's check holds the loop at a time, seconds
+_SLICE_S = 0.002
 
 
 class _BatchRequest(msgspec.Struct):
@@ -238,18 +241,34 @@ class JobRoutes:
         stored = await asyncio.to_thread(store.file, asked.input_file_id, tenant)
         if stored is None or stored.purpose != "batch":
             raise _absent("batch input file", asked.input_file_id)
-        content = await asyncio.to_thread(store.content, asked.input_file_id, tenant)
-        lines, errors = read_lines(content or b"", asked.endpoint, self._cfg.max_batch_lines)
-        metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
-        batch = new_batch(
-            asked.endpoint, asked.input_file_id, metadata, len(lines), errors,
-            self._cfg.result_ttl_s,
-        )  # fmt: skip
-        await asyncio.to_thread(store.put_batch, batch, tenant, [] if errors else lines)
-        if not errors:
+        bodies = self._body.bodies
+        held = min(stored.size, bodies.limit)  # a file larger than the budget runs alone
+        bodies.take(held)
+        try:
+            batch, lines = await self._checked_batch(asked, tenant)
+            await asyncio.to_thread(store.put_batch, batch, tenant, lines)
+        finally:
+            bodies.give(held)
+        if lines:
             self._metrics.jobs_accepted.labels("batch").inc(len(lines))
         self._wake()
         return _json(batch_json(batch))
+
+    async def _checked_batch(
+        self, asked: _BatchRequest, tenant: str | None
+    ) -> tuple[Batch, list[Line]]:
+        """The batch `asked` for, and its input file's lines (none if it failed its
+        check). The file is checked on the loop in slices, between other requests."""
+        content = await asyncio.to_thread(self._store.content, asked.input_file_id, tenant)
+        cfg = self._cfg
+        lines, errors = await _sliced(
+            checking_lines(content or b"", asked.endpoint, cfg.max_batch_lines, self._body.max_body)
+        )
+        metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
+        batch = new_batch(
+            asked.endpoint, asked.input_file_id, metadata, len(lines), errors, cfg.result_ttl_s
+        )
+        return batch, lines
 
     async def _batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(batch_json(await _found(request, tenant, self._store.batch, "batch")))
@@ -270,6 +289,21 @@ class JobRoutes:
             ttl = self._cfg.result_ttl_s
             await asyncio.to_thread(store.settle, batch_id, files, write_outputs, ttl)
         return await self._batch(request, tenant)
+
+
+async def _sliced(steps: Generator[None, None, T]) -> T:
+    """What `steps` returns, run on the loop in slices of about `_SLICE_S`: other
+    requests run between them, and no thread contends for the GIL meanwhile."""
+    clock = time.perf_counter
+    began = clock()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if clock() - began > _SLICE_S:
+            await asyncio.sleep(0)
+            began = clock()
 
 
 def _json(body: bytes) -> web.Response:

@@ -86,8 +86,10 @@ class JobRunner:
                     self._start(job)
                     continue
                 await self._expire()
+            # not wait_for: on 3.11 it swallows a cancel that lands as the wait ends
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._woken.wait(), cfg.poll_s)
+                async with asyncio.timeout(cfg.poll_s):
+                    await self._woken.wait()
 
     async def _delivering(self) -> None:
         """Deliver the due webhooks; when none is due, look again after `poll_s`."""

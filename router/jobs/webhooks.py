@@ -17,27 +17,33 @@ import aiohttp
 from yarl import URL
 
 from router import log
-from router.config import JobsConfig
+from router.config import JobsConfig, webhook_target
 from router.errors import BadRequest
 from router.jobs.store import Job, JobStore
 from router.jobs.wire import job_json
 from router.metrics import Metrics
 
 WEBHOOK_HEADER = "X-Kvroute-Webhook"
+#: where a bare host of `webhook_hosts` may be reached
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def checked_webhook(url: str, cfg: JobsConfig) -> str:
-    """`url`, if the router may POST there: http(s), to a host `webhook_hosts` names;
-    else BadRequest."""
+    """`url`, if the router may POST there: http(s), to a host and port that
+    `webhook_hosts` names; else BadRequest."""
     try:
-        parsed = URL(url)
+        parsed = URL(url) if url.isascii() and url.isprintable() else None
     except ValueError:
         parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+    if parsed is None or parsed.scheme not in _DEFAULT_PORTS or not parsed.host:
         raise BadRequest(f"{WEBHOOK_HEADER} must be an http(s) URL.", param=WEBHOOK_HEADER)
-    if parsed.host not in cfg.webhook_hosts:
+    allowed = {webhook_target(entry) for entry in cfg.webhook_hosts}
+    default = parsed.port == _DEFAULT_PORTS[parsed.scheme]
+    if (parsed.host, parsed.port) not in allowed and not (
+        default and (parsed.host, None) in allowed
+    ):
         raise BadRequest(
-            f"{WEBHOOK_HEADER}: {parsed.host!r} is not among the jobs' webhook_hosts.",
+            f"{WEBHOOK_HEADER}: {parsed.host}:{parsed.port} is not among the jobs' webhook_hosts.",
             param=WEBHOOK_HEADER,
         )
     return url
@@ -80,7 +86,9 @@ class Deliveries:
         body = job_json(job._replace(webhook=None), f"/v1/async/{job.id}")
         headers = {"Content-Type": "application/json", "X-Kvroute-Job": job.id}
         try:
-            async with self._session.post(job.webhook, data=body, headers=headers) as r:
+            async with self._session.post(
+                job.webhook, data=body, headers=headers, allow_redirects=False
+            ) as r:
                 return 200 <= r.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False

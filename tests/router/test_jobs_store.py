@@ -20,6 +20,7 @@ from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+LONGEST = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_release_puts_a_stopping_workers_jobs_back(store: JobStore) -> None:
 
 def test_single_jobs_go_before_batch_lines_then_oldest_first(store: JobStore) -> None:
     lines, errors = read_lines(b'{"custom_id":"a","method":"POST","url":"%b","body":%b}' % (
-        CHAT.encode(), BODY), CHAT, 10)  # fmt: skip
+        CHAT.encode(), BODY), CHAT, 10, LONGEST)  # fmt: skip
     assert not errors
     store.put_batch(new_batch(CHAT, "file-1", None, 1, [], 60), None, lines)
     store.put("late", None, CHAT, BODY)
@@ -113,7 +114,7 @@ def test_a_batch_settles_once_when_its_last_line_ends(store: JobStore) -> None:
         b'{"custom_id":"c%d","method":"POST","url":"%b","body":%b}' % (i, CHAT.encode(), BODY)
         for i in range(3)
     )
-    lines, _ = read_lines(text, CHAT, 10)
+    lines, _ = read_lines(text, CHAT, 10, LONGEST)
     batch = new_batch(CHAT, "file-1", None, 3, [], 60)
     store.put_batch(batch, "t", lines)
     files = ("file-out", "file-err")
@@ -159,7 +160,7 @@ def lines_of(n: int) -> list:
         b'{"custom_id":"c%d","method":"POST","url":"%b","body":%b}' % (i, CHAT.encode(), BODY)
         for i in range(n)
     )
-    return read_lines(text, CHAT, 100)[0]
+    return read_lines(text, CHAT, 100, LONGEST)[0]
 
 
 def test_cancel_drops_the_waiting_lines_and_the_running_one_ends_the_batch(
