@@ -1,6 +1,7 @@
 """The job endpoints (with `jobs.enabled`): single async requests, and OpenAI's Files and
-Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone: another
-tenant's job, file or batch is a 404, as an absent one is.
+Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone (with auth
+on, a token that names no tenant has a namespace of its own: `Authenticator.owner`):
+another's job, file or batch is a 404, as an absent one is.
 
   POST /v1/async/{chat/completions,completions,embeddings}   202, an id and a status URL
        (X-Kvroute-Webhook: URL, to have the status POSTed there when it ends)

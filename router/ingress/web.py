@@ -121,7 +121,7 @@ class HttpIngress:
                 config.jobs,
                 jobs.store,
                 jobs.wake,
-                self._tenant,
+                self._owner,
                 self._body,
                 limits.body_timeout,
                 metrics,
@@ -240,6 +240,11 @@ class HttpIngress:
         if tenant is not None and self._auth.enabled:
             self._metrics.tenant_request(tenant, self._auth.tenants)
         return tenant
+
+    def _owner(self, headers: Mapping[str, str]) -> str | None:
+        """Whose jobs, files and batches the request sees (`Authenticator.owner`)."""
+        claimed = headers.get(self._tenant_header) if self._tenant_header else None
+        return self._auth.owner(headers.get("Authorization"), claimed)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)

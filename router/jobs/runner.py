@@ -29,7 +29,7 @@ from router.dispatch.call import Call
 from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError, NoBackendAvailable, Overloaded
 from router.fleet.backends import Fleet
-from router.jobs.store import Job, JobStore
+from router.jobs.store import Job, JobStore, runs_as
 from router.jobs.webhooks import Deliveries
 from router.jobs.wire import KINDS, new_id, write_outputs
 from router.metrics import Metrics
@@ -179,7 +179,7 @@ class JobRunner:
             headers,
             started,
             self._now(),
-            job.tenant,
+            runs_as(job.tenant),
             job.id,
         )
         async with self._dispatch.exchange(call) as upstream:

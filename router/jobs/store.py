@@ -19,6 +19,14 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 #: a batch's states before it ends (OpenAI's names)
 OPEN_BATCH = ("in_progress", "cancelling")
+#: starts the owner of what a token without a tenant stores (no tenant id spells it)
+TOKEN_OWNER = "~token/"
+
+
+def runs_as(owner: str | None) -> str | None:
+    """The tenant a job runs as: its owner, unless that is a token's own namespace
+    (such a token names no tenant, and its digest stays out of metrics and logs)."""
+    return None if owner is not None and owner.startswith(TOKEN_OWNER) else owner
 
 
 class Job(NamedTuple):

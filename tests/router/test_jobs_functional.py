@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+import sqlite3
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 
 import aiohttp
@@ -638,6 +639,47 @@ async def test_with_auth_on_every_job_path_needs_a_token_and_tenants_are_kept_ap
                     completion_window="24h",
                 )
             assert getattr(refused.value, "status_code", None) == 404
+
+
+async def test_tokens_that_name_no_tenant_do_not_share_jobs_files_or_batches(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KV_JOBS_TOKENS", "token-c,token-d")
+    auth = {"enabled": True, "tokens_env": "KV_JOBS_TOKENS"}
+    async with jobs_router(tmp_path, auth=auth) as (router, _), aiohttp.ClientSession() as http:
+        c, d = ({"Authorization": f"Bearer token-{x}"} for x in "cd")
+        async with http.post(router.url + CHAT, json=chat_body(1), headers=c) as r:
+            status_url = router.url + (await r.json())["status_url"]
+        c_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-c", max_retries=0)
+        d_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-d", max_retries=0)
+        async with c_sdk, d_sdk:
+            uploaded = await c_sdk.files.create(
+                file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+            )
+            batch = await c_sdk.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            assert [f.id async for f in d_sdk.files.list()] == []
+            assert [b.id async for b in d_sdk.batches.list()] == []
+            for method, path in (
+                ("GET", status_url.removeprefix(router.url)),
+                ("GET", f"/v1/files/{uploaded.id}"),
+                ("GET", f"/v1/files/{uploaded.id}/content"),
+                ("DELETE", f"/v1/files/{uploaded.id}"),
+                ("GET", f"/v1/batches/{batch.id}"),
+                ("POST", f"/v1/batches/{batch.id}/cancel"),
+            ):
+                async with http.request(method, router.url + path, headers=d) as r:
+                    assert r.status == 404, path
+            assert (await finished(http, status_url, headers=c))["status"] == "succeeded"
+            assert (await c_sdk.files.retrieve(uploaded.id)).id == uploaded.id
+            assert (await wait_batch(c_sdk, batch.id)).status == "completed"
+        sample = router.metrics.registry.get_sample_value
+        assert sample("kvroute_jobs_ended_total", {"outcome": "succeeded"}) == 2
+    db = sqlite3.connect(tmp_path / "jobs.db")
+    with closing(db):
+        owners = {row[0] for row in db.execute("SELECT tenant FROM files")}
+    assert len(owners) == 1 and not any("token-c" in o for o in owners)
 
 
 async def test_the_sdk_lists_batches_and_files_and_deletes_a_file(tmp_path: Path) -> None:
