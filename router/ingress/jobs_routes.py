@@ -54,6 +54,8 @@ _FILES_LIMIT = (10_000, 10_000)
 _BATCHES_LIMIT = (20, 100)
 #: /v1/async/chat/completions runs /v1/chat/completions later
 _ASYNC = "/v1/async"
+#: the paths under which every answer needs a token
+_ROOTS = (_ASYNC, "/v1/files", "/v1/batches")
 #: the longest a batch input file's check holds the loop at a time, seconds
 _SLICE_S = 0.002
 
@@ -91,6 +93,23 @@ class JobRoutes:
         self._upload_timeout = upload_timeout
 
     def routes(self) -> list[web.RouteDef]:
+        """The endpoints; then, for a token-holder only, a 405 for a method an endpoint
+        does not take and a 404 for any other path under theirs, so that no one maps
+        the routes without a token."""
+        routes = self._endpoints()
+        methods: dict[str, list[str]] = {}
+        for route in routes:
+            methods.setdefault(route.path, []).append(route.method)
+        wrong = [
+            web.route("*", path, self._guarded(_not_allowed(allowed)))
+            for path, allowed in methods.items()
+        ]
+        unknown = [
+            web.route("*", f"{root}/{{tail:.*}}", self._guarded(_unknown)) for root in _ROOTS
+        ]
+        return [*routes, *wrong, *unknown]
+
+    def _endpoints(self) -> list[web.RouteDef]:
         accept = [web.post(_ASYNC + path[3:], self._guarded(self._accept)) for path in KINDS]
         return [
             *accept,
@@ -290,6 +309,21 @@ class JobRoutes:
             ttl = self._cfg.result_ttl_s
             await asyncio.to_thread(store.settle, batch_id, files, write_outputs, ttl)
         return await self._batch(request, tenant)
+
+
+def _not_allowed(
+    allowed: list[str],
+) -> Callable[[web.Request, str | None], Awaitable[web.StreamResponse]]:
+    async def refuse(request: web.Request, _: str | None) -> web.StreamResponse:
+        raise KvrouteError(
+            f"{request.path} takes {', '.join(allowed)}, not {request.method}.", status=405
+        )
+
+    return refuse
+
+
+async def _unknown(request: web.Request, _: str | None) -> web.StreamResponse:
+    raise KvrouteError(f"No endpoint {request.path}.", status=404)
 
 
 async def _sliced(steps: Generator[None, None, T]) -> T:

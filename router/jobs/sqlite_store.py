@@ -82,10 +82,12 @@ CREATE TABLE IF NOT EXISTS batches (
 """
 _BUSY_SECONDS = 10.0
 _JOB = ", ".join(Job._fields)
-#: newest first, past the row `after` names: every row when it is NULL, none when no
-#: row has that id (a cursor gone is the end, never the start again); its two
-#: parameters are that id
-_AFTER = "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ?))"
+#: newest first, past the row `after` names: every row when it is NULL, none when the
+#: tenant has no row with that id (a cursor gone, or another tenant's, is the end, never
+#: the start again); its parameters are that id, the id again and the tenant
+_AFTER = (
+    "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ? AND tenant IS ?))"
+)
 _BATCH = ", ".join(Batch._fields)
 
 
@@ -262,7 +264,7 @@ class SqliteJobStore:
                 "SELECT id, purpose, filename, created, length(content) FROM files WHERE "
                 f"tenant IS ? AND (? IS NULL OR purpose = ?) AND {_AFTER.format(table='files')} "
                 "ORDER BY created DESC, id DESC LIMIT ?",
-                (tenant, purpose, purpose, after, after, limit + 1),
+                (tenant, purpose, purpose, after, after, tenant, limit + 1),
             ).fetchall()
         return Page([StoredFile(*r) for r in rows[:limit]], len(rows) > limit)
 
@@ -302,7 +304,7 @@ class SqliteJobStore:
             rows = db.execute(
                 f"SELECT {_BATCH} FROM batches WHERE tenant IS ? AND "
                 f"{_AFTER.format(table='batches')} ORDER BY created DESC, id DESC LIMIT ?",
-                (tenant, after, after, limit + 1),
+                (tenant, after, after, tenant, limit + 1),
             ).fetchall()
             return Page([_counted(db, Batch(*r)) for r in rows[:limit]], len(rows) > limit)
 

@@ -641,6 +641,26 @@ async def test_with_auth_on_every_job_path_needs_a_token_and_tenants_are_kept_ap
             assert getattr(refused.value, "status_code", None) == 404
 
 
+async def test_unknown_job_paths_and_methods_need_a_token_first(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KV_JOBS_TOKENS", "token-a team-a")
+    auth = {"enabled": True, "tokens_env": "KV_JOBS_TOKENS"}
+    unknown = [("GET", "/v1/files/file-x/y"), ("POST", "/v1/async/chat/other"),
+               ("GET", "/v1/batches/b/cancel/x"), ("GET", "/v1/async/a/b")]  # fmt: skip
+    wrong = [("PUT", "/v1/files"), ("DELETE", "/v1/batches/b"), ("GET", CHAT),
+             ("POST", "/v1/files/file-x/content")]  # fmt: skip
+    async with jobs_router(tmp_path, auth=auth) as (router, _), aiohttp.ClientSession() as http:
+        for method, path in unknown + wrong:
+            async with http.request(method, router.url + path) as r:
+                assert r.status == 401, (method, path)
+        token = {"Authorization": "Bearer token-a"}
+        for (method, path), status in [(u, 404) for u in unknown] + [(w, 405) for w in wrong]:
+            async with http.request(method, router.url + path, headers=token) as r:
+                assert r.status == status, (method, path)
+                assert (await r.json())["error"]["code"] == status
+
+
 async def test_tokens_that_name_no_tenant_do_not_share_jobs_files_or_batches(
     tmp_path: Path, monkeypatch
 ) -> None:

@@ -229,6 +229,10 @@ def test_files_are_listed_newest_first_page_by_page_and_deleted(store: JobStore)
     assert not store.delete_file("file-4", "t")
     assert store.file("file-4", "t") is None
     assert [f.id for f in store.files("t", None, None, 1).items] == ["file-3"]
+    time.sleep(0.002)
+    store.put_file("file-late", "t", "batch", "l.jsonl", b"", 60)
+    # another tenant's file as the cursor is as good as a lost one
+    assert store.files("u", None, "file-late", 10) == ([], False)
 
 
 def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> None:
@@ -246,3 +250,8 @@ def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> N
     assert ([b.id for b in last.items], last.more) == ([ids[0]], False)
     assert last.items[0].completed == 1  # the first batch's first line, done
     assert store.batches("u", None, 10) == ([], False)
+    store.put_batch(new_batch(CHAT, "file-1", None, 1, [], 60), "u", lines_of(1))
+    time.sleep(0.002)
+    late = new_batch(CHAT, "file-1", None, 1, [], 60)
+    store.put_batch(late, "t", lines_of(1))
+    assert store.batches("u", late.id, 10) == ([], False)  # another tenant's as the cursor
