@@ -590,7 +590,10 @@ class JobsConfig(_Strict):
     #: before, from `webhook_backoff_s`), then the webhook is given up as failed
     webhook_retries: Annotated[int, Meta(ge=0)] = 5
     webhook_backoff_s: Seconds = 1.0
+    #: a delivery's whole time (connect, send, answer); past it, it failed
     webhook_timeout_s: Seconds = 10.0
+    #: deliveries each worker makes at once (a slow receiver holds up only its own)
+    webhook_concurrency: Annotated[int, Meta(ge=1)] = 16
 
     def __post_init__(self) -> None:
         for entry in self.webhook_hosts:

@@ -381,17 +381,19 @@ async def test_an_accepted_job_survives_kill_9_and_completes_after_restart(
 
 @asynccontextmanager
 async def receiver(
-    answers: list[int], location: str | None = None
+    answers: list[int], location: str | None = None, gate: asyncio.Event | None = None
 ) -> AsyncIterator[tuple[str, list[dict], asyncio.Event]]:
     """A webhook receiver on 127.0.0.1: answers `answers` in turn (then 200), keeps the
     bodies; the event is set on each delivery. `location`: sent with each answer (a
-    redirect's target)."""
+    redirect's target); `gate`: each answer waits until it is set."""
     got: list[dict] = []
     arrived = asyncio.Event()
 
     async def hook(request: aiohttp.web.Request) -> aiohttp.web.Response:
         got.append(await request.json())
         arrived.set()
+        if gate is not None:
+            await gate.wait()
         headers = {} if location is None else {"Location": location}
         return aiohttp.web.Response(status=answers.pop(0) if answers else 200, headers=headers)
 
@@ -505,6 +507,25 @@ async def test_a_webhook_must_name_an_allowed_port_and_redirects_are_not_followe
     assert checked_webhook("http://hooks.example:80/x", bare)
     with pytest.raises(BadRequest):
         checked_webhook("http://hooks.example:8080/x", bare)
+
+
+async def test_a_slow_receiver_does_not_hold_up_another_jobs_webhook(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with (
+        receiver([], gate=gate) as (slow, slow_got, slow_arrived),
+        receiver([]) as (fast, fast_got, fast_arrived),
+    ):
+        jobs = with_hooks(tmp_path, slow, webhook_timeout_s=60)
+        jobs["webhook_hosts"].append(URL(fast).raw_authority)
+        async with jobs_router(tmp_path, jobs=jobs) as (router, _), aiohttp.ClientSession() as http:
+            for hook, arrived in ((slow, slow_arrived), (fast, fast_arrived)):
+                headers = {WEBHOOK: hook}
+                async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
+                    assert r.status == 202
+                async with asyncio.timeout(15):  # the slow one is still being answered
+                    await arrived.wait()
+            assert not gate.is_set() and len(slow_got) == len(fast_got) == 1
+            gate.set()
 
 
 async def test_a_webhook_url_that_is_not_utf8_is_a_400(tmp_path: Path) -> None:
