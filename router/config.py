@@ -558,8 +558,12 @@ class JobsConfig(_Strict):
     #: an async request's body past this is refused with 413, as the managed endpoint
     #: kvroute is modelled on does (its inline payloads are at most 128,000 bytes)
     max_inline_bytes: Annotated[int, Meta(ge=1)] = 128_000
-    #: a batch input file past this is refused with 413 (it is held in memory to parse)
+    #: a batch input file past this is refused with 413 (an upload is stored a piece at
+    #: a time; a batch holds its file in the body budget while it checks it)
     max_file_bytes: Annotated[int, Meta(ge=1)] = 64 << 20
+    #: the bytes of the files each tenant (or token without one) may have uploaded and
+    #: not yet expired or deleted; an upload past it is refused with 413
+    max_tenant_file_bytes: Annotated[int, Meta(ge=1)] = 1 << 30
     #: lines in one batch input file, as OpenAI's Batch API allows
     max_batch_lines: Annotated[int, Meta(ge=1)] = 50_000
     #: jobs each worker runs at once

@@ -49,6 +49,10 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = "application/json"
 _UPLOAD_CHUNK = 1 << 16
+#: an upload is stored in pieces of about this size
+_PIECE_BYTES = 1 << 20
+#: a form's `purpose` past this is cut (it names one of a few purposes)
+_PURPOSE_BYTES = 64
 #: listings' default and largest `limit`, as OpenAI's
 _FILES_LIMIT = (10_000, 10_000)
 _BATCHES_LIMIT = (20, 100)
@@ -181,50 +185,75 @@ class JobRoutes:
     # files
     async def _upload(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         """A batch input file from a multipart form (`purpose`, `file`), as
-        `client.files.create` sends it."""
+        `client.files.create` sends it, stored a piece at a time as it arrives: only a
+        piece is held, in the body budget."""
         if not request.content_type.startswith("multipart/"):
             raise BadRequest("Upload a file as multipart/form-data with `purpose` and `file`.")
+        file_id = new_id("file-")
         try:
             async with asyncio.timeout(self._upload_timeout):
-                purpose, name, content = await self._form(request)
-        except TimeoutError:
-            raise RequestTimeout("The file did not arrive in time.") from None
-        if purpose != "batch":
-            raise BadRequest("Only files of purpose `batch` are kept here.", param="purpose")
-        if content is None:
-            raise BadRequest("The form has no `file` part.", param="file")
-        stored = await asyncio.to_thread(
-            self._store.put_file,
-            new_id("file-"),
-            tenant,
-            purpose,
-            name,
-            content,
-            self._cfg.result_ttl_s,
-        )
+                purpose, name = await self._form(request, file_id, tenant)
+            if purpose != "batch":
+                raise BadRequest("Only files of purpose `batch` are kept here.", param="purpose")
+            if name is None:
+                raise BadRequest("The form has no `file` part.", param="file")
+        except BaseException as exc:
+            await asyncio.to_thread(self._store.drop_parts, file_id, tenant)
+            if isinstance(exc, TimeoutError):
+                raise RequestTimeout("The file did not arrive in time.") from None
+            raise
+        ttl = self._cfg.result_ttl_s
+        stored = await asyncio.to_thread(self._store.seal_file, file_id, tenant, purpose, name, ttl)
         return _json(file_json(stored))
 
-    async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
-        purpose, name, content = None, "upload.jsonl", None
+    async def _form(
+        self, request: web.Request, file_id: str, tenant: str | None
+    ) -> tuple[str | None, str | None]:
+        """The form's purpose and file name (None: no file), the file stored."""
+        purpose, name = None, None
         form = await request.multipart()
         async for part in form:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                name = part.filename or name
-                content = await self._bounded(part)
-        return purpose, name, content
+                purpose = (await part.read_chunk(_PURPOSE_BYTES)).decode("utf-8", "replace")
+                purpose = purpose.strip()
+            elif part.name == "file" and name is None:
+                name = part.filename or "upload.jsonl"
+                await self._store_parts(part, file_id, tenant)
+        return purpose, name
 
-    async def _bounded(self, part: BodyPartReader) -> bytes:
-        most = self._cfg.max_file_bytes
-        data = bytearray()
-        while chunk := await part.read_chunk(_UPLOAD_CHUNK):
-            data += chunk
-            if len(data) > most:
-                raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
-        return bytes(data)
+    async def _store_parts(self, part: BodyPartReader, file_id: str, tenant: str | None) -> None:
+        """Store the file part `_PIECE_BYTES` at a time; 413 past `max_file_bytes` or
+        past the tenant's `max_tenant_file_bytes`."""
+        cfg, bodies = self._cfg, self._body.bodies
+        most, held = cfg.max_file_bytes, _PIECE_BYTES + _UPLOAD_CHUNK
+        size, n, piece = 0, 0, bytearray()
+        bodies.take(held)
+        try:
+            while chunk := await part.read_chunk(_UPLOAD_CHUNK):
+                size += len(chunk)
+                if size > most:
+                    raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
+                piece += chunk
+                if len(piece) >= _PIECE_BYTES:
+                    await self._put_part(file_id, tenant, n, piece)
+                    n, piece = n + 1, bytearray()
+            if piece:
+                await self._put_part(file_id, tenant, n, piece)
+        finally:
+            bodies.give(held)
+
+    async def _put_part(self, file_id: str, tenant: str | None, n: int, piece: bytearray) -> None:
+        cfg = self._cfg
+        quota = cfg.max_tenant_file_bytes
+        if not await asyncio.to_thread(
+            self._store.put_part, file_id, tenant, n, bytes(piece), cfg.result_ttl_s, quota
+        ):
+            raise PayloadTooLarge(
+                f"The files uploaded under this tenant would pass the jobs' "
+                f"max_tenant_file_bytes quota of {quota} bytes: delete some first."
+            )
 
     async def _file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(file_json(await _found(request, tenant, self._store.file, "file")))

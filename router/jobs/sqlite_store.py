@@ -59,6 +59,15 @@ CREATE TABLE IF NOT EXISTS files (
     content BLOB NOT NULL,
     expires REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS file_parts (
+    file_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    tenant TEXT,
+    data BLOB NOT NULL,
+    expires REAL NOT NULL,
+    PRIMARY KEY (file_id, n)
+);
+CREATE INDEX IF NOT EXISTS file_parts_of_tenant ON file_parts (tenant, expires);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
     tenant TEXT,
@@ -89,6 +98,11 @@ _AFTER = (
     "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ? AND tenant IS ?))"
 )
 _BATCH = ", ".join(Batch._fields)
+#: a file's size: what it holds, and the pieces it was uploaded in
+_SIZE = (
+    "length(content) + "
+    "(SELECT coalesce(sum(length(data)), 0) FROM file_parts WHERE file_id = files.id)"
+)
 
 
 class SqliteJobStore:
@@ -218,7 +232,7 @@ class SqliteJobStore:
         with self._transaction() as db:
             return sum(
                 db.execute(f"DELETE FROM {table} WHERE expires < ?", (now,)).rowcount
-                for table in ("jobs", "batches", "files")
+                for table in ("jobs", "batches", "files", "file_parts")
             )
 
     # files
@@ -243,25 +257,77 @@ class SqliteJobStore:
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None:
         with closing(self._connect()) as db:
             row = db.execute(
-                "SELECT id, purpose, filename, created, length(content) FROM files "
+                f"SELECT id, purpose, filename, created, {_SIZE} FROM files "
                 "WHERE id = ? AND tenant IS ?",
                 (file_id, tenant),
             ).fetchone()
         return None if row is None else StoredFile(*row)
+
+    def put_part(
+        self, file_id: str, tenant: str | None, n: int, data: bytes, ttl_s: float, quota: int
+    ) -> bool:
+        """Keep piece `n` of an upload (seen once `seal_file` ends it); False, keeping
+        nothing, if the tenant's uploads would then pass `quota` bytes."""
+        now = time.time()
+        with self._transaction() as db:
+            (used,) = db.execute(
+                "SELECT coalesce(sum(length(data)), 0) FROM file_parts "
+                "WHERE tenant IS ? AND expires >= ?",
+                (tenant, now),
+            ).fetchone()
+            if used + len(data) > quota:
+                return False
+            db.execute(
+                "INSERT INTO file_parts (file_id, n, tenant, data, expires) VALUES (?, ?, ?, ?, ?)",
+                (file_id, n, tenant, data, now + ttl_s),
+            )
+        return True
+
+    def seal_file(
+        self, file_id: str, tenant: str | None, purpose: str, filename: str, ttl_s: float
+    ) -> StoredFile:
+        """The upload whose pieces `put_part` kept, now a file (they expire with it)."""
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO files (id, tenant, purpose, filename, created, content, expires) "
+                "VALUES (?, ?, ?, ?, ?, x'', ?)",
+                (file_id, tenant, purpose, filename, now, now + ttl_s),
+            )
+            db.execute(
+                "UPDATE file_parts SET expires = ? WHERE file_id = ?", (now + ttl_s, file_id)
+            )
+            (size,) = db.execute(
+                "SELECT coalesce(sum(length(data)), 0) FROM file_parts WHERE file_id = ?",
+                (file_id,),
+            ).fetchone()
+        return StoredFile(file_id, purpose, filename, now, size)
+
+    def drop_parts(self, file_id: str, tenant: str | None) -> None:
+        """Forget an upload that did not end."""
+        with closing(self._connect()) as db:
+            db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
 
     def content(self, file_id: str, tenant: str | None) -> bytes | None:
         with closing(self._connect()) as db:
             row = db.execute(
                 "SELECT content FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant)
             ).fetchone()
-        return None if row is None else row[0]
+            if row is None:
+                return None
+            content = bytearray(row[0])
+            for (data,) in db.execute(
+                "SELECT data FROM file_parts WHERE file_id = ? ORDER BY n", (file_id,)
+            ):
+                content += data
+        return content
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int
     ) -> Page[StoredFile]:
         with closing(self._connect()) as db:
             rows = db.execute(
-                "SELECT id, purpose, filename, created, length(content) FROM files WHERE "
+                f"SELECT id, purpose, filename, created, {_SIZE} FROM files WHERE "
                 f"tenant IS ? AND (? IS NULL OR purpose = ?) AND {_AFTER.format(table='files')} "
                 "ORDER BY created DESC, id DESC LIMIT ?",
                 (tenant, purpose, purpose, after, after, tenant, limit + 1),
@@ -271,6 +337,8 @@ class SqliteJobStore:
     def delete_file(self, file_id: str, tenant: str | None) -> bool:
         with closing(self._connect()) as db:
             gone = db.execute("DELETE FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant))
+            if gone.rowcount == 1:
+                db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
         return gone.rowcount == 1
 
     # batches

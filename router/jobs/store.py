@@ -155,6 +155,20 @@ class JobStore(Protocol):
         ttl_s: float,
     ) -> StoredFile: ...
 
+    def put_part(
+        self, file_id: str, tenant: str | None, n: int, data: bytes, ttl_s: float, quota: int
+    ) -> bool:
+        """Keep piece `n` of an upload, unseen until `seal_file`; False, keeping
+        nothing, if the tenant's uploads would then pass `quota` bytes."""
+
+    def seal_file(
+        self, file_id: str, tenant: str | None, purpose: str, filename: str, ttl_s: float
+    ) -> StoredFile:
+        """The upload whose pieces `put_part` kept, now a file (they expire with it)."""
+
+    def drop_parts(self, file_id: str, tenant: str | None) -> None:
+        """Forget an upload that did not end."""
+
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None: ...
 
     def content(self, file_id: str, tenant: str | None) -> bytes | None: ...

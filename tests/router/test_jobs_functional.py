@@ -307,6 +307,53 @@ async def test_an_upload_past_max_file_bytes_is_refused(tmp_path: Path) -> None:
         assert small.bytes == 10_000
 
 
+async def test_an_upload_is_stored_as_it_arrives_within_the_tenants_quota(
+    tmp_path: Path,
+) -> None:
+    """While a file is still arriving its first pieces are already in the store (only
+    a piece is held in memory); the tenant's uploads stop at max_tenant_file_bytes."""
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"),
+            "max_tenant_file_bytes": 5_000_000}  # fmt: skip
+    held = asyncio.Event()
+
+    async def form():
+        yield b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        yield b"Content-Type: application/jsonl\r\n\r\n"
+        for _ in range(30):
+            yield b"x" * 100_000
+        await held.wait()
+        yield b"\r\n--b--\r\n"
+
+    async with jobs_router(tmp_path, jobs=jobs) as (router, oai), aiohttp.ClientSession() as http:
+        headers = {"Content-Type": "multipart/form-data; boundary=b"}
+        upload = asyncio.create_task(
+            http.post(router.url + "/v1/files", data=form(), headers=headers)
+        )
+        db = sqlite3.connect(tmp_path / "jobs.db")
+        with closing(db):
+            await until(
+                lambda: db.execute("SELECT count(*) FROM file_parts").fetchone()[0] >= 2,
+                timeout=10,
+            )
+        assert router.ingress.bodies.held <= (1 << 20) + (1 << 16)
+        held.set()
+        async with await upload as r:
+            assert r.status == 200, await r.text()
+            first = await r.json()
+        assert first["bytes"] == 3_000_000
+        with pytest.raises(Exception) as refused:
+            await oai.files.create(file=("b.jsonl", io.BytesIO(b"y" * 2_500_000)), purpose="batch")
+        assert getattr(refused.value, "status_code", None) == 413
+        assert "max_tenant_file_bytes quota of 5000000 bytes" in str(refused.value)
+        await oai.files.delete(first["id"])
+        again = await oai.files.create(
+            file=("b.jsonl", io.BytesIO(b"y" * 2_500_000)), purpose="batch"
+        )
+        assert again.bytes == 2_500_000
+        assert (await oai.files.content(again.id)).content == b"y" * 2_500_000
+
+
 async def test_cancel_drops_the_lines_not_started(tmp_path: Path) -> None:
     stub = StubBackend()
     stub.behaviour.gate = asyncio.Event()  # the lines started run until it is set

@@ -255,3 +255,20 @@ def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> N
     late = new_batch(CHAT, "file-1", None, 1, [], 60)
     store.put_batch(late, "t", lines_of(1))
     assert store.batches("u", late.id, 10) == ([], False)  # another tenant's as the cursor
+
+
+def test_an_upload_is_kept_piece_by_piece_within_the_tenants_quota(store: JobStore) -> None:
+    assert store.put_part("file-a", "t", 0, b"x" * 600, 60, quota=1000)
+    assert store.file("file-a", "t") is None  # not a file until sealed
+    assert store.put_part("file-a", "t", 1, b"y" * 300, 60, quota=1000)
+    assert not store.put_part("file-b", "t", 0, b"z" * 200, 60, quota=1000)  # 1100 > 1000
+    assert store.put_part("file-b", "u", 0, b"z" * 200, 60, quota=1000)  # another tenant's
+    sealed = store.seal_file("file-a", "t", "batch", "a.jsonl", 60)
+    assert (sealed.size, store.file("file-a", "t").size) == (900, 900)
+    assert bytes(store.content("file-a", "t")) == b"x" * 600 + b"y" * 300
+    assert [f.id for f in store.files("t", None, None, 10).items] == ["file-a"]
+    assert store.content("file-a", "u") is None
+    assert store.delete_file("file-a", "t")  # frees its bytes
+    assert store.put_part("file-c", "t", 0, b"z" * 1000, 60, quota=1000)
+    store.drop_parts("file-c", "t")  # an upload that failed frees its bytes too
+    assert store.put_part("file-d", "t", 0, b"z" * 1000, 60, quota=1000)
