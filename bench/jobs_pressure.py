@@ -10,8 +10,10 @@ and stamps every event. Then, in turn:
 
 One row each: the probe's largest gap between two events before (baseline) and during
 the step, how much larger it got (the stall), the worker's RSS before and at its peak
-(sampled with psutil every 10 ms), and the answers. The probe runs in a process of its
-own, so the bench's own uploads never delay its clock.
+(sampled with psutil every 10 ms), the worst lag the router saw on its own event loop
+(its `kvroute_event_loop_lag_seconds` histogram, as a bucket's bound: the probe's gaps
+also take in the simulator's and the probe's own scheduling), and the answers. The
+probe runs in a process of its own, so the bench's own uploads never delay its clock.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ class Step(msgspec.Struct, frozen=True):
     stall_ms: float
     rss_before_mb: float
     rss_peak_mb: float
+    #: the router's own look at its loop: the worst lateness of its 4-a-second timer
+    #: during the step, as the upper bound of its histogram bucket
+    loop_lag_ms: float
     answers: list[int]
     took_s: float
 
@@ -110,6 +115,24 @@ class _Rss:
             self._thread.join()
 
 
+async def _lag_buckets(http: aiohttp.ClientSession, url: str) -> dict[float, float]:
+    """The router's event-loop lag histogram: count at or under each bound, seconds."""
+    async with http.get(url + "/metrics") as r:
+        text = await r.text()
+    found = {}
+    for line in text.splitlines():
+        if line.startswith("kvroute_event_loop_lag_seconds_bucket{"):
+            bound = line.split('le="', 1)[1].split('"', 1)[0]
+            found[float(bound)] = float(line.rsplit(" ", 1)[1])
+    return found
+
+
+def _worst_lag(before: dict[float, float], after: dict[float, float]) -> float:
+    """The smallest bound that holds every lag observed between two scrapes, ms."""
+    total = after[float("inf")] - before[float("inf")]
+    return 1000 * min(b for b in after if after[b] - before[b] >= total)
+
+
 def _max_gap(stamps: list[float], start: float, end: float) -> float:
     """The largest gap between two events, counting those whose gap ends within it."""
     gaps = [b - a for a, b in itertools.pairwise(stamps) if start <= b <= end + 1]
@@ -158,11 +181,12 @@ async def run(args: argparse.Namespace) -> int:
             async with replicas(command, "/ready", 1) as [(url, pid)]:
                 steps = await _steps(args, url, pid)
     print(f"{'step':<8} {'gap before':>10} {'gap during':>10} {'stall':>8} "
-          f"{'RSS before':>10} {'RSS peak':>9}  answers")  # fmt: skip
+          f"{'RSS before':>10} {'RSS peak':>9} {'loop lag':>9}  answers")  # fmt: skip
     for s in steps:
         print(
             f"{s.name:<8} {s.baseline_gap_ms:>8.1f}ms {s.gap_ms:>8.1f}ms {s.stall_ms:>6.1f}ms "
-            f"{s.rss_before_mb:>8.0f}MB {s.rss_peak_mb:>7.0f}MB  {s.answers} in {s.took_s:.1f}s"
+            f"{s.rss_before_mb:>8.0f}MB {s.rss_peak_mb:>7.0f}MB <={s.loop_lag_ms:>5.0f}ms  "
+            f"{s.answers} in {s.took_s:.1f}s"
         )
     if args.out is not None:
         args.out.write_bytes(msgspec.json.encode({"steps": steps, "argv": sys.argv[1:]}))
@@ -174,7 +198,7 @@ async def _steps(args: argparse.Namespace, url: str, pid: int) -> list[Step]:
     stop, stamps = ctx.Event(), ctx.Queue()
     probe = ctx.Process(target=_probe, args=(url, stop, stamps), daemon=True)
     probe.start()
-    windows: list[tuple[str, float, float, float, float, list[int]]] = []
+    windows: list[tuple[str, float, float, float, float, float, list[int]]] = []
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             await asyncio.sleep(3)  # the probe streaming: the baseline
@@ -183,11 +207,13 @@ async def _steps(args: argparse.Namespace, url: str, pid: int) -> list[Step]:
                 ("uploads", lambda: _uploads(http, url, args.uploads, args.upload_mb)),
             ]
             for name, action in actions:
+                lags = await _lag_buckets(http, url)
                 with _Rss(pid) as rss:
                     before, start = rss.now(), time.time()
                     answers = await action()
                     end = time.time()
-                windows.append((name, start, end, before, rss.peak, answers))
+                lag = _worst_lag(lags, await _lag_buckets(http, url))
+                windows.append((name, start, end, before, rss.peak, lag, answers))
                 await asyncio.sleep(2)
     finally:
         stop.set()
@@ -203,10 +229,11 @@ async def _steps(args: argparse.Namespace, url: str, pid: int) -> list[Step]:
             max(0.0, gap - baseline),
             before,
             peak,
+            lag,
             answers,
             end - start,
         )
-        for name, start, end, before, peak, answers in windows
+        for name, start, end, before, peak, lag, answers in windows
     ]
 
 
