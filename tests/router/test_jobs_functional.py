@@ -253,7 +253,7 @@ async def test_a_batch_input_file_is_checked_in_slices_between_other_requests(
             gc.unfreeze()
         assert batch.status == "failed"
         assert [e.line for e in batch.errors.data] == [50_001]
-        assert max(gaps) < took / 3, (max(gaps), took)
+        assert max(gaps) < took / 2, (max(gaps), took)  # one blocking check: ~0.8
         many = await oai.files.create(
             file=("many.jsonl", io.BytesIO(b"x\n" * 1_000_000)), purpose="batch"
         )
