@@ -576,8 +576,12 @@ class JobsConfig(_Strict):
     #: an async request's body past this is refused with 413, as the managed endpoint
     #: kvroute is modelled on does (its inline payloads are at most 128,000 bytes)
     max_inline_bytes: Annotated[int, Meta(ge=1)] = 128_000
-    #: a batch input file past this is refused with 413 (it is held in memory to parse)
+    #: a batch input file past this is refused with 413 (an upload is stored a piece at
+    #: a time; a batch holds its file in the body budget while it checks it)
     max_file_bytes: Annotated[int, Meta(ge=1)] = 64 << 20
+    #: the bytes of the files each tenant (or token without one) may have uploaded and
+    #: not yet expired or deleted; an upload past it is refused with 413
+    max_tenant_file_bytes: Annotated[int, Meta(ge=1)] = 1 << 30
     #: lines in one batch input file, as OpenAI's Batch API allows
     max_batch_lines: Annotated[int, Meta(ge=1)] = 50_000
     #: jobs each worker runs at once
@@ -599,14 +603,36 @@ class JobsConfig(_Strict):
     #: `refused_backoff_s`; then its answer is that refusal
     refused_retries: Annotated[int, Meta(ge=0)] = 5
     refused_backoff_s: Seconds = 1.0
-    #: the hosts an async request's webhook (`X-Kvroute-Webhook: URL`) may name; none:
-    #: webhooks are refused (the router would POST wherever a client asked)
+    #: where an async request's webhook (`X-Kvroute-Webhook: URL`) may point, each
+    #: `host:port` (`[v6addr]:port`), or a bare `host` for its scheme's default port
+    #: only (80, 443); none: webhooks are refused (the router would POST wherever a
+    #: client asked). Redirects are never followed.
     webhook_hosts: tuple[str, ...] = ()
     #: deliveries tried again after a failure (each after twice the wait of the one
     #: before, from `webhook_backoff_s`), then the webhook is given up as failed
     webhook_retries: Annotated[int, Meta(ge=0)] = 5
     webhook_backoff_s: Seconds = 1.0
+    #: a delivery's whole time (connect, send, answer); past it, it failed
     webhook_timeout_s: Seconds = 10.0
+    #: deliveries each worker makes at once (a slow receiver holds up only its own)
+    webhook_concurrency: Annotated[int, Meta(ge=1)] = 16
+
+    def __post_init__(self) -> None:
+        for entry in self.webhook_hosts:
+            webhook_target(entry)
+
+
+def webhook_target(entry: str) -> tuple[str, int | None]:
+    """A `webhook_hosts` entry as (host, port; None: the scheme's default); ValueError
+    if it is not `host`, `host:port` or `[v6addr]:port`."""
+    try:
+        url = URL(f"//{entry}")
+        port = url.explicit_port
+    except ValueError:
+        url, port = None, None
+    if url is None or not url.host or url.raw_path not in ("", "/") or url.user is not None:
+        raise ValueError(f"jobs.webhook_hosts: {entry!r} is not host or host:port")
+    return url.host, port
 
 
 class Config(_Strict):

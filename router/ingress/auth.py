@@ -39,6 +39,7 @@ import msgspec
 
 from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
 from router.errors import BadRequest, Unauthorized
+from router.jobs.store import TOKEN_OWNER
 from router.secrets import read_secret
 
 MAX_LIFETIME = 12 * 3600
@@ -47,6 +48,8 @@ _PREFIX = "kvr1"
 _CLOCK_SKEW = 60
 _TENANT = re.compile(TENANT_PATTERN)
 _BASE64URL = re.compile(r"[A-Za-z0-9_-]*")
+#: what a token's jobs namespace digests beside it (no other digest of it matches)
+_OWNER_SALT = b"kvroute jobs owner\0"
 
 
 class _Claims(msgspec.Struct, forbid_unknown_fields=True):
@@ -185,6 +188,17 @@ class Authenticator:
         if tenant is None and self._trust_header:
             return _claim(claimed)
         return tenant
+
+    def owner(self, authorization: str | None, claimed: str | None) -> str | None:
+        """Whose jobs, files and batches a request sees: its tenant, else (auth on, a
+        token that names none) the token's own namespace: a digest of it that no tenant
+        id can spell, so tokens without a tenant never share one. With auth off: the
+        tenant, or None for every client alike."""
+        tenant = self.tenant(authorization, claimed)
+        if tenant is not None or not self.enabled:
+            return tenant
+        digest = hashlib.sha256(_OWNER_SALT + _bytes(bearer(authorization))).hexdigest()
+        return f"{TOKEN_OWNER}{digest[:32]}"
 
     def knows(self, token: str) -> bool:
         """Is `token` one of the static data-plane tokens? (The admin token must not be.)"""

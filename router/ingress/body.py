@@ -72,6 +72,10 @@ class BodyReader:
         bodies.give(reserved - size)
         return b"".join(chunks)
 
+    @property
+    def max_body(self) -> int:
+        return self._max_body
+
     def late(self) -> RequestTimeout:
         return RequestTimeout(f"The request body did not arrive within {self._timeout:g} s.")
 

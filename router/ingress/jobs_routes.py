@@ -1,6 +1,7 @@
 """The job endpoints (with `jobs.enabled`): single async requests, and OpenAI's Files and
-Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone: another
-tenant's job, file or batch is a 404, as an absent one is.
+Batch API as the OpenAI SDK calls them. Each is the caller's tenant's alone (with auth
+on, a token that names no tenant has a namespace of its own: `Authenticator.owner`):
+another's job, file or batch is a 404, as an absent one is.
 
   POST /v1/async/{chat/completions,completions,embeddings}   202, an id and a status URL
        (X-Kvroute-Webhook: URL, to have the status POSTed there when it ends)
@@ -13,7 +14,8 @@ tenant's job, file or batch is a 404, as an absent one is.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+import time
+from collections.abc import Awaitable, Callable, Generator, Mapping
 from typing import Annotated, TypeVar
 
 import msgspec
@@ -23,7 +25,7 @@ from router.config import JobsConfig
 from router.errors import BadRequest, KvrouteError, PayloadTooLarge, RequestTimeout
 from router.ingress.body import BodyReader
 from router.ingress.relay import refused
-from router.jobs.store import JobStore
+from router.jobs.store import Batch, JobStore, Line
 from router.jobs.webhooks import WEBHOOK_HEADER, checked_webhook
 from router.jobs.wire import (
     KINDS,
@@ -31,13 +33,13 @@ from router.jobs.wire import (
     batch_json,
     batches_json,
     checked_body,
+    checking_lines,
     deleted_json,
     file_json,
     files_json,
     job_json,
     new_batch,
     new_id,
-    read_lines,
     write_outputs,
 )
 from router.metrics import Metrics
@@ -47,11 +49,19 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = "application/json"
 _UPLOAD_CHUNK = 1 << 16
+#: an upload is stored in pieces of about this size
+_PIECE_BYTES = 1 << 20
+#: a form's `purpose` past this is cut (it names one of a few purposes)
+_PURPOSE_BYTES = 64
 #: listings' default and largest `limit`, as OpenAI's
 _FILES_LIMIT = (10_000, 10_000)
 _BATCHES_LIMIT = (20, 100)
 #: /v1/async/chat/completions runs /v1/chat/completions later
 _ASYNC = "/v1/async"
+#: the paths under which every answer needs a token
+_ROOTS = (_ASYNC, "/v1/files", "/v1/batches")
+#: the longest a batch input file's check holds the loop at a time, seconds
+_SLICE_S = 0.002
 
 
 class _BatchRequest(msgspec.Struct):
@@ -87,6 +97,23 @@ class JobRoutes:
         self._upload_timeout = upload_timeout
 
     def routes(self) -> list[web.RouteDef]:
+        """The endpoints; then, for a token-holder only, a 405 for a method an endpoint
+        does not take and a 404 for any other path under theirs, so that no one maps
+        the routes without a token."""
+        routes = self._endpoints()
+        methods: dict[str, list[str]] = {}
+        for route in routes:
+            methods.setdefault(route.path, []).append(route.method)
+        wrong = [
+            web.route("*", path, self._guarded(_not_allowed(allowed)))
+            for path, allowed in methods.items()
+        ]
+        unknown = [
+            web.route("*", f"{root}/{{tail:.*}}", self._guarded(_unknown)) for root in _ROOTS
+        ]
+        return [*routes, *wrong, *unknown]
+
+    def _endpoints(self) -> list[web.RouteDef]:
         accept = [web.post(_ASYNC + path[3:], self._guarded(self._accept)) for path in KINDS]
         return [
             *accept,
@@ -158,50 +185,75 @@ class JobRoutes:
     # files
     async def _upload(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         """A batch input file from a multipart form (`purpose`, `file`), as
-        `client.files.create` sends it."""
+        `client.files.create` sends it, stored a piece at a time as it arrives: only a
+        piece is held, in the body budget."""
         if not request.content_type.startswith("multipart/"):
             raise BadRequest("Upload a file as multipart/form-data with `purpose` and `file`.")
+        file_id = new_id("file-")
         try:
             async with asyncio.timeout(self._upload_timeout):
-                purpose, name, content = await self._form(request)
-        except TimeoutError:
-            raise RequestTimeout("The file did not arrive in time.") from None
-        if purpose != "batch":
-            raise BadRequest("Only files of purpose `batch` are kept here.", param="purpose")
-        if content is None:
-            raise BadRequest("The form has no `file` part.", param="file")
-        stored = await asyncio.to_thread(
-            self._store.put_file,
-            new_id("file-"),
-            tenant,
-            purpose,
-            name,
-            content,
-            self._cfg.result_ttl_s,
-        )
+                purpose, name = await self._form(request, file_id, tenant)
+            if purpose != "batch":
+                raise BadRequest("Only files of purpose `batch` are kept here.", param="purpose")
+            if name is None:
+                raise BadRequest("The form has no `file` part.", param="file")
+        except BaseException as exc:
+            await asyncio.to_thread(self._store.drop_parts, file_id, tenant)
+            if isinstance(exc, TimeoutError):
+                raise RequestTimeout("The file did not arrive in time.") from None
+            raise
+        ttl = self._cfg.result_ttl_s
+        stored = await asyncio.to_thread(self._store.seal_file, file_id, tenant, purpose, name, ttl)
         return _json(file_json(stored))
 
-    async def _form(self, request: web.Request) -> tuple[str | None, str, bytes | None]:
-        purpose, name, content = None, "upload.jsonl", None
+    async def _form(
+        self, request: web.Request, file_id: str, tenant: str | None
+    ) -> tuple[str | None, str | None]:
+        """The form's purpose and file name (None: no file), the file stored."""
+        purpose, name = None, None
         form = await request.multipart()
         async for part in form:
             if not isinstance(part, BodyPartReader):
                 continue
             if part.name == "purpose":
-                purpose = (await part.text()).strip()
-            elif part.name == "file":
-                name = part.filename or name
-                content = await self._bounded(part)
-        return purpose, name, content
+                purpose = (await part.read_chunk(_PURPOSE_BYTES)).decode("utf-8", "replace")
+                purpose = purpose.strip()
+            elif part.name == "file" and name is None:
+                name = part.filename or "upload.jsonl"
+                await self._store_parts(part, file_id, tenant)
+        return purpose, name
 
-    async def _bounded(self, part: BodyPartReader) -> bytes:
-        most = self._cfg.max_file_bytes
-        data = bytearray()
-        while chunk := await part.read_chunk(_UPLOAD_CHUNK):
-            data += chunk
-            if len(data) > most:
-                raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
-        return bytes(data)
+    async def _store_parts(self, part: BodyPartReader, file_id: str, tenant: str | None) -> None:
+        """Store the file part `_PIECE_BYTES` at a time; 413 past `max_file_bytes` or
+        past the tenant's `max_tenant_file_bytes`."""
+        cfg, bodies = self._cfg, self._body.bodies
+        most, held = cfg.max_file_bytes, _PIECE_BYTES + _UPLOAD_CHUNK
+        size, n, piece = 0, 0, bytearray()
+        bodies.take(held)
+        try:
+            while chunk := await part.read_chunk(_UPLOAD_CHUNK):
+                size += len(chunk)
+                if size > most:
+                    raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
+                piece += chunk
+                if len(piece) >= _PIECE_BYTES:
+                    await self._put_part(file_id, tenant, n, piece)
+                    n, piece = n + 1, bytearray()
+            if piece:
+                await self._put_part(file_id, tenant, n, piece)
+        finally:
+            bodies.give(held)
+
+    async def _put_part(self, file_id: str, tenant: str | None, n: int, piece: bytearray) -> None:
+        cfg = self._cfg
+        quota = cfg.max_tenant_file_bytes
+        if not await asyncio.to_thread(
+            self._store.put_part, file_id, tenant, n, bytes(piece), cfg.result_ttl_s, quota
+        ):
+            raise PayloadTooLarge(
+                f"The files uploaded under this tenant would pass the jobs' "
+                f"max_tenant_file_bytes quota of {quota} bytes: delete some first."
+            )
 
     async def _file(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(file_json(await _found(request, tenant, self._store.file, "file")))
@@ -238,18 +290,34 @@ class JobRoutes:
         stored = await asyncio.to_thread(store.file, asked.input_file_id, tenant)
         if stored is None or stored.purpose != "batch":
             raise _absent("batch input file", asked.input_file_id)
-        content = await asyncio.to_thread(store.content, asked.input_file_id, tenant)
-        lines, errors = read_lines(content or b"", asked.endpoint, self._cfg.max_batch_lines)
-        metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
-        batch = new_batch(
-            asked.endpoint, asked.input_file_id, metadata, len(lines), errors,
-            self._cfg.result_ttl_s,
-        )  # fmt: skip
-        await asyncio.to_thread(store.put_batch, batch, tenant, [] if errors else lines)
-        if not errors:
+        bodies = self._body.bodies
+        held = min(stored.size, bodies.limit)  # a file larger than the budget runs alone
+        bodies.take(held)
+        try:
+            batch, lines = await self._checked_batch(asked, tenant)
+            await asyncio.to_thread(store.put_batch, batch, tenant, lines)
+        finally:
+            bodies.give(held)
+        if lines:
             self._metrics.jobs_accepted.labels("batch").inc(len(lines))
         self._wake()
         return _json(batch_json(batch))
+
+    async def _checked_batch(
+        self, asked: _BatchRequest, tenant: str | None
+    ) -> tuple[Batch, list[Line]]:
+        """The batch `asked` for, and its input file's lines (none if it failed its
+        check). The file is checked on the loop in slices, between other requests."""
+        content = await asyncio.to_thread(self._store.content, asked.input_file_id, tenant)
+        cfg = self._cfg
+        lines, errors = await _sliced(
+            checking_lines(content or b"", asked.endpoint, cfg.max_batch_lines, self._body.max_body)
+        )
+        metadata = None if asked.metadata is None else msgspec.json.encode(asked.metadata)
+        batch = new_batch(
+            asked.endpoint, asked.input_file_id, metadata, len(lines), errors, cfg.result_ttl_s
+        )
+        return batch, lines
 
     async def _batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
         return _json(batch_json(await _found(request, tenant, self._store.batch, "batch")))
@@ -270,6 +338,36 @@ class JobRoutes:
             ttl = self._cfg.result_ttl_s
             await asyncio.to_thread(store.settle, batch_id, files, write_outputs, ttl)
         return await self._batch(request, tenant)
+
+
+def _not_allowed(
+    allowed: list[str],
+) -> Callable[[web.Request, str | None], Awaitable[web.StreamResponse]]:
+    async def refuse(request: web.Request, _: str | None) -> web.StreamResponse:
+        raise KvrouteError(
+            f"{request.path} takes {', '.join(allowed)}, not {request.method}.", status=405
+        )
+
+    return refuse
+
+
+async def _unknown(request: web.Request, _: str | None) -> web.StreamResponse:
+    raise KvrouteError(f"No endpoint {request.path}.", status=404)
+
+
+async def _sliced(steps: Generator[None, None, T]) -> T:
+    """What `steps` returns, run on the loop in slices of about `_SLICE_S`: other
+    requests run between them, and no thread contends for the GIL meanwhile."""
+    clock = time.perf_counter
+    began = clock()
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+        if clock() - began > _SLICE_S:
+            await asyncio.sleep(0)
+            began = clock()
 
 
 def _json(body: bytes) -> web.Response:

@@ -127,7 +127,7 @@ class HttpIngress:
                 config.jobs,
                 jobs.store,
                 jobs.wake,
-                self._tenant,
+                self._owner,
                 self._body,
                 limits.body_timeout,
                 metrics,
@@ -262,6 +262,11 @@ class HttpIngress:
             except Unauthorized as err:
                 return await refused(request, err)
         return await handler(request)
+
+    def _owner(self, headers: Mapping[str, str]) -> str | None:
+        """Whose jobs, files and batches the request sees (`Authenticator.owner`)."""
+        claimed = headers.get(self._tenant_header) if self._tenant_header else None
+        return self._auth.owner(headers.get("Authorization"), claimed)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)

@@ -162,6 +162,23 @@ redis.call('SREM', ARGV[1] .. 'unsettled', ARGV[8])
 return 1
 """
 
+_PUT_PART = """
+local now = tonumber(ARGV[1])
+for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  redis.call('HDEL', KEYS[2], id)
+end
+redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
+local used = 0
+for _, size in ipairs(redis.call('HVALS', KEYS[2])) do used = used + tonumber(size) end
+local size = string.len(ARGV[2])
+if used + size > tonumber(ARGV[3]) then return 0 end
+redis.call('RPUSH', KEYS[3], ARGV[2])
+redis.call('HINCRBY', KEYS[2], ARGV[5], size)
+redis.call('ZADD', KEYS[1], ARGV[4], ARGV[5])
+for i = 1, 3 do redis.call('PEXPIREAT', KEYS[i], math.floor(tonumber(ARGV[4]) * 1000)) end
+return 1
+"""
+
 
 class RedisJobStore:
     """The jobs in the Redis server `cfg` names."""
@@ -188,10 +205,12 @@ class RedisJobStore:
             self._db.ping()
         except redis.RedisError as exc:
             raise ConfigError(f"jobs.redis: {cfg.url} does not answer: {exc}") from None
-        scripts = (_CLAIM, _RENEW, _FINISH, _RELEASE, _DUE_HOOK, _HOOK_TRIED, _CANCEL, _SETTLE)
+        scripts = (
+            _CLAIM, _RENEW, _FINISH, _RELEASE, _DUE_HOOK, _HOOK_TRIED, _CANCEL, _SETTLE, _PUT_PART,
+        )  # fmt: skip
         (
             self._claim, self._renew, self._finish, self._release, self._due_hook,
-            self._hook_tried, self._cancel, self._settle,
+            self._hook_tried, self._cancel, self._settle, self._put_part,
         ) = (self._db.register_script(s) for s in scripts)  # fmt: skip
 
     def _key(self, kind: str, ident: str) -> str:
@@ -300,21 +319,62 @@ class RedisJobStore:
             tx.execute()
         return StoredFile(file_id, purpose, filename, now, len(content))
 
+    def put_part(
+        self, file_id: str, tenant: str | None, n: int, data: bytes, ttl_s: float, quota: int
+    ) -> bool:
+        """Keep piece `n` of an upload (pieces come in order); False, keeping nothing,
+        if the tenant's uploads would then pass `quota` bytes. What each upload holds
+        is counted per tenant (`uploads:of:`, `upload_bytes:of:`) until it expires."""
+        now = time.time()
+        keys = [self._of("uploads", tenant), self._of("upload_bytes", tenant), self._parts(file_id)]
+        args = [now, data, quota, now + ttl_s, file_id]
+        return self._put_part(keys=keys, args=args) == 1
+
+    def seal_file(
+        self, file_id: str, tenant: str | None, purpose: str, filename: str, ttl_s: float
+    ) -> StoredFile:
+        now = time.time()
+        key, parts = self._key("file", file_id), self._parts(file_id)
+        size = int(self._db.hget(self._of("upload_bytes", tenant), file_id) or 0)
+        fields = {"purpose": purpose, "filename": filename, "created": now, "content": b""}
+        fields |= {"size": size} | ({} if tenant is None else {"tenant": tenant})
+        with self._db.pipeline() as tx:
+            tx.hset(key, mapping=fields)
+            for held in (key, parts):
+                tx.pexpire(held, _ms(ttl_s))
+            tx.zadd(self._of("files", tenant), {file_id: now})
+            tx.execute()
+        return StoredFile(file_id, purpose, filename, now, size)
+
+    def drop_parts(self, file_id: str, tenant: str | None) -> None:
+        with self._db.pipeline() as tx:
+            tx.delete(self._parts(file_id))
+            tx.zrem(self._of("uploads", tenant), file_id)
+            tx.hdel(self._of("upload_bytes", tenant), file_id)
+            tx.execute()
+
+    def _parts(self, file_id: str) -> str:
+        return self._key("file", file_id) + ":parts"
+
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None:
         key = self._key("file", file_id)
         with self._db.pipeline() as tx:
-            tx.hmget(key, ["tenant", "purpose", "filename", "created"])
+            tx.hmget(key, ["tenant", "purpose", "filename", "created", "size"])
             tx.hstrlen(key, "content")
-            (owner, purpose, name, created), size = tx.execute()
+            (owner, purpose, name, created, parts), size = tx.execute()
         if purpose is None or not _owned({b"tenant": owner} if owner else {}, tenant):
             return None
+        size += int(parts or 0)
         return StoredFile(file_id, purpose.decode(), name.decode(), float(created), size)
 
     def content(self, file_id: str, tenant: str | None) -> bytes | None:
         owner, content = self._db.hmget(self._key("file", file_id), ["tenant", "content"])
         if content is None or not _owned({b"tenant": owner} if owner else {}, tenant):
             return None
-        return content
+        whole = bytearray(content)
+        for n in range(self._db.llen(self._parts(file_id))):
+            whole += self._db.lindex(self._parts(file_id), n) or b""
+        return whole
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int
@@ -334,8 +394,10 @@ class RedisJobStore:
         if self.file(file_id, tenant) is None:
             return False
         with self._db.pipeline() as tx:
-            tx.delete(self._key("file", file_id))
+            tx.delete(self._key("file", file_id), self._parts(file_id))
             tx.zrem(self._of("files", tenant), file_id)
+            tx.zrem(self._of("uploads", tenant), file_id)
+            tx.hdel(self._of("upload_bytes", tenant), file_id)
             tx.execute()
         return True
 

@@ -38,7 +38,7 @@ from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError, NoBackendAvailable, Overloaded, StoreUnavailable
 from router.fleet.backends import Fleet
 from router.jobs.faults import GuardedStore, StoreFaults
-from router.jobs.store import Job, JobStore
+from router.jobs.store import Job, JobStore, runs_as
 from router.jobs.webhooks import Deliveries
 from router.jobs.wire import KINDS, new_id, write_outputs
 from router.metrics import Metrics
@@ -105,8 +105,10 @@ class JobRunner:
 
     async def _woken_or(self, seconds: float) -> None:
         """Wait for a job accepted or ended here, or `seconds`."""
+        # not wait_for: on 3.11 it swallows a cancel that lands as the wait ends
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._woken.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self._woken.wait()
 
     async def _claim(self) -> bool:
         """Start the next job if there is room for it (whether one started); when none
@@ -231,7 +233,7 @@ class JobRunner:
             headers,
             started,
             self._now(),
-            job.tenant,
+            runs_as(job.tenant),
             job.id,
         )
         async with self._dispatch.exchange(call) as upstream:

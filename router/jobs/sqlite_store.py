@@ -74,6 +74,15 @@ CREATE TABLE IF NOT EXISTS files (
     content BLOB NOT NULL,
     expires REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS file_parts (
+    file_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    tenant TEXT,
+    data BLOB NOT NULL,
+    expires REAL NOT NULL,
+    PRIMARY KEY (file_id, n)
+);
+CREATE INDEX IF NOT EXISTS file_parts_of_tenant ON file_parts (tenant, expires);
 CREATE TABLE IF NOT EXISTS batches (
     id TEXT PRIMARY KEY,
     tenant TEXT,
@@ -103,13 +112,20 @@ _RESERVE_BYTES = 1 << 20
 _GIVE_BACK_PAGES = 64
 T = TypeVar("T")
 _JOB = ", ".join(Job._fields)
-#: newest first, past the row `after` names: every row when it is NULL, none when no
-#: row has that id (a cursor gone is the end, never the start again); its two
-#: parameters are that id
-_AFTER = "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ?))"
+#: newest first, past the row `after` names: every row when it is NULL, none when the
+#: tenant has no row with that id (a cursor gone, or another tenant's, is the end, never
+#: the start again); its parameters are that id, the id again and the tenant
+_AFTER = (
+    "(? IS NULL OR (created, id) < (SELECT created, id FROM {table} WHERE id = ? AND tenant IS ?))"
+)
 _BATCH = ", ".join(Batch._fields)
 #: what `expire` drops: the tables, each with what else a row must be
-_EXPIRING = (("jobs", " AND batch_id IS NULL"), ("batches", ""), ("files", ""))
+_EXPIRING = (
+    ("jobs", " AND batch_id IS NULL"),
+    ("batches", ""),
+    ("files", ""),
+    ("file_parts", ""),
+)
 #: SQLite's error codes (their names' beginnings), as a client may read them
 _REASONS = (
     ("SQLITE_FULL", "its disk is full"),
@@ -120,6 +136,11 @@ _REASONS = (
     ("SQLITE_READONLY", "its database is read-only"),
     ("SQLITE_CANTOPEN", "its database cannot be opened"),
     ("SQLITE_IOERR", "its disk failed"),
+)
+#: a file's size: what it holds, and the pieces it was uploaded in
+_SIZE = (
+    "length(content) + "
+    "(SELECT coalesce(sum(length(data)), 0) FROM file_parts WHERE file_id = files.id)"
 )
 
 
@@ -378,35 +399,94 @@ class SqliteJobStore:
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None:
         with closing(self._connect()) as db:
             row = db.execute(
-                "SELECT id, purpose, filename, created, length(content) FROM files "
+                f"SELECT id, purpose, filename, created, {_SIZE} FROM files "
                 "WHERE id = ? AND tenant IS ?",
                 (file_id, tenant),
             ).fetchone()
         return None if row is None else StoredFile(*row)
+
+    def put_part(
+        self, file_id: str, tenant: str | None, n: int, data: bytes, ttl_s: float, quota: int
+    ) -> bool:
+        """Keep piece `n` of an upload (seen once `seal_file` ends it); False, keeping
+        nothing, if the tenant's uploads would then pass `quota` bytes."""
+        self._room()
+        now = time.time()
+        with self._transaction() as db:
+            (used,) = db.execute(
+                "SELECT coalesce(sum(length(data)), 0) FROM file_parts "
+                "WHERE tenant IS ? AND expires >= ?",
+                (tenant, now),
+            ).fetchone()
+            if used + len(data) > quota:
+                return False
+            db.execute(
+                "INSERT INTO file_parts (file_id, n, tenant, data, expires) VALUES (?, ?, ?, ?, ?)",
+                (file_id, n, tenant, data, now + ttl_s),
+            )
+        return True
+
+    def seal_file(
+        self, file_id: str, tenant: str | None, purpose: str, filename: str, ttl_s: float
+    ) -> StoredFile:
+        """The upload whose pieces `put_part` kept, now a file (they expire with it)."""
+        now = time.time()
+        with self._transaction() as db:
+            db.execute(
+                "INSERT INTO files (id, tenant, purpose, filename, created, content, expires) "
+                "VALUES (?, ?, ?, ?, ?, x'', ?)",
+                (file_id, tenant, purpose, filename, now, now + ttl_s),
+            )
+            db.execute(
+                "UPDATE file_parts SET expires = ? WHERE file_id = ?", (now + ttl_s, file_id)
+            )
+            (size,) = db.execute(
+                "SELECT coalesce(sum(length(data)), 0) FROM file_parts WHERE file_id = ?",
+                (file_id,),
+            ).fetchone()
+        return StoredFile(file_id, purpose, filename, now, size)
+
+    def drop_parts(self, file_id: str, tenant: str | None) -> None:
+        """Forget an upload that did not end, on a full disk too."""
+        query = "DELETE FROM file_parts WHERE file_id = ?"
+        self._freeing(lambda db: db.execute(query, (file_id,)).rowcount)
 
     def content(self, file_id: str, tenant: str | None) -> bytes | None:
         with closing(self._connect()) as db:
             row = db.execute(
                 "SELECT content FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant)
             ).fetchone()
-        return None if row is None else row[0]
+            if row is None:
+                return None
+            content = bytearray(row[0])
+            for (data,) in db.execute(
+                "SELECT data FROM file_parts WHERE file_id = ? ORDER BY n", (file_id,)
+            ):
+                content += data
+        return content
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int
     ) -> Page[StoredFile]:
         with closing(self._connect()) as db:
             rows = db.execute(
-                "SELECT id, purpose, filename, created, length(content) FROM files WHERE "
+                f"SELECT id, purpose, filename, created, {_SIZE} FROM files WHERE "
                 f"tenant IS ? AND (? IS NULL OR purpose = ?) AND {_AFTER.format(table='files')} "
                 "ORDER BY created DESC, id DESC LIMIT ?",
-                (tenant, purpose, purpose, after, after, limit + 1),
+                (tenant, purpose, purpose, after, after, tenant, limit + 1),
             ).fetchall()
         return Page([StoredFile(*r) for r in rows[:limit]], len(rows) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None) -> bool:
-        """Drop the tenant's file, on a full disk too."""
-        query = "DELETE FROM files WHERE id = ? AND tenant IS ?"
-        return self._freeing(lambda db: db.execute(query, (file_id, tenant)).rowcount) == 1
+        """Drop the tenant's file and the pieces it was uploaded in, on a full disk too."""
+
+        def drop(db: sqlite3.Connection) -> int:
+            gone = db.execute("DELETE FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant))
+            if gone.rowcount == 1:
+                db.execute("DELETE FROM file_parts WHERE file_id = ?", (file_id,))
+            return gone.rowcount
+
+        return self._freeing(drop) == 1
 
     # batches
     def put_batch(self, batch: Batch, tenant: str | None, lines: Sequence[Line]) -> None:
@@ -440,7 +520,7 @@ class SqliteJobStore:
             rows = db.execute(
                 f"SELECT {_BATCH} FROM batches WHERE tenant IS ? AND "
                 f"{_AFTER.format(table='batches')} ORDER BY created DESC, id DESC LIMIT ?",
-                (tenant, after, after, limit + 1),
+                (tenant, after, after, tenant, limit + 1),
             ).fetchall()
             return Page([_counted(db, Batch(*r)) for r in rows[:limit]], len(rows) > limit)
 

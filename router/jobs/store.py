@@ -20,6 +20,14 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 
 #: a batch's states before it ends (OpenAI's names)
 OPEN_BATCH = ("in_progress", "cancelling")
+#: starts the owner of what a token without a tenant stores (no tenant id spells it)
+TOKEN_OWNER = "~token/"
+
+
+def runs_as(owner: str | None) -> str | None:
+    """The tenant a job runs as: its owner, unless that is a token's own namespace
+    (such a token names no tenant, and its digest stays out of metrics and logs)."""
+    return None if owner is not None and owner.startswith(TOKEN_OWNER) else owner
 
 
 class Job(NamedTuple):
@@ -158,6 +166,20 @@ class JobStore(Protocol):
         content: bytes,
         ttl_s: float,
     ) -> StoredFile: ...
+
+    def put_part(
+        self, file_id: str, tenant: str | None, n: int, data: bytes, ttl_s: float, quota: int
+    ) -> bool:
+        """Keep piece `n` of an upload, unseen until `seal_file`; False, keeping
+        nothing, if the tenant's uploads would then pass `quota` bytes."""
+
+    def seal_file(
+        self, file_id: str, tenant: str | None, purpose: str, filename: str, ttl_s: float
+    ) -> StoredFile:
+        """The upload whose pieces `put_part` kept, now a file (they expire with it)."""
+
+    def drop_parts(self, file_id: str, tenant: str | None) -> None:
+        """Forget an upload that did not end."""
 
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None: ...
 

@@ -17,48 +17,69 @@ import aiohttp
 from yarl import URL
 
 from router import log
-from router.config import JobsConfig
+from router.config import JobsConfig, webhook_target
 from router.errors import BadRequest
 from router.jobs.store import Job, JobStore
 from router.jobs.wire import job_json
 from router.metrics import Metrics
 
 WEBHOOK_HEADER = "X-Kvroute-Webhook"
+#: where a bare host of `webhook_hosts` may be reached
+_DEFAULT_PORTS = {"http": 80, "https": 443}
 
 
 def checked_webhook(url: str, cfg: JobsConfig) -> str:
-    """`url`, if the router may POST there: http(s), to a host `webhook_hosts` names;
-    else BadRequest."""
+    """`url`, if the router may POST there: http(s), to a host and port that
+    `webhook_hosts` names; else BadRequest."""
     try:
-        parsed = URL(url)
+        parsed = URL(url) if url.isascii() and url.isprintable() else None
     except ValueError:
         parsed = None
-    if parsed is None or parsed.scheme not in ("http", "https") or not parsed.host:
+    if parsed is None or parsed.scheme not in _DEFAULT_PORTS or not parsed.host:
         raise BadRequest(f"{WEBHOOK_HEADER} must be an http(s) URL.", param=WEBHOOK_HEADER)
-    if parsed.host not in cfg.webhook_hosts:
+    allowed = {webhook_target(entry) for entry in cfg.webhook_hosts}
+    default = parsed.port == _DEFAULT_PORTS[parsed.scheme]
+    if (parsed.host, parsed.port) not in allowed and not (
+        default and (parsed.host, None) in allowed
+    ):
         raise BadRequest(
-            f"{WEBHOOK_HEADER}: {parsed.host!r} is not among the jobs' webhook_hosts.",
+            f"{WEBHOOK_HEADER}: {parsed.host}:{parsed.port} is not among the jobs' webhook_hosts.",
             param=WEBHOOK_HEADER,
         )
     return url
 
 
 class Deliveries:
-    """Delivers the due webhooks, one at a time per worker."""
+    """Delivers the due webhooks, `webhook_concurrency` at a time per worker."""
 
     def __init__(self, cfg: JobsConfig, store: JobStore, metrics: Metrics) -> None:
         self._cfg = cfg
         self._store = store
         self._metrics = metrics
         self._session: aiohttp.ClientSession | None = None
+        self._sending: set[asyncio.Task] = set()
 
     async def deliver_due(self) -> bool:
-        """Try the next due webhook, if there is one (whether there was)."""
-        cfg = self._cfg
-        lease = cfg.webhook_timeout_s * 2
-        job = await asyncio.to_thread(self._store.due_hook, lease)
+        """Start delivering the next due webhook, if there is one (whether there was),
+        once fewer than `webhook_concurrency` deliveries are under way here."""
+        while len(self._sending) >= self._cfg.webhook_concurrency:
+            await asyncio.wait(self._sending, return_when=asyncio.FIRST_COMPLETED)
+        job = await asyncio.to_thread(self._store.due_hook, self._cfg.webhook_timeout_s * 2)
         if job is None:
             return False
+        task = asyncio.create_task(self._deliver(job), name=f"kvroute-webhook-{job.id}")
+        self._sending.add(task)
+        task.add_done_callback(self._sent)
+        return True
+
+    def _sent(self, task: asyncio.Task) -> None:
+        self._sending.discard(task)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.requests_failed.warning("a webhook's delivery failed: %r", exc)
+
+    async def _deliver(self, job: Job) -> None:
+        """One attempt, and what it came to (delivered, to retry, or given up)."""
+        cfg = self._cfg
         delivered = await self._post(job)
         tries = job.hook_attempts + 1
         if delivered:
@@ -71,7 +92,6 @@ class Deliveries:
             result = "retried"
         await asyncio.to_thread(self._store.hook_tried, job.id, state, wait)
         self._metrics.webhooks.labels(result).inc()
-        return True
 
     async def _post(self, job: Job) -> bool:
         if self._session is None:
@@ -80,11 +100,20 @@ class Deliveries:
         body = job_json(job._replace(webhook=None), f"/v1/async/{job.id}")
         headers = {"Content-Type": "application/json", "X-Kvroute-Job": job.id}
         try:
-            async with self._session.post(job.webhook, data=body, headers=headers) as r:
+            async with (
+                asyncio.timeout(self._cfg.webhook_timeout_s),
+                self._session.post(
+                    job.webhook, data=body, headers=headers, allow_redirects=False
+                ) as r,
+            ):
                 return 200 <= r.status < 300
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
 
     async def close(self) -> None:
+        """Stop the deliveries under way (each stays due: it is tried again)."""
+        for task in self._sending:
+            task.cancel()
+        await asyncio.gather(*self._sending, return_exceptions=True)
         if self._session is not None:
             await self._session.close()

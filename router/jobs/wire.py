@@ -4,9 +4,11 @@ batch and async job objects. Bodies go through as raw JSON, never re-encoded."""
 
 from __future__ import annotations
 
+import re
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from typing import NamedTuple
 
 import msgspec
 
@@ -23,8 +25,11 @@ KINDS = {
 #: the one completion window OpenAI's Batch API accepts
 WINDOW = "24h"
 _WINDOW_S = 86_400
-#: errors listed for a batch that failed its check; the count says how many in all
+#: errors listed for a batch that failed its check (the check stops there)
 _ERRORS_LISTED = 100
+#: the most bytes one step of a batch input file's check scans for a line's bounds
+_SCAN_BYTES = 1 << 20
+_TEXT = re.compile(rb"\S")
 
 
 def new_id(prefix: str) -> str:
@@ -52,33 +57,115 @@ def checked_body(kind: Kind, body: bytes) -> None:
         )
 
 
-def read_lines(content: bytes, endpoint: str, most: int) -> tuple[list[Line], list[dict]]:
+def read_lines(
+    content: bytes | bytearray, endpoint: str, most: int, longest: int
+) -> tuple[list[Line], list[dict]]:
+    """`checking_lines` run to its end at once (for callers off the event loop)."""
+    steps = checking_lines(content, endpoint, most, longest)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
+
+
+def checking_lines(
+    content: bytes | bytearray, endpoint: str, most: int, longest: int
+) -> Generator[None, None, tuple[list[Line], list[dict]]]:
     """A batch input file's lines as jobs, or the errors that fail the batch (OpenAI's
-    error objects, with the 1-based line number)."""
+    error objects, with the 1-based line number). It yields between bounded steps, so
+    that the event loop can run it in slices: no step scans more than a window or a
+    line of at most `longest` bytes. A file of more than `most` requests fails on
+    that alone, before any line is parsed; past `_ERRORS_LISTED` errors the check
+    stops (the first ones are reported, as OpenAI does)."""
+    count = 0
+    for span in _spans(content, longest):
+        if span is not None:
+            count += 1
+            if count > most:
+                return [], [_error("too_many_requests", f"At most {most} requests a batch.", None)]
+        yield
+    if count == 0:
+        return [], [_error("empty_file", "The input file has no request.", None)]
     lines: list[Line] = []
     errors: list[dict] = []
     seen: set[str] = set()
-    kind = KINDS[endpoint]
-    for number, raw in enumerate(content.splitlines(), 1):
-        if not raw.strip():
+    view = memoryview(content)
+    for span in _spans(content, longest):
+        yield
+        if span is None:
             continue
-        try:
-            line = _LINE.decode(raw)
-            _check_line(line, endpoint, seen)
-            checked_body(kind, bytes(line.body))
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            errors.append(_error("invalid_json_line", f"Line is not a request: {exc}", number))
+        number, start, end = span
+        if end < 0:
+            line = _error("invalid_request", f"Line is over {longest} bytes.", number)
+        else:
+            line = _read_line(view[start:end], endpoint, seen, number)
+        if isinstance(line, dict):
+            errors.append(line)
+            if len(errors) == _ERRORS_LISTED:
+                break
+        elif not errors:  # once the batch fails, its lines are not kept
+            lines.append(Line(new_id("batch_req_"), line.custom_id, endpoint, line.body))
+    return ([], errors) if errors else (lines, [])
+
+
+class _Checked(NamedTuple):
+    custom_id: str
+    body: bytes
+
+
+def _read_line(raw: memoryview, endpoint: str, seen: set[str], number: int) -> _Checked | dict:
+    """One input line as a request the batch can run, or its error."""
+    try:
+        line = _LINE.decode(raw)
+        _check_line(line, endpoint, seen)
+        body = bytes(line.body)
+        checked_body(KINDS[endpoint], body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        return _error("invalid_json_line", f"Line is not a request: {exc}", number)
+    except KvrouteError as err:
+        return _error("invalid_request", err.message, number)
+    seen.add(line.custom_id)
+    return _Checked(line.custom_id, body)
+
+
+def _spans(
+    content: bytes | bytearray, longest: int
+) -> Generator[tuple[int, int, int] | None, None, None]:
+    """(line number, start, end) of each line that is not blank (end -1: longer than
+    `longest`), and None after each bounded scan of blank bytes or of a long line."""
+    size, pos, number = len(content), 0, 1
+    while pos < size:
+        text = _TEXT.search(content, pos, pos + _SCAN_BYTES)
+        if text is None:
+            stop = min(pos + _SCAN_BYTES, size)
+            number += content.count(b"\n", pos, stop)
+            pos = stop
+            yield None
             continue
-        except KvrouteError as err:
-            errors.append(_error("invalid_request", err.message, number))
-            continue
-        seen.add(line.custom_id)
-        lines.append(Line(new_id("batch_req_"), line.custom_id, endpoint, bytes(line.body)))
-    if not lines and not errors:
-        errors.append(_error("empty_file", "The input file has no request.", None))
-    if len(lines) + len(errors) > most:
-        errors.append(_error("too_many_requests", f"At most {most} requests a batch.", None))
-    return lines, errors
+        start = text.start()
+        number += content.count(b"\n", pos, start)
+        end = content.find(b"\n", start, start + longest + 1)
+        if end < 0 and size - start <= longest:
+            end = size
+        if end >= 0:
+            yield number, start, end
+        else:
+            yield number, start, -1
+            end = yield from _line_end(content, start + longest)
+        pos, number = end + 1, number + 1
+
+
+def _line_end(content: bytes | bytearray, pos: int) -> Generator[None, None, int]:
+    """Where the line running through `pos` ends, found a bounded scan at a time."""
+    size = len(content)
+    while pos < size:
+        end = content.find(b"\n", pos, pos + _SCAN_BYTES)
+        if end >= 0:
+            return end
+        pos += _SCAN_BYTES
+        yield None
+    return size
 
 
 def _check_line(line: _InputLine, endpoint: str, seen: set[str]) -> None:

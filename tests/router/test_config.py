@@ -382,3 +382,12 @@ def test_check_warns_when_kv_events_cannot_match_the_tokenizer(
     res = _kvroute("serve", "--check", "-c", str(path))
     assert res.returncode == 0, res.stderr
     assert ("no prompt will match them" in res.stderr) is warned
+
+
+def test_webhook_hosts_are_host_or_host_and_port() -> None:
+    base = {"backends": [{"url": "http://127.0.0.1:8000"}]}
+    hosts = ["hooks.example", "hooks.example:8443", "[::1]:9000"]
+    assert build({**base, "jobs": {"webhook_hosts": hosts}}).jobs.webhook_hosts == tuple(hosts)
+    for bad in ("hooks.example/path", "hooks.example:port", "user@hooks.example:1", ""):
+        with pytest.raises(ConfigError, match="webhook_hosts"):
+            build({**base, "jobs": {"webhook_hosts": [bad]}})

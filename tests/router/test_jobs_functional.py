@@ -5,9 +5,12 @@ SIGKILL mid-job whose next start finishes it."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import io
+import sqlite3
+import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, closing
 from pathlib import Path
 
 import aiohttp
@@ -16,17 +19,21 @@ import psutil
 import pytest
 import yaml
 from openai import AsyncOpenAI
+from yarl import URL
 
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
-from router.config import build
+from router.config import JobsConfig, build
 from router.control.worker import Router
+from router.errors import BadRequest
+from router.jobs.webhooks import checked_webhook
 from tests.redis_server import redis_server
 from tests.router.chaos import until
 from tests.router.test_signals_functional import kvroute
 from tests.stub_backend import StubBackend
 
 MODEL = "sim-llama-70b"
+WEBHOOK = "X-Kvroute-Webhook"
 CHAT = "/v1/async/chat/completions"
 
 
@@ -211,6 +218,51 @@ async def test_a_malformed_input_file_fails_the_batch_with_its_lines(tmp_path: P
         assert (await oai.batches.retrieve(batch.id)).status == "failed"
 
 
+async def test_a_batch_input_file_is_checked_in_slices_between_other_requests(
+    tmp_path: Path,
+) -> None:
+    """A long check (many good lines, then a bad one) runs on the loop in slices: a
+    ticker on the same loop never waits for a large share of it. A file past the line
+    limit fails on that alone, whatever its lines hold."""
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "max_batch_lines": 60_000,
+            "poll_s": 0.05}  # fmt: skip
+    async with jobs_router(tmp_path, jobs=jobs) as (_, oai):
+        content = batch_file(50_000) + b"{bad\n"
+        uploaded = await oai.files.create(file=("in.jsonl", io.BytesIO(content)), purpose="batch")
+        gaps: list[float] = []
+        checking = True
+
+        async def tick() -> None:
+            while checking:
+                began = time.perf_counter()
+                await asyncio.sleep(0.001)
+                gaps.append(time.perf_counter() - began)
+
+        gc.collect()
+        gc.freeze()  # as `kvroute serve` does once started: the test's heap is not scanned
+        try:
+            ticker = asyncio.create_task(tick())
+            began = time.perf_counter()
+            batch = await oai.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            took = time.perf_counter() - began
+            checking = False
+            await ticker
+        finally:
+            gc.unfreeze()
+        assert batch.status == "failed"
+        assert [e.line for e in batch.errors.data] == [50_001]
+        assert max(gaps) < took / 2, (max(gaps), took)  # one blocking check: ~0.8
+        many = await oai.files.create(
+            file=("many.jsonl", io.BytesIO(b"x\n" * 1_000_000)), purpose="batch"
+        )
+        batch = await oai.batches.create(
+            input_file_id=many.id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        assert [e.code for e in batch.errors.data] == ["too_many_requests"]
+
+
 async def test_batch_and_file_refusals(tmp_path: Path) -> None:
     async with jobs_router(tmp_path) as (router, oai), aiohttp.ClientSession() as http:
         uploaded = await oai.files.create(
@@ -253,6 +305,53 @@ async def test_an_upload_past_max_file_bytes_is_refused(tmp_path: Path) -> None:
         assert getattr(refused.value, "status_code", None) == 413
         small = await oai.files.create(file=("a.jsonl", io.BytesIO(b"x" * 10_000)), purpose="batch")
         assert small.bytes == 10_000
+
+
+async def test_an_upload_is_stored_as_it_arrives_within_the_tenants_quota(
+    tmp_path: Path,
+) -> None:
+    """While a file is still arriving its first pieces are already in the store (only
+    a piece is held in memory); the tenant's uploads stop at max_tenant_file_bytes."""
+    jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"),
+            "max_tenant_file_bytes": 5_000_000}  # fmt: skip
+    held = asyncio.Event()
+
+    async def form():
+        yield b'--b\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        yield b'--b\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        yield b"Content-Type: application/jsonl\r\n\r\n"
+        for _ in range(30):
+            yield b"x" * 100_000
+        await held.wait()
+        yield b"\r\n--b--\r\n"
+
+    async with jobs_router(tmp_path, jobs=jobs) as (router, oai), aiohttp.ClientSession() as http:
+        headers = {"Content-Type": "multipart/form-data; boundary=b"}
+        upload = asyncio.create_task(
+            http.post(router.url + "/v1/files", data=form(), headers=headers)
+        )
+        db = sqlite3.connect(tmp_path / "jobs.db")
+        with closing(db):
+            await until(
+                lambda: db.execute("SELECT count(*) FROM file_parts").fetchone()[0] >= 2,
+                timeout=10,
+            )
+        assert router.ingress.bodies.held <= (1 << 20) + (1 << 16)
+        held.set()
+        async with await upload as r:
+            assert r.status == 200, await r.text()
+            first = await r.json()
+        assert first["bytes"] == 3_000_000
+        with pytest.raises(Exception) as refused:
+            await oai.files.create(file=("b.jsonl", io.BytesIO(b"y" * 2_500_000)), purpose="batch")
+        assert getattr(refused.value, "status_code", None) == 413
+        assert "max_tenant_file_bytes quota of 5000000 bytes" in str(refused.value)
+        await oai.files.delete(first["id"])
+        again = await oai.files.create(
+            file=("b.jsonl", io.BytesIO(b"y" * 2_500_000)), purpose="batch"
+        )
+        assert again.bytes == 2_500_000
+        assert (await oai.files.content(again.id)).content == b"y" * 2_500_000
 
 
 async def test_cancel_drops_the_lines_not_started(tmp_path: Path) -> None:
@@ -328,16 +427,22 @@ async def test_an_accepted_job_survives_kill_9_and_completes_after_restart(
 
 
 @asynccontextmanager
-async def receiver(answers: list[int]) -> AsyncIterator[tuple[str, list[dict], asyncio.Event]]:
+async def receiver(
+    answers: list[int], location: str | None = None, gate: asyncio.Event | None = None
+) -> AsyncIterator[tuple[str, list[dict], asyncio.Event]]:
     """A webhook receiver on 127.0.0.1: answers `answers` in turn (then 200), keeps the
-    bodies; the event is set on each delivery."""
+    bodies; the event is set on each delivery. `location`: sent with each answer (a
+    redirect's target); `gate`: each answer waits until it is set."""
     got: list[dict] = []
     arrived = asyncio.Event()
 
     async def hook(request: aiohttp.web.Request) -> aiohttp.web.Response:
         got.append(await request.json())
         arrived.set()
-        return aiohttp.web.Response(status=answers.pop(0) if answers else 200)
+        if gate is not None:
+            await gate.wait()
+        headers = {} if location is None else {"Location": location}
+        return aiohttp.web.Response(status=answers.pop(0) if answers else 200, headers=headers)
 
     app = aiohttp.web.Application()
     app.router.add_post("/hook", hook)
@@ -352,9 +457,11 @@ async def receiver(answers: list[int]) -> AsyncIterator[tuple[str, list[dict], a
         await runner.cleanup()
 
 
-def with_hooks(tmp_path: Path, **hooks) -> dict:
+def with_hooks(tmp_path: Path, url: str, **hooks) -> dict:
+    """Jobs that may POST webhooks to `url`'s host and port."""
     jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05}
-    return {**jobs, "webhook_hosts": ["127.0.0.1"], "webhook_backoff_s": 0.05, **hooks}
+    allowed = [URL(url).raw_authority]
+    return {**jobs, "webhook_hosts": allowed, "webhook_backoff_s": 0.05, **hooks}
 
 
 async def test_a_webhook_gets_the_jobs_status_and_is_retried_until_it_takes(
@@ -362,7 +469,7 @@ async def test_a_webhook_gets_the_jobs_status_and_is_retried_until_it_takes(
 ) -> None:
     async with (
         receiver([500]) as (url, got, _),
-        jobs_router(tmp_path, jobs=with_hooks(tmp_path)) as (router, _),
+        jobs_router(tmp_path, jobs=with_hooks(tmp_path, url)) as (router, _),
         aiohttp.ClientSession() as http,
     ):
         headers = {"X-Kvroute-Webhook": url}
@@ -387,10 +494,9 @@ async def test_a_webhook_gets_the_jobs_status_and_is_retried_until_it_takes(
 
 
 async def test_a_webhook_refused_every_time_is_given_up(tmp_path: Path) -> None:
-    jobs = with_hooks(tmp_path, webhook_retries=1)
     async with (
         receiver([500, 503, 500]) as (url, got, _),
-        jobs_router(tmp_path, jobs=jobs) as (router, _),
+        jobs_router(tmp_path, jobs=with_hooks(tmp_path, url, webhook_retries=1)) as (router, _),
         aiohttp.ClientSession() as http,
     ):
         headers = {"X-Kvroute-Webhook": url}
@@ -412,6 +518,79 @@ async def test_a_webhook_to_a_host_not_allowed_is_refused(tmp_path: Path) -> Non
             async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
                 assert r.status == 400
                 assert (await r.json())["error"]["param"] == "X-Kvroute-Webhook"
+
+
+async def test_a_webhook_must_name_an_allowed_port_and_redirects_are_not_followed(
+    tmp_path: Path,
+) -> None:
+    """Only the host and port allowed take a webhook (not another port of the same
+    host: the router's own, or another receiver's), a bare host allows its scheme's
+    default port only, and a redirect elsewhere is a failed delivery, its target never
+    POSTed to."""
+    async with (
+        receiver([]) as (elsewhere, stolen, _),
+        receiver([307], location=elsewhere) as (url, got, _),
+        jobs_router(tmp_path, jobs=with_hooks(tmp_path, url, webhook_retries=0)) as (router, _),
+        aiohttp.ClientSession() as http,
+    ):
+        post = router.url + CHAT
+        for hook in (router.url + "/v1/files", elsewhere):
+            async with http.post(post, json=chat_body(1), headers={WEBHOOK: hook}) as r:
+                assert r.status == 400, hook
+                assert (
+                    "is not among the jobs' webhook_hosts" in (await r.json())["error"]["message"]
+                )
+        async with http.post(post, json=chat_body(1), headers={WEBHOOK: url}) as r:
+            assert r.status == 202
+            status_url = router.url + (await r.json())["status_url"]
+        async with asyncio.timeout(20):
+            while (job := await (await http.get(status_url)).json())["webhook"]["state"] in (
+                "waiting", "pending",
+            ):  # fmt: skip
+                await asyncio.sleep(0.05)
+    assert (job["webhook"]["state"], len(got), stolen) == ("failed", 1, [])
+    bare = JobsConfig(webhook_hosts=("hooks.example",))
+    assert checked_webhook("https://hooks.example/x", bare)
+    assert checked_webhook("http://hooks.example:80/x", bare)
+    with pytest.raises(BadRequest):
+        checked_webhook("http://hooks.example:8080/x", bare)
+
+
+async def test_a_slow_receiver_does_not_hold_up_another_jobs_webhook(tmp_path: Path) -> None:
+    gate = asyncio.Event()
+    async with (
+        receiver([], gate=gate) as (slow, slow_got, slow_arrived),
+        receiver([]) as (fast, fast_got, fast_arrived),
+    ):
+        jobs = with_hooks(tmp_path, slow, webhook_timeout_s=60)
+        jobs["webhook_hosts"].append(URL(fast).raw_authority)
+        async with jobs_router(tmp_path, jobs=jobs) as (router, _), aiohttp.ClientSession() as http:
+            for hook, arrived in ((slow, slow_arrived), (fast, fast_arrived)):
+                headers = {WEBHOOK: hook}
+                async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
+                    assert r.status == 202
+                async with asyncio.timeout(15):  # the slow one is still being answered
+                    await arrived.wait()
+            assert not gate.is_set() and len(slow_got) == len(fast_got) == 1
+            gate.set()
+
+
+async def test_a_webhook_url_that_is_not_utf8_is_a_400(tmp_path: Path) -> None:
+    jobs = with_hooks(tmp_path, "http://127.0.0.1/hook")  # the host, bare: its port 80
+    async with jobs_router(tmp_path, jobs=jobs) as (router, _):
+        raw = (
+            b"POST " + CHAT.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+            b"\r\nX-Kvroute-Webhook: http://127.0.0.1/h\xff\xfe\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%b"
+        )
+        body = orjson.dumps(chat_body(1))
+        reader, writer = await asyncio.open_connection("127.0.0.1", URL(router.url).port)
+        writer.write(raw % (len(body), body))
+        answer = await reader.read()
+        writer.close()
+    head, _, payload = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), answer
+    assert orjson.loads(payload)["error"]["param"] == WEBHOOK
 
 
 async def test_two_replicas_share_their_jobs_through_redis(tmp_path: Path) -> None:
@@ -528,6 +707,67 @@ async def test_with_auth_on_every_job_path_needs_a_token_and_tenants_are_kept_ap
                     completion_window="24h",
                 )
             assert getattr(refused.value, "status_code", None) == 404
+
+
+async def test_unknown_job_paths_and_methods_need_a_token_first(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KV_JOBS_TOKENS", "token-a team-a")
+    auth = {"enabled": True, "tokens_env": "KV_JOBS_TOKENS"}
+    unknown = [("GET", "/v1/files/file-x/y"), ("POST", "/v1/async/chat/other"),
+               ("GET", "/v1/batches/b/cancel/x"), ("GET", "/v1/async/a/b")]  # fmt: skip
+    wrong = [("PUT", "/v1/files"), ("DELETE", "/v1/batches/b"), ("GET", CHAT),
+             ("POST", "/v1/files/file-x/content")]  # fmt: skip
+    async with jobs_router(tmp_path, auth=auth) as (router, _), aiohttp.ClientSession() as http:
+        for method, path in unknown + wrong:
+            async with http.request(method, router.url + path) as r:
+                assert r.status == 401, (method, path)
+        token = {"Authorization": "Bearer token-a"}
+        for (method, path), status in [(u, 404) for u in unknown] + [(w, 405) for w in wrong]:
+            async with http.request(method, router.url + path, headers=token) as r:
+                assert r.status == status, (method, path)
+                assert (await r.json())["error"]["code"] == status
+
+
+async def test_tokens_that_name_no_tenant_do_not_share_jobs_files_or_batches(
+    tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.setenv("KV_JOBS_TOKENS", "token-c,token-d")
+    auth = {"enabled": True, "tokens_env": "KV_JOBS_TOKENS"}
+    async with jobs_router(tmp_path, auth=auth) as (router, _), aiohttp.ClientSession() as http:
+        c, d = ({"Authorization": f"Bearer token-{x}"} for x in "cd")
+        async with http.post(router.url + CHAT, json=chat_body(1), headers=c) as r:
+            status_url = router.url + (await r.json())["status_url"]
+        c_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-c", max_retries=0)
+        d_sdk = AsyncOpenAI(base_url=router.url + "/v1", api_key="token-d", max_retries=0)
+        async with c_sdk, d_sdk:
+            uploaded = await c_sdk.files.create(
+                file=("in.jsonl", io.BytesIO(batch_file(1))), purpose="batch"
+            )
+            batch = await c_sdk.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            assert [f.id async for f in d_sdk.files.list()] == []
+            assert [b.id async for b in d_sdk.batches.list()] == []
+            for method, path in (
+                ("GET", status_url.removeprefix(router.url)),
+                ("GET", f"/v1/files/{uploaded.id}"),
+                ("GET", f"/v1/files/{uploaded.id}/content"),
+                ("DELETE", f"/v1/files/{uploaded.id}"),
+                ("GET", f"/v1/batches/{batch.id}"),
+                ("POST", f"/v1/batches/{batch.id}/cancel"),
+            ):
+                async with http.request(method, router.url + path, headers=d) as r:
+                    assert r.status == 404, path
+            assert (await finished(http, status_url, headers=c))["status"] == "succeeded"
+            assert (await c_sdk.files.retrieve(uploaded.id)).id == uploaded.id
+            assert (await wait_batch(c_sdk, batch.id)).status == "completed"
+        sample = router.metrics.registry.get_sample_value
+        assert sample("kvroute_jobs_ended_total", {"outcome": "succeeded"}) == 2
+    db = sqlite3.connect(tmp_path / "jobs.db")
+    with closing(db):
+        owners = {row[0] for row in db.execute("SELECT tenant FROM files")}
+    assert len(owners) == 1 and not any("token-c" in o for o in owners)
 
 
 async def test_the_sdk_lists_batches_and_files_and_deletes_a_file(tmp_path: Path) -> None:

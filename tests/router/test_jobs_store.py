@@ -20,6 +20,7 @@ from tests.redis_server import redis_server
 
 CHAT = "/v1/chat/completions"
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hi"}]}'
+LONGEST = 1 << 20
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +94,7 @@ def test_release_puts_a_stopping_workers_jobs_back(store: JobStore) -> None:
 
 def test_single_jobs_go_before_batch_lines_then_oldest_first(store: JobStore) -> None:
     lines, errors = read_lines(b'{"custom_id":"a","method":"POST","url":"%b","body":%b}' % (
-        CHAT.encode(), BODY), CHAT, 10)  # fmt: skip
+        CHAT.encode(), BODY), CHAT, 10, LONGEST)  # fmt: skip
     assert not errors
     store.put_batch(new_batch(CHAT, "file-1", None, 1, [], 60), None, lines)
     store.put("late", None, CHAT, BODY)
@@ -113,7 +114,7 @@ def test_a_batch_settles_once_when_its_last_line_ends(store: JobStore) -> None:
         b'{"custom_id":"c%d","method":"POST","url":"%b","body":%b}' % (i, CHAT.encode(), BODY)
         for i in range(3)
     )
-    lines, _ = read_lines(text, CHAT, 10)
+    lines, _ = read_lines(text, CHAT, 10, LONGEST)
     batch = new_batch(CHAT, "file-1", None, 3, [], 60)
     store.put_batch(batch, "t", lines)
     files = ("file-out", "file-err")
@@ -159,7 +160,7 @@ def lines_of(n: int) -> list:
         b'{"custom_id":"c%d","method":"POST","url":"%b","body":%b}' % (i, CHAT.encode(), BODY)
         for i in range(n)
     )
-    return read_lines(text, CHAT, 100)[0]
+    return read_lines(text, CHAT, 100, LONGEST)[0]
 
 
 def test_cancel_drops_the_waiting_lines_and_the_running_one_ends_the_batch(
@@ -228,6 +229,10 @@ def test_files_are_listed_newest_first_page_by_page_and_deleted(store: JobStore)
     assert not store.delete_file("file-4", "t")
     assert store.file("file-4", "t") is None
     assert [f.id for f in store.files("t", None, None, 1).items] == ["file-3"]
+    time.sleep(0.002)
+    store.put_file("file-late", "t", "batch", "l.jsonl", b"", 60)
+    # another tenant's file as the cursor is as good as a lost one
+    assert store.files("u", None, "file-late", 10) == ([], False)
 
 
 def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> None:
@@ -245,6 +250,11 @@ def test_batches_are_listed_newest_first_with_their_counts(store: JobStore) -> N
     assert ([b.id for b in last.items], last.more) == ([ids[0]], False)
     assert last.items[0].completed == 1  # the first batch's first line, done
     assert store.batches("u", None, 10) == ([], False)
+    store.put_batch(new_batch(CHAT, "file-1", None, 1, [], 60), "u", lines_of(1))
+    time.sleep(0.002)
+    late = new_batch(CHAT, "file-1", None, 1, [], 60)
+    store.put_batch(late, "t", lines_of(1))
+    assert store.batches("u", late.id, 10) == ([], False)  # another tenant's as the cursor
 
 
 def test_a_line_that_ended_early_keeps_its_answer_until_its_batch_ends(store: JobStore) -> None:
@@ -262,3 +272,20 @@ def test_a_line_that_ended_early_keeps_its_answer_until_its_batch_ends(store: Jo
     ended = store.batch(batch.id, None)
     assert (ended.status, ended.completed, ended.failed) == ("completed", 3, 0)
     assert store.content("file-out", None).count(b"\n") == 3
+
+
+def test_an_upload_is_kept_piece_by_piece_within_the_tenants_quota(store: JobStore) -> None:
+    assert store.put_part("file-a", "t", 0, b"x" * 600, 60, quota=1000)
+    assert store.file("file-a", "t") is None  # not a file until sealed
+    assert store.put_part("file-a", "t", 1, b"y" * 300, 60, quota=1000)
+    assert not store.put_part("file-b", "t", 0, b"z" * 200, 60, quota=1000)  # 1100 > 1000
+    assert store.put_part("file-b", "u", 0, b"z" * 200, 60, quota=1000)  # another tenant's
+    sealed = store.seal_file("file-a", "t", "batch", "a.jsonl", 60)
+    assert (sealed.size, store.file("file-a", "t").size) == (900, 900)
+    assert bytes(store.content("file-a", "t")) == b"x" * 600 + b"y" * 300
+    assert [f.id for f in store.files("t", None, None, 10).items] == ["file-a"]
+    assert store.content("file-a", "u") is None
+    assert store.delete_file("file-a", "t")  # frees its bytes
+    assert store.put_part("file-c", "t", 0, b"z" * 1000, 60, quota=1000)
+    store.drop_parts("file-c", "t")  # an upload that failed frees its bytes too
+    assert store.put_part("file-d", "t", 0, b"z" * 1000, 60, quota=1000)
