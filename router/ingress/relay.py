@@ -12,7 +12,7 @@ either when the client accepts a coding the router offers (router/ingress/compre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Mapping
 from typing import Protocol
 
 from aiohttp import web
@@ -30,8 +30,8 @@ from router.errors import (
 )
 from router.ingress.compression import Coding, StreamEncoder
 from router.ingress.usage_strip import WithoutUsage
-from router.upstream.chunked import payload
 from router.upstream.proxy import Sink, Upstream, forward_headers
+from router.upstream.relay import TransformingSink
 
 BACKEND_HEADER = "x-kvroute-backend"
 POOL_HEADER = "x-kvroute-pool"
@@ -142,29 +142,18 @@ class EncodedReply:
         await self._reply.end()
 
 
-class EncodedSink:
-    """A Sink that compresses what it passes to `inner`: each chunk flushed on its own,
-    and the reads the relay forwards as the backend framed them decoded first (each
-    holds whole chunks), since the encoder takes the payload."""
+class EncodedSink(TransformingSink):
+    """A Sink that compresses what it passes to `inner`, each chunk flushed on its own."""
 
-    __slots__ = ("_encoder", "_inner")
+    __slots__ = ("_encoder",)
 
     def __init__(self, inner: Sink, encoder: StreamEncoder) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._encoder = encoder
 
     def put(self, chunk: bytes) -> None:
         if chunk:
             self._inner.put(self._encoder.compress(chunk))
-
-    def put_framed(self, chunks: bytes) -> None:
-        self.put(payload(chunks))
-
-    def ready(self) -> bool:
-        return self._inner.ready()
-
-    def on_ready(self, callback: Callable[[], None] | None) -> None:
-        self._inner.on_ready(callback)
 
 
 def compressible(headers: Mapping[str, str]) -> bool:

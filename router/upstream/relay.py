@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from router.upstream.body import BodyReader
+from router.upstream.chunked import payload
 from router.upstream.clock import BodyClock
 from router.upstream.failures import BackendBroke
 
@@ -32,6 +33,29 @@ class Sink(Protocol):
 
     def on_ready(self, callback: Callable[[], None] | None) -> None:
         """Call `callback` when the client's buffer drains again (None: stop)."""
+
+
+class TransformingSink:
+    """A Sink that passes what it is given to `inner` changed (its subclass's `put`):
+    the reads the relay forwards as the backend framed them are decoded first (each
+    holds whole chunks), since the change applies to the payload; `inner` frames it."""
+
+    __slots__ = ("_inner",)
+
+    def __init__(self, inner: Sink) -> None:
+        self._inner = inner
+
+    def put(self, chunk: bytes) -> None:
+        raise NotImplementedError
+
+    def put_framed(self, chunks: bytes) -> None:
+        self.put(payload(chunks))
+
+    def ready(self) -> bool:
+        return self._inner.ready()
+
+    def on_ready(self, callback: Callable[[], None] | None) -> None:
+        self._inner.on_ready(callback)
 
 
 class Relay:

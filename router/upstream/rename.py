@@ -17,8 +17,7 @@ from collections.abc import Callable
 
 import orjson
 
-from router.upstream.chunked import payload
-from router.upstream.relay import Sink
+from router.upstream.relay import Sink, TransformingSink
 
 
 class ModelRename:
@@ -54,29 +53,18 @@ class ModelRename:
         return self.whole(rest)
 
 
-class RenamingSink:
-    """A Sink that renames the model in what it passes to `inner`: the relay's reads of
-    whole chunks decoded first (their payload is what gets renamed), and `inner`
-    frames what it is given."""
+class RenamingSink(TransformingSink):
+    """A Sink that renames the model in what it passes to `inner`."""
 
-    __slots__ = ("_inner", "_rename")
+    __slots__ = ("_rename",)
 
     def __init__(self, inner: Sink, rename: ModelRename) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._rename = rename
 
     def put(self, chunk: bytes) -> None:
         if out := self._rename.feed(chunk):
             self._inner.put(out)
-
-    def put_framed(self, chunks: bytes) -> None:
-        self.put(payload(chunks))
-
-    def ready(self) -> bool:
-        return self._inner.ready()
-
-    def on_ready(self, callback: Callable[[], None] | None) -> None:
-        self._inner.on_ready(callback)
 
     def end(self) -> None:
         """The body ended: what it left unterminated goes out."""

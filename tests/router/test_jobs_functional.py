@@ -457,6 +457,16 @@ async def receiver(
         await runner.cleanup()
 
 
+async def webhook_ended(http: aiohttp.ClientSession, status_url: str) -> dict:
+    """The job at `status_url` once its webhook is no longer waiting or pending."""
+    async with asyncio.timeout(20):
+        while (job := await (await http.get(status_url)).json())["webhook"]["state"] in (
+            "waiting", "pending",
+        ):  # fmt: skip
+            await asyncio.sleep(0.05)
+    return job
+
+
 def with_hooks(tmp_path: Path, url: str, **hooks) -> dict:
     """Jobs that may POST webhooks to `url`'s host and port."""
     jobs = {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05}
@@ -502,11 +512,7 @@ async def test_a_webhook_refused_every_time_is_given_up(tmp_path: Path) -> None:
         headers = {"X-Kvroute-Webhook": url}
         async with http.post(router.url + CHAT, json=chat_body(1), headers=headers) as r:
             status_url = router.url + (await r.json())["status_url"]
-        async with asyncio.timeout(20):
-            while (job := await (await http.get(status_url)).json())["webhook"]["state"] in (
-                "waiting", "pending",
-            ):  # fmt: skip
-                await asyncio.sleep(0.05)
+        job = await webhook_ended(http, status_url)
     assert job["webhook"]["state"] == "failed"
     assert job["webhook"]["attempts"] == 2 == len(got)
 
@@ -543,11 +549,7 @@ async def test_a_webhook_must_name_an_allowed_port_and_redirects_are_not_followe
         async with http.post(post, json=chat_body(1), headers={WEBHOOK: url}) as r:
             assert r.status == 202
             status_url = router.url + (await r.json())["status_url"]
-        async with asyncio.timeout(20):
-            while (job := await (await http.get(status_url)).json())["webhook"]["state"] in (
-                "waiting", "pending",
-            ):  # fmt: skip
-                await asyncio.sleep(0.05)
+        job = await webhook_ended(http, status_url)
     assert (job["webhook"]["state"], len(got), stolen) == ("failed", 1, [])
     bare = JobsConfig(webhook_hosts=("hooks.example",))
     assert checked_webhook("https://hooks.example/x", bare)
