@@ -16,10 +16,12 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from policies import Speed
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.breaker import Breaker
 from router.fleet.credentials import NO_REACH, Reach
 from router.fleet.shared_load import LoadTable
+from router.fleet.speeds import SpeedLearner
 
 DEFAULT_BREAKER = BreakerConfig()
 
@@ -41,6 +43,8 @@ class Backend:
         "pool",
         "prefix",
         "slot",
+        "speed",
+        "speed_samples",
         "table",
         "tls",
         "transitions",
@@ -83,6 +87,9 @@ class Backend:
         #: with several workers: the shared table and this backend's slot in it
         self.slot = None if table is None else table.slot(cfg.key, cfg.url)
         self.table = None if self.slot is None else table
+        #: its speed as learned (speeds.py; None: not yet, a policy's configured one holds)
+        self.speed_samples = SpeedLearner(self.table, self.slot)
+        self.speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0
 
