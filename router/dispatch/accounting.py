@@ -124,8 +124,8 @@ class Accounting:
                 self._usage.add(call.tenant or NO_TENANT, model, pool or NO_POOL, *used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
-            if ttft is not None and upstream.streaming:
-                self._learn(attempt, ttft, seconds, used)
+        if ok and ttft is not None and upstream.streaming:
+            self._learn(attempt, ttft, used)
         if trace is not None:
             trace.finish(attempt.status, error, used, name, call.attempts - 1)
         if error is not None:
@@ -160,10 +160,12 @@ class Accounting:
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
 
-    def _learn(self, attempt: Attempt, ttft: float, seconds: float, used: Usage) -> None:
+    def _learn(self, attempt: Attempt, ttft: float, used: Usage) -> None:
         """A whole stream's timings: the answer's length for its model, and its
-        backend's speed (router/fleet/speeds.py) for a policy that weighs speeds."""
-        completion = used.completion or 0
+        backend's speed (router/fleet/speeds.py) for a policy that weighs speeds. The
+        tokens are its usage's, else its events (about one a token)."""
+        events, decoding = attempt.upstream.decoding()
+        completion = used.completion or events
         fleet = self._fleet
         if completion:
             fleet.answers.add(attempt.call.req.model or "", completion)
@@ -171,15 +173,16 @@ class Accounting:
         if prior is None:
             return
         routed, backend = attempt.routed, attempt.backend
-        samples, speed = backend.speed_samples, backend.speed or prior
-        step = speed.decode_step_s + speed.decode_s_per_request * routed.running
+        samples = backend.speed_samples
         if routed.prompt_tokens:
             cached = routed.predicted_cached if used.cached is None else used.cached
-            samples.prefilled(routed.ahead + routed.prompt_tokens - cached, ttft - step)
+            tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
+            samples.prefilled(tokens, ttft, routed.running + 1)
         if completion > MIN_DECODE_TOKENS:
             running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
-            samples.decoded(running, (seconds - ttft) / (completion - 1))
-        backend.speed = samples.learned(prior)
+            beside = samples.prefilled_total() - attempt.prefills_then
+            samples.decoded(running, decoding / (completion - 1), beside / (completion - 1))
+        backend.speed = samples.refreshed(prior, backend.speed)
 
     def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known

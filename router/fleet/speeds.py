@@ -5,12 +5,15 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
 - its prefill rate: each answer's tokens prefilled before its first token (the uncached
   prompt tokens the router had queued there ahead of it, plus its own uncached ones, by
   the answer's `cached_tokens` or else the prediction), over its time to first token
-  less one decode step; only answers with at least `MIN_PREFILL_TOKENS` such tokens
-  count (a short prefill is mostly the step);
+  less one decode step of the batch it joined (the step as learned when the rate is
+  computed, so early samples count at the step learned since); only answers with at
+  least `MIN_PREFILL_TOKENS` such tokens count (a short prefill is mostly the step);
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
-  inter-token gap, against the requests running there while it decoded (the router's
-  in-flight count when it was picked and when it ended), fitted by least squares
-  without the samples far off a first fit.
+  inter-token gap, less its share of the prefills the backend finished meanwhile (the
+  router counts each request's uncached tokens at its first token; chunked prefill put
+  them into this stream's steps) at the learned rate, against the requests running
+  there while it decoded (the router's in-flight count when it was picked and when it
+  ended), fitted by least squares without the samples far off a first fit.
 
 Each figure comes from the last `RING` samples per worker (all workers' together): the
 rate is their median, the line is refit without outliers, so one sample cannot move
@@ -18,7 +21,7 @@ either; until `MIN_SAMPLES` exist the configured speed (the prior) stands, and a
 needs batches that differ by `MIN_SPREAD` requests. With
 several workers the samples live in the shared load table (shared_load.py), each worker
 writing its own column, and a worker recomputes a backend's speed from every worker's
-samples each time it records one of its own: every worker reads the same samples.
+samples every `REFRESH` streams of its own there: every worker reads the same samples.
 """
 
 from __future__ import annotations
@@ -31,17 +34,21 @@ from policies import Speed
 
 #: samples kept per backend per worker, of each kind
 RING = 32
-#: words per backend per worker: [prefills seen, decodes seen, rates..., (running, gap)...]
-WORDS = 2 + 3 * RING
+#: words per backend per worker: [prefills seen, decodes seen, tokens prefilled,
+#: (tokens, seconds, running)..., (running, gap, tokens prefilled per gap)...]
+WORDS = 3 + 6 * RING
 MIN_SAMPLES = 8
+#: a worker computes a backend's speed again after this many of its streams there
+REFRESH = 8
 MIN_PREFILL_TOKENS = 256
 MIN_SPREAD = 4.0
 #: a decode sample needs this many tokens after the first (a gap's mean, not one gap)
 MIN_DECODE_TOKENS = 8
 #: a decode sample further off the first fit than this many median misses is left out
 _TRIM = 4.0
-_RATES = 2
-_GAPS = 2 + RING
+_PREFILLED = 2
+_PREFILLS = 3
+_GAPS = 3 + 3 * RING
 
 
 def speed_prior(params: object) -> Speed | None:
@@ -65,59 +72,98 @@ class SpeedLearner:
     """One backend's samples: this process's own, or every worker's in `table`'s `slot`
     (views taken per use, so that the table can be closed under it)."""
 
-    __slots__ = ("_local", "_slot", "_table")
+    __slots__ = ("_local", "_since", "_slot", "_table")
 
     def __init__(self, table: Columns | None = None, slot: int | None = None) -> None:
         self._table = None if slot is None else table
         self._slot = slot
         self._local = memoryview(array("d", [0.0] * WORDS))
+        #: streams recorded since the speed was last computed
+        self._since = 0
+
+    def refreshed(self, prior: Speed, current: Speed | None) -> Speed | None:
+        """The speed computed again (`learned`) every `REFRESH` streams this worker
+        recorded here (tens of µs each time), else `current` (the last one)."""
+        self._since += 1
+        if current is not None and self._since < REFRESH:
+            return current
+        self._since = 0
+        return self.learned(prior)
 
     def _own(self) -> memoryview:
         if self._table is None:
             return self._local
         return self._table.speed_columns(self._slot)[self._table.worker]
 
-    def prefilled(self, tokens: int, seconds: float) -> None:
-        """`tokens` were prefilled in `seconds` (the first token's wait, less a step)."""
+    def prefilled(self, tokens: int, seconds: float, running: float) -> None:
+        """`tokens` were prefilled before a first token that took `seconds`, in the
+        steps of a batch of `running` requests."""
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             own = self._own()
             seen = int(own[0])
-            own[_RATES + seen % RING] = tokens / seconds
+            i = _PREFILLS + 3 * (seen % RING)
+            own[i], own[i + 1], own[i + 2] = tokens, seconds, running
             own[0] = seen + 1
 
-    def decoded(self, running: float, gap: float) -> None:
-        """A stream decoded at a mean of `gap` seconds a token among `running` requests."""
+    def decoded(self, running: float, gap: float, beside: float = 0.0) -> None:
+        """A stream decoded at a mean of `gap` seconds a token among `running` requests,
+        while the backend prefilled `beside` tokens a token of it."""
         if gap > 0:
             own = self._own()
             seen = int(own[1])
-            i = _GAPS + 2 * (seen % RING)
-            own[i], own[i + 1] = running, gap
+            i = _GAPS + 3 * (seen % RING)
+            own[i], own[i + 1], own[i + 2] = running, gap, beside
             own[1] = seen + 1
+
+    def count_prefilled(self, tokens: int) -> None:
+        """A request's `tokens` uncached prompt tokens were prefilled (its first token)."""
+        if tokens:
+            self._own()[_PREFILLED] += tokens
+
+    def prefilled_total(self) -> float:
+        """Every worker's prefilled tokens here so far."""
+        table = self._table
+        if table is None:
+            return self._local[_PREFILLED]
+        return sum(column[_PREFILLED] for column in table.speed_columns(self._slot))
 
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of
         them; None while every figure is the prior's."""
-        rates, points = self._samples()
-        if len(rates) < MIN_SAMPLES and len(points) < MIN_SAMPLES:
+        prefills, gaps = self._samples()
+        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
             return None
-        rate = statistics.median(rates) if len(rates) >= MIN_SAMPLES else prior[0]
+        # the rate at the prior's step, the step without the prefills beside it at
+        # that rate, then the rate again at that step
+        rate = _rate(prefills, prior[1], prior[2], prior[0])
         step, per_request = prior[1], prior[2]
-        if len(points) >= MIN_SAMPLES:
+        if len(gaps) >= MIN_SAMPLES:
+            points = [(r, g - beside / rate) for r, g, beside in gaps]
             step, per_request = _line(points, per_request)
+            rate = _rate(prefills, step, per_request, prior[0])
         return Speed(rate, step, per_request)
 
-    def _samples(self) -> tuple[list[float], list[tuple[float, float]]]:
-        rates: list[float] = []
-        points: list[tuple[float, float]] = []
+    def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+        prefills: list[tuple[float, ...]] = []
+        gaps: list[tuple[float, ...]] = []
         table = self._table
         columns = [self._local] if table is None else table.speed_columns(self._slot)
         for column in columns:
-            n = min(int(column[0]), RING)
-            rates.extend(column[_RATES : _RATES + n])
-            m = min(int(column[1]), RING)
-            flat = column[_GAPS : _GAPS + 2 * m]
-            points.extend(zip(flat[0::2], flat[1::2], strict=True))
-        return rates, points
+            flat = column[_PREFILLS : _PREFILLS + 3 * min(int(column[0]), RING)]
+            prefills.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+            flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
+            gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+        return prefills, gaps
+
+
+def _rate(
+    prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
+) -> float:
+    """The median of the prefills' rates, each wait less a step of its batch; `prior`
+    until `MIN_SAMPLES` of them."""
+    rates = [t / (s - step - per_request * r) for t, s, r in prefills]
+    rates = [rate for rate in rates if rate > 0]  # a wait shorter than the step: no rate
+    return statistics.median(rates) if len(rates) >= MIN_SAMPLES else prior
 
 
 def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float]:

@@ -10,7 +10,7 @@ import pytest
 
 from policies import Speed
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import MIN_SAMPLES, AnswerLengths, SpeedLearner
+from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner
 
 PRIOR = Speed(10_000.0, 0.025, 0.00015)
 
@@ -18,10 +18,11 @@ PRIOR = Speed(10_000.0, 0.025, 0.00015)
 def observe(learner: SpeedLearner, true: Speed, n: int, rng: random.Random) -> None:
     """`n` requests on a backend of speed `true`, each timing off by up to 3%."""
     for _ in range(n):
-        tokens = rng.randrange(500, 8000)
-        learner.prefilled(tokens, tokens / true.prefill_tokens_per_s * rng.uniform(0.97, 1.03))
         running = rng.randrange(1, 40)
         gap = true.decode_step_s + true.decode_s_per_request * running
+        tokens = rng.randrange(500, 8000)
+        wait = tokens / true.prefill_tokens_per_s * rng.uniform(0.97, 1.03)
+        learner.prefilled(tokens, wait + gap, running)  # its prefill, in one step
         learner.decoded(running, gap * rng.uniform(0.97, 1.03))
 
 
@@ -29,12 +30,23 @@ def close(learned: Speed, true: Speed, within: float) -> bool:
     return all(abs(a - b) <= within * b for a, b in zip(learned, true, strict=True))
 
 
+def test_early_prefills_count_at_the_step_learned_since() -> None:
+    """Prefills timed before the decode step was known are judged by the step learned
+    after them: a fast backend's steps are not taken for the prior's slower ones."""
+    learner = SpeedLearner()
+    for _ in range(MIN_SAMPLES):
+        learner.prefilled(1000, 1000 / 20_000 + 0.005, 1)
+    for _ in range(MIN_SAMPLES):
+        learner.decoded(1, 0.005)
+    assert learner.learned(PRIOR).prefill_tokens_per_s == pytest.approx(20_000)
+
+
 def test_the_prior_holds_until_enough_samples() -> None:
     learner = SpeedLearner()
     assert learner.learned(PRIOR) is None
     observe(learner, Speed(5_000.0, 0.05, 0.0005), MIN_SAMPLES - 1, random.Random(1))
     assert learner.learned(PRIOR) is None
-    learner.prefilled(100, 1.0)  # a short prefill is mostly the step: not a sample
+    learner.prefilled(100, 1.0, 1)  # a short prefill is mostly the step: not a sample
     assert learner.learned(PRIOR) is None
 
 
@@ -54,7 +66,7 @@ def test_one_outlier_cannot_swing_a_figure() -> None:
     learner = SpeedLearner()
     observe(learner, true, 20, rng)
     before = learner.learned(PRIOR)
-    learner.prefilled(8000, 80.0)  # a stall: 100 tokens a second
+    learner.prefilled(8000, 80.0, 2)  # a stall: 100 tokens a second
     learner.decoded(2, 5.0)  # a 5 s gap
     after = learner.learned(PRIOR)
     assert close(after, before, 0.05), (before, after)
@@ -93,3 +105,13 @@ def test_answer_lengths_median_per_model() -> None:
     for _ in range(AnswerLengths.KEPT):
         answers.add("m", 7)
     assert answers.expected("m") == 7  # only the last answers count
+
+
+def test_a_learned_speed_is_computed_again_every_few_streams() -> None:
+    learner = SpeedLearner()
+    observe(learner, Speed(20_000.0, 0.0125, 0.000075), MIN_SAMPLES, random.Random(5))
+    speed = learner.refreshed(PRIOR, None)
+    assert speed is not None
+    stale = Speed(1.0, 1.0, 1.0)
+    assert [learner.refreshed(PRIOR, stale) for _ in range(REFRESH - 1)] == [stale] * (REFRESH - 1)
+    assert learner.refreshed(PRIOR, stale) == speed
