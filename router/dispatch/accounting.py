@@ -177,12 +177,15 @@ class Accounting:
         if routed.prompt_tokens:
             cached = routed.predicted_cached if used.cached is None else used.cached
             tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
-            samples.prefilled(tokens, ttft, routed.running + 1)
+            samples.prefilled(tokens, ttft, routed.running)
         if completion > MIN_DECODE_TOKENS:
             running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
             beside = samples.prefilled_total() - attempt.prefills_then
             samples.decoded(running, decoding / (completion - 1), beside / (completion - 1))
-        backend.speed = samples.refreshed(prior, backend.speed)
+        learned = samples.refreshed(prior, backend.learned_speed)
+        if learned is not backend.learned_speed:
+            backend.learned_speed = learned
+            fleet.lend_speeds()
 
     def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known

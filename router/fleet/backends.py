@@ -27,7 +27,7 @@ from router.fleet.backend import DEFAULT_BREAKER, Backend
 from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import AnswerLengths
+from router.fleet.speeds import AnswerLengths, typical_speed
 from router.fleet.usability import Usability
 
 NO_CREDENTIALS = BackendCredentials()
@@ -72,6 +72,13 @@ class Fleet(Usability):
         #: each model's answers' median length, for requests that name no max_tokens
         self.answers = AnswerLengths()
         self._attach(policy, self.members)
+
+    def lend_speeds(self) -> None:
+        """Each backend's speed for routing: its learned one, else the median of the
+        learned ones (figure by figure; router/fleet/speeds.py)."""
+        typical = typical_speed([b.learned_speed for b in self.members if b.learned_speed])
+        for b in self.members:
+            b.speed = b.learned_speed or typical
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""

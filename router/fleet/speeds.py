@@ -5,9 +5,12 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
 - its prefill rate: each answer's tokens prefilled before its first token (the uncached
   prompt tokens the router had queued there ahead of it, plus its own uncached ones, by
   the answer's `cached_tokens` or else the prediction), over its time to first token
-  less one decode step of the batch it joined (the step as learned when the rate is
-  computed, so early samples count at the step learned since); only answers with at
-  least `MIN_PREFILL_TOKENS` such tokens count (a short prefill is mostly the step);
+  less the step it ran in and, when others were running there, half a step more (it
+  waited for the step in progress to end); the steps as learned when the rate is
+  computed, so early samples count at the step learned since. The samples within a
+  factor `_SPREAD` of their median rate are summed, tokens over seconds (a long
+  prefill weighs more than a short one, mostly the step); only answers with at least
+  `MIN_PREFILL_TOKENS` such tokens count;
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -46,6 +49,8 @@ MIN_SPREAD = 4.0
 MIN_DECODE_TOKENS = 8
 #: a decode sample further off the first fit than this many median misses is left out
 _TRIM = 4.0
+#: a prefill sample whose rate is off the median by more than this factor is left out
+_SPREAD = 3.0
 _PREFILLED = 2
 _PREFILLS = 3
 _GAPS = 3 + 3 * RING
@@ -58,6 +63,13 @@ def speed_prior(params: object) -> Speed | None:
     if rate is None:
         return None
     return Speed(rate, params.decode_step_s, params.decode_s_per_request)
+
+
+def typical_speed(speeds: list[Speed]) -> Speed | None:
+    """The median of `speeds`, figure by figure (None for none)."""
+    if not speeds:
+        return None
+    return Speed(*(statistics.median(figures) for figures in zip(*speeds, strict=True)))
 
 
 class Columns(Protocol):
@@ -96,8 +108,8 @@ class SpeedLearner:
         return self._table.speed_columns(self._slot)[self._table.worker]
 
     def prefilled(self, tokens: int, seconds: float, running: float) -> None:
-        """`tokens` were prefilled before a first token that took `seconds`, in the
-        steps of a batch of `running` requests."""
+        """`tokens` were prefilled before a first token that took `seconds`, with
+        `running` other requests there."""
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             own = self._own()
             seen = int(own[0])
@@ -159,11 +171,21 @@ class SpeedLearner:
 def _rate(
     prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
 ) -> float:
-    """The median of the prefills' rates, each wait less a step of its batch; `prior`
-    until `MIN_SAMPLES` of them."""
-    rates = [t / (s - step - per_request * r) for t, s, r in prefills]
-    rates = [rate for rate in rates if rate > 0]  # a wait shorter than the step: no rate
-    return statistics.median(rates) if len(rates) >= MIN_SAMPLES else prior
+    """The prefills' tokens over their seconds, each wait less the steps it waited
+    for, over the samples within `_SPREAD` of the median rate; `prior` until
+    `MIN_SAMPLES` of them."""
+    timed = []
+    for tokens, seconds, running in prefills:
+        steps = step + per_request * (running + 1)
+        if running:  # the step in progress first, half of it on average
+            steps += (step + per_request * running) / 2
+        if seconds > steps:
+            timed.append((tokens, seconds - steps))
+    if len(timed) < MIN_SAMPLES:
+        return prior
+    median = statistics.median(t / s for t, s in timed)
+    kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]
+    return sum(t for t, _ in kept) / sum(s for _, s in kept)
 
 
 def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float]:

@@ -129,8 +129,8 @@ class BackendCollector:
                 circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
             for to, count in {**dict.fromkeys(_STATES, 0), **b.transitions}.items():
                 changes.add_metric([b.name, to], count)
-            if b.speed is not None:
-                for family, value in zip(speeds, b.speed, strict=True):
+            if b.learned_speed is not None:
+                for family, value in zip(speeds, b.learned_speed, strict=True):
                     family.add_metric([b.name], value)
         return [inflight, up, checks, circuit, changes, *speeds]
 

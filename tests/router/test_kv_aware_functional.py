@@ -347,8 +347,8 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
         stack.push_async_callback(router.stop)
         async with asyncio.timeout(120):
             i = 0
-            while any(
-                b["speed"] is None for b in (await debug_routing(router))["backends"].values()
+            while not all(
+                b["speed_learned"] for b in (await debug_routing(router))["backends"].values()
             ):
                 await overlapping(router, i, 8)
                 i += 8

@@ -22,7 +22,8 @@ def observe(learner: SpeedLearner, true: Speed, n: int, rng: random.Random) -> N
         gap = true.decode_step_s + true.decode_s_per_request * running
         tokens = rng.randrange(500, 8000)
         wait = tokens / true.prefill_tokens_per_s * rng.uniform(0.97, 1.03)
-        learner.prefilled(tokens, wait + gap, running)  # its prefill, in one step
+        joined = gap + true.decode_s_per_request  # the step it ran in, with it
+        learner.prefilled(tokens, wait + gap / 2 + joined, running)  # half a step first
         learner.decoded(running, gap * rng.uniform(0.97, 1.03))
 
 
@@ -35,7 +36,7 @@ def test_early_prefills_count_at_the_step_learned_since() -> None:
     after them: a fast backend's steps are not taken for the prior's slower ones."""
     learner = SpeedLearner()
     for _ in range(MIN_SAMPLES):
-        learner.prefilled(1000, 1000 / 20_000 + 0.005, 1)
+        learner.prefilled(1000, 1000 / 20_000 + 0.005, 0)
     for _ in range(MIN_SAMPLES):
         learner.decoded(1, 0.005)
     assert learner.learned(PRIOR).prefill_tokens_per_s == pytest.approx(20_000)
