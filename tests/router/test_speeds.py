@@ -1,6 +1,7 @@
 """Learned backend speeds from synthetic observations: the prior until enough samples,
 convergence on two speeds, outliers that cannot swing a figure, every worker reading the
-same samples; and the answers' median length per model."""
+same samples, a backend not learned yet borrowing the fleet's typical speed; and the
+answers' median length per model."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import random
 import pytest
 
 from policies import Speed
+from policies.round_robin import RoundRobinParams, RoundRobinPolicy
+from router.config import BackendConfig, BreakerConfig
+from router.fleet.backends import Fleet
 from router.fleet.shared_load import LoadTable
 from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner
 
@@ -116,3 +120,16 @@ def test_a_learned_speed_is_computed_again_every_few_streams() -> None:
     stale = Speed(1.0, 1.0, 1.0)
     assert [learner.refreshed(PRIOR, stale) for _ in range(REFRESH - 1)] == [stale] * (REFRESH - 1)
     assert learner.refreshed(PRIOR, stale) == speed
+
+
+def test_a_backend_not_learned_yet_routes_at_the_fleets_typical_speed() -> None:
+    """At the configured speed beside faster learned ones it would get no streams to
+    learn from: it borrows the median of the learned speeds until it has its own."""
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(4)]
+    fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
+    learned = [Speed(20_000.0, 0.012, 0.0001), Speed(18_000.0, 0.013, 0.0002), None, None]
+    for b, speed in zip(fleet.members, learned, strict=True):
+        b.learned_speed = speed
+    fleet.lend_speeds()
+    typical = Speed(19_000.0, 0.0125, 0.00015)
+    assert [b.speed for b in fleet.members] == learned[:2] + [pytest.approx(typical)] * 2
