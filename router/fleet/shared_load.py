@@ -148,11 +148,12 @@ class LoadTable:
 
     def speed_columns(self, slot: int) -> list[memoryview]:
         """Every worker's samples of the slot's backend's speed, in worker order."""
-        base = slot * self.workers * SPEED_WORDS
-        return [
-            self._speeds[base + w * SPEED_WORDS : base + (w + 1) * SPEED_WORDS]
-            for w in range(self.workers)
-        ]
+        return [self.speed_column(slot, w) for w in range(self.workers)]
+
+    def speed_column(self, slot: int, worker: int) -> memoryview:
+        """One worker's samples of the slot's backend's speed."""
+        start = (slot * self.workers + worker) * SPEED_WORDS
+        return self._speeds[start : start + SPEED_WORDS]
 
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended, its backends went with it."""

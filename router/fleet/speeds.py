@@ -79,6 +79,8 @@ class Columns(Protocol):
 
     def speed_columns(self, slot: int) -> list[memoryview]: ...
 
+    def speed_column(self, slot: int, worker: int) -> memoryview: ...
+
 
 class SpeedLearner:
     """One backend's samples: this process's own, or every worker's in `table`'s `slot`
@@ -105,7 +107,7 @@ class SpeedLearner:
     def _own(self) -> memoryview:
         if self._table is None:
             return self._local
-        return self._table.speed_columns(self._slot)[self._table.worker]
+        return self._table.speed_column(self._slot, self._table.worker)
 
     def prefilled(self, tokens: int, seconds: float, running: float) -> None:
         """`tokens` were prefilled before a first token that took `seconds`, with
