@@ -40,7 +40,7 @@ adds). So a prefix stays where it is cached while staying costs less than moving
 and moves once the holder's batch makes it dearer; an idle backend has no batch to
 harm and its steps are the shortest, so new conversations go there even when all
 share a system prompt the busy ones hold. The minimum wins. Candidates within
-`tie_seconds` of it, or `tie_fraction` of its time to first token, tie; among them the
+`tie_seconds` of it, or `tie_fraction` of its cost but its own decode, tie; among them the
 one holding the longest prefix wins (a hit saves the fleet a prefill), and equal
 holders go to the rendezvous-hash winner of the prompt's first block that none of them
 holds (hashing/rendezvous.py).
@@ -220,8 +220,8 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
 
 #: (estimated cost to the fleet, prompt tokens it need not prefill, backend, of them on
 #: its GPU, tokens it reaches on its GPU and each tier of the request's `Reach`,
-#: cumulative; estimated TTFT)
-_Scored = tuple[float, int, BackendLike, int, tuple[int, ...], float]
+#: cumulative; estimated TTFT; the cost but its own decode)
+_Scored = tuple[float, int, BackendLike, int, tuple[int, ...], float, float]
 
 #: at most this many holders of the longest prefixes are scored (the rest are drawn)
 _HOLDERS = 8
@@ -283,19 +283,20 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
         if self._shared is not None:
             self._adopt_placement(req, fleet, scored, reach)
-        _, covered, backend, cached, _, _ = self._agreed(req, self._ties(scored))
+        _, covered, backend, cached, *_ = self._agreed(req, self._ties(scored))
         self._learn(req, backend, cached)
         self._record(req, backend, scored, reach)
         return Pick(backend, _reason(covered, cached), covered)
 
     def _ties(self, scored: list[_Scored]) -> list[_Scored]:
         """The candidates tied for the lowest cost (within `tie_seconds`, or warm within
-        `tie_fraction` of the best one's TTFT: the decode every candidate adds is no
-        reason to tie wider), narrowed to those of them holding the longest prefix."""
+        `tie_fraction` of the best one's cost but its own decode: the decode every
+        candidate adds is no reason to tie wider), narrowed to those of them holding the
+        longest prefix."""
         p = self.params
         best = min(scored, key=_first)
         warm = any(s[1] for s in scored)
-        limit = best[0] + (max(p.tie_seconds, best[5] * p.tie_fraction) if warm else p.tie_seconds)
+        limit = best[0] + (max(p.tie_seconds, best[6] * p.tie_fraction) if warm else p.tie_seconds)
         ties = [s for s in scored if s[0] <= limit]
         most = max(s[1] for s in ties)
         return [s for s in ties if s[1] == most]
@@ -475,7 +476,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         decode = output * (step + per_request * (running + 1))
         harm = running * (prefill + output * per_request / 2)
         cost = ttft + decode + harm + p.miss_penalty * (prompt - covered) / rate
-        return cost, covered, backend, cached, tiers, ttft
+        return cost, covered, backend, cached, tiers, ttft, cost - decode
 
     def _learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
         """Speculative insert: the blocks we send are about to be cached there.
@@ -513,7 +514,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
                 "chosen": chosen,
                 "scores": {
                     b.name: _described(cost, ttft, covered, gpu, _per_tier(media, reached, gpu))
-                    for cost, covered, b, gpu, reached, ttft in scored
+                    for cost, covered, b, gpu, reached, ttft, _ in scored
                 },
             }
             for at, model, tokens, chosen, scored, media in self._recent

@@ -353,8 +353,8 @@ def test_a_small_fleet_is_scored_whole() -> None:
 
 def test_sample_zero_picks_the_minimum_over_every_candidate() -> None:
     """sample 0 is the exhaustive pick, from the scores it records of every candidate:
-    among those within tie_seconds or tie_fraction of the TTFT of the lowest cost, one
-    holding the longest prefix."""
+    among those within tie_fraction of the lowest cost but its decode, one holding the
+    longest prefix."""
     for trial in range(20):
         members = _fleet(64, trial)
         p = policy(sample=0)
@@ -362,8 +362,10 @@ def test_sample_zero_picks_the_minimum_over_every_candidate() -> None:
         pick = p.pick(request(), view(members))
         scores = p.recent[-1]["scores"]
         assert len(scores) == 64
-        best = min(scores.values(), key=lambda s: s["cost_s"])
-        limit = best["cost_s"] + max(0.005, best["ttft_s"] * 0.1) + 1e-6
+        best = min(scores, key=lambda n: scores[n]["cost_s"])
+        running = next(b.inflight for b in members if b.name == best)
+        decode = 256 * (0.025 + 0.00015 * (running + 1))  # the answer's, at the defaults
+        limit = scores[best]["cost_s"] * 1.1 - decode * 0.1 + 1e-6
         ties = [n for n, s in scores.items() if s["cost_s"] <= limit]
         most = max(scores[n]["cached"] for n in ties)
         assert pick.backend.name in ties and pick.predicted_cached == most, trial
