@@ -17,6 +17,7 @@ from policies.base import (
     PolicyParams,
     Reason,
     RouteRequest,
+    Speed,
     load_cap_per_weight,
     tuned_params,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "PolicyParams",
     "Reason",
     "RouteRequest",
+    "Speed",
     "canonical",
     "create",
     "load_cap_per_weight",

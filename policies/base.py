@@ -78,13 +78,26 @@ class RouteRequest(NamedTuple):
 
     `fingerprint` is filled for policies with a `fingerprinter`; `blocks` (the chain of
     block keys of the prompt's full blocks) and `prompt_tokens` for those with a
-    `block_keys` describer.
+    `block_keys` describer. `output_tokens`: the tokens its answer is expected to have
+    (its `max_tokens`, else what the router saw of the model's answers; 0: unknown).
     """
 
     model: str
     fingerprint: int = 0
     blocks: Sequence[int] = ()
     prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+class Speed(NamedTuple):
+    """How fast a backend is, as the router learned it (router/fleet/speeds.py): its
+    prefill rate, and a decode step's duration with `running` requests in the batch,
+    `decode_step_s + decode_s_per_request * running`. A policy reads it as a backend's
+    `speed` attribute (None: not learned yet, the policy's configured speeds apply)."""
+
+    prefill_tokens_per_s: float
+    decode_step_s: float
+    decode_s_per_request: float
 
 
 @dataclass(frozen=True, slots=True)

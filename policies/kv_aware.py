@@ -1,11 +1,14 @@
-"""KV_AWARE: the backend with the lowest estimated time to first token, from its real cache.
+"""KV_AWARE: the backend where the whole request costs the fleet least, from its real cache.
 
-For each candidate b, in seconds:
+For each candidate b, in seconds, with p(b) its prefill rate and step(b, r) = a(b) +
+c(b) x r its decode step with r requests in its batch:
 
-    ttft(b) = (queued_tokens(b) + uncached(b)) / prefill_tokens_per_s
-              + loaded(b)
-              + decode_s_per_request * inflight(b)
-              + waiting_s_per_request * waiting(b)
+    prefill(b) = uncached(b) / p(b) + loaded(b)
+    ttft(b)    = queued_tokens(b) / p(b) + prefill(b) + step(b, inflight(b))
+                 + waiting_s_per_request * waiting(b)
+    decode(b)  = output_tokens * step(b, inflight(b) + 1)
+    harm(b)    = inflight(b) * (prefill(b) + output_tokens * c(b) / 2)
+    cost(b)    = ttft(b) + decode(b) + harm(b) + miss_penalty * uncached(b) / p(b)
 
 - uncached(b) = prompt tokens minus the longest prefix b reaches, in blocks, from the
   prefix index (fed by b's KV events, or learned from our own routing when b publishes
@@ -20,33 +23,43 @@ For each candidate b, in seconds:
   has not come back yet (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
   replica; 0 when stale);
-- inflight(b) = this router's in-flight requests, all workers (their decode steps slow
-  b down).
+- inflight(b) = this router's in-flight requests, all workers: the batch it decodes;
+- output_tokens = the request's `max_tokens`, else the median answer the router saw for
+  its model, else `output_tokens`;
+- p(b), a(b), c(b) = b's `speed` as the router learned it (router/fleet/speeds.py: from
+  the time to first token against the tokens prefilled, and the inter-token gaps of the
+  streams it relayed against the batch they shared), or the configured
+  `prefill_tokens_per_s`, `decode_step_s` and `decode_s_per_request` until it has.
 
-The choice is made on the estimate plus what a miss costs the rest of the fleet:
-`miss_penalty` x uncached(b) / prefill_tokens_per_s more (1.0: a backend that would
-prefill a prompt another holds must save this request more than the prefill it adds,
-because every request queued behind that prefill waits for it too). The minimum wins.
-Candidates within `tie_fraction` of it (or `tie_seconds`) tie; among them the one holding
-the longest prefix wins (a hit saves the fleet a prefill even when the TTFT is the same),
-and equal holders go to the rendezvous-hash winner of the prompt's first block that none
-of them holds (hashing/rendezvous.py).
+`harm` is what the request costs the requests already decoding there: chunked prefill
+puts its prompt into their steps, and its sequence makes their steps longer (for about
+half its decode: they are halfway through theirs, on average).
+The miss penalty is what it costs those that will queue behind its prefill (1.0: a
+backend that would prefill a prompt another holds must save more than the prefill it
+adds). So a prefix stays where it is cached while staying costs less than moving it,
+and moves once the holder's batch makes it dearer; an idle backend has no batch to
+harm and its steps are the shortest, so new conversations go there even when all
+share a system prompt the busy ones hold. The minimum wins. Candidates within
+`tie_seconds` of it, or `tie_fraction` of its cost but its own decode, tie; among them the
+one holding the longest prefix wins (a hit saves the fleet a prefill), and equal
+holders go to the rendezvous-hash winner of the prompt's first block that none of them
+holds (hashing/rendezvous.py).
 
-A prompt cached nowhere goes where its prefill starts soonest: the lowest estimate, tied
-only within `tie_seconds` (every gap between cold candidates is queueing, so a wider tie
-would send it behind another prefill), and exact ties to the rendezvous winner of its
-first block. Every worker sees the same load table and placements, so the workers of one
-router place a new prefix alike; replicas place it alike while their estimates tie (an
-idle or evenly loaded fleet) and otherwise each by its own queues: with KV events on,
-every replica then learns where the others put it from the backends themselves.
-A hot prefix spreads by itself: once its holders' queues cost clearly more than a cold
-backend's full prefill plus the miss penalty, the next request goes to another backend,
-which then holds the prefix too (the speculative insert keeps a burst together there
-until its KV events confirm it), so the holder set grows only as demand needs.
-`concurrency_threshold` is a hard cap: backends at it are skipped unless all are (then
-the least loaded, ties at random); `max_queue_s` caps a backend's estimated queue the
-same way (the work ahead of a new request, in seconds). Either cap is KV_AWARE's
-saturation point, where a fleet with pools passes a request to the next pool.
+A prompt cached nowhere goes where it costs least, tied only within `tie_seconds` (every
+gap between cold candidates is load, so a wider tie would send it behind another
+prefill), and exact ties to the rendezvous winner of its first block. Every worker sees
+the same load table and placements, so the workers of one router place a new prefix
+alike; replicas place it alike while their estimates tie (an idle or evenly loaded
+fleet) and otherwise each by its own queues: with KV events on, every replica then
+learns where the others put it from the backends themselves. A hot prefix spreads by
+itself: once its holders' queues and batches cost more than a cold backend's full prefill
+plus the miss penalty, the next request goes to another backend, which then holds the
+prefix too (the speculative insert keeps a burst together there until its KV events
+confirm it), so the holder set grows only as demand needs. `concurrency_threshold` is a
+hard cap: backends at it are skipped unless all are (then the least loaded, ties at
+random); `max_queue_s` caps a backend's estimated queue the same way (the work ahead of
+a new request, in seconds). Either cap is KV_AWARE's saturation point, where a fleet
+with pools passes a request to the next pool.
 
 With several worker processes, each decision is also written to the router's shared
 placements (`share`, router/fleet/placements.py) before `pick` returns, and each pick first
@@ -69,27 +82,31 @@ to the least loaded of its draws instead of the fleet's least loaded. If every s
 backend is at `concurrency_threshold`, the draws are made again among those under it.
 `sample: 0` scores every candidate.
 
-Reads: RouteRequest.blocks/prompt_tokens, candidates' inflight, queued_tokens, waiting.
+Reads: RouteRequest.blocks/prompt_tokens/output_tokens, candidates' inflight,
+queued_tokens, waiting, speed.
 Cost: O((holders + sample) * log blocks) for the lookups, whatever the fleet size
 (O(candidates * log blocks) with `sample: 0`, and one O(candidates) filter when every
 scored backend is at the cap); keys are cached by prefix in hashing/; one shared-placement
-probe and one rendezvous rank per tied candidate.
+probe and one rendezvous rank per tied candidate. The whole-request cost adds a few
+float operations per scored candidate to the lookups (bench/test_bench_routing.py).
 
 Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
-chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
-(32768), prefill_tokens_per_s (10000), decode_s_per_request (0.002), waiting_s_per_request
-(0.05), miss_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold
-(null), max_queue_s (null), speculative_ttl_s (2.0, when the backend publishes events),
-approximate_ttl_s (600, when it does not), index_capacity (1_000_000 keys per backend and
-medium), sample (3; 0 scores every candidate), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
-{load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true` marks a store every
-backend reads), seed.
+chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens (32768),
+prefill_tokens_per_s (10000), decode_step_s (0.025), decode_s_per_request (0.00015),
+output_tokens (256), waiting_s_per_request (0.05), miss_penalty (1.0), tie_fraction
+(0.1), tie_seconds (0.005), concurrency_threshold (null), max_queue_s (null),
+speculative_ttl_s (2.0, when the backend publishes events), approximate_ttl_s (600, when
+it does not), index_capacity (1_000_000 keys per backend and medium), sample (3; 0
+scores every candidate), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
+{load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true` marks a store
+every backend reads), seed.
 YAML:
   routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000, sample: 3}
 """
 
 from __future__ import annotations
 
+import operator
 import random
 import time
 from collections import deque
@@ -157,6 +174,7 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     pool_tunable = frozenset(
         {
             "prefill_tokens_per_s",
+            "decode_step_s",
             "decode_s_per_request",
             "waiting_s_per_request",
             "miss_penalty",
@@ -171,7 +189,13 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     tokenizer: KvTokenizerParams = KvTokenizerParams()
     max_prefix_tokens: Annotated[int, Meta(ge=1)] = 32768
     prefill_tokens_per_s: Positive = 10000.0
-    decode_s_per_request: NonNegative = 0.002
+    #: a decode step's duration, alone and per request in the batch (the priors of the
+    #: learned speeds): the reference hardware's (bench/sim/params.py)
+    decode_step_s: NonNegative = 0.025
+    decode_s_per_request: NonNegative = 0.00015
+    #: the answer's expected tokens when neither the request nor the router's past
+    #: answers say
+    output_tokens: Annotated[int, Meta(ge=0)] = 256
     waiting_s_per_request: NonNegative = 0.05
     miss_penalty: NonNegative = 1.0
     tie_fraction: NonNegative = 0.1
@@ -194,15 +218,19 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
                 )
 
 
-#: (estimated TTFT, prompt tokens it need not prefill, backend, of them on its GPU,
-#: tokens it reaches on its GPU and each tier of the request's `Reach`, cumulative)
-_Scored = tuple[float, int, BackendLike, int, tuple[int, ...]]
+#: (estimated cost to the fleet, prompt tokens it need not prefill, backend, of them on
+#: its GPU, tokens it reaches on its GPU and each tier of the request's `Reach`,
+#: cumulative; estimated TTFT; the cost but its own decode)
+_Scored = tuple[float, int, BackendLike, int, tuple[int, ...], float, float]
 
 #: at most this many holders of the longest prefixes are scored (the rest are drawn)
 _HOLDERS = 8
 _MASK = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _MIX = 0xBF58476D1CE4E5B9
+
+
+_first = operator.itemgetter(0)
 
 
 def _attr(backend: BackendLike, name: str) -> float:
@@ -255,22 +283,21 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
         if self._shared is not None:
             self._adopt_placement(req, fleet, scored, reach)
-        _, covered, backend, cached, _ = self._agreed(req, self._ties(req, scored))
+        _, covered, backend, cached, *_ = self._agreed(req, self._ties(scored))
         self._learn(req, backend, cached)
         self._record(req, backend, scored, reach)
         return Pick(backend, _reason(covered, cached), covered)
 
-    def _ties(self, req: RouteRequest, scored: list[_Scored]) -> list[_Scored]:
-        """The candidates tied for the lowest estimate plus miss penalty, narrowed to
-        those of them holding the longest prefix."""
+    def _ties(self, scored: list[_Scored]) -> list[_Scored]:
+        """The candidates tied for the lowest cost (within `tie_seconds`, or warm within
+        `tie_fraction` of the best one's cost but its own decode: the decode every
+        candidate adds is no reason to tie wider), narrowed to those of them holding the
+        longest prefix."""
         p = self.params
-        penalty = p.miss_penalty / p.prefill_tokens_per_s
-        prompt = req.prompt_tokens
-        judged = [s[0] + penalty * (prompt - s[1]) for s in scored]
-        best = min(judged)
+        best = min(scored, key=_first)
         warm = any(s[1] for s in scored)
-        limit = best + (max(p.tie_seconds, best * p.tie_fraction) if warm else p.tie_seconds)
-        ties = [s for s, cost in zip(scored, judged, strict=True) if cost <= limit]
+        limit = best[0] + (max(p.tie_seconds, best[6] * p.tie_fraction) if warm else p.tie_seconds)
+        ties = [s for s in scored if s[0] <= limit]
         most = max(s[1] for s in ties)
         return [s for s in ties if s[1] == most]
 
@@ -397,14 +424,23 @@ class KvAwarePolicy(Policy[KvAwareParams]):
 
     def _queue_s(self, backend: BackendLike) -> float:
         """The work ahead of a new request on `backend`, in seconds: the terms of
-        `_estimate` but the request's own, which `_estimate` keeps inline (it runs for
-        every candidate of every pick; a call more there costs µs at 1,024 backends)."""
+        `_estimate`'s TTFT but the request's own, which `_estimate` keeps inline (it runs
+        for every candidate of every pick; a call more there costs µs at 1,024 backends)."""
         p = self.params
+        rate, _, per_request = self._speed(backend)
         return (
-            _attr(backend, "queued_tokens") / p.prefill_tokens_per_s
-            + p.decode_s_per_request * backend.inflight
+            _attr(backend, "queued_tokens") / rate
+            + per_request * backend.inflight
             + p.waiting_s_per_request * _attr(backend, "waiting")
         )
+
+    def _speed(self, backend: BackendLike) -> tuple[float, float, float]:
+        """`backend`'s learned speed, or the configured one until the router learned it."""
+        learned = getattr(backend, "speed", None)
+        if learned is not None:
+            return learned
+        p = self.params
+        return p.prefill_tokens_per_s, p.decode_step_s, p.decode_s_per_request
 
     def _score(self, req: RouteRequest, backend: BackendLike, reach: Reach) -> _Scored:
         blocks = self._gpu.longest_prefix(req.blocks, backend.name)
@@ -426,14 +462,21 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             for (tier, _), tokens in zip(reach, tiers, strict=True):
                 load += (tokens - covered) * tier.load_s_per_token
                 covered = tokens
-        queued = _attr(backend, "queued_tokens") + prompt - covered
-        cost = (
-            queued / p.prefill_tokens_per_s
-            + load
-            + p.decode_s_per_request * backend.inflight
+        rate, step, per_request = self._speed(backend)
+        running = backend.inflight
+        output = req.output_tokens or p.output_tokens
+        prefill = (prompt - covered) / rate + load
+        ttft = (
+            _attr(backend, "queued_tokens") / rate
+            + prefill
+            + step
+            + per_request * running
             + p.waiting_s_per_request * _attr(backend, "waiting")
         )
-        return cost, covered, backend, cached, tiers
+        decode = output * (step + per_request * (running + 1))
+        harm = running * (prefill + output * per_request / 2)
+        cost = ttft + decode + harm + p.miss_penalty * (prompt - covered) / rate
+        return cost, covered, backend, cached, tiers, ttft, cost - decode
 
     def _learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
         """Speculative insert: the blocks we send are about to be cached there.
@@ -460,8 +503,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
     @property
     def recent(self) -> list[dict[str, Any]]:
         """The last decisions with their scores, for /debug/routing: per backend the
-        estimate, the prompt tokens it need not prefill (`cached`), and of those how many
-        are on its GPU and, per tier, how many more it reaches there (`tiers`)."""
+        cost (`cost_s`) and its TTFT estimate (`ttft_s`), the prompt tokens it need not
+        prefill (`cached`), and of those how many are on its GPU and, per tier, how many
+        more it reaches there (`tiers`)."""
         return [
             {
                 "at": at,
@@ -469,8 +513,8 @@ class KvAwarePolicy(Policy[KvAwareParams]):
                 "prompt_tokens": tokens,
                 "chosen": chosen,
                 "scores": {
-                    b.name: _described(cost, covered, gpu, _per_tier(media, reached, gpu))
-                    for cost, covered, b, gpu, reached in scored
+                    b.name: _described(cost, ttft, covered, gpu, _per_tier(media, reached, gpu))
+                    for cost, covered, b, gpu, reached, ttft, _ in scored
                 },
             }
             for at, model, tokens, chosen, scored, media in self._recent
@@ -491,8 +535,10 @@ def _per_tier(media: tuple[str, ...], reached: tuple[int, ...], gpu: int) -> dic
     return added
 
 
-def _described(cost: float, covered: int, gpu: int, tiers: dict[str, int]) -> dict[str, Any]:
-    found: dict[str, Any] = {"ttft_s": round(cost, 6), "cached": covered}
+def _described(
+    cost: float, ttft: float, covered: int, gpu: int, tiers: dict[str, int]
+) -> dict[str, Any]:
+    found: dict[str, Any] = {"cost_s": round(cost, 6), "ttft_s": round(ttft, 6), "cached": covered}
     if tiers:
         found["gpu"] = gpu
         found["tiers"] = tiers

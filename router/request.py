@@ -32,10 +32,14 @@ class ChatRequest(_Common):
     messages: list[Message] | msgspec.UnsetType = msgspec.UNSET
     #: empty when absent (msgspec cannot decode into `Raw | None`, msgspec issue #659)
     tools: msgspec.Raw = msgspec.Raw()
+    #: the answer's length limit (the newer name first), which KV_AWARE expects it to reach
+    max_completion_tokens: int | None = None
+    max_tokens: int | None = None
 
 
 class CompletionRequest(_Common):
     prompt: Prompt | None = None
+    max_tokens: int | None = None
 
 
 class EmbeddingRequest(_Common):

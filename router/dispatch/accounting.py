@@ -24,6 +24,7 @@ from router.dispatch.attempt import Attempt
 from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
+from router.fleet.speeds import MIN_DECODE_TOKENS, speed_prior
 from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
 from router.upstream.usage import NO_USAGE, Usage
 from router.usage_records import UsageRecords
@@ -123,6 +124,8 @@ class Accounting:
                 self._usage.add(call.tenant or NO_TENANT, model, pool or NO_POOL, *used)
             if attempt.routed.prompt_tokens:
                 self._check_prediction(attempt.routed, used)
+        if ok and ttft is not None and upstream.streaming:
+            self._learn(attempt, ttft, used)
         if trace is not None:
             trace.finish(attempt.status, error, used, name, call.attempts - 1)
         if error is not None:
@@ -156,6 +159,33 @@ class Accounting:
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
+
+    def _learn(self, attempt: Attempt, ttft: float, used: Usage) -> None:
+        """A whole stream's timings: the answer's length for its model, and its
+        backend's speed (router/fleet/speeds.py) for a policy that weighs speeds. The
+        tokens are its usage's, else its events (about one a token)."""
+        events, decoding = attempt.upstream.decoding()
+        completion = used.completion or events
+        fleet = self._fleet
+        if completion:
+            fleet.answers.add(attempt.call.req.model or "", completion)
+        prior = speed_prior(fleet.policy.params)
+        if prior is None:
+            return
+        routed, backend = attempt.routed, attempt.backend
+        samples = backend.speed_samples
+        if routed.prompt_tokens:
+            cached = routed.predicted_cached if used.cached is None else used.cached
+            tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
+            samples.prefilled(tokens, ttft, routed.running)
+        if completion > MIN_DECODE_TOKENS:
+            running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
+            beside = samples.prefilled_total() - attempt.prefills_then
+            samples.decoded(running, decoding / (completion - 1), beside / (completion - 1))
+        learned = samples.refreshed(prior, backend.learned_speed)
+        if learned is not backend.learned_speed:
+            backend.learned_speed = learned
+            fleet.lend_speeds()
 
     def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known

@@ -70,6 +70,7 @@ class Attempt:
         "call",
         "error",
         "labels",
+        "prefills_then",
         "routed",
         "status",
         "upstream",
@@ -99,6 +100,8 @@ class Attempt:
         self._timeout = timeout
         self.upstream: Upstream | None = None
         self.error: UpstreamError | None = None
+        #: the backend's prefilled tokens counted when this one's first token came
+        self.prefills_then = 0.0
 
     async def open(self, upstreams: Upstreams, t: TimeoutsConfig) -> None:
         """Send the request and wait for the answer's headers (`upstream`), or note
@@ -178,8 +181,13 @@ class Attempt:
             self._note(exc)
 
     def prefilled(self) -> None:
-        """The first token arrived: the prompt's tokens no longer queue on the backend."""
-        self.backend.count(0, -self._queued)
+        """The first token arrived: the prompt's tokens no longer queue on the backend,
+        they were prefilled (counted, to tell its decode from the prefills beside it)."""
+        backend = self.backend
+        backend.count(0, -self._queued)
+        samples = backend.speed_samples
+        samples.count_prefilled(self._queued)
+        self.prefills_then = samples.prefilled_total()
         self._queued = 0
 
     def release(self, clean: bool) -> None:

@@ -83,3 +83,7 @@ class Routed(NamedTuple):
     #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
     prompt_tokens: int = 0
     predicted_cached: int = 0
+    #: the backend's queued prompt tokens and requests in flight when it was picked
+    #: (router/fleet/speeds.py learns its speed from them)
+    ahead: int = 0
+    running: int = 0

@@ -12,7 +12,7 @@ import random
 
 from hashing.chat_tokens import PromptBlocks
 from hashing.fingerprint import Fingerprinter
-from policies import Policy, RouteRequest
+from policies import RouteRequest
 from router.dispatch.call import Call
 from router.errors import BadRequest, ModelNotFound
 from router.fleet.backends import Fleet
@@ -59,15 +59,16 @@ class Describer:
         if not fleet.view(model).candidates and not fleet.known_model(model):  # O(fleet)
             raise ModelNotFound(f"The model `{model}` does not exist.", param="model")
         try:
-            return _describe(fleet.policy, call, model)
+            return _describe(fleet, call, model)
         except ValueError as exc:  # e.g. a prompt mixing texts and token ids
             raise BadRequest(f"Invalid prompt: {exc}", param="prompt") from None
 
 
-def _describe(policy: Policy, call: Call, model: str) -> RouteRequest:
-    """The RouteRequest with what this policy reads: a fingerprint and/or block keys."""
+def _describe(fleet: Fleet, call: Call, model: str) -> RouteRequest:
+    """The RouteRequest with what the fleet's policy reads: a fingerprint and/or block
+    keys, and with block keys the answer's expected length."""
     req = call.req
-    fingerprinter, block_keys = policy.fingerprinter, policy.block_keys
+    fingerprinter, block_keys = fleet.policy.fingerprinter, fleet.policy.block_keys
     fp = 0
     if fingerprinter is not None:
         # routing isolation: the tenant header and vLLM's cache partition (cache_salt)
@@ -79,7 +80,16 @@ def _describe(policy: Policy, call: Call, model: str) -> RouteRequest:
     elif block_keys is not None:
         # block keys isolate exactly as vLLM does: by cache_salt alone
         blocks, tokens = _apply(block_keys, call, model, req.cache_salt) or ((), 0)
-    return RouteRequest(model, fp, blocks, tokens)
+    if block_keys is None:
+        return RouteRequest(model, fp, blocks, tokens)
+    return RouteRequest(model, fp, blocks, tokens, _output_tokens(req, fleet, model))
+
+
+def _output_tokens(req: object, fleet: Fleet, model: str) -> int:
+    """The answer's expected length: its limit when it sets one, else the median of the
+    model's answers so far (0: none yet)."""
+    limit = getattr(req, "max_completion_tokens", None) or getattr(req, "max_tokens", None)
+    return max(0, limit) if limit else fleet.answers.expected(model)
 
 
 def _apply(describer: Fingerprinter | PromptBlocks, call: Call, model: str, tenant: str | None):

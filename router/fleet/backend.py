@@ -16,10 +16,12 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
+from policies import Speed
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.breaker import Breaker
 from router.fleet.credentials import NO_REACH, Reach
 from router.fleet.shared_load import LoadTable
+from router.fleet.speeds import SpeedLearner
 
 DEFAULT_BREAKER = BreakerConfig()
 
@@ -34,6 +36,7 @@ class Backend:
         "head_lines",
         "headers",
         "healthy",
+        "learned_speed",
         "local_inflight",
         "local_queued",
         "model_cards",
@@ -41,6 +44,8 @@ class Backend:
         "pool",
         "prefix",
         "slot",
+        "speed",
+        "speed_samples",
         "table",
         "tls",
         "transitions",
@@ -83,6 +88,13 @@ class Backend:
         #: with several workers: the shared table and this backend's slot in it
         self.slot = None if table is None else table.slot(cfg.key, cfg.url)
         self.table = None if self.slot is None else table
+        #: its speed as learned from its own streams (speeds.py), None until then; and
+        #: the speed routing reads: its own, else the fleet's typical learned one (a
+        #: backend judged by the configured speed beside faster learned ones would get
+        #: no streams to learn from), else None (the policy's configured speed holds)
+        self.speed_samples = SpeedLearner(self.table, self.slot)
+        self.learned_speed: Speed | None = None
+        self.speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0
 

@@ -27,6 +27,7 @@ from router.fleet.backend import DEFAULT_BREAKER, Backend
 from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
+from router.fleet.speeds import AnswerLengths, typical_speed
 from router.fleet.usability import Usability
 
 NO_CREDENTIALS = BackendCredentials()
@@ -68,7 +69,16 @@ class Fleet(Usability):
         #: the last decode picks of disaggregated requests (time, model, prefilled on,
         #: decoded on), for /debug/routing beside the policy's own decisions
         self.decodes: deque[tuple[float, str, str, str]] = deque(maxlen=64)
+        #: each model's answers' median length, for requests that name no max_tokens
+        self.answers = AnswerLengths()
         self._attach(policy, self.members)
+
+    def lend_speeds(self) -> None:
+        """Each backend's speed for routing: its learned one, else the median of the
+        learned ones (figure by figure; router/fleet/speeds.py)."""
+        typical = typical_speed([b.learned_speed for b in self.members if b.learned_speed])
+        for b in self.members:
+            b.speed = b.learned_speed or typical
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""

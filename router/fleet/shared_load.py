@@ -7,6 +7,9 @@ the backend) with one int64 per worker:
 
     [key_0 .. key_{S-1}] [slot 0: inflight w0..wN-1, tokens w0..wN-1, held w0..wN-1] ...
 
+and after them, per slot and worker, the samples of the backend's speed that worker took
+(`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads.
+
 A worker only ever writes its own column, so an increment is a plain read-modify-write
 with no lock; readers sum a contiguous run of N int64s (one C-level `sum` over a
 memoryview slice). Aligned 8-byte stores are single instructions on the platforms we
@@ -35,6 +38,7 @@ from pathlib import Path
 import xxhash
 
 from router import log
+from router.fleet.speeds import WORDS as SPEED_WORDS
 
 _INT64 = 8
 
@@ -76,9 +80,11 @@ class LoadTable:
     def __init__(self, path: str | Path, slots: int, workers: int, worker: int | None) -> None:
         self.path = str(path)
         self.slots, self.workers, self.worker = slots, workers, worker
-        self._map = map_shared(self.path, slots * _INT64 * (1 + 3 * workers))
-        self._words = memoryview(self._map).cast("q")
-        self._keys = memoryview(self._map).cast("Q")[:slots]
+        counters = slots * _INT64 * (1 + 3 * workers)
+        self._map = map_shared(self.path, counters + slots * workers * SPEED_WORDS * _INT64)
+        self._words = memoryview(self._map)[:counters].cast("q")
+        self._keys = memoryview(self._map)[:counters].cast("Q")[:slots]
+        self._speeds = memoryview(self._map)[counters:].cast("d")
 
     def slot(self, name: str, url: str) -> int | None:
         """The backend's slot, claimed and held by this worker; None when the table is full."""
@@ -114,6 +120,8 @@ class LoadTable:
         if reusable is not None:
             base = self._base(reusable)
             self._words[base : base + 3 * self.workers] = _zeros(3 * self.workers)
+            for column in self.speed_columns(reusable):  # another backend's samples
+                column[:] = _zeros(SPEED_WORDS).cast("B").cast("d")
             self._keys[reusable] = key
         return reusable
 
@@ -138,6 +146,15 @@ class LoadTable:
         base = self._base(slot) + self.workers
         return sum(self._words[base : base + self.workers])
 
+    def speed_columns(self, slot: int) -> list[memoryview]:
+        """Every worker's samples of the slot's backend's speed, in worker order."""
+        return [self.speed_column(slot, w) for w in range(self.workers)]
+
+    def speed_column(self, slot: int, worker: int) -> memoryview:
+        """One worker's samples of the slot's backend's speed."""
+        start = (slot * self.workers + worker) * SPEED_WORDS
+        return self._speeds[start : start + SPEED_WORDS]
+
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended, its backends went with it."""
         for slot in range(self.slots):
@@ -147,4 +164,5 @@ class LoadTable:
     def close(self) -> None:
         self._keys.release()
         self._words.release()
+        self._speeds.release()
         self._map.close()

@@ -87,10 +87,13 @@ class StatusRoutes:
 
     async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
-        index (source, GPU and offload-tier sizes) and its last scraped vLLM metrics; with
-        a KV-aware policy, its offload tiers and the media its events named that it does
-        not index; with prefill/decode pools, the last decode picks. Those decisions show
-        every tenant's recent requests, so with auth on only the admin token opens it."""
+        speed (null: the configured one holds; `speed_learned` false: the fleet's
+        typical learned one stands in for its own), index (source,
+        GPU and offload-tier sizes) and its last scraped vLLM metrics; with a
+        KV-aware policy, its offload tiers and the media its events named that it does
+        not index; with prefill/decode pools, the last decode picks. Those decisions
+        show every tenant's recent requests, so with auth on only the admin token
+        opens it."""
         try:
             self._operator(request.headers.get("Authorization"))
         except Unauthorized as err:
@@ -104,6 +107,8 @@ class StatusRoutes:
                 "inflight": b.inflight,
                 "queued_tokens": b.queued_tokens,
                 "waiting": b.waiting,
+                "speed": b.speed._asdict() if b.speed is not None else None,
+                "speed_learned": b.learned_speed is not None,
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
                 "tier_keys": index.tier_sizes(b.name) if index is not None else None,

@@ -32,6 +32,15 @@ UPSTREAM_KINDS = tuple(
         UpstreamCredentialsRefused,
     )
 )
+#: each backend's learned speed (router/fleet/speeds.py), in `Speed`'s order
+_SPEEDS = (
+    ("kvroute_backend_prefill_tokens_per_second", "Learned prefill rate (KV_AWARE)"),
+    ("kvroute_backend_decode_step_seconds", "Learned decode step alone (KV_AWARE)"),
+    (
+        "kvroute_backend_decode_step_seconds_per_request",
+        "Learned decode step growth per running request (KV_AWARE)",
+    ),
+)
 #: the states kvroute_backend_state_changes_total counts entering (fleet/usability.py)
 _STATES = ("up", "down", "draining", "undrained", *BreakerState)
 
@@ -111,6 +120,7 @@ class BackendCollector:
             "Health, breaker and drain state changes, by the state entered",
             labels=["backend", "to"],
         )
+        speeds = [GaugeMetricFamily(name, doc, labels=["backend"]) for name, doc in _SPEEDS]
         for b in self._members():
             inflight.add_metric([b.name], b.inflight)
             up.add_metric([b.name], 1.0 if b.usable else 0.0)
@@ -119,7 +129,10 @@ class BackendCollector:
                 circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
             for to, count in {**dict.fromkeys(_STATES, 0), **b.transitions}.items():
                 changes.add_metric([b.name, to], count)
-        return [inflight, up, checks, circuit, changes]
+            if b.learned_speed is not None:
+                for family, value in zip(speeds, b.learned_speed, strict=True):
+                    family.add_metric([b.name], value)
+        return [inflight, up, checks, circuit, changes, *speeds]
 
 
 class PoolCollector:

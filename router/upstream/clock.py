@@ -40,6 +40,7 @@ class BodyClock:
         "_loop",
         "_on_first",
         "_tally",
+        "chunks",
         "first_chunk_at",
         "kept",
         "tail",
@@ -63,6 +64,8 @@ class BodyClock:
         self._tally: Tally | None = None
         self._last_chunk_at = 0.0
         self.first_chunk_at: float | None = None
+        #: chunks that came (a stream's events, about one a token)
+        self.chunks = 0
         self.tail = b""
         #: every chunk, when the answer is captured (router/capture.py); else None
         self.kept: list[bytes] | None = None
@@ -82,6 +85,7 @@ class BodyClock:
         `framed`: it is whole chunks as the backend framed them (the relay's direct
         reads), which a kept body decodes when it is read (`Framed`)."""
         now = perf_counter()
+        self.chunks += 1
         if self.first_chunk_at is None:
             self.first_chunk_at = now
             self._on_first()
@@ -94,6 +98,12 @@ class BodyClock:
             self.tail = chunk
         if self.kept is not None:
             self.kept.append(Framed(chunk) if framed else chunk)
+
+    def decoding(self) -> tuple[int, float]:
+        """The chunks after the first and the seconds they took (0, 0.0 before any)."""
+        if self.first_chunk_at is None:
+            return 0, 0.0
+        return self.chunks - 1, self._last_chunk_at - self.first_chunk_at
 
     def stop(self) -> None:
         """The exchange ended: no more deadline, and the gaps go to the histogram."""

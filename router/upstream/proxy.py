@@ -154,6 +154,10 @@ class Upstream:
         """When the body's first chunk came (the prefill was done), if it did."""
         return self._clock.first_chunk_at
 
+    def decoding(self) -> tuple[int, float]:
+        """The body's chunks after its first, and the seconds they took."""
+        return self._clock.decoding()
+
     def watch(self, deadline: asyncio.Timeout) -> None:
         """The timeout guarding the body; once chunks flow, it expires `idle` seconds
         after the last one (and at `end` at the latest)."""

@@ -4,6 +4,7 @@ front, the OpenAI SDK as client. The index follows the backends, routing follows
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -12,6 +13,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bench.processes import simulator
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
 from router.config import build
@@ -290,3 +292,72 @@ async def test_tier_blind_scoring_ignores_the_cpu_copy_and_counts_it() -> None:
         assert debug["tiers"] == {}
         assert debug["ignored_media"]["cpu"] > 0  # the CPU copies' events, counted
         assert debug["backends"][home]["tier_keys"] == {}
+
+
+#: the simulator's speeds at this time scale: prefill tokens/s and decode step alone,
+#: for a backend at full speed and one at half (prefill and decode)
+SCALE = 0.5
+TRUE = {"fast": (1000 / (0.1 * SCALE), 25 * SCALE / 1000), "slow": (1000 / (0.2 * SCALE), 0.025)}
+HALF = ["--step-base-ms", "50", "--decode-per-seq-ms", "0.3", "--prefill-per-token-ms", "0.2"]
+
+
+async def streamed(router: Router, i: int, first: asyncio.Event) -> None:
+    """A ~3,000-token prompt of its own, streamed back in 40 tokens with its usage;
+    `first` is set when its first token came."""
+    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
+    words = " ".join(f"w{i}x{k}" for k in range(1600))
+    stream = await oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": words}],
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for _ in stream:
+        first.set()
+
+
+async def overlapping(router: Router, start: int, n: int) -> None:
+    """`n` streams, each sent once the one before has its first token: their prefills
+    apart (each is timed alone), their decodes overlapping (the batches grow)."""
+    tasks = []
+    for i in range(start, start + n):
+        first = asyncio.Event()
+        tasks.append(asyncio.create_task(streamed(router, i, first)))
+        await first.wait()
+    await asyncio.gather(*tasks)
+
+
+async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
+    """A backend at full speed and one at half, each a simulator process of its own:
+    streams until both speeds are learned, then each within 15% of the simulator's, in
+    /debug/routing and in the gauges."""
+    async with contextlib.AsyncExitStack() as stack:
+        backends = []
+        for name, args in (("fast", []), ("slow", HALF)):
+            found, _ = await stack.enter_async_context(simulator(1, SCALE, args))
+            backends.append({"url": found[0]["url"], "name": name})
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": backends,
+            "routing": {"strategy": "KV_AWARE", "seed": 3},
+        }
+        router = Router(build(config))
+        await router.start()
+        stack.push_async_callback(router.stop)
+        async with asyncio.timeout(120):
+            i = 0
+            while not all(
+                b["speed_learned"] for b in (await debug_routing(router))["backends"].values()
+            ):
+                await overlapping(router, i, 8)
+                i += 8
+            await overlapping(router, i, 16)  # more beside the first samples
+        speeds = {n: b["speed"] for n, b in (await debug_routing(router))["backends"].items()}
+        for name, (rate, step) in TRUE.items():
+            learned = speeds[name]
+            assert learned["prefill_tokens_per_s"] == pytest.approx(rate, rel=0.15), speeds
+            assert learned["decode_step_s"] == pytest.approx(step, rel=0.15), speeds
+        text = router.metrics.render().decode()
+        rate = speeds["slow"]["prefill_tokens_per_s"]
+        assert f'kvroute_backend_prefill_tokens_per_second{{backend="slow"}} {rate}' in text

@@ -1,0 +1,253 @@
+"""What the router learns of each backend's speed, and of its answers' length.
+
+A backend's speed (policies' `Speed`) is learned from the requests the router relays:
+
+- its prefill rate: each answer's tokens prefilled before its first token (the uncached
+  prompt tokens the router had queued there ahead of it, plus its own uncached ones, by
+  the answer's `cached_tokens` or else the prediction), over its time to first token
+  less the step it ran in and, when others were running there, half a step more (it
+  waited for the step in progress to end); the steps as learned when the rate is
+  computed, so early samples count at the step learned since. The samples within a
+  factor `_SPREAD` of their median rate are summed, tokens over seconds (a long
+  prefill weighs more than a short one, mostly the step); only answers with at least
+  `MIN_PREFILL_TOKENS` such tokens count;
+- its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
+  inter-token gap, less its share of the prefills the backend finished meanwhile (the
+  router counts each request's uncached tokens at its first token; chunked prefill put
+  them into this stream's steps) at the learned rate, against the requests running
+  there while it decoded (the router's in-flight count when it was picked and when it
+  ended), fitted by least squares without the samples far off a first fit.
+
+Each figure comes from the last `RING` samples per worker (all workers' together): the
+rate is their median, the line is refit without outliers, so one sample cannot move
+either; until `MIN_SAMPLES` exist the configured speed (the prior) stands, and a slope
+needs batches that differ by `MIN_SPREAD` requests. With
+several workers the samples live in the shared load table (shared_load.py), each worker
+writing its own column, and a worker recomputes a backend's speed from every worker's
+samples every `REFRESH` streams of its own there: every worker reads the same samples.
+"""
+
+from __future__ import annotations
+
+import statistics
+from array import array
+from typing import Protocol
+
+from policies import Speed
+
+#: samples kept per backend per worker, of each kind
+RING = 32
+#: words per backend per worker: [prefills seen, decodes seen, tokens prefilled,
+#: (tokens, seconds, running)..., (running, gap, tokens prefilled per gap)...]
+WORDS = 3 + 6 * RING
+MIN_SAMPLES = 8
+#: a worker computes a backend's speed again after this many of its streams there
+REFRESH = 8
+MIN_PREFILL_TOKENS = 256
+MIN_SPREAD = 4.0
+#: a decode sample needs this many tokens after the first (a gap's mean, not one gap)
+MIN_DECODE_TOKENS = 8
+#: a decode sample further off the first fit than this many median misses is left out
+_TRIM = 4.0
+#: a prefill sample whose rate is off the median by more than this factor is left out
+_SPREAD = 3.0
+_PREFILLED = 2
+_PREFILLS = 3
+_GAPS = 3 + 3 * RING
+
+
+def speed_prior(params: object) -> Speed | None:
+    """The configured speed of a policy that weighs speeds (KV_AWARE's parameters),
+    None for the others."""
+    rate = getattr(params, "prefill_tokens_per_s", None)
+    if rate is None:
+        return None
+    return Speed(rate, params.decode_step_s, params.decode_s_per_request)
+
+
+def typical_speed(speeds: list[Speed]) -> Speed | None:
+    """The median of `speeds`, figure by figure (None for none)."""
+    if not speeds:
+        return None
+    return Speed(*(statistics.median(figures) for figures in zip(*speeds, strict=True)))
+
+
+class Columns(Protocol):
+    """Where the workers' samples live (shared_load.LoadTable)."""
+
+    worker: int | None
+
+    def speed_columns(self, slot: int) -> list[memoryview]: ...
+
+    def speed_column(self, slot: int, worker: int) -> memoryview: ...
+
+
+class SpeedLearner:
+    """One backend's samples: this process's own, or every worker's in `table`'s `slot`
+    (views taken per use, so that the table can be closed under it)."""
+
+    __slots__ = ("_local", "_since", "_slot", "_table")
+
+    def __init__(self, table: Columns | None = None, slot: int | None = None) -> None:
+        self._table = None if slot is None else table
+        self._slot = slot
+        self._local = memoryview(array("d", [0.0] * WORDS))
+        #: streams recorded since the speed was last computed
+        self._since = 0
+
+    def refreshed(self, prior: Speed, current: Speed | None) -> Speed | None:
+        """The speed computed again (`learned`) every `REFRESH` streams this worker
+        recorded here (tens of µs each time), else `current` (the last one)."""
+        self._since += 1
+        if current is not None and self._since < REFRESH:
+            return current
+        self._since = 0
+        return self.learned(prior)
+
+    def _own(self) -> memoryview:
+        if self._table is None:
+            return self._local
+        return self._table.speed_column(self._slot, self._table.worker)
+
+    def prefilled(self, tokens: int, seconds: float, running: float) -> None:
+        """`tokens` were prefilled before a first token that took `seconds`, with
+        `running` other requests there."""
+        if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
+            own = self._own()
+            seen = int(own[0])
+            i = _PREFILLS + 3 * (seen % RING)
+            own[i], own[i + 1], own[i + 2] = tokens, seconds, running
+            own[0] = seen + 1
+
+    def decoded(self, running: float, gap: float, beside: float = 0.0) -> None:
+        """A stream decoded at a mean of `gap` seconds a token among `running` requests,
+        while the backend prefilled `beside` tokens a token of it."""
+        if gap > 0:
+            own = self._own()
+            seen = int(own[1])
+            i = _GAPS + 3 * (seen % RING)
+            own[i], own[i + 1], own[i + 2] = running, gap, beside
+            own[1] = seen + 1
+
+    def count_prefilled(self, tokens: int) -> None:
+        """A request's `tokens` uncached prompt tokens were prefilled (its first token)."""
+        if tokens:
+            self._own()[_PREFILLED] += tokens
+
+    def prefilled_total(self) -> float:
+        """Every worker's prefilled tokens here so far."""
+        table = self._table
+        if table is None:
+            return self._local[_PREFILLED]
+        return sum(column[_PREFILLED] for column in table.speed_columns(self._slot))
+
+    def learned(self, prior: Speed) -> Speed | None:
+        """The speed its samples show, each figure `prior`'s until it has enough of
+        them; None while every figure is the prior's."""
+        prefills, gaps = self._samples()
+        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
+            return None
+        # the rate at the prior's step, the step without the prefills beside it at
+        # that rate, then the rate again at that step
+        rate = _rate(prefills, prior[1], prior[2], prior[0])
+        step, per_request = prior[1], prior[2]
+        if len(gaps) >= MIN_SAMPLES:
+            points = [(r, g - beside / rate) for r, g, beside in gaps]
+            step, per_request = _line(points, per_request)
+            rate = _rate(prefills, step, per_request, prior[0])
+        return Speed(rate, step, per_request)
+
+    def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+        prefills: list[tuple[float, ...]] = []
+        gaps: list[tuple[float, ...]] = []
+        table = self._table
+        columns = [self._local] if table is None else table.speed_columns(self._slot)
+        for column in columns:
+            flat = column[_PREFILLS : _PREFILLS + 3 * min(int(column[0]), RING)]
+            prefills.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+            flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
+            gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+        return prefills, gaps
+
+
+def _rate(
+    prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
+) -> float:
+    """The prefills' tokens over their seconds, each wait less the steps it waited
+    for, over the samples within `_SPREAD` of the median rate; `prior` until
+    `MIN_SAMPLES` of them."""
+    timed = []
+    for tokens, seconds, running in prefills:
+        steps = step + per_request * (running + 1)
+        if running:  # the step in progress first, half of it on average
+            steps += (step + per_request * running) / 2
+        if seconds > steps:
+            timed.append((tokens, seconds - steps))
+    if len(timed) < MIN_SAMPLES:
+        return prior
+    median = statistics.median(t / s for t, s in timed)
+    kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]
+    return sum(t for t, _ in kept) / sum(s for _, s in kept)
+
+
+def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float]:
+    """(intercept, slope) of gap against running: least squares over the points within
+    `_TRIM` median misses of a robust first line (through the medians of the smaller and
+    the larger batches), so an outlier cannot pull it; with batches that do not differ
+    by `MIN_SPREAD`, `slope` is kept and the intercept is the median gap less its
+    batch's share. Neither below 0."""
+    points.sort()
+    half = len(points) // 2
+    low, high = points[:half], points[half:]
+    low_r, high_r = statistics.median(r for r, _ in low), statistics.median(r for r, _ in high)
+    if high_r - low_r >= MIN_SPREAD:
+        low_g = statistics.median(g for _, g in low)
+        rough = (statistics.median(g for _, g in high) - low_g) / (high_r - low_r)
+        misses = [abs(g - low_g - rough * (r - low_r)) for r, g in points]
+        bound = _TRIM * statistics.median(misses)
+        kept = [p for p, miss in zip(points, misses, strict=True) if miss <= bound]
+        step, slope = _fit(kept) if kept[-1][0] > kept[0][0] else (low_g, rough)
+        if slope >= 0:
+            return max(0.0, step), slope
+        slope = 0.0
+    return max(0.0, statistics.median(g - slope * r for r, g in points)), slope
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Least squares (intercept, slope) of points whose first coordinates differ."""
+    n = len(points)
+    mean_r = sum(r for r, _ in points) / n
+    mean_g = sum(g for _, g in points) / n
+    var = sum((r - mean_r) ** 2 for r, _ in points)
+    slope = sum((r - mean_r) * (g - mean_g) for r, g in points) / var
+    return mean_g - slope * mean_r, slope
+
+
+class AnswerLengths:
+    """The median completion tokens of each model's last answers: what a request that
+    names no `max_tokens` is expected to generate."""
+
+    __slots__ = ("_medians", "_seen")
+
+    #: answers kept per model, models kept
+    KEPT = 64
+    MODELS = 256
+
+    def __init__(self) -> None:
+        self._seen: dict[str, list[int]] = {}
+        self._medians: dict[str, int] = {}
+
+    def add(self, model: str, tokens: int) -> None:
+        seen = self._seen.get(model)
+        if seen is None:
+            if len(self._seen) >= self.MODELS:
+                return
+            seen = self._seen[model] = []
+        seen.append(tokens)
+        if len(seen) > self.KEPT:
+            del seen[0]
+        self._medians[model] = int(statistics.median(seen))
+
+    def expected(self, model: str) -> int:
+        """The model's median answer, 0 before its first."""
+        return self._medians.get(model, 0)

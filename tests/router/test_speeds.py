@@ -1,0 +1,135 @@
+"""Learned backend speeds from synthetic observations: the prior until enough samples,
+convergence on two speeds, outliers that cannot swing a figure, every worker reading the
+same samples, a backend not learned yet borrowing the fleet's typical speed; and the
+answers' median length per model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from policies import Speed
+from policies.round_robin import RoundRobinParams, RoundRobinPolicy
+from router.config import BackendConfig, BreakerConfig
+from router.fleet.backends import Fleet
+from router.fleet.shared_load import LoadTable
+from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner
+
+PRIOR = Speed(10_000.0, 0.025, 0.00015)
+
+
+def observe(learner: SpeedLearner, true: Speed, n: int, rng: random.Random) -> None:
+    """`n` requests on a backend of speed `true`, each timing off by up to 3%."""
+    for _ in range(n):
+        running = rng.randrange(1, 40)
+        gap = true.decode_step_s + true.decode_s_per_request * running
+        tokens = rng.randrange(500, 8000)
+        wait = tokens / true.prefill_tokens_per_s * rng.uniform(0.97, 1.03)
+        joined = gap + true.decode_s_per_request  # the step it ran in, with it
+        learner.prefilled(tokens, wait + gap / 2 + joined, running)  # half a step first
+        learner.decoded(running, gap * rng.uniform(0.97, 1.03))
+
+
+def close(learned: Speed, true: Speed, within: float) -> bool:
+    return all(abs(a - b) <= within * b for a, b in zip(learned, true, strict=True))
+
+
+def test_early_prefills_count_at_the_step_learned_since() -> None:
+    """Prefills timed before the decode step was known are judged by the step learned
+    after them: a fast backend's steps are not taken for the prior's slower ones."""
+    learner = SpeedLearner()
+    for _ in range(MIN_SAMPLES):
+        learner.prefilled(1000, 1000 / 20_000 + 0.005, 0)
+    for _ in range(MIN_SAMPLES):
+        learner.decoded(1, 0.005)
+    assert learner.learned(PRIOR).prefill_tokens_per_s == pytest.approx(20_000)
+
+
+def test_the_prior_holds_until_enough_samples() -> None:
+    learner = SpeedLearner()
+    assert learner.learned(PRIOR) is None
+    observe(learner, Speed(5_000.0, 0.05, 0.0005), MIN_SAMPLES - 1, random.Random(1))
+    assert learner.learned(PRIOR) is None
+    learner.prefilled(100, 1.0, 1)  # a short prefill is mostly the step: not a sample
+    assert learner.learned(PRIOR) is None
+
+
+def test_two_speeds_converge_each_on_its_own() -> None:
+    rng = random.Random(2)
+    fast, slow = Speed(20_000.0, 0.0125, 0.000075), Speed(10_000.0, 0.025, 0.00015)
+    learners = {fast: SpeedLearner(), slow: SpeedLearner()}
+    for true, learner in learners.items():
+        observe(learner, true, 60, rng)
+    for true, learner in learners.items():
+        assert close(learner.learned(PRIOR), true, 0.15), (learner.learned(PRIOR), true)
+
+
+def test_one_outlier_cannot_swing_a_figure() -> None:
+    rng = random.Random(3)
+    true = Speed(20_000.0, 0.0125, 0.000075)
+    learner = SpeedLearner()
+    observe(learner, true, 20, rng)
+    before = learner.learned(PRIOR)
+    learner.prefilled(8000, 80.0, 2)  # a stall: 100 tokens a second
+    learner.decoded(2, 5.0)  # a 5 s gap
+    after = learner.learned(PRIOR)
+    assert close(after, before, 0.05), (before, after)
+
+
+def test_without_batches_that_differ_the_slope_is_the_priors() -> None:
+    learner = SpeedLearner()
+    for _ in range(MIN_SAMPLES):
+        learner.decoded(10, 0.03)
+    learned = learner.learned(PRIOR)
+    assert learned.decode_s_per_request == PRIOR.decode_s_per_request
+    assert learned.decode_step_s == pytest.approx(0.03 - 10 * PRIOR.decode_s_per_request)
+    assert learned.prefill_tokens_per_s == PRIOR.prefill_tokens_per_s
+
+
+def test_every_worker_reads_every_workers_samples(tmp_path) -> None:
+    tables = [LoadTable(tmp_path / "load", 8, 2, w) for w in range(2)]
+    learners = [SpeedLearner(t, t.slot("b0", "http://a:8000")) for t in tables]
+    rng = random.Random(4)
+    true = Speed(20_000.0, 0.0125, 0.000075)
+    observe(learners[0], true, MIN_SAMPLES // 2, rng)
+    observe(learners[1], true, MIN_SAMPLES // 2, rng)
+    first, second = (learner.learned(PRIOR) for learner in learners)
+    assert first == second and close(first, true, 0.15)
+    for t in tables:
+        t.close()  # no view of the samples outlives its use
+
+
+def test_answer_lengths_median_per_model() -> None:
+    answers = AnswerLengths()
+    assert answers.expected("m") == 0
+    for tokens in (10, 1000, 100, 90, 110):
+        answers.add("m", tokens)
+    assert answers.expected("m") == 100
+    assert answers.expected("other") == 0
+    for _ in range(AnswerLengths.KEPT):
+        answers.add("m", 7)
+    assert answers.expected("m") == 7  # only the last answers count
+
+
+def test_a_learned_speed_is_computed_again_every_few_streams() -> None:
+    learner = SpeedLearner()
+    observe(learner, Speed(20_000.0, 0.0125, 0.000075), MIN_SAMPLES, random.Random(5))
+    speed = learner.refreshed(PRIOR, None)
+    assert speed is not None
+    stale = Speed(1.0, 1.0, 1.0)
+    assert [learner.refreshed(PRIOR, stale) for _ in range(REFRESH - 1)] == [stale] * (REFRESH - 1)
+    assert learner.refreshed(PRIOR, stale) == speed
+
+
+def test_a_backend_not_learned_yet_routes_at_the_fleets_typical_speed() -> None:
+    """At the configured speed beside faster learned ones it would get no streams to
+    learn from: it borrows the median of the learned speeds until it has its own."""
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(4)]
+    fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
+    learned = [Speed(20_000.0, 0.012, 0.0001), Speed(18_000.0, 0.013, 0.0002), None, None]
+    for b, speed in zip(fleet.members, learned, strict=True):
+        b.learned_speed = speed
+    fleet.lend_speeds()
+    typical = Speed(19_000.0, 0.0125, 0.00015)
+    assert [b.speed for b in fleet.members] == learned[:2] + [pytest.approx(typical)] * 2
