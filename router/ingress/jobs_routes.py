@@ -283,8 +283,8 @@ class JobRoutes:
             bodies.give(_PIECE_HELD)
 
     async def _send(self, request: web.Request, layout: Layout) -> web.StreamResponse:
-        """Write the file's pieces; a client gone stops it (the write raises). A file
-        gone midway, or a store failing then, cuts the answer short of its length."""
+        """Write the file's pieces; a client gone stops the reads. A file gone midway,
+        or a store failing then, cuts the answer short of its length."""
         file_id = request.match_info["id"]
         answer = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
         answer.content_length = layout.size
@@ -298,8 +298,11 @@ class JobRoutes:
                 if request.transport is not None:
                     request.transport.close()
                 return answer
-            await answer.write(piece)
-            del piece
+            try:
+                await answer.write(piece)
+            except ConnectionError:
+                return answer  # the client went: nothing more to read
+            del piece  # the next piece is read with this one let go
         await answer.write_eof()
         return answer
 

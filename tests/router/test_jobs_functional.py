@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+import logging
 import sqlite3
 import time
 from collections.abc import AsyncIterator, Callable
@@ -385,7 +386,7 @@ async def store_jobs(tmp_path: Path, kind: str) -> AsyncIterator[tuple[dict, Cal
 
 @pytest.mark.parametrize("kind", ["sqlite", "redis"])
 async def test_a_file_downloads_a_piece_at_a_time_within_the_body_budget(
-    tmp_path: Path, kind: str
+    tmp_path: Path, kind: str, caplog
 ) -> None:
     """The SDK gets a multi-piece upload's and a batch output's exact bytes; a download
     holds one piece of the budget, and a client gone stops it."""
@@ -418,6 +419,9 @@ async def test_a_file_downloads_a_piece_at_a_time_within_the_body_budget(
                     assert bodies.held == PIECE_BYTES + (1 << 16)  # one piece, while it is sent
                     r.close()  # gone before the end
                 await until(lambda: bodies.held == 0, timeout=10)
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.ERROR
+    ]  # a client gone is no error
 
 
 async def test_cancel_drops_the_lines_not_started(tmp_path: Path) -> None:
