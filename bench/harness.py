@@ -116,6 +116,11 @@ _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
 _WARMUP_PAIRS = 5
 _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=30)
+#: how long a replay whose requests failed waits for the process that caused it to be
+#: seen exiting (the failures can come first)
+_EXIT_GRACE_S = 2.0
+#: starts the note of a row that failed because a process of its fleet exited
+FAILED = "failed: "
 _T = TypeVar("_T")
 
 
@@ -548,7 +553,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out is not None:
         _write(args.out, argv, options, results)
     summaries = [s for r in results for s in r.summaries if not s.unmeasured]
-    return 0 if all(s.ok for s in summaries) else 1  # 1: a measured row served nothing
+    failed = any(s.unmeasured.startswith(FAILED) for r in results for s in r.summaries)
+    # 1: a measured row served nothing, or a row failed
+    return 0 if all(s.ok for s in summaries) and not failed else 1
 
 
 async def _every_seed(
@@ -610,7 +617,8 @@ def _print_knees(
         (out / "results.json").write_bytes(msgspec.json.encode(doc))
         drawn = knee.chart(knees, ramp, out / "knee.png")
         print(f"wrote {out / 'results.json'}" + (f" and {out / 'knee.png'}" if drawn else ""))
-    return 0 if all(s.summary.ok for r in knees for s in r.steps) else 1
+    failed = any(r.unmeasured.startswith(FAILED) for r in knees)
+    return 0 if all(s.summary.ok for r in knees for s in r.steps) and not failed else 1
 
 
 def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
@@ -716,12 +724,14 @@ async def _simulated_run(
     row: str | _Split | Peer, specs: Sequence[RequestSpec], options: Options, on_done: _OnDone
 ) -> Run:
     """`row` on a fresh, cold fleet. A kvroute router that does not start ends the run;
-    a peer that cannot run or start is a row of n/a with the reason."""
+    a peer that cannot run or start is a row of n/a with the reason. A process of the
+    fleet that exits meanwhile fails the row: n/a, with which one and why."""
     if isinstance(row, Peer) and row.python is None:
         return _unmeasured(row.label, _peer_setup(row, options), row.version, options)
     split = row if isinstance(row, _Split) else None
+    watch = processes.Watch()
     async with contextlib.AsyncExitStack() as stack:
-        backends, sim_pid = await _fleet(stack, options, split.roles if split else [])
+        backends, sim_pid = await _fleet(stack, options, split.roles if split else [], watch)
         urls = [b["url"] for b in backends]
         if isinstance(row, Peer):
             label, router = row.label, _peer_router(row, urls, options)
@@ -731,7 +741,10 @@ async def _simulated_run(
             label = split.label if split else strategy
             router = _kvroute_router(strategy, backends, options, Path(tmp), split)
         try:
-            started = processes.replicas(router.command, router.ready, options.replicas)
+            name = label if isinstance(row, Peer) else f"the router ({label})"
+            started = processes.replicas(
+                router.command, router.ready, options.replicas, watch, name
+            )
             replicas = await stack.enter_async_context(started)
         except processes.StartFailed as exc:
             if not isinstance(row, Peer):
@@ -743,19 +756,23 @@ async def _simulated_run(
         trees = [pid for _, root in replicas for pid in procstat.tree(root)]
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
         setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
-        entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup)
-        return await _measured_replay(http, entry, model, specs, options, on_done)
+        entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup, watch)
+        try:
+            return await _measured_replay(http, entry, model, specs, options, on_done)
+        except processes.ProcessExited as exc:
+            print(f"kvroute bench: {label} failed: {exc}", file=sys.stderr, flush=True)
+            return _unmeasured(label, setup, f"{FAILED}{exc}", options)
 
 
 async def _fleet(
-    stack: contextlib.AsyncExitStack, options: Options, roles: list[str]
+    stack: contextlib.AsyncExitStack, options: Options, roles: list[str], watch: processes.Watch
 ) -> tuple[list[dict], int]:
     """The simulated fleet on `stack` (`roles`: the simulator's --roles, if any): its
     backend configs and its process's pid."""
     sim_args = [*options.sim_args, *roles]
     if options.speeds:
         sim_args += ["--speeds", ",".join(f"{s:g}" for s in options.speeds)]
-    fleet = processes.simulator(options.backends, options.time_scale, sim_args)
+    fleet = processes.simulator(options.backends, options.time_scale, sim_args, watch)
     try:
         return await stack.enter_async_context(fleet)
     except processes.StartFailed as exc:
@@ -792,6 +809,7 @@ class _Entry(NamedTuple):
     pids: dict[str, list[int]]  # processes whose CPU share is measured, by role
     hop: float | None
     setup: Setup | None
+    watch: processes.Watch | None = None  # the fleet's processes; None for a target
 
 
 async def _measured_replay(
@@ -807,15 +825,18 @@ async def _measured_replay(
     started = time.monotonic()
     with procstat.cpu_meter(entry.pids) as cpu:
         async with _lag_monitor() as lags:
-            outcomes = await replay(
-                entry.routers,
-                model,
-                specs,
-                concurrency=options.concurrency,
-                time_scale=options.time_scale,
-                deadline=options.max_wall,
-                seed=options.seed,
-                on_done=on_done,
+            outcomes = await _watched(
+                replay(
+                    entry.routers,
+                    model,
+                    specs,
+                    concurrency=options.concurrency,
+                    time_scale=options.time_scale,
+                    deadline=options.max_wall,
+                    seed=options.seed,
+                    on_done=on_done,
+                ),
+                entry.watch,
             )
     wall = time.monotonic() - started
     after = await _snapshot(http, entry.routers, entry.backends)
@@ -836,6 +857,49 @@ async def _measured_replay(
         setup=entry.setup,
         replica_requests=[scrape.delta(a, b, "kvroute_requests_total") for a, b in pairs],
     )
+
+
+async def _watched(
+    replaying: Awaitable[list[Outcome]], watch: processes.Watch | None
+) -> list[Outcome]:
+    """The replay's outcomes, unless a process in `watch` exits before it ends or by
+    then (ProcessExited): the replay is stopped at once, and one whose requests failed
+    waits a little for the exit that may have caused them."""
+    if watch is None:
+        return await replaying
+    replay_task = asyncio.ensure_future(replaying)
+    exit_task = asyncio.ensure_future(watch.first_exit())
+    try:
+        await asyncio.wait((replay_task, exit_task), return_when=asyncio.FIRST_COMPLETED)
+        cut = replay_task.done() and any(map(_cut_off, replay_task.result()))
+        if cut and not exit_task.done():
+            await asyncio.wait((exit_task,), timeout=_EXIT_GRACE_S)
+    finally:
+        for task in (replay_task, exit_task):
+            task.cancel()
+        await asyncio.gather(replay_task, exit_task, return_exceptions=True)
+    why = watch.exited()
+    if why is not None:
+        raise processes.ProcessExited(why)
+    return replay_task.result()
+
+
+def _connection_errors() -> frozenset[str]:
+    """aiohttp's connection errors' names, as an Outcome's error starts with them."""
+    found, todo = set(), [aiohttp.ClientConnectionError]
+    while todo:
+        cls = todo.pop()
+        found.add(cls.__name__)
+        todo += cls.__subclasses__()
+    return frozenset(found)
+
+
+_CONNECTION_ERRORS = _connection_errors()
+
+
+def _cut_off(outcome: Outcome) -> bool:
+    """Whether the request failed on its connection (a router gone, say)."""
+    return outcome.error is not None and outcome.error.split(":", 1)[0] in _CONNECTION_ERRORS
 
 
 # --- the rows' routers ----------------------------------------------------------------
@@ -1214,7 +1278,7 @@ def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]
     distort."""
     names = sorted({name for r in runs for name in r.cpu})
     shares = ", ".join(f"{n} {max(r.cpu.get(n, 0.0) for r in runs):.0%}" for n in names)
-    lag = max((r.loop_lag_p99 or 0.0) for r in runs)
+    lag = max((r.loop_lag_p99 or 0.0 for r in runs), default=0.0)
     lines = [
         f"CPU, peak share of one core over a replay (router: every process of every "
         f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",

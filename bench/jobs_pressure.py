@@ -6,7 +6,9 @@ and stamps every event. Then, in turn:
 
 - batch: a `--batch-mib` MiB input file of bad lines (`x`) is uploaded and a batch
   created from it (a check that fails, as a hostile client would make it);
-- uploads: `--uploads` concurrent uploads of `--upload-mb` MB each.
+- uploads: `--uploads` concurrent uploads of `--upload-mb` MB each;
+- downloads: `--downloads` concurrent downloads of one of those uploads (an answer is
+  its status if every byte came, else 0).
 
 One row each: the probe's largest gap between two events before (baseline) and during
 the step, how much larger it got (the stall), the worker's RSS before and at its peak
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-mib", type=int, default=64, help="the bad batch file, MiB")
     p.add_argument("--uploads", type=int, default=8, help="concurrent uploads")
     p.add_argument("--upload-mb", type=int, default=60, help="each upload, MB")
+    p.add_argument("--downloads", type=int, default=8, help="concurrent downloads of an upload")
     p.add_argument("--time-scale", type=float, default=0.25, help="simulated durations x this")
     p.add_argument("--out", type=Path, metavar="FILE", help="write the steps as JSON")
     return p
@@ -152,7 +155,10 @@ async def _bad_batch(http: aiohttp.ClientSession, url: str, mib: int) -> list[in
     return answers
 
 
-async def _uploads(http: aiohttp.ClientSession, url: str, n: int, mb: int) -> list[int]:
+async def _uploads(
+    http: aiohttp.ClientSession, url: str, n: int, mb: int, kept: list[str]
+) -> list[int]:
+    """The uploads' answers; the files' ids go to `kept`."""
     content = b"y" * (mb * 1_000_000)
 
     async def one(i: int) -> int:
@@ -160,9 +166,26 @@ async def _uploads(http: aiohttp.ClientSession, url: str, n: int, mb: int) -> li
         form.add_field("purpose", "batch")
         form.add_field("file", content, filename=f"u{i}.jsonl")
         async with http.post(url + "/v1/files", data=form) as r:
+            if r.status == 200:
+                kept.append((await r.json())["id"])
             return r.status
 
     return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def _downloads(
+    http: aiohttp.ClientSession, url: str, n: int, mb: int, kept: list[str]
+) -> list[int]:
+    """`n` downloads at once of the first upload kept, read as they come."""
+
+    async def one() -> int:
+        async with http.get(f"{url}/v1/files/{kept[0]}/content") as r:
+            size = 0
+            async for chunk in r.content.iter_any():
+                size += len(chunk)
+            return r.status if size == mb * 1_000_000 else 0
+
+    return list(await asyncio.gather(*(one() for _ in range(n))))
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -180,11 +203,11 @@ async def run(args: argparse.Namespace) -> int:
 
             async with replicas(command, "/ready", 1) as [(url, pid)]:
                 steps = await _steps(args, url, pid)
-    print(f"{'step':<8} {'gap before':>10} {'gap during':>10} {'stall':>8} "
+    print(f"{'step':<9} {'gap before':>10} {'gap during':>10} {'stall':>8} "
           f"{'RSS before':>10} {'RSS peak':>9} {'loop lag':>9}  answers")  # fmt: skip
     for s in steps:
         print(
-            f"{s.name:<8} {s.baseline_gap_ms:>8.1f}ms {s.gap_ms:>8.1f}ms {s.stall_ms:>6.1f}ms "
+            f"{s.name:<9} {s.baseline_gap_ms:>8.1f}ms {s.gap_ms:>8.1f}ms {s.stall_ms:>6.1f}ms "
             f"{s.rss_before_mb:>8.0f}MB {s.rss_peak_mb:>7.0f}MB <={s.loop_lag_ms:>5.0f}ms  "
             f"{s.answers} in {s.took_s:.1f}s"
         )
@@ -202,9 +225,12 @@ async def _steps(args: argparse.Namespace, url: str, pid: int) -> list[Step]:
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as http:
             await asyncio.sleep(3)  # the probe streaming: the baseline
+            kept: list[str] = []
+            mb = args.upload_mb
             actions: list[tuple[str, Callable[[], Awaitable[list[int]]]]] = [
                 ("batch", lambda: _bad_batch(http, url, args.batch_mib)),
-                ("uploads", lambda: _uploads(http, url, args.uploads, args.upload_mb)),
+                ("uploads", lambda: _uploads(http, url, args.uploads, mb, kept)),
+                ("downloads", lambda: _downloads(http, url, args.downloads, mb, kept)),
             ]
             for name, action in actions:
                 lags = await _lag_buckets(http, url)

@@ -43,6 +43,41 @@ class StartFailed(RuntimeError):
     """A child process exited or never answered; says why (with its output's tail)."""
 
 
+class ProcessExited(RuntimeError):
+    """A process of the fleet exited while it was measured; says which, its exit code and
+    its stderr's last lines."""
+
+
+class Watch:
+    """A row's child processes by name, while they run: a replay whose simulator or
+    router died measures nothing but failures, so it must be told apart."""
+
+    def __init__(self) -> None:
+        self._children: list[tuple[str, asyncio.subprocess.Process, IO[bytes]]] = []
+
+    def add(self, name: str, proc: asyncio.subprocess.Process, stderr: IO[bytes]) -> None:
+        self._children.append((name, proc, stderr))
+
+    def exited(self) -> str | None:
+        """Which process exited, with its code and its stderr's last lines; None: none."""
+        for name, proc, stderr in self._children:
+            if proc.returncode is not None:
+                tail = _tail(stderr, 5) or ["(nothing on its stderr)"]
+                return " | ".join(
+                    [f"{name} (pid {proc.pid}) exited with code {proc.returncode}", *tail]
+                )
+        return None
+
+    async def first_exit(self) -> None:
+        """Until one of the processes exits."""
+        waits = [asyncio.ensure_future(proc.wait()) for _, proc, _ in self._children]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
+
 def kvroute_serve(config: object, path: Path) -> list[str]:
     """`kvroute serve` reading `config`, written to `path` as JSON (which is YAML): both
     benchmarks start kvroute as users run it."""
@@ -77,10 +112,11 @@ def last_lines(text: str, lines: int, width: int) -> list[str]:
 
 @contextlib.asynccontextmanager
 async def simulator(
-    backends: int, time_scale: float, sim_args: Sequence[str]
+    backends: int, time_scale: float, sim_args: Sequence[str], watch: Watch | None = None
 ) -> AsyncIterator[tuple[list[dict], int]]:
-    """`backends` simulated servers in a child process; yields their backend configs and
-    its pid. StartFailed with its stderr's tail if it does not announce them in time."""
+    """`backends` simulated servers in a child process (in `watch`, if given); yields
+    their backend configs and its pid. StartFailed with its stderr's tail if it does not
+    announce them in time."""
     cmd = [sys.executable, "-m", "bench.sim", "--instances", str(backends)]
     cmd += ["--time-scale", str(time_scale), "--host", "127.0.0.1", *sim_args]
     kv_events = "--kv-events" in sim_args
@@ -88,6 +124,8 @@ async def simulator(
         proc = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE, stderr=stderr
         )
+        if watch is not None:
+            watch.add("the simulator", proc, stderr)
         try:
             yield await _announced(proc, backends, kv_events, stderr), proc.pid
         finally:
@@ -118,17 +156,26 @@ async def _announced(
 
 @contextlib.asynccontextmanager
 async def replicas(
-    command: Callable[[int], list[str]], ready: str, n: int
+    command: Callable[[int], list[str]],
+    ready: str,
+    n: int,
+    watch: Watch | None = None,
+    name: str = "the router",
 ) -> AsyncIterator[list[tuple[str, int]]]:
     """`n` processes of one router, `command` given each a free port; yields their URLs
-    and pids once every one answers 200 on the path `ready`."""
+    and pids once every one answers 200 on the path `ready`. In `watch` as `name`."""
     async with contextlib.AsyncExitStack() as stack:
-        yield [await stack.enter_async_context(_replica(command, ready)) for _ in range(n)]
+        yield [
+            await stack.enter_async_context(
+                _replica(command, ready, watch, name if n == 1 else f"{name} replica {i}")
+            )
+            for i in range(n)
+        ]
 
 
 @contextlib.asynccontextmanager
 async def _replica(
-    command: Callable[[int], list[str]], ready: str
+    command: Callable[[int], list[str]], ready: str, watch: Watch | None, name: str
 ) -> AsyncIterator[tuple[str, int]]:
     """One router in a process of its own, as in production: its work (parsing,
     tokenizing, KV events) never holds up the load generator's clock. Yields its URL and
@@ -142,6 +189,8 @@ async def _replica(
             stdout=asyncio.subprocess.DEVNULL,
             stderr=err,
         )
+        if watch is not None:
+            watch.add(name, proc, err)
         try:
             await _until_ready(url + ready, proc, err)
             yield url, proc.pid

@@ -25,7 +25,7 @@ from router.config import JobsConfig
 from router.errors import BadRequest, KvrouteError, PayloadTooLarge, RequestTimeout
 from router.ingress.body import BodyReader
 from router.ingress.relay import refused
-from router.jobs.store import Batch, JobStore, Line
+from router.jobs.store import PIECE_BYTES, Batch, JobStore, Layout, Line
 from router.jobs.webhooks import WEBHOOK_HEADER, checked_webhook
 from router.jobs.wire import (
     KINDS,
@@ -49,8 +49,8 @@ T = TypeVar("T")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _JSON = "application/json"
 _UPLOAD_CHUNK = 1 << 16
-#: an upload is stored in pieces of about this size
-_PIECE_BYTES = 1 << 20
+#: what an upload's or a download's piece holds of the body budget at most
+_PIECE_HELD = PIECE_BYTES + _UPLOAD_CHUNK
 #: a form's `purpose` past this is cut (it names one of a few purposes)
 _PURPOSE_BYTES = 64
 #: listings' default and largest `limit`, as OpenAI's
@@ -224,10 +224,10 @@ class JobRoutes:
         return purpose, name
 
     async def _store_parts(self, part: BodyPartReader, file_id: str, tenant: str | None) -> None:
-        """Store the file part `_PIECE_BYTES` at a time; 413 past `max_file_bytes` or
+        """Store the file part `PIECE_BYTES` at a time; 413 past `max_file_bytes` or
         past the tenant's `max_tenant_file_bytes`."""
         cfg, bodies = self._cfg, self._body.bodies
-        most, held = cfg.max_file_bytes, _PIECE_BYTES + _UPLOAD_CHUNK
+        most, held = cfg.max_file_bytes, _PIECE_HELD
         size, n, piece = 0, 0, bytearray()
         bodies.take(held)
         try:
@@ -236,7 +236,7 @@ class JobRoutes:
                 if size > most:
                     raise PayloadTooLarge(f"A batch input file is at most {most} bytes.")
                 piece += chunk
-                if len(piece) >= _PIECE_BYTES:
+                if len(piece) >= PIECE_BYTES:
                     await self._put_part(file_id, tenant, n, piece)
                     n, piece = n + 1, bytearray()
             if piece:
@@ -272,8 +272,39 @@ class JobRoutes:
         return _json(deleted_json(file_id))
 
     async def _content(self, request: web.Request, tenant: str | None) -> web.StreamResponse:
-        content = await _found(request, tenant, self._store.content, "file")
-        return web.Response(body=content, content_type="application/jsonl")
+        """The file's bytes, streamed a piece at a time as the store gives them: one
+        piece is held, in the body budget."""
+        layout = await _found(request, tenant, self._store.layout, "file")
+        bodies = self._body.bodies
+        bodies.take(_PIECE_HELD)
+        try:
+            return await self._send(request, layout)
+        finally:
+            bodies.give(_PIECE_HELD)
+
+    async def _send(self, request: web.Request, layout: Layout) -> web.StreamResponse:
+        """Write the file's pieces; a client gone stops the reads. A file gone midway,
+        or a store failing then, cuts the answer short of its length."""
+        file_id = request.match_info["id"]
+        answer = web.StreamResponse(headers={"Content-Type": "application/jsonl"})
+        answer.content_length = layout.size
+        await answer.prepare(request)
+        for n in range(layout.pieces()):
+            try:
+                piece = await asyncio.to_thread(self._store.piece, file_id, layout, n)
+            except KvrouteError:
+                piece = None
+            if piece is None:
+                if request.transport is not None:
+                    request.transport.close()
+                return answer
+            try:
+                await answer.write(piece)
+            except ConnectionError:
+                return answer  # the client went: nothing more to read
+            del piece  # the next piece is read with this one let go
+        await answer.write_eof()
+        return answer
 
     # batches
     async def _create_batch(self, request: web.Request, tenant: str | None) -> web.StreamResponse:

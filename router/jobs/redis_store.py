@@ -21,7 +21,18 @@ import time
 from collections.abc import Sequence
 
 from router.config import ConfigError, RedisConfig
-from router.jobs.store import OPEN_BATCH, Batch, Job, Line, Outcome, Page, StoredFile, Writer
+from router.jobs.store import (
+    OPEN_BATCH,
+    Batch,
+    FilePieces,
+    Job,
+    Layout,
+    Line,
+    Outcome,
+    Page,
+    StoredFile,
+    Writer,
+)
 from router.secrets import read_secret
 
 #: batch lines score after every single job (epoch seconds stay far below this)
@@ -162,6 +173,13 @@ redis.call('SREM', ARGV[1] .. 'unsettled', ARGV[8])
 return 1
 """
 
+#: a slice of a file's `content` field: only the slice crosses the network
+_WRITTEN = """
+local content = redis.call('HGET', KEYS[1], 'content')
+if not content then return false end
+return string.sub(content, tonumber(ARGV[1]) + 1, tonumber(ARGV[1]) + tonumber(ARGV[2]))
+"""
+
 _PUT_PART = """
 local now = tonumber(ARGV[1])
 for _, id in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
@@ -180,7 +198,7 @@ return 1
 """
 
 
-class RedisJobStore:
+class RedisJobStore(FilePieces):
     """The jobs in the Redis server `cfg` names."""
 
     def __init__(self, cfg: RedisConfig) -> None:
@@ -207,10 +225,11 @@ class RedisJobStore:
             raise ConfigError(f"jobs.redis: {cfg.url} does not answer: {exc}") from None
         scripts = (
             _CLAIM, _RENEW, _FINISH, _RELEASE, _DUE_HOOK, _HOOK_TRIED, _CANCEL, _SETTLE, _PUT_PART,
+            _WRITTEN,
         )  # fmt: skip
         (
             self._claim, self._renew, self._finish, self._release, self._due_hook,
-            self._hook_tried, self._cancel, self._settle, self._put_part,
+            self._hook_tried, self._cancel, self._settle, self._put_part, self._written_slice,
         ) = (self._db.register_script(s) for s in scripts)  # fmt: skip
 
     def _key(self, kind: str, ident: str) -> str:
@@ -367,14 +386,24 @@ class RedisJobStore:
         size += int(parts or 0)
         return StoredFile(file_id, purpose.decode(), name.decode(), float(created), size)
 
-    def content(self, file_id: str, tenant: str | None) -> bytes | None:
-        owner, content = self._db.hmget(self._key("file", file_id), ["tenant", "content"])
-        if content is None or not _owned({b"tenant": owner} if owner else {}, tenant):
+    def layout(self, file_id: str, tenant: str | None) -> Layout | None:
+        key = self._key("file", file_id)
+        with self._db.pipeline() as tx:
+            tx.hmget(key, ["tenant", "purpose", "size"])
+            tx.hstrlen(key, "content")
+            tx.llen(self._parts(file_id))
+            (owner, found, uploaded), written, parts = tx.execute()
+        if found is None or not _owned({b"tenant": owner} if owner else {}, tenant):
             return None
-        whole = bytearray(content)
-        for n in range(self._db.llen(self._parts(file_id))):
-            whole += self._db.lindex(self._parts(file_id), n) or b""
-        return whole
+        return Layout(written + int(uploaded or 0), written, parts)
+
+    def _written(self, file_id: str, start: int, size: int) -> bytes | None:
+        found = self._written_slice(keys=[self._key("file", file_id)], args=[start, size])
+        return None if found is None else bytes(found)
+
+    def _part(self, file_id: str, n: int) -> bytes | None:
+        found = self._db.lindex(self._parts(file_id), n)
+        return None if found is None else bytes(found)
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int

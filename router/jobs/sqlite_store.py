@@ -31,7 +31,9 @@ from router.config import ConfigError
 from router.jobs.store import (
     OPEN_BATCH,
     Batch,
+    FilePieces,
     Job,
+    Layout,
     Line,
     Outcome,
     Page,
@@ -144,7 +146,7 @@ _SIZE = (
 )
 
 
-class SqliteJobStore:
+class SqliteJobStore(FilePieces):
     """The database at `path`; a database deleted while the router runs is created
     anew at the next call (what it held is lost, the router goes on)."""
 
@@ -451,19 +453,33 @@ class SqliteJobStore:
         query = "DELETE FROM file_parts WHERE file_id = ?"
         self._freeing(lambda db: db.execute(query, (file_id,)).rowcount)
 
-    def content(self, file_id: str, tenant: str | None) -> bytes | None:
+    def layout(self, file_id: str, tenant: str | None) -> Layout | None:
         with closing(self._connect()) as db:
             row = db.execute(
-                "SELECT content FROM files WHERE id = ? AND tenant IS ?", (file_id, tenant)
+                "SELECT length(content), (SELECT coalesce(sum(length(data)), 0) "
+                "FROM file_parts WHERE file_id = files.id), "
+                "(SELECT count(*) FROM file_parts WHERE file_id = files.id) "
+                "FROM files WHERE id = ? AND tenant IS ?",
+                (file_id, tenant),
             ).fetchone()
+        return None if row is None else Layout(row[0] + row[1], row[0], row[2])
+
+    def _written(self, file_id: str, start: int, size: int) -> bytes | None:
+        """Read through SQLite's blob I/O: only the slice is loaded."""
+        with closing(self._connect()) as db:
+            row = db.execute("SELECT rowid FROM files WHERE id = ?", (file_id,)).fetchone()
             if row is None:
                 return None
-            content = bytearray(row[0])
-            for (data,) in db.execute(
-                "SELECT data FROM file_parts WHERE file_id = ? ORDER BY n", (file_id,)
-            ):
-                content += data
-        return content
+            with db.blobopen("files", "content", row[0], readonly=True) as blob:
+                blob.seek(start)
+                return blob.read(size)
+
+    def _part(self, file_id: str, n: int) -> bytes | None:
+        with closing(self._connect()) as db:
+            row = db.execute(
+                "SELECT data FROM file_parts WHERE file_id = ? AND n = ?", (file_id, n)
+            ).fetchone()
+        return None if row is None else row[0]
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int

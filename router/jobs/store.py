@@ -22,6 +22,8 @@ from typing import Generic, NamedTuple, Protocol, TypeVar
 OPEN_BATCH = ("in_progress", "cancelling")
 #: starts the owner of what a token without a tenant stores (no tenant id spells it)
 TOKEN_OWNER = "~token/"
+#: a file is stored, and read back, in pieces of about this size
+PIECE_BYTES = 1 << 20
 
 
 def runs_as(owner: str | None) -> str | None:
@@ -55,6 +57,19 @@ class StoredFile(NamedTuple):
     filename: str
     created: float
     size: int
+
+
+class Layout(NamedTuple):
+    """How a stored file's bytes are kept: `written` bytes written whole (a batch's
+    output), then `parts` pieces it was uploaded in; `size` in all."""
+
+    size: int
+    written: int
+    parts: int
+
+    def pieces(self) -> int:
+        """How many pieces `FilePieces.piece` reads it in."""
+        return -(-self.written // PIECE_BYTES) + self.parts
 
 
 class Batch(NamedTuple):
@@ -183,7 +198,14 @@ class JobStore(Protocol):
 
     def file(self, file_id: str, tenant: str | None) -> StoredFile | None: ...
 
-    def content(self, file_id: str, tenant: str | None) -> bytes | None: ...
+    def layout(self, file_id: str, tenant: str | None) -> Layout | None:
+        """How the tenant's file is kept, to read it a piece at a time."""
+
+    def piece(self, file_id: str, layout: Layout, n: int) -> bytes | None:
+        """Piece `n` (of `layout.pieces()`) of the file; None if it went meanwhile."""
+
+    def content(self, file_id: str, tenant: str | None) -> bytes | None:
+        """The tenant's whole file."""
 
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int
@@ -210,3 +232,36 @@ class JobStore(Protocol):
         """End the batch if none of its lines waits or runs: its output and error files
         (ids `files`) from `write`, its counts and state, its lines dropped. True if
         this call ended it (once, however many workers try)."""
+
+
+class FilePieces:
+    """Reading a stored file a piece at a time, as both stores do: the bytes written
+    whole in slices of `PIECE_BYTES`, then the uploaded pieces. A store gives
+    `layout`, `_written` and `_part`."""
+
+    def layout(self, file_id: str, tenant: str | None) -> Layout | None:
+        raise NotImplementedError
+
+    def _written(self, file_id: str, start: int, size: int) -> bytes | None:
+        """`size` bytes from `start` of what was written whole (None: the file went)."""
+        raise NotImplementedError
+
+    def _part(self, file_id: str, n: int) -> bytes | None:
+        """Uploaded piece `n` (None: the file went)."""
+        raise NotImplementedError
+
+    def piece(self, file_id: str, layout: Layout, n: int) -> bytes | None:
+        slices = -(-layout.written // PIECE_BYTES)
+        if n < slices:
+            start = n * PIECE_BYTES
+            return self._written(file_id, start, min(PIECE_BYTES, layout.written - start))
+        return self._part(file_id, n - slices)
+
+    def content(self, file_id: str, tenant: str | None) -> bytes | None:
+        layout = self.layout(file_id, tenant)
+        if layout is None:
+            return None
+        whole = bytearray()
+        for n in range(layout.pieces()):
+            whole += self.piece(file_id, layout, n) or b""
+        return bytes(whole)

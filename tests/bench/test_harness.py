@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 
 from bench import demo, harness
@@ -437,6 +438,40 @@ def test_summary_scales_to_simulated_time_and_reading_compares_to_baseline():
         "KV hit rate 25.0% → 80.0%, "
         "busy spread 1.00 → 1.50"
     ]
+
+
+@pytest.mark.parametrize("knee", [False, True])
+def test_a_simulator_killed_mid_replay_fails_the_row_naming_it(tmp_path, capsys, monkeypatch, knee):
+    """Once the replay's first request is done, the harness's simulator child is killed:
+    the replay stops, and the row is no measurement but a failure naming the process, its
+    exit code and its stderr's last lines."""
+    killed: list[int] = []
+    done: list[Outcome] = []
+
+    def kill_the_simulator(label: str, total: int):
+        def on_done(outcome: Outcome) -> None:
+            done.append(outcome)
+            if not killed:
+                (sim,) = [p for p in psutil.Process().children() if "bench.sim" in p.cmdline()]
+                sim.kill()
+                killed.append(sim.pid)
+
+        return on_done
+
+    monkeypatch.setattr(harness, "_progress_factory", lambda: kill_the_simulator)
+    argv = [*TINY, "--strategies=RANDOM", "--requests=40", "--time-scale=1", "--calibration=0"]
+    if knee:
+        argv = [a for a in argv if a != "--rate=4"] + ["--knee", "--knee-start=4"]
+    assert harness.main([*argv, f"--out={tmp_path}"]) == 1
+    captured = capsys.readouterr()
+    banner = "kvroute sim: 2 servers of model 'sim-llama-70b'"  # its stderr's last line
+    why = f"the simulator (pid {killed[0]}) exited with code -9 | {banner}"
+    assert f"kvroute bench: RANDOM failed: {why}" in captured.err
+    assert f"failed: {why}" in captured.out
+    results = _results(tmp_path)
+    rows = results["rows"] if knee else results["summaries"]
+    assert [r["unmeasured"] for r in rows] == [f"failed: {why}"]
+    assert len(done) < 20  # the replay (40 arrivals over 10 s) was stopped
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])

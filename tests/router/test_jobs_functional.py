@@ -7,9 +7,10 @@ from __future__ import annotations
 import asyncio
 import gc
 import io
+import logging
 import sqlite3
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager, closing
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import aiohttp
 import orjson
 import psutil
 import pytest
+import redis
 import yaml
 from openai import AsyncOpenAI
 from yarl import URL
@@ -26,6 +28,7 @@ from bench.sim.params import SimParams
 from router.config import JobsConfig, build
 from router.control.worker import Router
 from router.errors import BadRequest
+from router.jobs.store import PIECE_BYTES
 from router.jobs.webhooks import checked_webhook
 from tests.redis_server import redis_server
 from tests.router.chaos import until
@@ -352,6 +355,73 @@ async def test_an_upload_is_stored_as_it_arrives_within_the_tenants_quota(
         )
         assert again.bytes == 2_500_000
         assert (await oai.files.content(again.id)).content == b"y" * 2_500_000
+
+
+@asynccontextmanager
+async def store_jobs(tmp_path: Path, kind: str) -> AsyncIterator[tuple[dict, Callable]]:
+    """`jobs` config for a store of `kind`, and what reads a file's stored bytes raw."""
+    if kind == "sqlite":
+        path = tmp_path / "jobs.db"
+
+        def raw(file_id: str) -> bytes:
+            with closing(sqlite3.connect(path)) as db:
+                (whole,) = db.execute("SELECT content FROM files WHERE id = ?", (file_id,))
+                parts = db.execute(
+                    "SELECT data FROM file_parts WHERE file_id = ? ORDER BY n", (file_id,)
+                )
+                return whole[0] + b"".join(p for (p,) in parts)
+
+        yield {"enabled": True, "path": str(path), "poll_s": 0.05}, raw
+        return
+    with redis_server(tmp_path) as url:
+        db = redis.Redis.from_url(url)
+
+        def raw(file_id: str) -> bytes:
+            key = f"kvroute:jobs:file:{file_id}"
+            return db.hget(key, "content") + b"".join(db.lrange(key + ":parts", 0, -1))
+
+        yield {"enabled": True, "store": "redis", "redis": {"url": url}, "poll_s": 0.05}, raw
+        db.close()
+
+
+@pytest.mark.parametrize("kind", ["sqlite", "redis"])
+async def test_a_file_downloads_a_piece_at_a_time_within_the_body_budget(
+    tmp_path: Path, kind: str, caplog
+) -> None:
+    """The SDK gets a multi-piece upload's and a batch output's exact bytes; a download
+    holds one piece of the budget, and a client gone stops it."""
+    async with store_jobs(tmp_path, kind) as (jobs, raw):
+        async with jobs_router(tmp_path, jobs=jobs) as (router, oai):
+            data = bytes(range(256)) * (12_000_000 // 256)
+            up = await oai.files.create(file=("a.jsonl", io.BytesIO(data)), purpose="batch")
+            got = await oai.files.content(up.id)
+            assert got.content == data
+            assert got.response.headers["Content-Type"] == "application/jsonl"
+            assert got.response.headers["Content-Length"] == str(len(data))
+            uploaded = await oai.files.create(
+                file=("in.jsonl", io.BytesIO(batch_file(5))), purpose="batch"
+            )
+            batch = await oai.batches.create(
+                input_file_id=uploaded.id, endpoint="/v1/chat/completions", completion_window="24h"
+            )
+            done = await wait_batch(oai, batch.id)
+            output = (await oai.files.content(done.output_file_id)).content
+            assert output == raw(done.output_file_id) and output.count(b"\n") == 5
+            async with aiohttp.ClientSession() as http:
+                for file_id in (up.id, done.output_file_id):
+                    url = f"{router.url}/v1/files/{file_id}/content"
+                    async with http.get(url, headers={"X-Tenant": "other"}) as r:
+                        assert r.status == 404
+                bodies = router.ingress.bodies
+                async with http.get(f"{router.url}/v1/files/{up.id}/content") as r:
+                    assert r.status == 200
+                    await r.content.readexactly(1 << 16)
+                    assert bodies.held == PIECE_BYTES + (1 << 16)  # one piece, while it is sent
+                    r.close()  # gone before the end
+                await until(lambda: bodies.held == 0, timeout=10)
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.ERROR
+    ]  # a client gone is no error
 
 
 async def test_cancel_drops_the_lines_not_started(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pytest
 from router.config import ConfigError, RedisConfig
 from router.jobs.redis_store import RedisJobStore
 from router.jobs.sqlite_store import SqliteJobStore
-from router.jobs.store import JobStore
+from router.jobs.store import PIECE_BYTES, JobStore
 from router.jobs.wire import new_batch, read_lines, write_outputs
 from tests.redis_server import redis_server
 
@@ -289,3 +289,24 @@ def test_an_upload_is_kept_piece_by_piece_within_the_tenants_quota(store: JobSto
     assert store.put_part("file-c", "t", 0, b"z" * 1000, 60, quota=1000)
     store.drop_parts("file-c", "t")  # an upload that failed frees its bytes too
     assert store.put_part("file-d", "t", 0, b"z" * 1000, 60, quota=1000)
+
+
+def test_a_file_is_read_a_piece_at_a_time_however_it_was_stored(store: JobStore) -> None:
+    """An upload's pieces, and a file written whole in slices of PIECE_BYTES: each read
+    holds one piece, and the pieces make the file."""
+    uploaded = [bytes([65 + n]) * (PIECE_BYTES + 100) for n in range(3)]
+    for n, data in enumerate(uploaded):
+        assert store.put_part("file-up", "t", n, data, 60, quota=1 << 30)
+    store.seal_file("file-up", "t", "batch", "in.jsonl", 60)
+    written = bytes(range(256)) * ((2 * PIECE_BYTES + 999) // 256)
+    store.put_file("file-out", "t", "batch_output", "out.jsonl", written, 60)
+    for file_id, whole, count in (("file-up", b"".join(uploaded), 3), ("file-out", written, 3)):
+        layout = store.layout(file_id, "t")
+        assert (layout.size, layout.pieces()) == (len(whole), count)
+        pieces = [store.piece(file_id, layout, n) for n in range(layout.pieces())]
+        assert max(map(len, pieces)) <= PIECE_BYTES + 100
+        assert b"".join(pieces) == whole == store.content(file_id, "t")
+        assert store.layout(file_id, "u") is None  # another tenant's
+        assert store.delete_file(file_id, "t")
+        assert store.piece(file_id, layout, layout.pieces() - 1) is None  # gone meanwhile
+    assert store.layout("file-nope", "t") is None
