@@ -4,7 +4,8 @@ This is the only module that chains those steps; the HTTP and gRPC ingresses par
 their wire format into a `Call` and hand it here, so both get the same admission,
 routing, retries, accounting and metrics. Each step has its module:
 
-  admission.py   the wait queue and concurrency caps (429)
+  admission.py   the wait queue and concurrency caps (503, 429 per tenant)
+  flow.py        the queue's order (classes, fair share) and the saturation gate
   describe.py    the model check (404) and what the policy reads of the prompt
   pick.py        the policy's pick, and the first attempt begun under the pick lock
   disaggregation.py  the prefill leg, with prefill and decode pools
@@ -37,6 +38,7 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.disaggregation import Disaggregation
+from router.dispatch.flow import all_saturated, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.shutdown import OpenExchanges, shutting_down
@@ -99,7 +101,15 @@ class Dispatcher:
         self.metrics = metrics
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits, counts, metrics)
+        #: the flow control settings now (a reload changes them)
+        self._flow = config.flow
+        self.admission = Admission(
+            config.limits,
+            counts,
+            metrics,
+            config.flow,
+            lambda: all_saturated(fleet.members, self._flow.saturation),
+        )
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
         self._adapters = AdapterLoader(fleet, session, config.lora)
@@ -125,7 +135,8 @@ class Dispatcher:
         """Take the reloadable settings of `config`; requests in flight keep theirs."""
         self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
         self._connector.configure(config)
-        self.admission.configure(config.limits)
+        self._flow = config.flow
+        self.admission.configure(config.limits, config.flow)
         self._adapters.configure(config.lora)
         self._pd.configure(config)
 
@@ -177,7 +188,8 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            held = await self.admission.enter(call.tenant)
+            priority = request_class(self._flow, call.tenant, call.headers)
+            held = await self.admission.enter(call.tenant, priority)
             try:
                 async with asyncio.timeout(None) as deadline:
                     if self._adapters.wanted(call.req.model):
