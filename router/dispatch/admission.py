@@ -1,29 +1,33 @@
-"""Admission: a router-wide concurrency limit with a short FIFO wait queue, and per-tenant caps.
+"""Admission: a router-wide concurrency limit with a wait queue, and per-tenant caps.
 
-`enter` admits a request at once while fewer than `max_concurrent_requests` are active;
-beyond that it waits in a FIFO queue of at most `queue_size` requests for up to
-`queue_timeout` seconds. A full queue, or a wait that times out, is a 429 with
-`Retry-After`, so a burst is smoothed instead of refused and an overload is refused
-fast instead of piling up. A tenant at `max_concurrent_per_tenant` (admitted and
-queued together) is refused at once: one tenant can never fill the queue.
+`enter` admits a request at once while fewer than `max_concurrent_requests` are active
+and some backend is not saturated; otherwise it waits in the queue of router/dispatch/
+flow.py (classes, fair share between tenants) for up to its class's `queue_timeout`.
+A full queue, a wait that times out, or a waiter shed for a higher class is a 503 with
+`Retry-After` (from the drain rate) and `x-kvroute-drop-reason`, so a burst is smoothed
+instead of refused and an overload is refused fast instead of piling up. A tenant at
+`max_concurrent_per_tenant` (admitted and queued together) is refused at once with a
+429: one tenant can never fill the queue.
 
 The counts both caps are checked against are `Counts`: this process's own (a router
 of one process), or with several workers the shared admission table
-(router/dispatch/shared_admission.py), so both caps hold for the whole router. The wait queue
+(router/dispatch/shared_admission.py), so both caps hold for the whole router, and so
+does the class order (each worker publishes its waiters per class there). The queue
 stays per worker (`queue_size` waiters in each): a slot freed in this worker goes
-straight to its oldest waiter; one freed in another worker is found by a poll every
-`_POLL_SECONDS`, armed only while this worker has waiters. So the queue is FIFO within
-a worker; across workers a freed slot goes to whichever asks first.
+straight to its next waiter unless another worker has a waiter of a higher class; one
+freed in another worker, or a backend leaving saturation, is found by a poll every
+`_POLL_SECONDS`, armed only while this worker has waiters.
 
 Invariants: `active` counts this worker's admitted requests exactly, as the counts'
-total does. A freed slot is handed straight to the oldest waiter (so the count does
+total does. A freed slot is handed straight to the next waiter (so the count does
 not dip and a newcomer cannot barge past the queue); a waiter that gives up (timeout,
 client gone) after its slot was handed over passes it on. `enter` returns what `leave`
 must give back, so a reload that changes the caps in between cannot unbalance the
 per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
 
-Metrics: each refusal by its reason, and the queue's depth, set only when the queue
-changes (a request admitted at once touches no metric here).
+Metrics: each refusal by its reason, and the queue's depth (total and by class) and
+each waiter's wait by class, set only when the queue changes (a request admitted at
+once touches no metric here).
 """
 
 from __future__ import annotations
@@ -56,6 +60,12 @@ class Counts(Protocol):
 
     def give(self, key: Hashable) -> None: ...
 
+    def set_waiting(self, rank: int, depth: int) -> None:
+        """This process's waiters of class `rank` now."""
+
+    def waiting_above(self, rank: int) -> bool:
+        """Does another process have a waiter of a class above `rank`?"""
+
 
 class LocalCounts:
     """One process's counts: the whole router's when it is the only worker."""
@@ -81,6 +91,12 @@ class LocalCounts:
             self._counts[key] = count
         else:
             del self._counts[key]  # bounded: only keys with requests in flight
+
+    def set_waiting(self, rank: int, depth: int) -> None:
+        pass  # no other process to tell
+
+    def waiting_above(self, rank: int) -> bool:
+        return False
 
 
 class Admission:
@@ -130,8 +146,11 @@ class Admission:
             self._give_slot()
 
     def _wake(self) -> bool:
-        """Hand a slot to the next live waiter; False if there is none."""
-        while (waiter := self._queue.pop()) is not None:
+        """Hand a slot to the next live waiter; False if there is none, or if another
+        worker has a waiter of a higher class (its poll takes the slot)."""
+        queue = self._queue
+        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
+            waiter = queue.pop()
             self._queue_changed(waiter.rank)
             if not waiter.future.done():  # a cancelled one is queued until its task runs
                 waiter.future.set_result(None)
@@ -140,7 +159,8 @@ class Admission:
 
     def _admit_waiters(self) -> None:
         """Hand the slots free now to the waiters, in flow order."""
-        while len(self._queue) and self._free_slot():
+        queue = self._queue
+        while len(queue) and not self._counts.waiting_above(queue.top_rank()) and self._free_slot():
             if not self._wake():  # only cancelled ones were left
                 self._give_slot()
                 return
@@ -157,7 +177,7 @@ class Admission:
 
     async def _take_slot(self, tenant: str, rank: int) -> None:
         queue = self._queue
-        if not len(queue) and self._free_slot():
+        if not len(queue) and not self._counts.waiting_above(rank) and self._free_slot():
             return
         name = PRIORITIES[rank]
         if queue.depth(rank) >= queue.queue_size(name):
@@ -228,6 +248,7 @@ class Admission:
         if self._metrics is not None:
             self._metrics.admission_queue.set(len(self._queue))
             self._metrics.flow_queue.labels(PRIORITIES[rank]).set(self._queue.depth(rank))
+        self._counts.set_waiting(rank, self._queue.depth(rank))
 
     def _refused(self, why: Refusal, message: str) -> Overloaded:
         """The refusal to raise, counted, its Retry-After from the drain rate."""

@@ -23,10 +23,12 @@ Admission (router/dispatch/admission.py) keeps its waiters here instead of one F
   backends leave saturation.
 
 Scope: the queue is per worker process; the counts the caps check are router-wide
-(shared_admission.py), so a slot freed in another worker is taken by whichever worker
-polls first. Class order and fair share hold within a worker; with several workers they
-hold for each worker's waiters, and the saturation gate is the same for all (every
-worker reads the same scraped state). Across replicas each keeps its own queue.
+(shared_admission.py), and so are the numbers of waiters per class: a worker releases
+its own best waiter only while no other worker has a waiter of a higher class, so the
+class order holds router-wide (within a 10 ms poll). Fair share between tenants and
+promotion hold within each worker's queue (a tenant's requests spread over the workers
+share in each). The saturation gate is the same for all (every worker reads the same
+scraped state). Across replicas each keeps its own queue.
 Cost: O(1) per release (amortized over the round-robin ring), O(queue) only for a
 waiter that gives up or is shed.
 """
@@ -191,6 +193,10 @@ class FlowQueue:
 
     def depth(self, rank: int) -> int:
         return self._classes[rank].size
+
+    def top_rank(self) -> int:
+        """The highest class with waiters (the queue is not empty)."""
+        return next(rank for rank, fair in enumerate(self._classes) if fair.size)
 
     def push(self, waiter: Waiter) -> None:
         self._classes[waiter.rank].push(waiter)

@@ -745,6 +745,46 @@ async def _holds(value, check) -> bool:
     return check(await value)
 
 
+async def test_the_class_order_holds_across_workers(tmp_path) -> None:
+    """One slot for the router: a sheddable request waiting in worker 0 lets a standard
+    one waiting in worker 1 go first, though worker 0 frees the slot."""
+    (server,) = await stubs(1, Behaviour(gate=asyncio.Event()))
+    limits = {"max_concurrent_requests": 1, "queue_size": 8, "queue_timeout": 30}
+    config = {"backends": backends([server]), "limits": limits}
+
+    async def send(session: aiohttp.ClientSession, prompt: str, **headers: str) -> int:
+        async with session.post(r.url + CHAT, json=chat(prompt), headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = r.workers()
+            probe = aiohttp.ClientSession()
+            r.sessions.append(probe)
+            depth = lambda: metric(probe, r.url, "kvroute_flow_queue_depth")  # noqa: E731
+            held = asyncio.create_task(send(await r.pinned(w0), "held"))
+            await until(lambda: server.active == 1, 10, "the held request")
+            low = {"X-Kvroute-Priority": "sheddable"}
+            shed = asyncio.create_task(send(await r.pinned(w0), "low", **low))
+            await until(lambda: _equals(depth(), 1), 10, "the sheddable one queued")
+            std = asyncio.create_task(send(await r.pinned(w1), "std"))
+            await until(lambda: _equals(depth(), 2), 10, "the standard one queued")
+            server.behaviour.gate.set()
+            assert await asyncio.gather(held, shed, std) == [200, 200, 200]
+            assert [b["messages"][0]["content"] for b in server.received] == [
+                "held",
+                "std",
+                "low",
+            ]
+    finally:
+        await server.stop()
+
+
+async def _equals(value, expected: float) -> bool:
+    return await value == expected
+
+
 async def test_discovery_and_admission_checks_run_once_for_every_worker(tmp_path) -> None:
     """The collector alone watches the API server and checks the backends it finds or a
     SIGHUP adds; every worker, a restarted one too, routes over that same fleet."""
