@@ -646,6 +646,24 @@ class SaturationConfig(_Strict):
     max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
 
 
+class SessionAffinityConfig(_Strict):
+    """A request naming a session goes where that session went last."""
+
+    enabled: bool = True
+    #: the request headers naming the session, the first one present wins (coding
+    #: agents' own included)
+    headers: list[str] = msgspec.field(
+        default_factory=lambda: ["X-Session-ID", "X-Claude-Code-Session-Id", "session_id"]
+    )
+    #: soft: the session's backend while it is not saturated (with KV_AWARE, unless the
+    #: prompt's cache is found elsewhere); hard: always, while it is usable
+    mode: Literal["soft", "hard"] = "soft"
+    #: a session idle this long is forgotten, seconds
+    idle_ttl: Seconds = 1800.0
+    #: sessions each worker remembers at most (the least recently used go first)
+    max_sessions: Annotated[int, Meta(ge=1)] = 100_000
+
+
 class FlowConfig(_Strict):
     """Flow control: priority classes, fair share between tenants, saturation."""
 
@@ -657,6 +675,10 @@ class FlowConfig(_Strict):
     tenants: dict[str, FlowTenantConfig] = msgspec.field(default_factory=dict)
     classes: dict[Priority, FlowClassConfig] = msgspec.field(default_factory=dict)
     saturation: SaturationConfig = SaturationConfig()
+    session_affinity: SessionAffinityConfig = SessionAffinityConfig()
+    #: answer with `x-kvroute-reason`: why the backend was picked (`kv_hit`, `session`,
+    #: `spill_threshold`, ...)
+    reason_header: bool = False
 
 
 class Config(_Strict):

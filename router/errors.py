@@ -98,7 +98,7 @@ class KvrouteError(Exception):
         `grpc-status-details-bin`: a google.rpc.Status with an ErrorInfo (the OpenAI type,
         the HTTP status, the param) and, when set, a RetryInfo.
         """
-        code = grpc_code(self.status)
+        code = self.grpc_code()
         trailers = list(metadata)
         info = {"http_status": str(self.status), **({"param": self.param} if self.param else {})}
         reason = _STATUS_TYPE.get(self.status, "Error")
@@ -112,6 +112,9 @@ class KvrouteError(Exception):
         )
         trailers.append(("grpc-status-details-bin", status.SerializeToString()))
         return GrpcStatus(code, self.message, tuple(trailers))
+
+    def grpc_code(self) -> grpc.StatusCode:
+        return grpc_code(self.status)
 
     @classmethod
     def from_body(cls, body: bytes | dict, status: int | None = None) -> KvrouteError:
@@ -188,6 +191,10 @@ class Overloaded(KvrouteError):
 
     def to_grpc(self, metadata: Iterable[tuple[str, str]] = ()) -> GrpcStatus:
         return super().to_grpc((*metadata, (DROP_REASON, self.drop_reason)))
+
+    def grpc_code(self) -> grpc.StatusCode:
+        """RESOURCE_EXHAUSTED whatever the HTTP status: gRPC's word for a full server."""
+        return _C.RESOURCE_EXHAUSTED
 
 
 class NoBackendAvailable(KvrouteError):

@@ -74,6 +74,8 @@ class Call:
     #: the answer's status line went to the client (a stream began): a failure after it
     #: reaches the client as an error event, under that status
     began: bool = False
+    #: why its backend was picked, for the answer's x-kvroute-reason ("": not sent)
+    decision: str = ""
 
 
 class Routed(NamedTuple):

@@ -8,6 +8,7 @@ routing, retries, accounting and metrics. Each step has its module:
   flow.py        the queue's order (classes, fair share) and the saturation gate
   describe.py    the model check (404) and what the policy reads of the prompt
   pick.py        the policy's pick, and the first attempt begun under the pick lock
+  session.py     session affinity: the first pick steered to the session's backend
   disaggregation.py  the prefill leg, with prefill and decode pools
   connect.py     the attempts until a backend answers, retrying before the first byte
   attempt.py     one attempt: its slots and the breaker's verdict
@@ -41,6 +42,7 @@ from router.dispatch.disaggregation import Disaggregation
 from router.dispatch.flow import all_saturated, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
+from router.dispatch.session import Sessions
 from router.dispatch.shutdown import OpenExchanges, shutting_down
 from router.errors import KvrouteError, NoBackendAvailable, UpstreamTimeout
 from router.fleet.adapters import AdapterLoader
@@ -123,7 +125,7 @@ class Dispatcher:
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
-        self._picker = Picker(fleet, self._account, attempts)
+        self._picker = Picker(fleet, self._account, attempts, Sessions(config.flow))
         self._pd = Disaggregation(fleet, self._picker, session)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
         #: shutting down: readiness is false (requests in flight still finish)
@@ -137,6 +139,7 @@ class Dispatcher:
         self._connector.configure(config)
         self._flow = config.flow
         self.admission.configure(config.limits, config.flow)
+        self._picker.sessions.configure(config.flow)
         self._adapters.configure(config.lora)
         self._pd.configure(config)
 
@@ -205,6 +208,8 @@ class Dispatcher:
                     first = self._picker.first(route_req, t0, call, deadline)
                     if call.trace is not None:
                         call.trace.routed(first.routed, self._account.strategy, t0)
+                    if self._flow.reason_header:
+                        call.decision = first.routed.reason
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below

@@ -15,6 +15,7 @@ from policies.least_outstanding_requests import least_loaded
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
+from router.dispatch.session import Sessions
 from router.errors import NoBackendAvailable
 from router.fleet.backends import Fleet
 from router.upstream.retry import excluding
@@ -23,20 +24,26 @@ from router.upstream.retry import excluding
 class Picker:
     """The fleet's current policy, asked for a backend (the policy changes on reload)."""
 
-    __slots__ = ("_account", "_attempts", "_fleet", "_rng")
+    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "sessions")
 
-    def __init__(self, fleet: Fleet, account: Accounting, attempts: Attempts) -> None:
+    def __init__(
+        self, fleet: Fleet, account: Accounting, attempts: Attempts, sessions: Sessions
+    ) -> None:
         self._fleet = fleet
         self._account = account
         self._attempts = attempts
         self._rng = random.Random()
+        #: session affinity, steering each request's first pick
+        self.sessions = sessions
 
     def first(
         self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
     ) -> Attempt:
-        """The pick for `call` and its attempt, begun while the pick lock is held."""
+        """The pick for `call` (towards its session's backend, if it names one) and
+        its attempt, begun while the pick lock is held."""
+        session = self.sessions.session_of(call.headers) if call.role != "decode" else None
         with self._fleet.picking():
-            routed = self.pick(route_req, t0, (), call.role)
+            routed = self.pick(route_req, t0, (), call.role, session)
             if call.role == "decode":
                 self._fleet.decodes.append(
                     (time.time(), route_req.model, call.prefilled_by or "", routed.backend.name)
@@ -49,6 +56,7 @@ class Picker:
         t0: float,
         tried: Collection[str] = (),
         role: str | None = None,
+        session: str | None = None,
     ) -> Routed:
         """The policy's pick for a described request, none named in `tried`, in the
         pools of `role` if given; `t0`: when its decision began. NoBackendAvailable (a
@@ -56,6 +64,8 @@ class Picker:
         decode load: the decode backend with the fewest requests in flight."""
         fleet = self._fleet
         pick, view, passed = self._first_with_room(route_req, tried, role)
+        if session is not None and pick.backend is not None:
+            pick = self.sessions.steer(session, pick, view.candidates)
         if fleet.pools:
             self._account.pooled(passed, pick)
         self._account.decided(pick, view.panic, t0)

@@ -1,0 +1,96 @@
+"""Session affinity: a request naming a session goes where the session went last.
+
+The session is named by the first of `flow.session_affinity.headers` the request sends
+(`X-Session-ID`, and the headers coding agents send with each turn). Its backend is the
+one that served it last, else the candidate with the highest rendezvous hash of (session,
+backend name): every worker and every replica computes the same one without sharing
+anything, and a backend leaving moves only its own sessions.
+
+- **soft** (default): the session's backend while it is not saturated (flow.py's
+  test on its scraped state); with KV_AWARE it is a strong preference, not an override:
+  when the policy found the prompt's cache on another backend (`kv_hit`), that pick
+  stands. A saturated session backend spills to the policy's pick, which becomes the
+  session's backend.
+- **hard**: always the session's backend while it is a usable candidate.
+
+Records are per worker (an LRU of `max_sessions`, forgotten after `idle_ttl` idle);
+with no record the rendezvous hash agrees across workers and replicas, so they differ
+only after a spill. Retries are routed as usual (away from the failed backend).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xxhash
+from multidict import CIMultiDict
+
+from policies import Pick, Reason
+from router.config import FlowConfig
+from router.dispatch.flow import saturated
+from router.fleet.backend import Backend
+
+
+def rendezvous(session: str, candidates: Sequence[Backend]) -> Backend | None:
+    """The candidate with the highest hash of (session, its name)."""
+    return max(
+        candidates,
+        key=lambda b: xxhash.xxh3_64_intdigest(f"{session}\0{b.name}".encode()),
+        default=None,
+    )
+
+
+class Sessions:
+    """One worker's session records and the steering of a pick towards them."""
+
+    def __init__(self, flow: FlowConfig) -> None:
+        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self.configure(flow)
+
+    def configure(self, flow: FlowConfig) -> None:
+        self._flow, self._cfg = flow, flow.session_affinity
+
+    def session_of(self, headers: CIMultiDict[str]) -> str | None:
+        """The session a request names, if affinity is on and it names one."""
+        if not self._cfg.enabled:
+            return None
+        for name in self._cfg.headers:
+            value = headers.get(name)
+            if value:
+                return value[:256]
+        return None
+
+    def steer(self, session: str, pick: Pick, candidates: Sequence[Backend]) -> Pick:
+        """The pick for a request of `session`: the policy's `pick`, or the session's
+        backend; the one chosen is remembered as the session's."""
+        preferred = self._backend_of(session, candidates)
+        chosen = pick
+        if preferred is not None and preferred is not pick.backend:
+            hard = self._cfg.mode == "hard"
+            if hard or not (
+                saturated(preferred, self._flow.saturation) or pick.reason is Reason.KV_HIT
+            ):
+                chosen = Pick(preferred, Reason.SESSION)
+        if chosen.backend is not None:
+            self._remember(session, chosen.backend.name)
+        return chosen
+
+    def _backend_of(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
+        record = self._records.get(session)
+        if record is not None and time.monotonic() - record[1] < self._cfg.idle_ttl:
+            for backend in candidates:
+                if backend.name == record[0]:
+                    return backend
+        return rendezvous(session, candidates)
+
+    def _remember(self, session: str, backend: str) -> None:
+        records, now = self._records, time.monotonic()
+        records[session] = (backend, now)
+        records.move_to_end(session)
+        ttl = self._cfg.idle_ttl
+        while records and (
+            len(records) > self._cfg.max_sessions or now - next(iter(records.values()))[1] >= ttl
+        ):
+            records.popitem(last=False)  # the least recently used first
