@@ -117,6 +117,8 @@ class Admission:
         self._queue = FlowQueue(flow or FlowConfig(), limits)
         self._saturated = saturated
         self._drain = DrainRate()
+        #: saturation held requests back since the queue was last empty: release paced
+        self._held_back = False
         self._poll: asyncio.TimerHandle | None = None
 
     @property
@@ -158,15 +160,26 @@ class Admission:
         return False
 
     def _admit_waiters(self) -> None:
-        """Hand the slots free now to the waiters, in flow order."""
+        """Hand the slots free now to the waiters, in flow order. After the fleet was
+        saturated, one per call (each poll, each reload): a released request counts on
+        its backend only once its task runs, so releasing a whole backlog at once, the
+        moment one backend leaves saturation, would flood that backend's queue."""
         queue = self._queue
+        paced = self._held_back
         while len(queue) and not self._counts.waiting_above(queue.top_rank()) and self._free_slot():
             if not self._wake():  # only cancelled ones were left
                 self._give_slot()
                 return
+            if paced:
+                break
+        if not len(queue):
+            self._held_back = False
 
     def _free_slot(self) -> bool:
-        if self._saturated() or not self._counts.take(TOTAL, self.limits.max_concurrent_requests):
+        if self._saturated():
+            self._held_back = True
+            return False
+        if not self._counts.take(TOTAL, self.limits.max_concurrent_requests):
             return False
         self.active += 1
         return True

@@ -128,3 +128,22 @@ async def test_each_refusal_is_counted_by_its_reason_and_the_queue_depth_follows
     assert _refusals(metrics) == {
         "saturated": 0, "queue_full": 1, "queue_timeout": 1, "tenant_cap": 1, "shed": 0
     }  # fmt: skip
+
+
+async def test_a_backlog_held_by_saturation_is_released_one_at_a_time() -> None:
+    """A released request counts on its backend only once its task runs: the backlog
+    must not all go the moment one backend leaves saturation."""
+    full = [True]
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), saturated=lambda: full[0])
+    waiters = [asyncio.create_task(adm.enter(None)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert (adm.active, adm.queued) == (0, 3)
+    full[0] = False
+    for released in (1, 2, 3):
+        adm.configure(adm.limits)  # as each poll does
+        assert (adm.active, adm.queued) == (released, 3 - released)
+    await asyncio.gather(*waiters)
+    adm.leave(None)
+    adm.leave(None)
+    adm.leave(None)
+    assert adm.active == 0
