@@ -609,9 +609,10 @@ class JobsConfig(_Strict):
     webhook_timeout_s: Seconds = 10.0
 
 
-#: the priority classes, the first released first (router/dispatch/flow.py)
-PRIORITIES = ("critical", "standard", "sheddable")
-Priority = Literal["critical", "standard", "sheddable"]
+#: the priority classes, the first released first (router/dispatch/flow.py); async jobs
+#: and batch lines are `background`, below every interactive class
+PRIORITIES = ("critical", "standard", "sheddable", "background")
+Priority = Literal["critical", "standard", "sheddable", "background"]
 
 
 class FlowClassConfig(_Strict):

@@ -76,6 +76,9 @@ class Call:
     began: bool = False
     #: why its backend was picked, for the answer's x-kvroute-reason ("": not sent)
     decision: str = ""
+    #: its priority class when the router sets it (async jobs), else the tenant's or
+    #: the header's (router/dispatch/flow.py)
+    priority: str | None = None
 
 
 class Routed(NamedTuple):

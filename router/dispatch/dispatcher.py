@@ -191,7 +191,7 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            priority = request_class(self._flow, call.tenant, call.headers)
+            priority = call.priority or request_class(self._flow, call.tenant, call.headers)
             held = await self.admission.enter(call.tenant, priority)
             try:
                 async with asyncio.timeout(None) as deadline:

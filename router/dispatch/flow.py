@@ -2,7 +2,8 @@
 
 Admission (router/dispatch/admission.py) keeps its waiters here instead of one FIFO:
 
-- **Classes.** `critical`, `standard` (the default), `sheddable`: a request waiting in
+- **Classes.** `critical`, `standard` (the default), `sheddable`, and `background`
+  (async jobs and batch lines, router/jobs/runner.py): a request waiting in
   a higher class is always released before any in a lower one. A request waiting longer
   than its class's `max_wait` is released as if of the class above, so nothing starves.
   When the queue is full, a newcomer takes the place of the newest waiter of a lower
@@ -49,6 +50,8 @@ from router.errors import KvrouteError
 from router.fleet.backend import Backend
 
 DEFAULT_CLASS = "standard"
+#: async jobs' and batch lines' class, below every interactive one
+BACKGROUND = "background"
 _RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
 
 

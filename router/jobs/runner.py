@@ -27,6 +27,7 @@ from router import log
 from router.config import JobsConfig
 from router.dispatch.call import Call
 from router.dispatch.dispatcher import Dispatcher
+from router.dispatch.flow import BACKGROUND
 from router.errors import KvrouteError, NoBackendAvailable, Overloaded
 from router.fleet.backends import Fleet
 from router.jobs.store import Job, JobStore
@@ -180,6 +181,7 @@ class JobRunner:
             job.tenant,
             job.id,
         )
+        call.priority = BACKGROUND  # below every interactive request
         async with self._dispatch.exchange(call) as upstream:
             return upstream.status, await upstream.read()
 
