@@ -224,7 +224,7 @@ class Admission:
                     ) from None
                 raise self._refused(
                     Refusal.QUEUE_TIMEOUT,
-                    "The router is at its concurrent request limit; the wait timed out.",
+                    "The wait in the router's queue timed out.",
                 ) from None
             raise
         finally:
