@@ -39,6 +39,7 @@ from typing import Protocol
 
 from router.config import PRIORITIES, FlowConfig, LimitsConfig
 from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, Waiter, rank_of
+from router.dispatch.session import SessionRecords
 from router.dispatch.shared_admission import TOTAL
 from router.errors import Overloaded
 from router.metrics import Metrics, Refusal
@@ -51,6 +52,8 @@ class Counts(Protocol):
     """Requests counted per key (TOTAL, or a tenant's key), each against a cap."""
 
     shared: bool  # other processes change the counts too
+    #: the session affinity records shared with the other processes, if any
+    sessions: SessionRecords | None
 
     def key(self, tenant: str) -> Hashable:
         """What `tenant` is counted under."""
@@ -71,6 +74,7 @@ class LocalCounts:
     """One process's counts: the whole router's when it is the only worker."""
 
     shared = False
+    sessions = None
 
     def __init__(self) -> None:
         self._counts: dict[Hashable, int] = {}

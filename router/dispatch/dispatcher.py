@@ -125,7 +125,8 @@ class Dispatcher:
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
-        self._picker = Picker(fleet, self._account, attempts, Sessions(config.flow))
+        sessions = Sessions(config.flow, counts.sessions if counts is not None else None)
+        self._picker = Picker(fleet, self._account, attempts, sessions)
         self._pd = Disaggregation(fleet, self._picker, session)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
         #: shutting down: readiness is false (requests in flight still finish)

@@ -13,9 +13,11 @@ anything, and a backend leaving moves only its own sessions.
   session's backend.
 - **hard**: always the session's backend while it is a usable candidate.
 
-Records are per worker (an LRU of `max_sessions`, forgotten after `idle_ttl` idle);
-with no record the rendezvous hash agrees across workers and replicas, so they differ
-only after a spill. Retries are routed as usual (away from the failed backend).
+Records: with several workers, in the shared admission table (shared_admission.py:
+direct-mapped, so every worker sees each spill); with one, an LRU of `max_sessions`.
+A session idle `idle_ttl` is forgotten. With no record the rendezvous hash agrees
+across workers and replicas, so replicas differ only after a spill. Retries are
+routed as usual (away from the failed backend).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Protocol
 
 import xxhash
 from multidict import CIMultiDict
@@ -42,15 +45,50 @@ def rendezvous(session: str, candidates: Sequence[Backend]) -> Backend | None:
     )
 
 
-class Sessions:
-    """One worker's session records and the steering of a pick towards them."""
+class SessionRecords(Protocol):
+    """Where each session went last: keyed by the session's hash, the backend's name
+    hash (32 bits) and when (monotonic seconds)."""
 
-    def __init__(self, flow: FlowConfig) -> None:
-        self._records: OrderedDict[str, tuple[str, float]] = OrderedDict()
+    def recall(self, key: int) -> tuple[int, float] | None: ...
+
+    def record(self, key: int, backend: int, at: float) -> None: ...
+
+
+class LocalRecords:
+    """One process's records: an LRU of at most `limit` sessions."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._records: OrderedDict[int, tuple[int, float]] = OrderedDict()
+
+    def recall(self, key: int) -> tuple[int, float] | None:
+        return self._records.get(key)
+
+    def record(self, key: int, backend: int, at: float) -> None:
+        records = self._records
+        records[key] = (backend, at)
+        records.move_to_end(key)
+        while len(records) > self.limit:
+            records.popitem(last=False)  # the least recently used
+
+
+def name_hash(name: str) -> int:
+    """A backend's name as records hold it (32 bits)."""
+    return xxhash.xxh3_64_intdigest(name.encode()) >> 32
+
+
+class Sessions:
+    """The session records and the steering of a pick towards them."""
+
+    def __init__(self, flow: FlowConfig, shared: SessionRecords | None = None) -> None:
+        limit = flow.session_affinity.max_sessions
+        self._records: SessionRecords = shared or LocalRecords(limit)
         self.configure(flow)
 
     def configure(self, flow: FlowConfig) -> None:
         self._flow, self._cfg = flow, flow.session_affinity
+        if isinstance(self._records, LocalRecords):
+            self._records.limit = self._cfg.max_sessions
 
     def session_of(self, headers: CIMultiDict[str]) -> str | None:
         """The session a request names, if affinity is on and it names one."""
@@ -74,23 +112,14 @@ class Sessions:
             ):
                 chosen = Pick(preferred, Reason.SESSION)
         if chosen.backend is not None:
-            self._remember(session, chosen.backend.name)
+            key = xxhash.xxh3_64_intdigest(session.encode())
+            self._records.record(key, name_hash(chosen.backend.name), time.monotonic())
         return chosen
 
     def _backend_of(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
-        record = self._records.get(session)
+        record = self._records.recall(xxhash.xxh3_64_intdigest(session.encode()))
         if record is not None and time.monotonic() - record[1] < self._cfg.idle_ttl:
             for backend in candidates:
-                if backend.name == record[0]:
+                if name_hash(backend.name) == record[0]:
                     return backend
         return rendezvous(session, candidates)
-
-    def _remember(self, session: str, backend: str) -> None:
-        records, now = self._records, time.monotonic()
-        records[session] = (backend, now)
-        records.move_to_end(session)
-        ttl = self._cfg.idle_ttl
-        while records and (
-            len(records) > self._cfg.max_sessions or now - next(iter(records.values()))[1] >= ttl
-        ):
-            records.popitem(last=False)  # the least recently used first

@@ -27,6 +27,13 @@ past the cap (the count is taken before the sum is read). A worker that dies hol
 the lock lets go with its file; the supervisor zeroes a dead worker's column, so the
 slots its requests held come back at once.
 
+After the rows, the session affinity records every worker reads and writes
+(router/dispatch/session.py): `SESSION_SLOTS` direct-mapped pairs of int64, (session
+hash, backend-name hash << 32 | last use in whole seconds of the system-wide monotonic
+clock). A collision overwrites: that session falls back to its rendezvous placement. A
+pair read while another worker writes it may mix two records: the backend suggested is
+still checked against the candidates, so at worst one request skips its affinity.
+
 The waiting rows let the class order hold router-wide (router/dispatch/flow.py): a
 worker hands a freed slot to its own best waiter only while no other worker has one of a
 higher class waiting; otherwise it gives the slot back and that worker's poll takes it.
@@ -52,6 +59,8 @@ TOTAL = 0
 TENANT_SLOTS = 1 << 14
 #: the first of the rows of waiters by class
 _WAITING = 1 + TENANT_SLOTS
+#: session records, after the rows
+SESSION_SLOTS = 1 << 16
 _INT64 = 8
 _LOCK_WAIT_S = 0.005
 
@@ -66,8 +75,10 @@ class AdmissionTable:
     def __init__(self, path: str | Path, workers: int, worker: int | None) -> None:
         self.workers, self.worker = workers, worker
         self._rows = _WAITING + len(PRIORITIES)
-        self._map = map_shared(path, self._rows * workers * _INT64)
+        counts = self._rows * workers
+        self._map = map_shared(path, (counts + 2 * SESSION_SLOTS) * _INT64)
         self._words = memoryview(self._map).cast("q")
+        self._sessions = self._words[counts:]
         self._lock_fd = os.open(path, os.O_RDONLY)  # flock is per open file
 
     def key(self, tenant: str) -> int:
@@ -111,9 +122,34 @@ class AdmissionTable:
 
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended with it."""
-        self._words[worker :: self.workers] = memoryview(bytes(self._rows * _INT64)).cast("q")
+        zeros = memoryview(bytes(self._rows * _INT64)).cast("q")
+        self._words[worker : self._rows * self.workers : self.workers] = zeros
+
+    @property
+    def sessions(self) -> AdmissionTable:
+        """The session records every worker shares (`recall`, `record`)."""
+        return self
+
+    def recall(self, key: int) -> tuple[int, float] | None:
+        """The session `key`'s record: its backend's name hash, and when it was last used."""
+        at = 2 * (key % SESSION_SLOTS)
+        if self._sessions[at] != _signed(key):
+            return None
+        packed = self._sessions[at + 1] & 0xFFFFFFFFFFFFFFFF
+        return packed >> 32, float(packed & 0xFFFFFFFF)
+
+    def record(self, key: int, backend: int, at: float) -> None:
+        slot = 2 * (key % SESSION_SLOTS)
+        self._sessions[slot] = _signed(key)
+        self._sessions[slot + 1] = _signed((backend & 0xFFFFFFFF) << 32 | int(at) & 0xFFFFFFFF)
 
     def close(self) -> None:
+        self._sessions.release()
         self._words.release()
         self._map.close()
         os.close(self._lock_fd)
+
+
+def _signed(value: int) -> int:
+    """An unsigned 64-bit value as the int64 the table holds."""
+    return value - (1 << 64) if value >= 1 << 63 else value

@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import grpc
@@ -44,6 +45,7 @@ from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router.control.supervisor import GIVE_UP, RUN_PARENT_ENV, sweep_stale
+from router.dispatch.session import rendezvous
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -783,6 +785,51 @@ async def test_the_class_order_holds_across_workers(tmp_path) -> None:
 
 async def _equals(value, expected: float) -> bool:
     return await value == expected
+
+
+async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path) -> None:
+    """Soft affinity: a session whose backend is saturated spills, in worker 0, to the
+    policy's pick; worker 1 then sends the session there too (the records are shared)."""
+    servers = await stubs(3)
+    page = 'vllm:num_requests_waiting{{model_name="m"}} {}\n'
+    for server in servers:
+        server.behaviour.metrics = page.format(0)
+    config = {
+        "backends": backends(servers),
+        "routing": {"strategy": "RANDOM"},
+        "telemetry": {"scrape_interval": 0.05},
+        "flow": {"saturation": {"max_waiting": 2}},
+    }
+    names = [SimpleNamespace(name=f"b{i}") for i in range(len(servers))]
+
+    async def served_by(session: aiohttp.ClientSession, sid: str) -> int:
+        before = [len(s.received) for s in servers]
+        headers = {"X-Session-ID": sid}
+        async with session.post(r.url + CHAT, json=chat("hi"), headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        (index,) = [i for i, s in enumerate(servers) if len(s.received) > before[i]]
+        return index
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = r.workers()
+            on0, on1 = await r.pinned(w0), await r.pinned(w1)
+            for sid in ("s-1", "s-2"):
+                home = names.index(rendezvous(sid, names))
+                assert await served_by(on0, sid) == home
+                servers[home].behaviour.metrics = page.format(10)
+                spilled = home
+                for _ in range(100):  # until worker 0 saw it saturated and RANDOM moved it
+                    spilled = await served_by(on0, sid)
+                    if spilled != home:
+                        break
+                assert spilled != home
+                assert [await served_by(on1, sid) for _ in range(4)] == [spilled] * 4
+                servers[home].behaviour.metrics = page.format(0)
+    finally:
+        for server in servers:
+            await server.stop()
 
 
 async def test_discovery_and_admission_checks_run_once_for_every_worker(tmp_path) -> None:
