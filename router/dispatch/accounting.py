@@ -224,6 +224,8 @@ def _entry(
         retries,
         *used,
         failure,
+        call.priority or "",
+        call.queued,
     )
 
 

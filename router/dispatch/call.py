@@ -21,7 +21,7 @@ from router.upstream.usage import Usage
 class Trace(Protocol):
     """A sampled request's spans, as the steps report to them (router/dispatch/tracing.py)."""
 
-    def routed(self, routed: Routed, strategy: str, began: float) -> None: ...
+    def routed(self, routed: Routed, strategy: str, began: float, call: Call) -> None: ...
 
     def attempt_begins(
         self, backend: Backend, method: str, headers: MutableMapping[str, str]
@@ -76,9 +76,11 @@ class Call:
     began: bool = False
     #: why its backend was picked, for the answer's x-kvroute-reason ("": not sent)
     decision: str = ""
-    #: its priority class when the router sets it (async jobs), else the tenant's or
-    #: the header's (router/dispatch/flow.py)
+    #: its priority class: set by the router for async jobs, else once admission
+    #: took it from the tenant or the header (router/dispatch/flow.py)
     priority: str | None = None
+    #: seconds it waited in admission's queue
+    queued: float = 0.0
 
 
 class Routed(NamedTuple):

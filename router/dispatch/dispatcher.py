@@ -192,8 +192,12 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            priority = call.priority or request_class(self._flow, call.tenant, call.headers)
-            held = await self.admission.enter(call.tenant, priority)
+            call.priority = call.priority or request_class(self._flow, call.tenant, call.headers)
+            waited = time.perf_counter()
+            try:
+                held = await self.admission.enter(call.tenant, call.priority)
+            finally:
+                call.queued = time.perf_counter() - waited
             try:
                 async with asyncio.timeout(None) as deadline:
                     if self._adapters.wanted(call.req.model):
@@ -208,7 +212,7 @@ class Dispatcher:
                         t0 = time.perf_counter()  # the decode pick is a decision of its own
                     first = self._picker.first(route_req, t0, call, deadline)
                     if call.trace is not None:
-                        call.trace.routed(first.routed, self._account.strategy, t0)
+                        call.trace.routed(first.routed, self._account.strategy, t0, call)
                     if self._flow.reason_header:
                         call.decision = first.routed.reason
                     attempt = await self._connector.connect(call, first, deadline, tried)

@@ -7,6 +7,7 @@ import asyncio
 from typing import Any
 
 import aiohttp
+import orjson
 
 from router.control.worker import Router
 from tests.router.chaos import until
@@ -103,9 +104,11 @@ async def test_a_client_gone_while_queued_leaves_the_queue_at_once() -> None:
         assert _order(stub) == ["held", "next"]
 
 
-async def test_a_lower_class_is_shed_for_a_higher_one_when_the_queue_is_full() -> None:
+async def test_a_lower_class_is_shed_for_a_higher_one_when_the_queue_is_full(tmp_path) -> None:
     limits = {**ONE_AT_A_TIME, "queue_size": 2}
-    async with running(1, limits=limits) as (router, (stub,)), aiohttp.ClientSession() as http:
+    log = tmp_path / "access.log"
+    config = {"limits": limits, "access_log": {"path": str(log)}, "log_format": "json"}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
         low = {"X-Kvroute-Priority": "sheddable"}
         tasks = await _queue_behind_held(router, stub, http, [("s1", low), ("s2", low)])
         crit = asyncio.create_task(_post(http, router, "std"))
@@ -118,6 +121,11 @@ async def test_a_lower_class_is_shed_for_a_higher_one_when_the_queue_is_full() -
         stub.behaviour.gate.set()
         assert (await crit)[0] == 200 and (await tasks[1])[0] == 200
         assert _order(stub) == ["held", "std", "s1"]
+    lines = [orjson.loads(line) for line in log.read_text().splitlines()]
+    refused = [(e["status"], e["reason"], e["priority"]) for e in lines if e["status"] == 503]
+    assert sorted(refused) == [(503, "queue_full", "sheddable"), (503, "shed", "sheddable")]
+    waited = [e for e in lines if e["status"] == 200 and e["priority"] == "standard"]
+    assert len(waited) == 2 and max(e["queue_ms"] for e in waited) > 0  # std waited
 
 
 def _vllm_page(waiting: float, kv: float) -> str:
