@@ -790,7 +790,7 @@ async def _equals(value, expected: float) -> bool:
 async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path) -> None:
     """Soft affinity: a session whose backend is saturated spills, in worker 0, to the
     policy's pick; worker 1 then sends the session there too (the records are shared)."""
-    servers = await stubs(3)
+    servers = await stubs(5)
     page = 'vllm:num_requests_waiting{{model_name="m"}} {}\n'
     for server in servers:
         server.behaviour.metrics = page.format(0)
@@ -801,6 +801,9 @@ async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path
         "flow": {"saturation": {"max_waiting": 2}},
     }
     names = [SimpleNamespace(name=f"b{i}") for i in range(len(servers))]
+
+    def placed(sid: str) -> int:
+        return names.index(rendezvous(sid, names))
 
     async def served_by(session: aiohttp.ClientSession, sid: str) -> int:
         before = [len(s.received) for s in servers]
@@ -815,18 +818,20 @@ async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path
         async with multi_router(tmp_path, config) as r:
             w0, w1 = r.workers()
             on0, on1 = await r.pinned(w0), await r.pinned(w1)
-            for sid in ("s-1", "s-2"):
-                home = names.index(rendezvous(sid, names))
-                assert await served_by(on0, sid) == home
-                servers[home].behaviour.metrics = page.format(10)
-                spilled = home
+            # sessions placed on b0, which then fills up (no worker sees it leave); with
+            # records of its own, worker 1 would match worker 0's spill 1 time in 4 each
+            sids = [sid for sid in (f"s-{i}" for i in range(100)) if placed(sid) == 0][:3]
+            for sid in sids:
+                assert await served_by(on0, sid) == 0
+            servers[0].behaviour.metrics = page.format(10)
+            for sid in sids:
+                spilled = 0
                 for _ in range(100):  # until worker 0 saw it saturated and RANDOM moved it
                     spilled = await served_by(on0, sid)
-                    if spilled != home:
+                    if spilled != 0:
                         break
-                assert spilled != home
+                assert spilled != 0
                 assert [await served_by(on1, sid) for _ in range(4)] == [spilled] * 4
-                servers[home].behaviour.metrics = page.format(0)
     finally:
         for server in servers:
             await server.stop()
