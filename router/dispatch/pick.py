@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from policies import FleetView, Pick, Reason, RouteRequest
 from policies.least_outstanding_requests import least_loaded
@@ -17,6 +17,7 @@ from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
 from router.dispatch.session import Sessions
 from router.errors import NoBackendAvailable
+from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.upstream.retry import excluding
 
@@ -63,9 +64,7 @@ class Picker:
         503) if there is none. A decode (its prompt prefilled elsewhere) balances on
         decode load: the decode backend with the fewest requests in flight."""
         fleet = self._fleet
-        pick, view, passed = self._first_with_room(route_req, tried, role)
-        if session is not None and pick.backend is not None:
-            pick = self.sessions.steer(session, pick, view.candidates)
+        pick, view, passed = self._first_with_room(route_req, tried, role, session)
         if fleet.pools:
             self._account.pooled(passed, pick)
         self._account.decided(pick, view.panic, t0)
@@ -74,7 +73,11 @@ class Picker:
         return Routed(pick.backend, pick.reason, route_req.prompt_tokens, pick.predicted_cached)
 
     def _first_with_room(
-        self, route_req: RouteRequest, tried: Collection[str], role: str | None
+        self,
+        route_req: RouteRequest,
+        tried: Collection[str],
+        role: str | None,
+        session: str | None = None,
     ) -> tuple[Pick, FleetView, list[tuple[str, bool]]]:
         """The pick of the first pool (by priority) where the policy finds a backend
         below its cap, its view, and the pools passed on before it (name, and whether
@@ -88,6 +91,8 @@ class Picker:
         for pool, view in fleet.pool_views(route_req.model, role):  # cached
             choose = self._least_loaded if role == "decode" else fleet.policy_of(pool).pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
+            if session is not None and pick.backend is not None:
+                pick = self._steered(session, pick, view, choose, route_req)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed
             if pick.backend is not None and saturated is None:
@@ -95,6 +100,22 @@ class Picker:
             if pool is not None:
                 passed.append((pool.name, pick.backend is not None))
         return saturated if saturated is not None else (pick, view, [])
+
+    def _steered(
+        self,
+        session: str,
+        pick: Pick,
+        view: FleetView,
+        choose: Callable[[RouteRequest, FleetView], Pick],
+        route_req: RouteRequest,
+    ) -> Pick:
+        """The pick steered to the session's backend (session.py)."""
+
+        def alone(backend: Backend) -> Pick:
+            others = [b.name for b in view.candidates if b is not backend]
+            return choose(route_req, excluding(view, others))
+
+        return self.sessions.steer(session, pick, view.candidates, alone)
 
     def _least_loaded(self, route_req: RouteRequest, view: FleetView) -> Pick:
         backend = least_loaded(view.candidates, self._rng)

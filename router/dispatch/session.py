@@ -8,9 +8,11 @@ anything, and a backend leaving moves only its own sessions.
 
 - **soft** (default): the session's backend while it is not saturated (flow.py's
   test on its scraped state); with KV_AWARE it is a strong preference, not an override:
-  when the policy found the prompt's cache on another backend (`kv_hit`), that pick
-  stands. A saturated session backend spills to the policy's pick, which becomes the
-  session's backend.
+  when the policy expects more of the prompt cached on another backend (`kv_hit`) than
+  on the session's, that pick stands. A saturated session backend spills to the
+  policy's pick, which becomes the session's backend. Asking the policy about the
+  session's backend alone teaches KV_AWARE's index where the prompt goes; its first
+  pick, when overruled, stays in the index as a guess until that guess expires.
 - **hard**: always the session's backend while it is a usable candidate.
 
 Records: with several workers, in the shared admission table (shared_admission.py:
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import xxhash
@@ -100,17 +102,30 @@ class Sessions:
                 return value[:256]
         return None
 
-    def steer(self, session: str, pick: Pick, candidates: Sequence[Backend]) -> Pick:
+    def steer(
+        self,
+        session: str,
+        pick: Pick,
+        candidates: Sequence[Backend],
+        alone: Callable[[Backend], Pick],
+    ) -> Pick:
         """The pick for a request of `session`: the policy's `pick`, or the session's
-        backend; the one chosen is remembered as the session's."""
+        backend; the one chosen is remembered as the session's. `alone(backend)`: the
+        policy's pick among that backend alone (what it expects cached there, and what
+        it learns from its own picks follows the prompt there)."""
         preferred = self._backend_of(session, candidates)
-        chosen = pick
-        if preferred is not None and preferred is not pick.backend:
-            hard = self._cfg.mode == "hard"
+        chosen, hard = pick, self._cfg.mode == "hard"
+        if (
+            preferred is not None
+            and preferred is not pick.backend
+            and (hard or not saturated(preferred, self._flow.saturation))
+        ):
+            there = alone(preferred)
+            # soft: a cache found elsewhere wins only if bigger than the session's
             if hard or not (
-                saturated(preferred, self._flow.saturation) or pick.reason is Reason.KV_HIT
+                pick.reason is Reason.KV_HIT and pick.predicted_cached > there.predicted_cached
             ):
-                chosen = Pick(preferred, Reason.SESSION)
+                chosen = Pick(preferred, Reason.SESSION, there.predicted_cached)
         if chosen.backend is not None:
             key = xxhash.xxh3_64_intdigest(session.encode())
             self._records.record(key, name_hash(chosen.backend.name), time.monotonic())

@@ -81,3 +81,40 @@ async def test_without_a_session_the_policy_decides_and_the_reason_is_off_by_def
             assert resp.status == 200 and "x-kvroute-reason" not in resp.headers
     async with running(2, **_config("soft")) as (router, _), aiohttp.ClientSession() as http:
         assert await _send(http, router.url) == "random"
+
+
+async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() -> None:
+    """The session is a strong preference, not an override: more of the prompt cached
+    on another backend wins; cached nowhere, or as much on the session's backend, the
+    session's backend takes it."""
+    config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    long = "the same long system prompt, " * 200
+    body = {**BODY, "messages": [{"role": "user", "content": long}]}
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members = router.fleet.members
+        sids = [f"a-{i}" for i in range(50)]
+        first = sids[0]
+
+        async def send(sid: str) -> tuple[int, str]:
+            before = _served(stubs)
+            headers = {"X-Session-ID": sid}
+            async with http.post(router.url + PATH, json=body, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+                reason = resp.headers["x-kvroute-reason"]
+            (index,) = [i for i, n in enumerate(_served(stubs)) if n > before[i]]
+            return index, reason
+
+        home = members.index(rendezvous(first, members))
+        index, reason = await send(first)  # cold everywhere: its session's backend
+        assert index == home and reason in {"session", "kv_cold"}
+        # the policy's own first pick keeps its speculative placement too: a session
+        # placed on neither backend shows that the cache outweighs the session
+        guessed = {d["chosen"] for d in router.fleet.policy.recent}
+        other = next(
+            s for s in sids if rendezvous(s, members).name not in {*guessed, members[home].name}
+        )
+        index, reason = await send(other)
+        assert reason == "kv_hit" and members[index].name in {*guessed, members[home].name}
+        index, reason = await send(first)  # cached on its session's backend too: stays
+        assert index == home and reason in {"session", "kv_hit"}
