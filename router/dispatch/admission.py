@@ -148,7 +148,7 @@ class Admission:
     def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
         self._drain.left()
-        if self._saturated() or not self._wake():  # else the slot changed hands
+        if not len(self._queue) or self._saturated() or not self._wake():  # else handed over
             self._give_slot()
 
     def _wake(self) -> bool:
