@@ -68,6 +68,8 @@ class Reason(StrEnum):
     #: part of the prompt is loaded from an offload tier (CPU memory, storage) instead
     KV_TIER = "kv_tier"
     KV_COLD = "kv_cold"
+    #: the backend that served the request's session last (router/dispatch/session.py)
+    SESSION = "session"
 
 
 SPILL_REASONS = frozenset({Reason.SPILL_THRESHOLD, Reason.SPILL_UNAVAILABLE, Reason.ALL_SATURATED})

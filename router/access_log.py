@@ -60,6 +60,8 @@ class Entry(NamedTuple):
     cached_tokens: int | None
     completion_tokens: int | None
     error: str  # the failure's kind, if the router saw one
+    priority: str = ""  # its flow control class
+    queued: float = 0.0  # seconds it waited in admission's queue
 
 
 class AccessLog:
@@ -215,6 +217,8 @@ def _fields(entry: Entry, clock: _Clock) -> dict[str, object]:
         "ttft_ms": None if ttft is None else round(ttft * 1000, 3),
         "duration_ms": round(entry.seconds * 1000, 3),
         "error": entry.error or None,
+        "priority": entry.priority or None,
+        "queue_ms": round(entry.queued * 1000, 3),
     }
 
 

@@ -635,6 +635,79 @@ def webhook_target(entry: str) -> tuple[str, int | None]:
     return url.host, port
 
 
+#: the priority classes, the first released first (router/dispatch/flow.py); async jobs
+#: and batch lines are `background`, below every interactive class
+PRIORITIES = ("critical", "standard", "sheddable", "background")
+Priority = Literal["critical", "standard", "sheddable", "background"]
+
+
+class FlowClassConfig(_Strict):
+    """One priority class's wait in the router (None: the `limits` value)."""
+
+    #: requests of the class that may wait in each worker (then 503 queue_full)
+    queue_size: Annotated[int, Meta(ge=0)] | None = None
+    #: longest wait, seconds (then 503 queue_timeout, or saturated)
+    queue_timeout: Seconds | None = None
+    #: a request waiting this long is released as if of the class above (no starving)
+    max_wait: Seconds | None = None
+
+
+class FlowTenantConfig(_Strict):
+    """A tenant's class and share."""
+
+    priority: Priority = "standard"
+    #: its share of its class against the other tenants waiting there
+    weight: Annotated[float, Meta(gt=0)] | None = None
+    #: may raise its class with the priority header (others may only lower it)
+    trusted: bool = False
+
+
+class SaturationConfig(_Strict):
+    """When a backend counts as saturated: requests then wait in the router, not in vLLM."""
+
+    enabled: bool = True
+    #: vllm:num_requests_waiting, plus the router's in-flight added there since that
+    #: scrape, above this
+    max_waiting: Annotated[float, Meta(ge=0)] = 4.0
+    #: vllm:kv_cache_usage_perc (0..1) at or above this
+    max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
+
+
+class SessionAffinityConfig(_Strict):
+    """A request naming a session goes where that session went last."""
+
+    enabled: bool = True
+    #: the request headers naming the session, the first one present wins (coding
+    #: agents' own included)
+    headers: list[str] = msgspec.field(
+        default_factory=lambda: ["X-Session-ID", "X-Claude-Code-Session-Id", "session_id"]
+    )
+    #: soft: the session's backend while it is not saturated (with KV_AWARE, unless the
+    #: prompt's cache is found elsewhere); hard: always, while it is usable
+    mode: Literal["soft", "hard"] = "soft"
+    #: a session idle this long is forgotten, seconds
+    idle_ttl: Seconds = 1800.0
+    #: sessions each worker remembers at most (the least recently used go first)
+    max_sessions: Annotated[int, Meta(ge=1)] = 100_000
+
+
+class FlowConfig(_Strict):
+    """Flow control: priority classes, fair share between tenants, saturation."""
+
+    #: the header a request names its class in (None: the header is not read); an
+    #: untrusted tenant naming a class above its own is refused (403)
+    priority_header: str | None = "X-Kvroute-Priority"
+    #: the share of a tenant with no weight of its own
+    default_weight: Annotated[float, Meta(gt=0)] = 1.0
+    tenants: dict[str, FlowTenantConfig] = msgspec.field(default_factory=dict)
+    classes: dict[Priority, FlowClassConfig] = msgspec.field(default_factory=dict)
+    saturation: SaturationConfig = SaturationConfig()
+    session_affinity: SessionAffinityConfig = SessionAffinityConfig()
+    #: answer with `x-kvroute-reason`: why the backend was picked (`kv_hit`, `session`,
+    #: `spill_threshold`, ...)
+    reason_header: bool = False
+
+
 class Config(_Strict):
     backends: list[BackendConfig] = msgspec.field(default_factory=list)
     #: the pools, when the fleet has several (see PoolConfig); none: one flat pool
@@ -652,6 +725,7 @@ class Config(_Strict):
     routing: policies.params_union() = DEFAULT_ROUTING  # type: ignore[valid-type]
     timeouts: TimeoutsConfig = TimeoutsConfig()
     limits: LimitsConfig = LimitsConfig()
+    flow: FlowConfig = FlowConfig()
     health: HealthConfig = HealthConfig()
     lora: LoraConfig = LoraConfig()
     breaker: BreakerConfig = BreakerConfig()

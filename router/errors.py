@@ -25,6 +25,7 @@ from google.rpc import error_details_pb2, status_pb2
 _STATUS_TYPE = {
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
@@ -97,7 +98,7 @@ class KvrouteError(Exception):
         `grpc-status-details-bin`: a google.rpc.Status with an ErrorInfo (the OpenAI type,
         the HTTP status, the param) and, when set, a RetryInfo.
         """
-        code = grpc_code(self.status)
+        code = self.grpc_code()
         trailers = list(metadata)
         info = {"http_status": str(self.status), **({"param": self.param} if self.param else {})}
         reason = _STATUS_TYPE.get(self.status, "Error")
@@ -111,6 +112,9 @@ class KvrouteError(Exception):
         )
         trailers.append(("grpc-status-details-bin", status.SerializeToString()))
         return GrpcStatus(code, self.message, tuple(trailers))
+
+    def grpc_code(self) -> grpc.StatusCode:
+        return grpc_code(self.status)
 
     @classmethod
     def from_body(cls, body: bytes | dict, status: int | None = None) -> KvrouteError:
@@ -165,10 +169,32 @@ class ModelNotFound(KvrouteError, LookupError):
     status = 404
 
 
-class Overloaded(KvrouteError):
-    """The router's own admission limit is reached."""
+#: the answer header naming why admission refused a request
+DROP_REASON = "x-kvroute-drop-reason"
 
-    status = 429
+
+class Overloaded(KvrouteError):
+    """Admission refused the request: 503 (the router or the fleet is full), or 429 for
+    a tenant over its own cap. `drop_reason` says which (`saturated`, `queue_full`,
+    `queue_timeout`, `tenant_cap`, `shed`) in the `x-kvroute-drop-reason` header, or
+    the gRPC trailer of that name."""
+
+    status = 503
+
+    def __init__(self, message: str, *, drop_reason: str, retry_after: int = 1) -> None:
+        status = 429 if drop_reason == "tenant_cap" else 503
+        super().__init__(message, retry_after=retry_after, status=status)
+        self.drop_reason = drop_reason
+
+    def http_answer(self, headers: dict[str, str] | None = None) -> tuple[dict[str, str], bytes]:
+        return super().http_answer({**(headers or {}), DROP_REASON: self.drop_reason})
+
+    def to_grpc(self, metadata: Iterable[tuple[str, str]] = ()) -> GrpcStatus:
+        return super().to_grpc((*metadata, (DROP_REASON, self.drop_reason)))
+
+    def grpc_code(self) -> grpc.StatusCode:
+        """RESOURCE_EXHAUSTED whatever the HTTP status: gRPC's word for a full server."""
+        return _C.RESOURCE_EXHAUSTED
 
 
 class NoBackendAvailable(KvrouteError):

@@ -40,6 +40,8 @@ class Behaviour:
     #: each stream chunk after the first waits for a release of this: a test lets the
     #: stream on one event at a time (the closing [DONE] is not held)
     chunk_gate: asyncio.Semaphore | None = None
+    #: what GET /metrics answers (a vLLM page), None: 404
+    metrics: str | None = None
 
 
 @dataclass
@@ -80,6 +82,7 @@ class StubBackend:
                 web.post("/v1/embeddings", self._embeddings),
                 web.post("/tokenize", self._tokenize),
                 web.get("/health", self._health),
+                web.get("/metrics", self._metrics),
                 web.post("/v1/load_lora_adapter", self._load_lora_adapter),
             ]
         )
@@ -121,6 +124,11 @@ class StubBackend:
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "created": 0, "owned_by": "vllm"}
         return web.json_response({"object": "list", "data": [card]})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        if self.behaviour.metrics is None:
+            return _error(404, "no metrics")
+        return web.Response(text=self.behaviour.metrics)
 
     async def _health(self, request: web.Request) -> web.Response:
         self.health_checks += 1

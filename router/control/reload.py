@@ -57,6 +57,7 @@ _LIVE = frozenset(
         "routing",
         "timeouts",
         "limits",
+        "flow",
         "health",
         "breaker",
         "retries",

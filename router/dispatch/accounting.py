@@ -200,7 +200,10 @@ class Accounting:
         if self._access is not None:
             seconds = time.perf_counter() - call.arrived
             status, failure = str(error.status), type(error).__name__
-            entry = _entry(call, self.strategy, seconds, None, "", "", status, 0, NO_USAGE, failure)
+            dropped = getattr(error, "drop_reason", "")  # why admission refused it
+            entry = _entry(
+                call, self.strategy, seconds, None, "", dropped, status, 0, NO_USAGE, failure
+            )
             self._access.add(entry)
 
     def _captured(self, attempt: Attempt, entry: Entry) -> None:
@@ -251,6 +254,8 @@ def _entry(
         retries,
         *used,
         failure,
+        call.priority or "",
+        call.queued,
     )
 
 

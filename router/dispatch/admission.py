@@ -1,39 +1,45 @@
-"""Admission: a router-wide concurrency limit with a short FIFO wait queue, and per-tenant caps.
+"""Admission: a router-wide concurrency limit with a wait queue, and per-tenant caps.
 
-`enter` admits a request at once while fewer than `max_concurrent_requests` are active;
-beyond that it waits in a FIFO queue of at most `queue_size` requests for up to
-`queue_timeout` seconds. A full queue, or a wait that times out, is a 429 with
-`Retry-After`, so a burst is smoothed instead of refused and an overload is refused
-fast instead of piling up. A tenant at `max_concurrent_per_tenant` (admitted and
-queued together) is refused at once: one tenant can never fill the queue.
+`enter` admits a request at once while fewer than `max_concurrent_requests` are active
+and some backend is not saturated; otherwise it waits in the queue of router/dispatch/
+flow.py (classes, fair share between tenants) for up to its class's `queue_timeout`.
+A full queue, a wait that times out, or a waiter shed for a higher class is a 503 with
+`Retry-After` (from the drain rate) and `x-kvroute-drop-reason`, so a burst is smoothed
+instead of refused and an overload is refused fast instead of piling up. A tenant at
+`max_concurrent_per_tenant` (admitted and queued together) is refused at once with a
+429: one tenant can never fill the queue.
 
 The counts both caps are checked against are `Counts`: this process's own (a router
 of one process), or with several workers the shared admission table
-(router/dispatch/shared_admission.py), so both caps hold for the whole router. The wait queue
+(router/dispatch/shared_admission.py), so both caps hold for the whole router, and so
+does the class order (each worker publishes its waiters per class there). The queue
 stays per worker (`queue_size` waiters in each): a slot freed in this worker goes
-straight to its oldest waiter; one freed in another worker is found by a poll every
-`_POLL_SECONDS`, armed only while this worker has waiters. So the queue is FIFO within
-a worker; across workers a freed slot goes to whichever asks first.
+straight to its next waiter unless another worker has a waiter of a higher class; one
+freed in another worker, or a backend leaving saturation, is found by a poll every
+`_POLL_SECONDS`, armed only while this worker has waiters.
 
 Invariants: `active` counts this worker's admitted requests exactly, as the counts'
-total does. A freed slot is handed straight to the oldest waiter (so the count does
+total does. A freed slot is handed straight to the next waiter (so the count does
 not dip and a newcomer cannot barge past the queue); a waiter that gives up (timeout,
 client gone) after its slot was handed over passes it on. `enter` returns what `leave`
 must give back, so a reload that changes the caps in between cannot unbalance the
 per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
 
-Metrics: each refusal by its reason, and the queue's depth, set only when the queue
-changes (a request admitted at once touches no metric here).
+Metrics: each refusal by its reason, and the queue's depth (total and by class) and
+each waiter's wait by class, set only when the queue changes (a request admitted at
+once touches no metric here).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import deque
-from collections.abc import Hashable
+import time
+from collections.abc import Callable, Hashable
 from typing import Protocol
 
-from router.config import LimitsConfig
+from router.config import PRIORITIES, FlowConfig, LimitsConfig
+from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, Waiter, rank_of
+from router.dispatch.session import SessionRecords
 from router.dispatch.shared_admission import TOTAL
 from router.errors import Overloaded
 from router.metrics import Metrics, Refusal
@@ -46,6 +52,8 @@ class Counts(Protocol):
     """Requests counted per key (TOTAL, or a tenant's key), each against a cap."""
 
     shared: bool  # other processes change the counts too
+    #: the session affinity records shared with the other processes, if any
+    sessions: SessionRecords | None
 
     def key(self, tenant: str) -> Hashable:
         """What `tenant` is counted under."""
@@ -55,11 +63,18 @@ class Counts(Protocol):
 
     def give(self, key: Hashable) -> None: ...
 
+    def set_waiting(self, rank: int, depth: int) -> None:
+        """This process's waiters of class `rank` now."""
+
+    def waiting_above(self, rank: int) -> bool:
+        """Does another process have a waiter of a class above `rank`?"""
+
 
 class LocalCounts:
     """One process's counts: the whole router's when it is the only worker."""
 
     shared = False
+    sessions = None
 
     def __init__(self) -> None:
         self._counts: dict[Hashable, int] = {}
@@ -81,32 +96,50 @@ class LocalCounts:
         else:
             del self._counts[key]  # bounded: only keys with requests in flight
 
+    def set_waiting(self, rank: int, depth: int) -> None:
+        pass  # no other process to tell
+
+    def waiting_above(self, rank: int) -> bool:
+        return False
+
 
 class Admission:
     def __init__(
-        self, limits: LimitsConfig, counts: Counts | None = None, metrics: Metrics | None = None
+        self,
+        limits: LimitsConfig,
+        counts: Counts | None = None,
+        metrics: Metrics | None = None,
+        flow: FlowConfig | None = None,
+        saturated: Callable[[], bool] = lambda: False,
     ) -> None:
+        """`saturated`: whether every backend is full now (flow.py's `all_saturated`),
+        when requests wait here instead of in the backends' queues."""
         self.limits = limits
         self.active = 0
         self._counts = counts or LocalCounts()
         self._metrics = metrics
-        self._waiters: deque[asyncio.Future[None]] = deque()
+        self._queue = FlowQueue(flow or FlowConfig(), limits)
+        self._saturated = saturated
+        self._drain = DrainRate()
+        #: saturation held requests back since the queue was last empty: release paced
+        self._held_back = False
         self._poll: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return len(self._queue)
 
-    def configure(self, limits: LimitsConfig) -> None:
+    def configure(self, limits: LimitsConfig, flow: FlowConfig | None = None) -> None:
         """New limits (reload); waiters that now fit are admitted."""
         self.limits = limits
+        self._queue.configure(flow or self._queue.flow, limits)
         self._admit_waiters()
 
-    async def enter(self, tenant: str | None) -> Hashable | None:
+    async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Hashable | None:
         """Take a slot (waiting if need be) or raise Overloaded; returns the tenant key held."""
         held = self._take_tenant(tenant)
         try:
-            await self._take_slot()
+            await self._take_slot(tenant or "", rank_of(priority))
         except BaseException:
             self._give_tenant(held)
             raise
@@ -114,27 +147,42 @@ class Admission:
 
     def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
-        if not self._wake():  # else the slot changed hands and the count stays
+        self._drain.left()
+        if not len(self._queue) or self._saturated() or not self._wake():  # else handed over
             self._give_slot()
 
     def _wake(self) -> bool:
-        """Hand a slot to the oldest live waiter; False if there is none."""
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            self._queue_changed()
-            if not waiter.done():  # a cancelled one is still queued until its task runs
-                waiter.set_result(None)
+        """Hand a slot to the next live waiter; False if there is none, or if another
+        worker has a waiter of a higher class (its poll takes the slot)."""
+        queue = self._queue
+        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
+            waiter = queue.pop()
+            self._queue_changed(waiter.rank)
+            if not waiter.future.done():  # a cancelled one is queued until its task runs
+                waiter.future.set_result(None)
                 return True
         return False
 
     def _admit_waiters(self) -> None:
-        """Hand the slots free now to the waiters, oldest first."""
-        while self._waiters and self._free_slot():
+        """Hand the slots free now to the waiters, in flow order. After the fleet was
+        saturated, one per call (each poll, each reload): a released request counts on
+        its backend only once its task runs, so releasing a whole backlog at once, the
+        moment one backend leaves saturation, would flood that backend's queue."""
+        queue = self._queue
+        paced = self._held_back
+        while len(queue) and not self._counts.waiting_above(queue.top_rank()) and self._free_slot():
             if not self._wake():  # only cancelled ones were left
                 self._give_slot()
                 return
+            if paced:
+                break
+        if not len(queue):
+            self._held_back = False
 
     def _free_slot(self) -> bool:
+        if self._saturated():
+            self._held_back = True
+            return False
         if not self._counts.take(TOTAL, self.limits.max_concurrent_requests):
             return False
         self.active += 1
@@ -144,43 +192,59 @@ class Admission:
         self.active -= 1
         self._counts.give(TOTAL)
 
-    async def _take_slot(self) -> None:
-        if not self._waiters and self._free_slot():
+    async def _take_slot(self, tenant: str, rank: int) -> None:
+        queue = self._queue
+        if not len(queue) and not self._counts.waiting_above(rank) and self._free_slot():
             return
-        limits = self.limits
-        if len(self._waiters) >= limits.queue_size:
-            self._refused(Refusal.QUEUE_FULL)
-            raise Overloaded("The router is at its concurrent request limit.", retry_after=1)
-        waiter = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        self._queue_changed()
+        name = PRIORITIES[rank]
+        if queue.depth(rank) >= queue.queue_size(name):
+            raise self._refused(Refusal.QUEUE_FULL, f"The `{name}` queue is full.")
+        if len(queue) >= self.limits.queue_size:
+            victim = queue.lower_than(rank)
+            if victim is None:
+                raise self._refused(Refusal.QUEUE_FULL, "The router's wait queue is full.")
+            queue.remove(victim)
+            self._queue_changed(victim.rank)
+            victim.future.set_exception(
+                self._refused(Refusal.SHED, "Shed for a request of a higher priority.")
+            )
+        waiter = Waiter(tenant, rank, asyncio.get_running_loop().create_future())
+        queue.push(waiter)
+        self._queue_changed(rank)
         self._poll_soon()
         try:
-            async with asyncio.timeout(limits.queue_timeout):
-                await waiter
+            async with asyncio.timeout(queue.queue_timeout(name)):
+                await waiter.future
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
+            future = waiter.future
+            if future.done() and not future.cancelled() and future.exception() is None:
                 self.leave(None)  # handed a slot just as we gave up: pass it on
-            elif waiter in self._waiters:
-                self._waiters.remove(waiter)
-                self._queue_changed()
+            elif queue.remove(waiter):
+                self._queue_changed(rank)
             if isinstance(exc, TimeoutError):
-                self._refused(Refusal.QUEUE_TIMEOUT)
-                raise Overloaded(
-                    "The router is at its concurrent request limit; the wait timed out.",
-                    retry_after=1,
+                if self._saturated():
+                    raise self._refused(
+                        Refusal.SATURATED, "Every backend is saturated; the wait timed out."
+                    ) from None
+                raise self._refused(
+                    Refusal.QUEUE_TIMEOUT,
+                    "The wait in the router's queue timed out.",
                 ) from None
             raise
+        finally:
+            if self._metrics is not None:
+                self._metrics.flow_wait.labels(name).observe(time.monotonic() - waiter.since)
 
     def _poll_soon(self) -> None:
-        """With shared counts, look again soon for a slot another worker freed."""
-        if self._counts.shared and self._poll is None:
+        """Look again soon for a slot another worker freed, or a backend that left
+        saturation (neither wakes this worker)."""
+        if self._poll is None:
             self._poll = asyncio.get_running_loop().call_later(_POLL_SECONDS, self._polled)
 
     def _polled(self) -> None:
         self._poll = None
         self._admit_waiters()
-        if self._waiters:
+        if len(self._queue):
             self._poll_soon()
 
     def _take_tenant(self, tenant: str | None) -> Hashable | None:
@@ -189,20 +253,23 @@ class Admission:
             return None
         key = self._counts.key(tenant)
         if not self._counts.take(key, cap):
-            self._refused(Refusal.TENANT_CAP)
-            raise Overloaded(
-                f"Tenant `{tenant}` is at its limit of {cap} concurrent requests.", retry_after=1
-            )
+            message = f"Tenant `{tenant}` is at its limit of {cap} concurrent requests."
+            raise self._refused(Refusal.TENANT_CAP, message)
         return key
 
     def _give_tenant(self, held: Hashable | None) -> None:
         if held is not None:
             self._counts.give(held)
 
-    def _queue_changed(self) -> None:
+    def _queue_changed(self, rank: int) -> None:
         if self._metrics is not None:
-            self._metrics.admission_queue.set(len(self._waiters))
+            self._metrics.admission_queue.set(len(self._queue))
+            self._metrics.flow_queue.labels(PRIORITIES[rank]).set(self._queue.depth(rank))
+        self._counts.set_waiting(rank, self._queue.depth(rank))
 
-    def _refused(self, why: Refusal) -> None:
+    def _refused(self, why: Refusal, message: str) -> Overloaded:
+        """The refusal to raise, counted, its Retry-After from the drain rate."""
         if self._metrics is not None:
             self._metrics.admission_rejections.labels(why).inc()
+        retry = self._drain.retry_after(len(self._queue))
+        return Overloaded(message, drop_reason=why.value, retry_after=retry)

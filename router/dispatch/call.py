@@ -21,7 +21,7 @@ from router.upstream.usage import Usage
 class Trace(Protocol):
     """A sampled request's spans, as the steps report to them (router/dispatch/tracing.py)."""
 
-    def routed(self, routed: Routed, strategy: str, began: float) -> None: ...
+    def routed(self, routed: Routed, strategy: str, began: float, call: Call) -> None: ...
 
     def attempt_begins(
         self, backend: Backend, method: str, headers: MutableMapping[str, str]
@@ -74,6 +74,13 @@ class Call:
     #: the answer's status line went to the client (a stream began): a failure after it
     #: reaches the client as an error event, under that status
     began: bool = False
+    #: why its backend was picked, for the answer's x-kvroute-reason ("": not sent)
+    decision: str = ""
+    #: its priority class: set by the router for async jobs, else once admission
+    #: took it from the tenant or the header (router/dispatch/flow.py)
+    priority: str | None = None
+    #: seconds it waited in admission's queue
+    queued: float = 0.0
 
 
 class Routed(NamedTuple):

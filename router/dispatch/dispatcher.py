@@ -4,9 +4,11 @@ This is the only module that chains those steps; the HTTP and gRPC ingresses par
 their wire format into a `Call` and hand it here, so both get the same admission,
 routing, retries, accounting and metrics. Each step has its module:
 
-  admission.py   the wait queue and concurrency caps (429)
+  admission.py   the wait queue and concurrency caps (503, 429 per tenant)
+  flow.py        the queue's order (classes, fair share) and the saturation gate
   describe.py    the model check (404) and what the policy reads of the prompt
   pick.py        the policy's pick, and the first attempt begun under the pick lock
+  session.py     session affinity: the first pick steered to the session's backend
   disaggregation.py  the prefill leg, with prefill and decode pools
   connect.py     the attempts until a backend answers, retrying before the first byte
   attempt.py     one attempt: its slots and the breaker's verdict
@@ -37,8 +39,10 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.disaggregation import Disaggregation
+from router.dispatch.flow import all_saturated, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
+from router.dispatch.session import Sessions
 from router.dispatch.shutdown import OpenExchanges, shutting_down
 from router.errors import KvrouteError, NoBackendAvailable, UpstreamTimeout
 from router.fleet.adapters import AdapterLoader
@@ -99,7 +103,15 @@ class Dispatcher:
         self.metrics = metrics
         #: the request path's connections to the backends
         self._upstreams = Upstreams()
-        self.admission = Admission(config.limits, counts, metrics)
+        #: the flow control settings now (a reload changes them)
+        self._flow = config.flow
+        self.admission = Admission(
+            config.limits,
+            counts,
+            metrics,
+            config.flow,
+            lambda: all_saturated(fleet.members, self._flow.saturation),
+        )
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
         self._adapters = AdapterLoader(fleet, session, config.lora)
@@ -113,7 +125,8 @@ class Dispatcher:
         self._account.tenants = tenants
         self._tracing = records and records.tracing
         attempts = Attempts(fleet, metrics, on_refused)
-        self._picker = Picker(fleet, self._account, attempts)
+        sessions = Sessions(config.flow, counts.sessions if counts is not None else None)
+        self._picker = Picker(fleet, self._account, attempts, sessions)
         self._pd = Disaggregation(fleet, self._picker, session)
         self._connector = Connector(fleet, attempts, self._account, self._upstreams, self.route)
         #: shutting down: readiness is false (requests in flight still finish)
@@ -125,7 +138,9 @@ class Dispatcher:
         """Take the reloadable settings of `config`; requests in flight keep theirs."""
         self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
         self._connector.configure(config)
-        self.admission.configure(config.limits)
+        self._flow = config.flow
+        self.admission.configure(config.limits, config.flow)
+        self._picker.sessions.configure(config.flow)
         self._adapters.configure(config.lora)
         self._pd.configure(config)
 
@@ -177,7 +192,12 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            held = await self.admission.enter(call.tenant)
+            call.priority = call.priority or request_class(self._flow, call.tenant, call.headers)
+            waited = time.perf_counter()
+            try:
+                held = await self.admission.enter(call.tenant, call.priority)
+            finally:
+                call.queued = time.perf_counter() - waited
             try:
                 async with asyncio.timeout(None) as deadline:
                     if self._adapters.wanted(call.req.model):
@@ -192,7 +212,9 @@ class Dispatcher:
                         t0 = time.perf_counter()  # the decode pick is a decision of its own
                     first = self._picker.first(route_req, t0, call, deadline)
                     if call.trace is not None:
-                        call.trace.routed(first.routed, self._account.strategy, t0)
+                        call.trace.routed(first.routed, self._account.strategy, t0, call)
+                    if self._flow.reason_header:
+                        call.decision = first.routed.reason
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below

@@ -8,14 +8,16 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from policies import FleetView, Pick, Reason, RouteRequest
 from policies.least_outstanding_requests import least_loaded
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
+from router.dispatch.session import Sessions
 from router.errors import NoBackendAvailable
+from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.upstream.retry import excluding
 
@@ -23,20 +25,26 @@ from router.upstream.retry import excluding
 class Picker:
     """The fleet's current policy, asked for a backend (the policy changes on reload)."""
 
-    __slots__ = ("_account", "_attempts", "_fleet", "_rng")
+    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "sessions")
 
-    def __init__(self, fleet: Fleet, account: Accounting, attempts: Attempts) -> None:
+    def __init__(
+        self, fleet: Fleet, account: Accounting, attempts: Attempts, sessions: Sessions
+    ) -> None:
         self._fleet = fleet
         self._account = account
         self._attempts = attempts
         self._rng = random.Random()
+        #: session affinity, steering each request's first pick
+        self.sessions = sessions
 
     def first(
         self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
     ) -> Attempt:
-        """The pick for `call` and its attempt, begun while the pick lock is held."""
+        """The pick for `call` (towards its session's backend, if it names one) and
+        its attempt, begun while the pick lock is held."""
+        session = self.sessions.session_of(call.headers) if call.role != "decode" else None
         with self._fleet.picking():
-            routed = self.pick(route_req, t0, (), call.role)
+            routed = self.pick(route_req, t0, (), call.role, session)
             if call.role == "decode":
                 self._fleet.decodes.append(
                     (time.time(), route_req.model, call.prefilled_by or "", routed.backend.name)
@@ -49,13 +57,14 @@ class Picker:
         t0: float,
         tried: Collection[str] = (),
         role: str | None = None,
+        session: str | None = None,
     ) -> Routed:
         """The policy's pick for a described request, none named in `tried`, in the
         pools of `role` if given; `t0`: when its decision began. NoBackendAvailable (a
         503) if there is none. A decode (its prompt prefilled elsewhere) balances on
         decode load: the decode backend with the fewest requests in flight."""
         fleet = self._fleet
-        pick, view, passed = self._first_with_room(route_req, tried, role)
+        pick, view, passed = self._first_with_room(route_req, tried, role, session)
         if fleet.pools:
             self._account.pooled(passed, pick)
         self._account.decided(pick, view.panic, t0)
@@ -72,7 +81,11 @@ class Picker:
         )
 
     def _first_with_room(
-        self, route_req: RouteRequest, tried: Collection[str], role: str | None
+        self,
+        route_req: RouteRequest,
+        tried: Collection[str],
+        role: str | None,
+        session: str | None = None,
     ) -> tuple[Pick, FleetView, list[tuple[str, bool]]]:
         """The pick of the first pool (by priority) where the policy finds a backend
         below its cap, its view, and the pools passed on before it (name, and whether
@@ -86,6 +99,8 @@ class Picker:
         for pool, view in fleet.pool_views(route_req.model, role):  # cached
             choose = self._least_loaded if role == "decode" else fleet.policy_of(pool).pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
+            if session is not None and pick.backend is not None:
+                pick = self._steered(session, pick, view, choose, route_req)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed
             if pick.backend is not None and saturated is None:
@@ -93,6 +108,22 @@ class Picker:
             if pool is not None:
                 passed.append((pool.name, pick.backend is not None))
         return saturated if saturated is not None else (pick, view, [])
+
+    def _steered(
+        self,
+        session: str,
+        pick: Pick,
+        view: FleetView,
+        choose: Callable[[RouteRequest, FleetView], Pick],
+        route_req: RouteRequest,
+    ) -> Pick:
+        """The pick steered to the session's backend (session.py)."""
+
+        def alone(backend: Backend) -> Pick:
+            others = [b.name for b in view.candidates if b is not backend]
+            return choose(route_req, excluding(view, others))
+
+        return self.sessions.steer(session, pick, view.candidates, alone)
 
     def _least_loaded(self, route_req: RouteRequest, view: FleetView) -> Pick:
         backend = least_loaded(view.candidates, self._rng)

@@ -130,8 +130,9 @@ class RequestTrace:
         self._context = trace.set_span_in_context(self._span)
         self._attempt = None
 
-    def routed(self, routed: Routed, strategy: str, began: float) -> None:
-        """The routing decision's span: from `began` (perf_counter) to now."""
+    def routed(self, routed: Routed, strategy: str, began: float, call: Call) -> None:
+        """The routing decision's span: from `began` (perf_counter) to now, with the
+        request's class and its wait in admission's queue."""
         elapsed = time.perf_counter() - began
         now = time.time_ns()
         span = self._tracing._tracer.start_span(
@@ -142,6 +143,8 @@ class RequestTrace:
                 "kvroute.backend": routed.backend.name,
                 "kvroute.route.reason": routed.reason,
                 "kvroute.predicted_cached_tokens": routed.predicted_cached,
+                "kvroute.priority": call.priority or "",
+                "kvroute.queue_wait_ms": round(call.queued * 1000, 3),
             },
             start_time=now - int(elapsed * 1e9),
         )

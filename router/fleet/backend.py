@@ -36,6 +36,8 @@ class Backend:
         "head_lines",
         "headers",
         "healthy",
+        "inflight_at_scrape",
+        "kv_usage",
         "learned_speed",
         "local_inflight",
         "local_queued",
@@ -97,6 +99,11 @@ class Backend:
         self.speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0
+        #: scraped vllm:kv_cache_usage_perc (0..1), 0 while unknown or stale
+        self.kv_usage = 0.0
+        #: the router's in-flight here when that scrape was taken (saturation counts
+        #: the requests added since as waiting)
+        self.inflight_at_scrape = 0
 
     @property
     def models(self) -> frozenset[str] | None:

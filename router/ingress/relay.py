@@ -35,6 +35,8 @@ from router.upstream.relay import TransformingSink
 
 BACKEND_HEADER = "x-kvroute-backend"
 POOL_HEADER = "x-kvroute-pool"
+#: why the backend was picked, when `flow.reason_header` is on
+REASON_HEADER = "x-kvroute-reason"
 #: a whole answer this long or longer is compressed in a thread, off the event loop (zlib
 #: and zstd let go of the GIL): about a millisecond of gzip, which every stream the
 #: worker relays would otherwise wait out
@@ -189,6 +191,8 @@ async def relay(dispatcher: Dispatcher, call: Call, reply: Reply, extra: dict[st
             extra[BACKEND_HEADER] = upstream.backend_name
             if upstream.pool is not None:
                 extra[POOL_HEADER] = upstream.pool
+            if call.decision:
+                extra[REASON_HEADER] = call.decision
             if not upstream.streaming:
                 body = await upstream.read()
                 await reply.whole(upstream.status, _headers(upstream, extra), body)

@@ -35,6 +35,7 @@ from router import log
 from router.config import JobsConfig
 from router.dispatch.call import Call
 from router.dispatch.dispatcher import Dispatcher
+from router.dispatch.flow import BACKGROUND
 from router.errors import KvrouteError, NoBackendAvailable, Overloaded, StoreUnavailable
 from router.fleet.backends import Fleet
 from router.jobs.faults import GuardedStore, StoreFaults
@@ -236,6 +237,7 @@ class JobRunner:
             runs_as(job.tenant),
             job.id,
         )
+        call.priority = BACKGROUND  # below every interactive request
         async with self._dispatch.exchange(call) as upstream:
             return upstream.status, await upstream.read()
 

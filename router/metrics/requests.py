@@ -15,12 +15,15 @@ from enum import StrEnum
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from policies import SPILL_REASONS, Reason
+from router.config import PRIORITIES
 from router.fleet.backend import Backend
 from router.metrics.backends import UPSTREAM_KINDS
 from router.metrics.tokens import OTHER
 from router.request import Kind
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
+#: admission queue waits, seconds
+_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS = (
     *(0.0005, 0.001, 0.0025),  # sub-millisecond: the router's own share, a cached prompt
     *(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160),
@@ -49,11 +52,14 @@ _PRIMED_REFUSALS = ("429", "503")
 
 
 class Refusal(StrEnum):
-    """Why admission refused a request (a 429): the `reason` of its rejections."""
+    """Why admission refused a request: the `reason` of its rejections, and its answer's
+    `x-kvroute-drop-reason`."""
 
+    SATURATED = "saturated"
     QUEUE_FULL = "queue_full"
     QUEUE_TIMEOUT = "queue_timeout"
     TENANT_CAP = "tenant_cap"
+    SHED = "shed"
 
 
 def model_label(model: str | None, known: Container[str]) -> str:
@@ -142,13 +148,30 @@ class RequestMetrics:
         )
         self.admission_rejections = Counter(
             "kvroute_admission_rejections",
-            "Requests admission refused with a 429, by reason (queue_full, queue_timeout, "
-            "tenant_cap)",
+            "Requests admission refused (503, or 429 for tenant_cap), by reason "
+            "(saturated, queue_full, queue_timeout, tenant_cap, shed)",
             ["reason"],
             registry=r,
         )
         for refusal in Refusal:
             self.admission_rejections.labels(refusal)
+        self.flow_queue = Gauge(
+            "kvroute_flow_queue_depth",
+            "Requests waiting in admission's queue now, by priority class (summed over workers)",
+            ["class"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.flow_wait = Histogram(
+            "kvroute_flow_queue_wait_seconds",
+            "How long requests that waited in admission's queue waited, by priority class",
+            ["class"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        for name in PRIORITIES:
+            self.flow_queue.labels(name)
+            self.flow_wait.labels(name)
 
     def _declare_latencies(self, r: CollectorRegistry) -> None:
         labels = ["backend", "endpoint", "model"]

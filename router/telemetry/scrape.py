@@ -163,14 +163,19 @@ class Scraper:
     def keep(self, backend: Backend, snap: VllmSnapshot) -> None:
         """A fresh snapshot of `backend`, scraped here or received from the collector."""
         self.snapshots[backend.name] = snap
-        backend.waiting = snap.waiting
+        backend.waiting, backend.kv_usage = snap.waiting, snap.kv_usage
+        backend.inflight_at_scrape = backend.inflight
 
     def _expire(self) -> None:
         now = time.monotonic()
         for backend in self._fleet.members:
             snap = self.snapshots.get(backend.name)
-            if snap is not None and now - snap.at > self._stale_after and backend.waiting:
-                backend.waiting = 0.0
+            if (
+                snap is not None
+                and now - snap.at > self._stale_after
+                and (backend.waiting or backend.kv_usage)
+            ):
+                backend.waiting = backend.kv_usage = 0.0
                 self._on_fallback(backend.name, "stale_metrics")
                 log.backends.warning("metrics of %s are stale", backend.name)
 

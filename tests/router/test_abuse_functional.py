@@ -205,25 +205,30 @@ async def test_expect_continue_for_a_body_within_the_limit_is_invited() -> None:
         assert stubs[0].raw == [body]
 
 
-async def test_a_burst_beyond_the_queue_gets_429_with_retry_after() -> None:
+async def test_a_burst_beyond_the_queue_gets_503_with_retry_after_and_reason() -> None:
     limits = {"max_concurrent_requests": 2, "queue_size": 2, "queue_timeout": 5}
     async with running(1, limits=limits) as (router, stubs), aiohttp.ClientSession() as http:
         stubs[0].behaviour.delay = 0.3
         tally = Tally.new()
         url = router.url + CHAT_PATH
         replies = await asyncio.gather(
-            *(tally.send(http, url, expect={200, 429}, **chat()) for _ in range(6))
+            *(tally.send(http, url, expect={200, 503}, **chat()) for _ in range(6))
         )
-        assert sorted(r.status for r in replies) == [200] * 4 + [429] * 2  # 2 ran, 2 waited
-        assert all(r.headers["Retry-After"] == "1" for r in replies if r.status == 429)
+        assert sorted(r.status for r in replies) == [200] * 4 + [503] * 2  # 2 ran, 2 waited
+        refused = [r for r in replies if r.status == 503]
+        assert all(r.headers["Retry-After"] == "1" for r in refused)
+        assert all(r.headers["x-kvroute-drop-reason"] == "queue_full" for r in refused)
+        assert all(r.json()["error"]["type"] == "ServiceUnavailableError" for r in refused)
         stubs[0].behaviour.delay = 0.4
         short = {"max_concurrent_requests": 1, "queue_size": 5, "queue_timeout": 0.1}
         router.dispatcher.admission.configure(router.config.limits.__class__(**short))
         replies = await asyncio.gather(
-            *(tally.send(http, url, expect={200, 429}, **chat()) for _ in range(3))
+            *(tally.send(http, url, expect={200, 503}, **chat()) for _ in range(3))
         )
-        assert sorted(r.status for r in replies) == [200, 429, 429]  # waited, then gave up
-        assert "timed out" in next(r for r in replies if r.status == 429).json()["error"]["message"]
+        assert sorted(r.status for r in replies) == [200, 503, 503]  # waited, then gave up
+        timed_out = next(r for r in replies if r.status == 503)
+        assert "timed out" in timed_out.json()["error"]["message"]
+        assert timed_out.headers["x-kvroute-drop-reason"] == "queue_timeout"
         await settle(router)
         assert router.dispatcher.admission.queued == 0
         assert (tally.failed, tally.hung) == (0, 0)

@@ -25,7 +25,8 @@ async def test_waits_in_the_queue_then_takes_the_freed_slot() -> None:
     assert (adm.active, adm.queued) == (2, 1)
     with pytest.raises(Overloaded) as info:  # the queue is full
         await adm.enter(None)
-    assert info.value.status == 429 and info.value.retry_after == 1
+    assert info.value.status == 503 and info.value.retry_after == 1
+    assert info.value.drop_reason == "queue_full"
     adm.leave(None)
     await waiting
     assert (adm.active, adm.queued) == (2, 0)  # the slot changed hands
@@ -34,7 +35,7 @@ async def test_waits_in_the_queue_then_takes_the_freed_slot() -> None:
     assert adm.active == 0
 
 
-async def test_a_wait_that_times_out_is_a_429() -> None:
+async def test_a_wait_that_times_out_is_a_503() -> None:
     adm = Admission(_limits(max_concurrent_requests=1, queue_timeout=0.05))
     await adm.enter(None)
     with pytest.raises(Overloaded, match="timed out"):
@@ -124,4 +125,25 @@ async def test_each_refusal_is_counted_by_its_reason_and_the_queue_depth_follows
         await waiting  # queue_timeout
     assert depth() == 0
     adm.leave(held)
-    assert _refusals(metrics) == {"queue_full": 1, "queue_timeout": 1, "tenant_cap": 1}
+    assert _refusals(metrics) == {
+        "saturated": 0, "queue_full": 1, "queue_timeout": 1, "tenant_cap": 1, "shed": 0
+    }  # fmt: skip
+
+
+async def test_a_backlog_held_by_saturation_is_released_one_at_a_time() -> None:
+    """A released request counts on its backend only once its task runs: the backlog
+    must not all go the moment one backend leaves saturation."""
+    full = [True]
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), saturated=lambda: full[0])
+    waiters = [asyncio.create_task(adm.enter(None)) for _ in range(3)]
+    await asyncio.sleep(0)
+    assert (adm.active, adm.queued) == (0, 3)
+    full[0] = False
+    for released in (1, 2, 3):
+        adm.configure(adm.limits)  # as each poll does
+        assert (adm.active, adm.queued) == (released, 3 - released)
+    await asyncio.gather(*waiters)
+    adm.leave(None)
+    adm.leave(None)
+    adm.leave(None)
+    assert adm.active == 0

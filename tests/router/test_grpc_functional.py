@@ -416,6 +416,7 @@ async def test_admission_limit_is_resource_exhausted() -> None:
             grpc.StatusCode.RESOURCE_EXHAUSTED,
         )
         assert dict(err.trailing_metadata())["retry-after"] == "1"
+        assert dict(err.trailing_metadata())["x-kvroute-drop-reason"] == "queue_full"
         assert status_details(err)["RetryInfo"].retry_delay.seconds == 1
         assert (await first).choices
         await settle(rig.router)

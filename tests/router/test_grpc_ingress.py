@@ -334,7 +334,11 @@ def test_completion_message() -> None:
         pytest.param(
             KvrouteError("x", status=418), grpc.StatusCode.INVALID_ARGUMENT, id="other-4xx"
         ),
-        pytest.param(Overloaded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED, id="429-admission"),
+        pytest.param(
+            Overloaded("x", drop_reason="tenant_cap"),
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            id="429-admission",
+        ),
         pytest.param(KvrouteError("x"), grpc.StatusCode.INTERNAL, id="500-internal"),
         pytest.param(UpstreamConnectError("x"), grpc.StatusCode.UNAVAILABLE, id="502-upstream"),
         pytest.param(NoBackendAvailable("x"), grpc.StatusCode.UNAVAILABLE, id="503-no-backend"),

@@ -860,3 +860,45 @@ async def test_the_sdk_lists_batches_and_files_and_deletes_a_file(tmp_path: Path
         deleted = await oai.files.delete(files[0].id)
         assert (deleted.id, deleted.deleted) == (files[0].id, True)
         assert len([f async for f in oai.files.list(purpose="batch")]) == 2
+
+
+async def test_a_job_waits_below_every_interactive_class(tmp_path: Path) -> None:
+    """One slot, held: a job queued before a sheddable interactive request still goes
+    after it."""
+    stub = StubBackend()
+    stub.behaviour.gate = asyncio.Event()
+    await stub.start()
+    data = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": stub.url, "name": "stub"}],
+        "limits": {"max_concurrent_requests": 1, "queue_size": 8, "queue_timeout": 30},
+        "jobs": {"enabled": True, "path": str(tmp_path / "jobs.db"), "poll_s": 0.05},
+    }
+    router = Router(build(data))
+    queued = lambda n: lambda: router.dispatcher.admission.queued == n  # noqa: E731
+
+    def body(text: str) -> dict:
+        return {"model": stub.model, "messages": [{"role": "user", "content": text}]}
+
+    try:
+        await router.start()
+        async with aiohttp.ClientSession() as http:
+            url = router.url + "/v1/chat/completions"
+            held = asyncio.create_task(http.post(url, json=body("held")))
+            await until(lambda: stub.active == 1)
+            async with http.post(router.url + CHAT, json=body("job")) as r:
+                status_url = router.url + (await r.json())["status_url"]
+            await until(queued(1), timeout=10)
+            low = {"X-Kvroute-Priority": "sheddable"}
+            shed = asyncio.create_task(http.post(url, json=body("shed"), headers=low))
+            await until(queued(2))
+            stub.behaviour.gate.set()
+            for task in (held, shed):
+                async with await task as answered:
+                    assert answered.status == 200
+            job = await finished(http, status_url)
+    finally:
+        await router.stop()
+        await stub.stop()
+    assert job["status"] == "succeeded"
+    assert [r["messages"][0]["content"] for r in stub.received] == ["held", "shed", "job"]

@@ -115,9 +115,11 @@ async def test_admission_counts_its_queue_and_why_it_refused() -> None:
         queue_depth = lambda: value(samples(router), "kvroute_admission_queue_depth")  # noqa: E731
         waiting = await sent(http.post(url, **chat()), lambda: queue_depth() == 1)
         async with http.post(url, **chat()) as full:
-            assert full.status == 429
+            assert full.status == 503
+            assert full.headers["x-kvroute-drop-reason"] == "queue_full"
         async with await waiting as timed_out:
-            assert timed_out.status == 429
+            assert timed_out.status == 503
+            assert timed_out.headers["x-kvroute-drop-reason"] == "queue_timeout"
         async with await held as answered:
             assert answered.status == 200
         await settle(router)
@@ -128,7 +130,11 @@ async def test_admission_counts_its_queue_and_why_it_refused() -> None:
         for (name, labels), v in page.items()
         if name == "kvroute_admission_rejections_total"
     }
-    assert rejections == {"queue_full": 1, "queue_timeout": 1, "tenant_cap": 0}
+    assert rejections == {
+        "saturated": 0, "queue_full": 1, "queue_timeout": 1, "tenant_cap": 0, "shed": 0
+    }  # fmt: skip
+    assert value(page, "kvroute_flow_queue_depth", **{"class": "standard"}) == 0
+    assert value(page, "kvroute_flow_queue_wait_seconds_count", **{"class": "standard"}) == 1
 
 
 async def sent(request: Awaitable, arrived: Callable[[], bool]) -> asyncio.Future:

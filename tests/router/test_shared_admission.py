@@ -69,3 +69,18 @@ async def test_a_waiter_takes_a_slot_freed_in_another_worker(tmp_path) -> None:
         second.configure(per_tenant)
         await second.enter("t")
         await first.enter("t")
+
+
+def test_session_records_and_waiters_by_class_are_seen_by_every_worker(tmp_path) -> None:
+    t0, t1, t2 = tables(tmp_path)
+    key = (1 << 64) - 12345  # an xxh3 digest above int64's range
+    assert t1.recall(key) is None
+    t0.sessions.record(key, 0xDEADBEEF, 1234.9)
+    assert t1.sessions.recall(key) == (0xDEADBEEF, 1234.0)
+    assert t2.recall(key + 1) is None  # another session, another slot
+    t1.set_waiting(0, 2)  # worker 1 has two critical waiters
+    assert t0.waiting_above(1) and t2.waiting_above(2) and not t1.waiting_above(1)
+    assert not t0.waiting_above(0)  # nothing is above the top class
+    t2.clear_worker(1)  # it died: its waiters went with it, the sessions stay
+    assert not t0.waiting_above(1)
+    assert t2.recall(key) == (0xDEADBEEF, 1234.0)

@@ -101,6 +101,8 @@ async def test_a_sampled_trace_continues_through_the_router_to_the_backend() -> 
         route.attributes["kvroute.strategy"] == "RANDOM"
         and route.attributes["kvroute.route.reason"]
     )
+    assert route.attributes["kvroute.priority"] == "standard"
+    assert route.attributes["kvroute.queue_wait_ms"] >= 0
     assert client_span.attributes["server.port"] == stub.port
     assert server.start_time <= route.start_time <= client_span.start_time
     assert client_span.end_time <= server.end_time

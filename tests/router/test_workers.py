@@ -28,6 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import aiohttp
 import grpc
@@ -44,6 +45,7 @@ from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router.control.supervisor import GIVE_UP, RUN_PARENT_ENV, sweep_stale
+from router.dispatch.session import rendezvous
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
 
@@ -743,6 +745,96 @@ def _listener(r: MultiRouter, port: int) -> int:
 
 async def _holds(value, check) -> bool:
     return check(await value)
+
+
+async def test_the_class_order_holds_across_workers(tmp_path) -> None:
+    """One slot for the router: a sheddable request waiting in worker 0 lets a standard
+    one waiting in worker 1 go first, though worker 0 frees the slot."""
+    (server,) = await stubs(1, Behaviour(gate=asyncio.Event()))
+    limits = {"max_concurrent_requests": 1, "queue_size": 8, "queue_timeout": 30}
+    config = {"backends": backends([server]), "limits": limits}
+
+    async def send(session: aiohttp.ClientSession, prompt: str, **headers: str) -> int:
+        async with session.post(r.url + CHAT, json=chat(prompt), headers=headers) as resp:
+            await resp.read()
+            return resp.status
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = r.workers()
+            probe = aiohttp.ClientSession()
+            r.sessions.append(probe)
+            depth = lambda: metric(probe, r.url, "kvroute_flow_queue_depth")  # noqa: E731
+            held = asyncio.create_task(send(await r.pinned(w0), "held"))
+            await until(lambda: server.active == 1, 10, "the held request")
+            low = {"X-Kvroute-Priority": "sheddable"}
+            shed = asyncio.create_task(send(await r.pinned(w0), "low", **low))
+            await until(lambda: _equals(depth(), 1), 10, "the sheddable one queued")
+            std = asyncio.create_task(send(await r.pinned(w1), "std"))
+            await until(lambda: _equals(depth(), 2), 10, "the standard one queued")
+            server.behaviour.gate.set()
+            assert await asyncio.gather(held, shed, std) == [200, 200, 200]
+            assert [b["messages"][0]["content"] for b in server.received] == [
+                "held",
+                "std",
+                "low",
+            ]
+    finally:
+        await server.stop()
+
+
+async def _equals(value, expected: float) -> bool:
+    return await value == expected
+
+
+async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path) -> None:
+    """Soft affinity: a session whose backend is saturated spills, in worker 0, to the
+    policy's pick; worker 1 then sends the session there too (the records are shared)."""
+    servers = await stubs(5)
+    page = 'vllm:num_requests_waiting{{model_name="m"}} {}\n'
+    for server in servers:
+        server.behaviour.metrics = page.format(0)
+    config = {
+        "backends": backends(servers),
+        "routing": {"strategy": "RANDOM"},
+        "telemetry": {"scrape_interval": 0.05},
+        "flow": {"saturation": {"max_waiting": 2}},
+    }
+    names = [SimpleNamespace(name=f"b{i}") for i in range(len(servers))]
+
+    def placed(sid: str) -> int:
+        return names.index(rendezvous(sid, names))
+
+    async def served_by(session: aiohttp.ClientSession, sid: str) -> int:
+        before = [len(s.received) for s in servers]
+        headers = {"X-Session-ID": sid}
+        async with session.post(r.url + CHAT, json=chat("hi"), headers=headers) as resp:
+            assert resp.status == 200
+            await resp.read()
+        (index,) = [i for i, s in enumerate(servers) if len(s.received) > before[i]]
+        return index
+
+    try:
+        async with multi_router(tmp_path, config) as r:
+            w0, w1 = r.workers()
+            on0, on1 = await r.pinned(w0), await r.pinned(w1)
+            # sessions placed on b0, which then fills up (no worker sees it leave); with
+            # records of its own, worker 1 would match worker 0's spill 1 time in 4 each
+            sids = [sid for sid in (f"s-{i}" for i in range(100)) if placed(sid) == 0][:3]
+            for sid in sids:
+                assert await served_by(on0, sid) == 0
+            servers[0].behaviour.metrics = page.format(10)
+            for sid in sids:
+                spilled = 0
+                for _ in range(100):  # until worker 0 saw it saturated and RANDOM moved it
+                    spilled = await served_by(on0, sid)
+                    if spilled != 0:
+                        break
+                assert spilled != 0
+                assert [await served_by(on1, sid) for _ in range(4)] == [spilled] * 4
+    finally:
+        for server in servers:
+            await server.stop()
 
 
 async def test_discovery_and_admission_checks_run_once_for_every_worker(tmp_path) -> None:

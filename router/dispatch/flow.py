@@ -1,0 +1,278 @@
+"""Flow control: the order in which waiting requests are released, and when to wait.
+
+Admission (router/dispatch/admission.py) keeps its waiters here instead of one FIFO:
+
+- **Classes.** `critical`, `standard` (the default), `sheddable`, and `background`
+  (async jobs and batch lines, router/jobs/runner.py): a request waiting in
+  a higher class is always released before any in a lower one. A request waiting longer
+  than its class's `max_wait` is released as if of the class above, so nothing starves.
+  When the queue is full, a newcomer takes the place of the newest waiter of a lower
+  class, which is refused `shed`: `sheddable` absorbs the refusals first.
+- **Fair share.** Within a class, each tenant has its own FIFO, and the tenants take
+  turns by deficit round robin: each turn a tenant is credited its weight and releases
+  one request per whole credit. A tenant sending five times its share therefore only
+  lengthens its own queue. Weights come from `flow.tenants`, else `default_weight`.
+- **Class of a request.** Its tenant's `priority`, or the `priority_header` when the
+  request names one: any tenant may lower its class, only a `trusted` one raise it. An
+  untrusted tenant naming a higher class is refused (403, not silently lowered, so a
+  misconfigured client learns it at once).
+- **Saturation.** A backend is saturated when its scraped `vllm:num_requests_waiting`,
+  plus the requests the router added there since that scrape, passes `max_waiting`, or
+  its `vllm:kv_cache_usage_perc` reaches `max_kv_cache_usage`. While every usable
+  backend is saturated no waiter is released: requests wait in the router, in the order
+  above, not in vLLM's queue; they are released (then routed as usual, cache-aware) as
+  backends leave saturation.
+
+Scope: the queue is per worker process; the counts the caps check are router-wide
+(shared_admission.py), and so are the numbers of waiters per class: a worker releases
+its own best waiter only while no other worker has a waiter of a higher class, so the
+class order holds router-wide (within a 10 ms poll). Fair share between tenants and
+promotion hold within each worker's queue (a tenant's requests spread over the workers
+share in each). The saturation gate is the same for all (every worker reads the same
+scraped state). Across replicas each keeps its own queue.
+Cost: O(1) per release (amortized over the round-robin ring), O(queue) only for a
+waiter that gives up or is shed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from multidict import CIMultiDict
+
+from router.config import PRIORITIES, FlowConfig, LimitsConfig, SaturationConfig
+from router.errors import KvrouteError
+from router.fleet.backend import Backend
+
+DEFAULT_CLASS = "standard"
+#: async jobs' and batch lines' class, below every interactive one
+BACKGROUND = "background"
+_RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+
+
+class PriorityRefused(KvrouteError):
+    """A class the tenant may not ask for."""
+
+    status = 403
+
+
+@dataclass(eq=False)
+class Waiter:
+    """One request waiting for a slot."""
+
+    tenant: str
+    rank: int
+    future: asyncio.Future[None]
+    since: float = field(default_factory=time.monotonic)
+
+
+def request_class(flow: FlowConfig, tenant: str | None, headers: CIMultiDict[str] | None) -> str:
+    """The class of a request: its tenant's, or the header's when that is allowed."""
+    cfg = flow.tenants.get(tenant or "")
+    own = cfg.priority if cfg is not None else DEFAULT_CLASS
+    asked = headers.get(flow.priority_header) if headers and flow.priority_header else None
+    if asked is None:
+        return own
+    asked = asked.strip().lower()
+    if asked not in _RANK:
+        raise PriorityRefused(
+            f"Unknown priority `{asked[:32]}`; one of {', '.join(PRIORITIES)}.",
+            param=flow.priority_header,
+            status=400,
+        )
+    if _RANK[asked] < _RANK[own] and not (cfg is not None and cfg.trusted):
+        raise PriorityRefused(
+            f"Priority `{asked}` is above this tenant's (`{own}`); only a trusted tenant "
+            "may raise it.",
+            param=flow.priority_header,
+        )
+    return asked
+
+
+def rank_of(name: str) -> int:
+    return _RANK[name]
+
+
+class FairQueue:
+    """One class's waiters: a FIFO per tenant, released by deficit round robin."""
+
+    def __init__(self, weights: dict[str, float], default_weight: float) -> None:
+        self._weights, self._default = weights, default_weight
+        self._queues: dict[str, deque[Waiter]] = {}
+        self._credit: dict[str, float] = {}
+        self._ring: deque[str] = deque()  # the tenants with waiters, whose turn first
+        self._visiting: str | None = None  # the tenant whose turn it is, credited
+        self.size = 0
+
+    def reweigh(self, weights: dict[str, float], default_weight: float) -> None:
+        self._weights, self._default = weights, default_weight
+
+    def weight(self, tenant: str) -> float:
+        return self._weights.get(tenant, self._default)
+
+    def push(self, waiter: Waiter) -> None:
+        queue = self._queues.get(waiter.tenant)
+        if queue is None:
+            queue = self._queues[waiter.tenant] = deque()
+            self._credit[waiter.tenant] = 0.0
+            self._ring.append(waiter.tenant)
+        queue.append(waiter)
+        self.size += 1
+
+    def pop(self) -> Waiter:
+        """The next waiter by weighted turns (the queue is not empty)."""
+        ring, credit = self._ring, self._credit
+        while True:
+            tenant = ring[0]
+            if tenant != self._visiting:  # its turn begins: credit its weight
+                credit[tenant] += self.weight(tenant)
+                self._visiting = tenant
+            if credit[tenant] >= 1:
+                credit[tenant] -= 1
+                return self._take(tenant, self._queues[tenant].popleft())
+            ring.rotate(-1)
+            self._visiting = None
+
+    def oldest(self) -> Waiter | None:
+        """The longest waiting (each tenant's FIFO is in arrival order)."""
+        return min((q[0] for q in self._queues.values()), key=_since, default=None)
+
+    def newest(self) -> Waiter | None:
+        return max((q[-1] for q in self._queues.values()), key=_since, default=None)
+
+    def remove(self, waiter: Waiter) -> bool:
+        queue = self._queues.get(waiter.tenant)
+        if queue is None or waiter not in queue:
+            return False
+        queue.remove(waiter)
+        self._take(waiter.tenant, waiter)
+        return True
+
+    def _take(self, tenant: str, waiter: Waiter) -> Waiter:
+        self.size -= 1
+        if not self._queues[tenant]:  # an idle tenant keeps no credit (DRR)
+            del self._queues[tenant], self._credit[tenant]
+            self._ring.remove(tenant)
+        return waiter
+
+
+def _since(waiter: Waiter) -> float:
+    return waiter.since
+
+
+class FlowQueue:
+    """Every class's waiters of one worker, released highest class first."""
+
+    def __init__(self, flow: FlowConfig, limits: LimitsConfig) -> None:
+        self._classes = [FairQueue({}, flow.default_weight) for _ in PRIORITIES]
+        self.configure(flow, limits)
+
+    def configure(self, flow: FlowConfig, limits: LimitsConfig) -> None:
+        """New settings (reload); waiters keep their place."""
+        self.flow, self.limits = flow, limits
+        self._max_wait = [self._of(name, "max_wait") for name in PRIORITIES]
+        weights = {name: t.weight for name, t in flow.tenants.items() if t.weight}
+        for fair in self._classes:
+            fair.reweigh(weights, flow.default_weight)
+
+    def _of(self, name: str, key: str) -> float | None:
+        cfg = self.flow.classes.get(name)  # type: ignore[call-overload]
+        value = getattr(cfg, key) if cfg is not None else None
+        return getattr(self.limits, key, None) if value is None else value
+
+    def queue_size(self, name: str) -> int:
+        return self._of(name, "queue_size")  # type: ignore[return-value]
+
+    def queue_timeout(self, name: str) -> float:
+        return self._of(name, "queue_timeout")  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return sum(fair.size for fair in self._classes)
+
+    def depth(self, rank: int) -> int:
+        return self._classes[rank].size
+
+    def top_rank(self) -> int:
+        """The highest class with waiters (the queue is not empty)."""
+        return next(rank for rank, fair in enumerate(self._classes) if fair.size)
+
+    def push(self, waiter: Waiter) -> None:
+        self._classes[waiter.rank].push(waiter)
+
+    def remove(self, waiter: Waiter) -> bool:
+        return self._classes[waiter.rank].remove(waiter)
+
+    def pop(self) -> Waiter | None:
+        """The next to release: a waiter past its class's `max_wait` (oldest first),
+        else the highest class's next by fair share."""
+        now = time.monotonic()
+        for rank in range(1, len(self._classes)):
+            max_wait = self._max_wait[rank]
+            oldest = self._classes[rank].oldest() if max_wait is not None else None
+            if oldest is not None and now - oldest.since >= max_wait:
+                self._classes[rank].remove(oldest)
+                return oldest
+        for fair in self._classes:
+            if fair.size:
+                return fair.pop()
+        return None
+
+    def lower_than(self, rank: int) -> Waiter | None:
+        """The newest waiter of the lowest class below `rank`: the one shed for it."""
+        for lower in range(len(self._classes) - 1, rank, -1):
+            newest = self._classes[lower].newest()
+            if newest is not None:
+                return newest
+        return None
+
+
+def saturated(backend: Backend, cfg: SaturationConfig) -> bool:
+    """Is `backend` full by its own state: vLLM's queue or KV cache?"""
+    added = max(0, backend.inflight - backend.inflight_at_scrape)
+    return backend.waiting + added > cfg.max_waiting or backend.kv_usage >= cfg.max_kv_cache_usage
+
+
+def all_saturated(backends: Iterable[Backend], cfg: SaturationConfig) -> bool:
+    """True when every usable backend is saturated (and there is one): then requests
+    wait in the router. With none usable, routing answers (503) instead."""
+    if not cfg.enabled:
+        return False
+    seen = False
+    for backend in backends:
+        if backend.usable:
+            if not saturated(backend, cfg):
+                return False
+            seen = True
+    return seen
+
+
+class DrainRate:
+    """Requests leaving per second over the last one to two seconds (two one-second
+    buckets): what Retry-After is computed from."""
+
+    def __init__(self) -> None:
+        self._second = 0  # the bucket `_now` counts
+        self._now = self._before = 0
+
+    def _roll(self, second: int) -> None:
+        if second != self._second:
+            self._before = self._now if second == self._second + 1 else 0
+            self._now, self._second = 0, second
+
+    def left(self) -> None:
+        self._roll(int(time.monotonic()))
+        self._now += 1
+
+    def retry_after(self, queued: int) -> int:
+        """Seconds until `queued` waiters and one more are likely through, 1..60."""
+        now = time.monotonic()
+        self._roll(int(now))
+        rate = (self._before + self._now) / (1 + now % 1)
+        if rate <= 0:
+            return 1
+        return max(1, min(60, math.ceil((queued + 1) / rate)))

@@ -1,0 +1,140 @@
+"""Session affinity: a request naming a session goes where the session went last.
+
+The session is named by the first of `flow.session_affinity.headers` the request sends
+(`X-Session-ID`, and the headers coding agents send with each turn). Its backend is the
+one that served it last, else the candidate with the highest rendezvous hash of (session,
+backend name): every worker and every replica computes the same one without sharing
+anything, and a backend leaving moves only its own sessions.
+
+- **soft** (default): the session's backend while it is not saturated (flow.py's
+  test on its scraped state); with KV_AWARE it is a strong preference, not an override:
+  when the policy expects more of the prompt cached on another backend (`kv_hit`) than
+  on the session's, that pick stands. A saturated session backend spills to the
+  policy's pick, which becomes the session's backend. Asking the policy about the
+  session's backend alone teaches KV_AWARE's index where the prompt goes; its first
+  pick, when overruled, stays in the index as a guess until that guess expires.
+- **hard**: always the session's backend while it is a usable candidate.
+
+Records: with several workers, in the shared admission table (shared_admission.py:
+direct-mapped, so every worker sees each spill); with one, an LRU of `max_sessions`.
+A session idle `idle_ttl` is forgotten. With no record the rendezvous hash agrees
+across workers and replicas, so replicas differ only after a spill. Retries are
+routed as usual (away from the failed backend).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import xxhash
+from multidict import CIMultiDict
+
+from policies import Pick, Reason
+from router.config import FlowConfig
+from router.dispatch.flow import saturated
+from router.fleet.backend import Backend
+
+
+def rendezvous(session: str, candidates: Sequence[Backend]) -> Backend | None:
+    """The candidate with the highest hash of (session, its name)."""
+    return max(
+        candidates,
+        key=lambda b: xxhash.xxh3_64_intdigest(f"{session}\0{b.name}".encode()),
+        default=None,
+    )
+
+
+class SessionRecords(Protocol):
+    """Where each session went last: keyed by the session's hash, the backend's name
+    hash (32 bits) and when (monotonic seconds)."""
+
+    def recall(self, key: int) -> tuple[int, float] | None: ...
+
+    def record(self, key: int, backend: int, at: float) -> None: ...
+
+
+class LocalRecords:
+    """One process's records: an LRU of at most `limit` sessions."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._records: OrderedDict[int, tuple[int, float]] = OrderedDict()
+
+    def recall(self, key: int) -> tuple[int, float] | None:
+        return self._records.get(key)
+
+    def record(self, key: int, backend: int, at: float) -> None:
+        records = self._records
+        records[key] = (backend, at)
+        records.move_to_end(key)
+        while len(records) > self.limit:
+            records.popitem(last=False)  # the least recently used
+
+
+def name_hash(name: str) -> int:
+    """A backend's name as records hold it (32 bits)."""
+    return xxhash.xxh3_64_intdigest(name.encode()) >> 32
+
+
+class Sessions:
+    """The session records and the steering of a pick towards them."""
+
+    def __init__(self, flow: FlowConfig, shared: SessionRecords | None = None) -> None:
+        limit = flow.session_affinity.max_sessions
+        self._records: SessionRecords = shared or LocalRecords(limit)
+        self.configure(flow)
+
+    def configure(self, flow: FlowConfig) -> None:
+        self._flow, self._cfg = flow, flow.session_affinity
+        if isinstance(self._records, LocalRecords):
+            self._records.limit = self._cfg.max_sessions
+
+    def session_of(self, headers: CIMultiDict[str]) -> str | None:
+        """The session a request names, if affinity is on and it names one."""
+        if not self._cfg.enabled:
+            return None
+        for name in self._cfg.headers:
+            value = headers.get(name)
+            if value:
+                return value[:256]
+        return None
+
+    def steer(
+        self,
+        session: str,
+        pick: Pick,
+        candidates: Sequence[Backend],
+        alone: Callable[[Backend], Pick],
+    ) -> Pick:
+        """The pick for a request of `session`: the policy's `pick`, or the session's
+        backend; the one chosen is remembered as the session's. `alone(backend)`: the
+        policy's pick among that backend alone (what it expects cached there, and what
+        it learns from its own picks follows the prompt there)."""
+        preferred = self._backend_of(session, candidates)
+        chosen, hard = pick, self._cfg.mode == "hard"
+        if (
+            preferred is not None
+            and preferred is not pick.backend
+            and (hard or not saturated(preferred, self._flow.saturation))
+        ):
+            there = alone(preferred)
+            # soft: a cache found elsewhere wins only if bigger than the session's
+            if hard or not (
+                pick.reason is Reason.KV_HIT and pick.predicted_cached > there.predicted_cached
+            ):
+                chosen = Pick(preferred, Reason.SESSION, there.predicted_cached)
+        if chosen.backend is not None:
+            key = xxhash.xxh3_64_intdigest(session.encode())
+            self._records.record(key, name_hash(chosen.backend.name), time.monotonic())
+        return chosen
+
+    def _backend_of(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
+        record = self._records.recall(xxhash.xxh3_64_intdigest(session.encode()))
+        if record is not None and time.monotonic() - record[1] < self._cfg.idle_ttl:
+            for backend in candidates:
+                if name_hash(backend.name) == record[0]:
+                    return backend
+        return rendezvous(session, candidates)

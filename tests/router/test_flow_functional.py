@@ -1,0 +1,159 @@
+"""Flow control through a real router on 127.0.0.1: refusals, class order, fair share,
+the priority header, saturation from a backend's scraped /metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+import orjson
+
+from router.control.worker import Router
+from tests.router.chaos import until
+from tests.router.conftest import running
+
+PATH = "/v1/chat/completions"
+ONE_AT_A_TIME = {"max_concurrent_requests": 1, "queue_size": 64, "queue_timeout": 30}
+
+
+def _body(label: str) -> dict[str, Any]:
+    return {
+        "model": "stub-model",
+        "messages": [{"role": "user", "content": label}],
+        "max_tokens": 1,
+    }
+
+
+def _order(stub) -> list[str]:
+    return [r["messages"][0]["content"] for r in stub.received]
+
+
+async def _post(
+    http: aiohttp.ClientSession, router: Router, label: str, **headers: str
+) -> tuple[int, dict[str, str]]:
+    async with http.post(router.url + PATH, json=_body(label), headers=headers) as resp:
+        await resp.read()
+        return resp.status, dict(resp.headers)
+
+
+async def _queue_behind_held(
+    router: Router, stub, http: aiohttp.ClientSession, sends: list[tuple[str, dict]]
+) -> list[asyncio.Task]:
+    """Hold the only slot with a gated request, then queue `sends` (label, headers) in
+    that order, each once the one before is queued; the tasks, the holder's first."""
+    stub.behaviour.gate = asyncio.Event()
+    held = asyncio.create_task(_post(http, router, "held"))
+    await until(lambda: stub.active == 1)
+    tasks = [held]
+    for label, headers in sends:
+        tasks.append(asyncio.create_task(_post(http, router, label, **headers)))
+        queued = len(tasks) - 1
+        await until(lambda: router.dispatcher.admission.queued == queued)  # noqa: B023
+    return tasks
+
+
+async def test_higher_class_released_first_and_forged_priority_refused() -> None:
+    flow = {"tenants": {"boss": {"priority": "critical", "trusted": True}}}
+    config = {"limits": ONE_AT_A_TIME, "tenant_header": "X-Tenant", "flow": flow}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+        forged = {"X-Kvroute-Priority": "critical"}  # an untrusted (anonymous) client
+        async with http.post(router.url + PATH, json=_body("forged"), headers=forged) as resp:
+            assert resp.status == 403
+            assert "trusted" in (await resp.json())["error"]["message"]
+        sends = [
+            ("shed", {"X-Kvroute-Priority": "sheddable"}),
+            ("std", {}),
+            ("crit", {"X-Tenant": "boss"}),
+            ("boss-lowered", {"X-Tenant": "boss", "X-Kvroute-Priority": "standard"}),
+        ]
+        tasks = await _queue_behind_held(router, stub, http, sends)
+        stub.behaviour.gate.set()
+        assert [(await t)[0] for t in tasks] == [200] * 5
+        assert _order(stub) == ["held", "crit", "std", "boss-lowered", "shed"]
+
+
+async def test_fair_share_by_weight_within_a_class() -> None:
+    flow = {"tenants": {"big": {"weight": 3}}}
+    config = {"limits": ONE_AT_A_TIME, "tenant_header": "X-Tenant", "flow": flow}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+        noisy = [(f"noisy{i}", {"X-Tenant": "noisy"}) for i in range(6)]
+        big = [(f"big{i}", {"X-Tenant": "big"}) for i in range(6)]
+        quiet = [(f"quiet{i}", {"X-Tenant": "quiet"}) for i in range(2)]
+        tasks = await _queue_behind_held(router, stub, http, noisy + big + quiet)
+        stub.behaviour.gate.set()
+        await asyncio.gather(*tasks)
+        served = [label.rstrip("0123456789") for label in _order(stub)[1:]]
+    # turns of weight: noisy 1, big 3, quiet 1 (unknown tenants the default weight)
+    assert served[:10] == ["noisy", "big", "big", "big", "quiet"] * 2
+
+
+async def test_a_client_gone_while_queued_leaves_the_queue_at_once() -> None:
+    async with running(1, limits=ONE_AT_A_TIME) as (router, (stub,)):
+        async with aiohttp.ClientSession() as http:
+            (held,) = await _queue_behind_held(router, stub, http, [])
+            async with aiohttp.ClientSession() as gone:
+                waiting = asyncio.create_task(_post(gone, router, "gone"))
+                await until(lambda: router.dispatcher.admission.queued == 1)
+                waiting.cancel()  # the client closes its connection
+            await until(lambda: router.dispatcher.admission.queued == 0)
+            assert stub.active == 1 and not held.done()  # the slot is still held
+            stub.behaviour.gate.set()
+            assert (await held)[0] == 200
+            assert (await _post(http, router, "next"))[0] == 200
+        assert _order(stub) == ["held", "next"]
+
+
+async def test_a_lower_class_is_shed_for_a_higher_one_when_the_queue_is_full(tmp_path) -> None:
+    limits = {**ONE_AT_A_TIME, "queue_size": 2}
+    log = tmp_path / "access.log"
+    config = {"limits": limits, "access_log": {"path": str(log)}, "log_format": "json"}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+        low = {"X-Kvroute-Priority": "sheddable"}
+        tasks = await _queue_behind_held(router, stub, http, [("s1", low), ("s2", low)])
+        crit = asyncio.create_task(_post(http, router, "std"))
+        status, headers = await tasks[2]  # the newest sheddable gives its place
+        assert status == 503 and headers["x-kvroute-drop-reason"] == "shed"
+        assert "Retry-After" in headers
+        await until(lambda: router.dispatcher.admission.queued == 2)
+        full = await _post(http, router, "s3", **low)
+        assert full[0] == 503 and full[1]["x-kvroute-drop-reason"] == "queue_full"
+        stub.behaviour.gate.set()
+        assert (await crit)[0] == 200 and (await tasks[1])[0] == 200
+        assert _order(stub) == ["held", "std", "s1"]
+    lines = [orjson.loads(line) for line in log.read_text().splitlines()]
+    refused = [(e["status"], e["reason"], e["priority"]) for e in lines if e["status"] == 503]
+    assert sorted(refused) == [(503, "queue_full", "sheddable"), (503, "shed", "sheddable")]
+    waited = [e for e in lines if e["status"] == 200 and e["priority"] == "standard"]
+    assert len(waited) == 2 and max(e["queue_ms"] for e in waited) > 0  # std waited
+
+
+def _vllm_page(waiting: float, kv: float) -> str:
+    return (
+        f'vllm:num_requests_running{{model_name="m"}} 4\n'
+        f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
+        f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
+    )
+
+
+async def test_requests_wait_in_the_router_while_every_backend_is_saturated() -> None:
+    telemetry = {"scrape_interval": 0.05}
+    limits = {"queue_size": 8, "queue_timeout": 30}
+    classes = {"sheddable": {"queue_timeout": 0.3}}
+    flow = {"saturation": {"max_waiting": 2, "max_kv_cache_usage": 0.9}, "classes": classes}
+    config = {"telemetry": telemetry, "limits": limits, "flow": flow}
+    async with running(2, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        stubs[0].behaviour.metrics = _vllm_page(waiting=5, kv=0.1)  # queue too long
+        stubs[1].behaviour.metrics = _vllm_page(waiting=0, kv=0.95)  # KV cache full
+        backends = router.fleet.members
+        await until(lambda: all(b.waiting == 5 or b.kv_usage == 0.95 for b in backends))
+        waiting = asyncio.create_task(_post(http, router, "waits"))
+        await until(lambda: router.dispatcher.admission.queued == 1)
+        status, headers = await _post(
+            http, router, "gives-up", **{"X-Kvroute-Priority": "sheddable"}
+        )
+        assert status == 503 and headers["x-kvroute-drop-reason"] == "saturated"
+        assert not waiting.done() and sum(len(s.received) for s in stubs) == 0
+        stubs[1].behaviour.metrics = _vllm_page(waiting=0, kv=0.5)  # leaves saturation
+        assert (await waiting)[0] == 200
+        assert _order(stubs[0]) + _order(stubs[1]) == ["waits"]  # then routed as usual

@@ -1,0 +1,120 @@
+"""Session affinity through a real router on 127.0.0.1: soft and hard, the rendezvous
+placement, the spill of a saturated session backend, and x-kvroute-reason."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import aiohttp
+import pytest
+
+from router.dispatch.session import rendezvous
+from tests.router.chaos import until
+from tests.router.conftest import running
+
+PATH = "/v1/chat/completions"
+BODY = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def _page(waiting: float) -> str:
+    return f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\nvllm:kv_cache_usage_perc 0.1\n'
+
+
+def _config(mode: str) -> dict[str, Any]:
+    flow = {
+        "saturation": {"max_waiting": 2},
+        "session_affinity": {"mode": mode},
+        "reason_header": True,
+    }
+    return {"telemetry": {"scrape_interval": 0.05}, "flow": flow}
+
+
+async def _send(http: aiohttp.ClientSession, url: str, **headers: str) -> str:
+    """The answer's x-kvroute-reason; the stub that served it is read from the stubs."""
+    async with http.post(url + PATH, json=BODY, headers=headers) as resp:
+        assert resp.status == 200
+        await resp.read()
+        return resp.headers["x-kvroute-reason"]
+
+
+def _served(stubs) -> list[int]:
+    return [len(s.received) for s in stubs]
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+async def test_a_session_sticks_to_its_backend_and_soft_spills_when_saturated(mode: str) -> None:
+    async with running(4, **_config(mode)) as (router, stubs), aiohttp.ClientSession() as http:
+        for stub in stubs:
+            stub.behaviour.metrics = _page(0)
+        members = router.fleet.members
+        home = members.index(rendezvous("s-1", members))  # what every replica computes
+        sent = [await _send(http, router.url, **{"X-Session-ID": "s-1"}) for _ in range(8)]
+        assert _served(stubs)[home] == 8 and sum(_served(stubs)) == 8
+        assert set(sent) <= {"session", "random"}  # RANDOM may pick it by itself
+        coding_agent = {"X-Claude-Code-Session-Id": "s-1"}  # another session header
+        await _send(http, router.url, **coding_agent)
+        assert _served(stubs)[home] == 9
+
+        stubs[home].behaviour.metrics = _page(10)  # its vLLM queue fills up
+        await until(lambda: members[home].waiting == 10)
+        session = {"X-Session-ID": "s-1"}
+        if mode == "hard":
+            reason = await _send(http, router.url, **session)
+            assert _served(stubs)[home] == 10 and sum(_served(stubs)) == 10
+            assert reason in {"session", "random"}
+            return
+        for _ in range(40):  # soft: the policy's pick (RANDOM) decides, until off home
+            before = _served(stubs)
+            assert await _send(http, router.url, **session) == "random"
+            if _served(stubs)[home] == before[home]:
+                break
+        (spilled,) = [i for i, n in enumerate(_served(stubs)) if n > before[i]]
+        assert spilled != home
+        for _ in range(4):  # the backend that served the session last is its backend now
+            await _send(http, router.url, **session)
+        assert _served(stubs)[spilled] == before[spilled] + 5
+
+
+async def test_without_a_session_the_policy_decides_and_the_reason_is_off_by_default() -> None:
+    async with running(2) as (router, _), aiohttp.ClientSession() as http:
+        async with http.post(router.url + PATH, json=BODY) as resp:
+            assert resp.status == 200 and "x-kvroute-reason" not in resp.headers
+    async with running(2, **_config("soft")) as (router, _), aiohttp.ClientSession() as http:
+        assert await _send(http, router.url) == "random"
+
+
+async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() -> None:
+    """The session is a strong preference, not an override: more of the prompt cached
+    on another backend wins; cached nowhere, or as much on the session's backend, the
+    session's backend takes it."""
+    config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    long = "the same long system prompt, " * 200
+    body = {**BODY, "messages": [{"role": "user", "content": long}]}
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members = router.fleet.members
+        sids = [f"a-{i}" for i in range(50)]
+        first = sids[0]
+
+        async def send(sid: str) -> tuple[int, str]:
+            before = _served(stubs)
+            headers = {"X-Session-ID": sid}
+            async with http.post(router.url + PATH, json=body, headers=headers) as resp:
+                assert resp.status == 200
+                await resp.read()
+                reason = resp.headers["x-kvroute-reason"]
+            (index,) = [i for i, n in enumerate(_served(stubs)) if n > before[i]]
+            return index, reason
+
+        home = members.index(rendezvous(first, members))
+        index, reason = await send(first)  # cold everywhere: its session's backend
+        assert index == home and reason in {"session", "kv_cold"}
+        # the policy's own first pick keeps its speculative placement too: a session
+        # placed on neither backend shows that the cache outweighs the session
+        guessed = {d["chosen"] for d in router.fleet.policy.recent}
+        other = next(
+            s for s in sids if rendezvous(s, members).name not in {*guessed, members[home].name}
+        )
+        index, reason = await send(other)
+        assert reason == "kv_hit" and members[index].name in {*guessed, members[home].name}
+        index, reason = await send(first)  # cached on its session's backend too: stays
+        assert index == home and reason in {"session", "kv_hit"}
