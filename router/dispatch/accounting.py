@@ -25,6 +25,7 @@ from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
 from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
+from router.telemetry.cache_feedback import CacheFeedback
 from router.upstream.usage import NO_USAGE, Usage
 from router.usage_records import UsageRecords
 
@@ -37,6 +38,7 @@ class Accounting:
         "_capture",
         "_decisions",
         "_e2e",
+        "_feedback",
         "_fleet",
         "_metrics",
         "_requests",
@@ -57,6 +59,7 @@ class Accounting:
     ) -> None:
         self._metrics = metrics
         self._fleet = fleet
+        self._feedback = CacheFeedback(fleet, metrics)
         self._access = access
         self._capture = capture
         self._usage = usage
@@ -149,13 +152,17 @@ class Accounting:
                 self._captured(attempt, entry)
 
     def _check_prediction(self, routed: Routed, used: Usage) -> None:
-        """Closed loop: the backend's reported cached_tokens against our prediction."""
+        """Closed loop: the backend's reported cached_tokens against our prediction, which
+        they correct (router/telemetry/cache_feedback.py)."""
         actual = used.cached
         if actual is not None:
             m = self._metrics
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
+            self._feedback.answered(
+                routed.backend.name, routed.blocks, routed.predicted_cached, actual
+            )
 
     def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known

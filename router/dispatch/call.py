@@ -7,7 +7,7 @@ importing the Dispatcher that chains the steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -83,3 +83,5 @@ class Routed(NamedTuple):
     #: prompt tokens, and how many of them the policy expects cached (KV-aware policies)
     prompt_tokens: int = 0
     predicted_cached: int = 0
+    #: the prompt's block keys, which the answer's cached tokens check (KV-aware policies)
+    blocks: Sequence[int] = ()

@@ -61,7 +61,13 @@ class Picker:
         self._account.decided(pick, view.panic, t0)
         if pick.backend is None:
             raise NoBackendAvailable(unavailable(route_req.model), retry_after=1)
-        return Routed(pick.backend, pick.reason, route_req.prompt_tokens, pick.predicted_cached)
+        return Routed(
+            pick.backend,
+            pick.reason,
+            route_req.prompt_tokens,
+            pick.predicted_cached,
+            route_req.blocks,
+        )
 
     def _first_with_room(
         self, route_req: RouteRequest, tried: Collection[str], role: str | None

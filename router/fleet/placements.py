@@ -24,6 +24,8 @@ one fast and lossy, one exact and a few milliseconds late:
 - **The broadcast**: the same placements, batched per loop turn, go to the collector's
   control socket and from there to every worker's index (router/telemetry/feed.py, topic
   `l`), exactly and for their whole TTL, however many the table has overwritten since.
+  The batch also carries the answers' reported cached tokens (`answered`), which correct
+  every worker's index and learned capacities alike (hashing/cache_trust.py).
 
 Concurrency: each slot word is an aligned 8-byte store, so no value tears. Two workers
 writing one slot at once leave one of the two pairs, possibly with the other's expiry;
@@ -47,6 +49,7 @@ from pathlib import Path
 
 import msgspec
 
+from hashing.cache_trust import Answer
 from hashing.rendezvous import name_hash
 from router.fleet.shared_load import lock_within, map_shared
 
@@ -62,20 +65,25 @@ LEARNED = b"L"
 
 
 class _Batch(msgspec.Struct, array_like=True):
-    """A worker's placements of one loop turn: (backend, expires_at, keys) each."""
+    """A worker's placements of one loop turn, (backend, expires_at, keys) each, and the
+    answers whose reported cached tokens correct every worker's index."""
 
     worker: int
     placed: list[tuple[str, float, list[int]]]
+    answers: list[Answer] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Batch).decode
 
 
-def decode_learned(payload: bytes) -> tuple[int, list[tuple[str, float, list[int]]]]:
-    """A broadcast batch (after `LEARNED`): the sending worker and its placements."""
+def decode_learned(
+    payload: bytes,
+) -> tuple[int, list[tuple[str, float, list[int]]], list[Answer]]:
+    """A broadcast batch (after `LEARNED`): the sending worker, its placements and the
+    answers it saw."""
     batch = _decode(payload[len(LEARNED) :])
-    return batch.worker, batch.placed
+    return batch.worker, batch.placed, batch.answers
 
 
 class PlacementTable:
@@ -91,6 +99,7 @@ class PlacementTable:
         self._send = send
         self._members: dict[str, int] = {}
         self._outbox: list[tuple[str, float, list[int]]] = []
+        self._answers: list[Answer] = []
 
     def lock(self) -> bool:
         """Take the pick lock if it comes within `_LOCK_WAIT_S` (an uncontended flock: two
@@ -127,9 +136,18 @@ class PlacementTable:
             slot = (tag & _MASK) * 2
             expiries[slot + 1] = expires_at
             tags[slot] = tag
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+        self._flush_soon()
         self._outbox.append((backend, expires_at, placed))
+
+    def answered(self, answer: Answer) -> None:
+        """An answer's cached tokens, for the other workers' indexes (hashing/cache_trust.py),
+        in this loop turn's batch."""
+        self._flush_soon()
+        self._answers.append(answer)
+
+    def _flush_soon(self) -> None:
+        if not self._outbox and not self._answers:
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """The backend holding the most of the prompt's blocks from `keys[start]` on, by
@@ -166,7 +184,8 @@ class PlacementTable:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        self._send(LEARNED + _encode(_Batch(self._worker, batch)))
+        answers, self._answers = self._answers, []
+        self._send(LEARNED + _encode(_Batch(self._worker, batch, answers)))
 
     def close(self) -> None:
         self._tags.release()

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from hashing.blocks import chain, root_key
+from hashing.cache_trust import Answer
 from router.fleet.placements import PlacementTable, decode_learned
 
 ROOT = root_key("m", None)
@@ -67,12 +68,15 @@ async def test_one_broadcast_batch_per_loop_turn(pair) -> None:
     mine.place("b0", DOC, 10, expires_at)
     mine.place("b1", DOC, 0, expires_at)
     mine.place("b1", DOC, 200, expires_at)  # nothing new: nothing placed
+    answer = Answer("b0", DOC[:20], 20, 4, 1.0, 600.0)
+    mine.answered(answer)
     assert sent == []  # sent at the end of the turn, not per pick
     await asyncio.sleep(0)
     assert len(sent) == 1
-    worker, placed = decode_learned(sent[0])
+    worker, placed, answers = decode_learned(sent[0])
     assert worker == 0
     assert placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
+    assert answers == [answer]
 
 
 async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:
