@@ -139,6 +139,17 @@ class PlacementTable:
         self._flush_soon()
         self._outbox.append((backend, expires_at, placed))
 
+    def dropped(self, backend: str, keys: Sequence[int]) -> None:
+        """`backend` was found without `keys`: the table's pairs of them expire now, so no
+        worker's next pick adopts them back."""
+        member = self._members.get(backend) or name_hash(backend)
+        tags, expiries = self._tags, self._expiries
+        for key in keys:
+            tag = key ^ member
+            slot = (tag & _MASK) * 2
+            if tags[slot] == tag:
+                expiries[slot + 1] = 0.0
+
     def answered(self, answer: Answer) -> None:
         """An answer's cached tokens, for the other workers' indexes (hashing/cache_trust.py),
         in this loop turn's batch."""

@@ -53,8 +53,11 @@ class CacheFeedback:
         ttl = p.speculative_ttl_s if events else p.approximate_ttl_s
         answer = Answer(backend, list(keys), predicted, reported, now, ttl, events)
         self.adopt(answer)
-        if self._fleet.placements is not None:
-            self._fleet.placements.answered(answer)
+        placements = self._fleet.placements
+        if placements is not None:
+            if outcome is Outcome.MISS:
+                placements.dropped(backend, keys[reported:])
+            placements.answered(answer)
 
     def adopt(self, answer: Answer) -> None:
         """Apply an answer (this worker's or another's) to the index and show the

@@ -56,6 +56,16 @@ async def test_the_longest_holder_wins_and_expired_pairs_do_not_count(pair) -> N
     assert theirs.held(DOC, 0)[:2] == ("b0", 40)
 
 
+async def test_blocks_a_backend_was_found_without_are_adopted_no_more(pair) -> None:
+    mine, theirs, _ = pair
+    mine.place("b1", DOC, 0, time.monotonic() + 60)
+    mine.place("b0", DOC, 0, time.monotonic() + 60)
+    theirs.dropped("b1", DOC[30:])
+    assert theirs.held(DOC, 0)[:2] == ("b0", 200)
+    theirs.dropped("b0", DOC)
+    assert theirs.held(DOC, 0)[:2] == ("b1", 30)
+
+
 async def test_a_backend_outside_the_fleet_is_not_reported(pair) -> None:
     mine, theirs, _ = pair
     mine.place("gone", DOC, 0, time.monotonic() + 60)
