@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container
 
-from policies import SPILL_REASONS, Pick
+from policies import SPILL_REASONS, Pick, Reason
 from router import log
 from router.access_log import AccessLog, Entry
 from router.capture import Capture, Captured
@@ -160,6 +160,8 @@ class Accounting:
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
+            if routed.reason == Reason.KV_HIT and 2 * actual < routed.predicted_cached:
+                m.kv_hit_shortfalls.inc()
             self._feedback.answered(
                 routed.backend.name, routed.blocks, routed.predicted_cached, actual
             )

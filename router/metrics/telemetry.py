@@ -31,6 +31,12 @@ class TelemetryMetrics:
             ["source"],
             registry=r,
         )
+        self.kv_hit_shortfalls = Counter(
+            "kvroute_kv_hit_shortfalls",
+            "kv_hit decisions whose backend found less than half the prompt tokens the "
+            "router predicted cached",
+            registry=r,
+        )
         self.kv_corrections = Counter(
             "kvroute_kv_cache_corrections",
             "Answers whose reported cached tokens corrected the prefix index, by backend and "

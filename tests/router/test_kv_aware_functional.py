@@ -152,11 +152,13 @@ async def test_an_answer_at_odds_with_the_kv_events_is_counted() -> None:
         await until_indexed(router, "sim0", 37)
         assert (await ask(router, document(0), "again"))[1] > 600
         assert sampled(router, "kv_disagreements", backend="sim0") == 0
+        assert sampled(router, "kv_hit_shortfalls") == 0
         kv = fleet.backends[0].engine.kv
         assert kv.reset_prefix_cache()
         kv.take_events()  # its AllBlocksCleared is lost
         assert (await ask(router, document(0), "once more"))[1] == 0
         assert sampled(router, "kv_disagreements", backend="sim0") == 1
+        assert sampled(router, "kv_hit_shortfalls") == 1  # a kv_hit that found nothing
         assert sampled(router, "kv_corrections") == 0
 
 
