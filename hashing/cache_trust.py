@@ -6,13 +6,14 @@ prompt slots) keeps far less. Each answer says how many of its prompt's tokens t
 found cached (vLLM's `usage.prompt_tokens_details.cached_tokens`); `CacheTrust.observe`
 turns that, in blocks, against what the index predicted, into:
 
-- a correction. A *miss* (fewer blocks than predicted, by more than one: an engine may
-  recompute the last block of a prompt it holds whole) drops the prompt's blocks past what
-  the backend had from its speculative entries: its cache turns over faster than the index
-  assumed, so they are credited again only once the router sends them there anew. A *hit*
-  refreshes the blocks it had (their TTL, and their place in the index's LRU order), as
-  the engine's own LRU did. A *surplus* (more than predicted) puts back what the index had
-  let go.
+- a correction. A *miss* (fewer blocks than predicted, by more than one and more than an
+  eighth: an engine may recompute the last block of a prompt it holds whole, and a
+  tokenizer that only approximates the engine's counts tokens apart) drops the prompt's
+  blocks past what the backend had from its speculative entries: its cache turns over
+  faster than the index assumed, so they are credited again only once the router sends
+  them there anew. A *hit* refreshes the blocks it had (their TTL, and their place in the
+  index's LRU order), as the engine's own LRU did. A *surplus* (more than predicted) puts
+  back what the index had let go.
 - a learned capacity, in blocks: how many speculative blocks of the backend the index keeps
   (`PrefixIndex.trust`, least recently used out first). Every answer also says how many
   blocks the backend had to insert (the prompt's blocks it did not have), so the router
@@ -50,8 +51,11 @@ __all__ = ["EVENTS_STALL_S", "Answer", "CacheTrust", "Learned", "Outcome", "judg
 
 #: a backend's KV events count as stalled once none came for this long (seconds)
 EVENTS_STALL_S = 10.0
-#: blocks a report may fall short of the prediction and still be a hit
+#: blocks a report may differ from the prediction by and still be a hit: one (an engine
+#: may recompute the last block of a prompt it holds whole), or an eighth of the
+#: prediction (a tokenizer that only approximates the engine's counts tokens apart)
 _SLACK = 1
+_SLACK_SHARE = 1 / 8
 #: one answer moves the bound by at most this factor, either way
 _STEP = 2.0
 #: answers remembered per backend to date a block's last use in insertions
@@ -67,9 +71,10 @@ class Outcome(StrEnum):
 
 def judged(predicted: int, reported: int) -> Outcome:
     """An answer's outcome from its predicted and reported cached blocks."""
-    if reported + _SLACK < predicted:
+    slack = max(_SLACK, int(predicted * _SLACK_SHARE))
+    if reported + slack < predicted:
         return Outcome.MISS
-    if reported > predicted + _SLACK:
+    if reported > predicted + slack:
         return Outcome.SURPLUS
     return Outcome.HIT if predicted else Outcome.COLD
 

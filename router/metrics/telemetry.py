@@ -47,7 +47,7 @@ class TelemetryMetrics:
         self.kv_disagreements = Counter(
             "kvroute_kv_event_disagreements",
             "Answers of a backend with KV events whose reported cached tokens disagree with "
-            "the index its events built (by more than a block)",
+            "the index its events built (by over a block and an eighth of the prediction)",
             ["backend"],
             registry=r,
         )
