@@ -108,8 +108,7 @@ def _report(samples: scrape.Samples, debug: dict) -> None:
         f"{short:.0f} ({share})"
     )
     for name, state in debug.get("backends", {}).items():
-        learned = (state.get("learned_cache") or {}).get("blocks")
-        print(f"  {name}: learned capacity {learned} blocks, index keys {state['index_keys']}")
+        print(f"  {name}: learned {state.get('learned_cache')}, index keys {state['index_keys']}")
 
 
 if __name__ == "__main__":

@@ -19,12 +19,15 @@ turns that, in blocks, against what the index predicted, into:
   blocks the backend had to insert (the prompt's blocks it did not have), so the router
   counts the backend's insertions; a speculative entry's expiry, less its TTL, says when
   its block was last used there. A cache that lost a block after N insertions since its
-  last use holds fewer than N blocks; one that still had it holds more. A miss lowers the
-  capacity to N (never below the prompt, which it just ran), a hit raises it to N, and a
-  surplus (the backend kept what the index no longer trusted) by the blocks beyond the
-  prediction: each answer moves it by at most half (down) or double (up), so one outlier
-  (a restart that emptied the cache) cannot swing it. An engine that keeps two prompts
-  ends up trusted for about two.
+  last use holds fewer than N blocks: a miss lowers the capacity to N (never below the
+  prompt, which it just ran). A surplus (a hit on blocks the index no longer trusted)
+  raises it by the blocks beyond the prediction, unless the index dropped them at a
+  recent miss (the engine kept what that miss's request computed anew). A hit that was
+  predicted proves less (an engine keeps a prefix in use however full it is) and only
+  refreshes. Each answer moves
+  the capacity by at most half (down) or double (up), so one outlier (a restart that
+  emptied the cache) cannot swing it. An engine that keeps two prompts ends up trusted
+  for about two.
 
 With KV events the index holds what the backend said, and an answer is a cross-check: a
 miss or a surplus is a disagreement (counted by the caller). When no event batch came for
@@ -33,7 +36,7 @@ what the backend had from its confirmed entries too. The capacity is learned onl
 speculative entries.
 
 Pure and single-threaded, as the index: one event loop owns it. Cost per answer: O(blocks
-it had) dictionary moves for a hit's refresh, O(log history) for the insertion count.
+it had) dictionary moves for a hit's refresh, O(log history) for a miss's insertion count.
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ _SLACK_SHARE = 1 / 8
 _STEP = 2.0
 #: answers remembered per backend to date a block's last use in insertions
 _HISTORY = 4096
+#: recent misses remembered per backend, so their prompts' next run is no surplus
+_DROPPED = 256
 
 
 class Outcome(StrEnum):
@@ -107,6 +112,8 @@ class Learned:
     inserted: int = 0
     times: deque[float] = field(default_factory=lambda: deque(maxlen=_HISTORY))
     counts: deque[int] = field(default_factory=lambda: deque(maxlen=_HISTORY))
+    #: the first block of each recent miss's dropped blocks, oldest first
+    dropped: dict[int, bool] = field(default_factory=dict)
 
     def since(self, at: float) -> int:
         """Blocks inserted since `at` (since the oldest answer remembered, if before)."""
@@ -145,11 +152,12 @@ class CacheTrust:
         elif outcome is Outcome.SURPLUS:
             learned.surpluses += 1
             self._index.learn(backend, keys[:reported], at + ttl)
-            if learned.blocks is not None:
+            rerun = learned.dropped.pop(keys[predicted], False)
+            if learned.blocks is not None and not rerun:
                 self._bound(backend, learned, learned.blocks + reported - predicted)
         elif outcome is Outcome.HIT:
             learned.hits += 1
-            self._hit(answer, learned)
+            self._index.touched(backend, keys[:reported], at + ttl)
         learned.inserted += len(keys) - reported
         learned.times.append(at)
         learned.counts.append(learned.inserted)
@@ -163,25 +171,15 @@ class CacheTrust:
         expires_at = index.expiry(backend, keys[reported])
         held = index.size(backend)[1]
         index.dropped(backend, keys[reported:], confirmed)
+        learned.dropped[keys[reported]] = True
+        if len(learned.dropped) > _DROPPED:
+            del learned.dropped[next(iter(learned.dropped))]
         if expires_at is None:
             return
         fits = max(learned.since(expires_at - ttl), len(keys))
         if learned.blocks is None:  # it held no more than the index did
             learned.blocks = max(held, fits)
         self._bound(backend, learned, min(learned.blocks, fits))
-
-    def _hit(self, answer: Answer, learned: Learned) -> None:
-        """The backend kept the prompt's first `reported` blocks: as many as were inserted
-        there since the last of them was last used fit in its cache."""
-        backend, keys, _, reported, at, ttl, _ = answer
-        index = self._index
-        expires_at = index.expiry(backend, keys[reported - 1])
-        index.touched(backend, keys[:reported], at + ttl)
-        if learned.blocks is None or expires_at is None:
-            return
-        fits = learned.since(expires_at - ttl)
-        if fits > learned.blocks:
-            self._bound(backend, learned, fits)
 
     def _bound(self, backend: str, learned: Learned, blocks: float) -> None:
         """Set the learned capacity, moved at most `_STEP`-fold from where it was."""

@@ -8,7 +8,8 @@ one fast and lossy, one exact and a few milliseconds late:
 
 - **The table** (`PlacementTable`): a set of (backend, block key) pairs in shared memory
   in the supervisor's run directory, written by `place` before the policy's pick returns
-  (no await) and read by every worker's next pick (`held`). It is direct-mapped: pair
+  (no await) and read by every worker's next pick (`held`), for two seconds at most (the
+  broadcast's delay, with room to spare). It is direct-mapped: pair
   (b, k) lives in slot ``(k ^ hash(b)) mod SLOTS`` with its tag and expiry, and a newer
   pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
   first uncached block (one probe per backend), then how many of the following blocks
@@ -60,6 +61,10 @@ _MASK = SLOTS - 1
 #: how long a pick waits for another worker's: a scheduler slice, for a holder that was
 #: descheduled mid-pick on a busy machine
 _LOCK_WAIT_S = 0.005
+#: how long the table vouches for a placement: until the broadcast has reached every
+#: worker's index (milliseconds), with room for a busy machine. Longer, it would bring
+#: back placements an index has since let go (hashing/cache_trust.py)
+_TABLE_TTL_S = 2.0
 #: the control-socket prefix of a broadcast batch (admin edits are JSON, hellos "hello")
 LEARNED = b"L"
 
@@ -131,10 +136,11 @@ class PlacementTable:
             return
         member = self._members.get(backend) or name_hash(backend)
         tags, expiries = self._tags, self._expiries
+        until = min(expires_at, time.monotonic() + _TABLE_TTL_S)
         for key in placed:
             tag = key ^ member
             slot = (tag & _MASK) * 2
-            expiries[slot + 1] = expires_at
+            expiries[slot + 1] = until
             tags[slot] = tag
         self._flush_soon()
         self._outbox.append((backend, expires_at, placed))

@@ -137,3 +137,19 @@ def test_stalled_events_correct_confirmed_entries_too() -> None:
     trust.observe(answer(keys, 10, 4)._replace(confirmed=True))
     assert index.longest_prefix(keys, "b") == 4
     assert index.key_of("b", keys[5] + 1) is None
+
+
+def test_a_missed_prompt_found_again_raises_nothing() -> None:
+    """The engine holds what a miss's request computed anew: no proof of more room."""
+    index = PrefixIndex()
+    trust = CacheTrust(index)
+    for doc in range(4):
+        Clock.now += 1.0
+        index.learn("b", prompt(doc), Clock.now + TTL)
+        trust.observe(answer(prompt(doc), 0, 0))
+    trust.observe(answer(prompt(0), 10, 0))
+    learned = trust.learned["b"].blocks
+    assert trust.observe(answer(prompt(0), 0, 10)) is Outcome.SURPLUS
+    assert trust.learned["b"].blocks == learned
+    assert trust.observe(answer(prompt(7), 0, 10)) is Outcome.SURPLUS  # one it never lost
+    assert trust.learned["b"].blocks == learned + 10

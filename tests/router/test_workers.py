@@ -597,7 +597,8 @@ async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_pa
     filled behind the router's back answers a document the index placed there with
     nothing cached. Both workers drop the document's blocks, and the backend's learned
     capacity, none at first (the index trusted the scraped 100 blocks), falls to what it
-    proved; when it then shows it kept more than the index trusted, both raise it again."""
+    proved (not raised again when it keeps what that miss computed anew); when it then
+    shows it kept more than the index trusted, both raise it again."""
     fleet = await start_fleet(1, SimParams(time_scale=0.01, num_gpu_blocks=100, max_model_len=1500))
     (sim,) = fleet.backends
     config = {
@@ -633,10 +634,10 @@ async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_pa
             assert (await state(w1))["learned_cache"]["blocks"] is None
             kv = sim.engine.kv
             doc0 = set(kv._cached)
-            for i in range(1, 6):  # fill its cache behind the router's back
+            for pushed in range(1, 6):  # fill its cache behind the router's back
+                assert await ask(direct, sim.url, pushed) == 0
                 if not kv._cached.keys() & doc0:
                     break
-                assert await ask(direct, sim.url, i) == 0
             assert not kv._cached.keys() & doc0
             assert await ask(w1, r.url, 0) < 100  # the index predicted the whole document
 
@@ -647,16 +648,23 @@ async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_pa
             await until(lambda: everywhere(corrected), 10, "every worker's correction")
             shrunk = [(await state(s))["learned_cache"]["blocks"] for s in sessions]
             assert all(placed <= blocks < 100 for blocks in shrunk), (placed, shrunk)
-            # the index forgot document 0; the backend, which just ran it, kept it
+            # the index forgot document 0; the backend kept what that miss computed anew,
+            # which proves nothing of its capacity
             assert await ask(w0, r.url, 0) >= 16 * (placed - 1)
+            rerun = await until(lambda: everywhere(lambda b: b["learned_cache"]["surpluses"]), 10)
+            assert (
+                rerun and [(await state(s))["learned_cache"]["blocks"] for s in sessions] == shrunk
+            )
+            # the document it was sent last behind the router's back: it kept that too
+            assert await ask(w1, r.url, pushed) >= 16 * (placed - 1)
 
             def grown(b: dict) -> bool:
                 learned = b["learned_cache"]
-                return learned["surpluses"] == 1 and learned["blocks"] > max(shrunk)
+                return learned["surpluses"] == 2 and learned["blocks"] > max(shrunk)
 
             await until(lambda: everywhere(grown), 10, "every worker's capacity to grow")
             assert await ask(w1, r.url, 0) >= 16 * (placed - 1)
-            assert await metric(w0, r.url, "kvroute_kv_cache_corrections_total") == 2
+            assert await metric(w0, r.url, "kvroute_kv_cache_corrections_total") == 3
             assert await metric(w0, r.url, "kvroute_backend_learned_cache_blocks") > max(shrunk)
     finally:
         await fleet.stop()
