@@ -1,14 +1,19 @@
 """How far KV_AWARE's index can be trusted on backends with small caches: a study, not CI.
 
 Starts `kvroute serve` (KV_AWARE, no KV events) in front of the given servers (`--url`,
-repeatable: e.g. llama.cpp servers) or of `kvroute sim` instances with a small cache
-(`--sim-blocks`), replays a `kvroute bench --target` workload through it, and prints the
+repeatable), of llama.cpp servers it starts (`--llama N`, as
+../shared/engines/llama-cpp/README.md installs them) or of `kvroute sim` instances with a
+small cache (`--sim-blocks`), replays a `kvroute bench --target` workload through it, and prints the
 bench's table with, from the router's /metrics, the kv_hit decisions and the share of
 them whose backend found less than half the predicted cached tokens
 (`kvroute_kv_hit_shortfalls_total`), and each backend's learned capacity.
 
-    python -m bench.cache_trust_study --sim 4 --sim-blocks 1700 --no-telemetry \\
-        -- --workload long-prefix --groups 24 --requests 360 --rate 6 --seed 1
+    python -m bench.cache_trust_study --sim 3 --sim-blocks 200 --no-telemetry -- \\
+        --workload long-prefix --groups 6 --prefix-tokens 1400 --requests 150 --rate 1 \\
+        --max-tokens 20 --seed 1
+    python -m bench.cache_trust_study --llama 3 --llama-server "$LLAMA" \\
+        --llama-model /tmp/gemma-3-270m-q4_k_m.gguf --time-scale 1 -- --workload long-prefix \\
+        --groups 6 --prefix-tokens 1400 --requests 34 --rate 0.25 --max-tokens 8 --seed 1
 
 `--no-telemetry` keeps the router from scraping the servers' /metrics, as with an engine
 that publishes no vLLM metrics (llama.cpp): its cache size is then unknown to the router.
@@ -19,9 +24,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -44,11 +52,18 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--time-scale", type=float, default=0.5, help="the simulator's and the bench's")
     p.add_argument("--no-telemetry", action="store_true", help="the router scrapes no /metrics")
     p.add_argument("--tokenizer", default="chatml4", help="routing.tokenizer.kind")
+    p.add_argument("--llama", type=int, default=0, help="llama-server processes to start")
+    p.add_argument("--llama-server", help="the llama-server binary")
+    p.add_argument("--llama-model", help="the GGUF file it serves")
     p.add_argument("bench", nargs=argparse.REMAINDER, help="-- then kvroute bench's arguments")
     return p
 
 
 async def _main(args: argparse.Namespace) -> int:
+    if args.llama:
+        with _llama_servers(args) as urls:
+            await asyncio.gather(*(_healthy(u) for u in urls))
+            return await _study(args, [{"url": u, "name": f"llama{i}"} for i, u in enumerate(urls)])
     if not args.sim:
         urls = [{"url": u, "name": f"b{i}"} for i, u in enumerate(args.url or ())]
         return await _study(args, urls)
@@ -82,11 +97,43 @@ async def _study(args: argparse.Namespace, backends: list[dict]) -> int:
     return code
 
 
-async def _ready(http: aiohttp.ClientSession, url: str, seconds: float = 40.0) -> None:
+@contextlib.contextmanager
+def _llama_servers(args: argparse.Namespace) -> Iterator[list[str]]:
+    """`--llama` llama.cpp servers as ../shared/engines/llama-cpp/README.md runs them: two
+    slots each, no RAM prompt cache (each keeps about two prompts), one thread."""
+    ports = [free_port() for _ in range(args.llama)]
+    flags = ["-t", "1", "-tb", "1", "-c", "8192", "-np", "2", "--metrics", "--no-warmup"]
+    flags += ["--swa-full", "--no-jinja", "--chat-template", "gemma", "--cache-ram", "0"]
+    serve = [args.llama_server, "-m", args.llama_model, "--host", "127.0.0.1"]
+    procs = [
+        subprocess.Popen(
+            [*serve, "--port", str(p), *flags],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for p in ports
+    ]
+    try:
+        yield [f"http://127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(10)
+
+
+async def _healthy(url: str) -> None:
+    async with aiohttp.ClientSession() as http:
+        await _ready(http, url, path="/health")
+
+
+async def _ready(
+    http: aiohttp.ClientSession, url: str, seconds: float = 40.0, path: str = "/ready"
+) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         try:
-            async with http.get(url + "/ready") as resp:
+            async with http.get(url + path) as resp:
                 if resp.status == 200:
                     return
         except aiohttp.ClientError:

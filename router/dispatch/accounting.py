@@ -25,7 +25,7 @@ from router.dispatch.call import Call, Routed
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
 from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
-from router.telemetry.cache_feedback import CacheFeedback
+from router.telemetry.cache_feedback import CacheFeedback, in_router_tokens
 from router.upstream.usage import NO_USAGE, Usage
 from router.usage_records import UsageRecords
 
@@ -160,10 +160,11 @@ class Accounting:
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
-            if routed.reason == Reason.KV_HIT and 2 * actual < routed.predicted_cached:
+            found = in_router_tokens(actual, routed.prompt_tokens, used.prompt)
+            if routed.reason == Reason.KV_HIT and 2 * found < routed.predicted_cached:
                 m.kv_hit_shortfalls.inc()
             self._feedback.answered(
-                routed.backend.name, routed.blocks, routed.predicted_cached, actual
+                routed.backend.name, routed.blocks, routed.predicted_cached, found
             )
 
     def rejected(self, error: KvrouteError, call: Call) -> None:

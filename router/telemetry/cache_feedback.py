@@ -18,10 +18,19 @@ from hashing.cache_trust import Answer, Outcome, judged
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
 
-__all__ = ["CacheFeedback"]
+__all__ = ["CacheFeedback", "in_router_tokens"]
 
 #: the outcomes where the index was wrong
 _WRONG = (Outcome.MISS, Outcome.SURPLUS)
+
+
+def in_router_tokens(cached: int, prompt: int, reported_prompt: int | None) -> int:
+    """A backend's cached tokens counted as the router counts the prompt (`prompt`): the
+    same share of it. A tokenizer that only approximates the engine's (`chatml4` before
+    llama.cpp) counts the prompt apart; an exact one (`hf`, `backend`) changes nothing."""
+    if not reported_prompt or not prompt or reported_prompt == prompt:
+        return cached
+    return min(prompt, cached * prompt // reported_prompt)
 
 
 class CacheFeedback:
