@@ -2,8 +2,9 @@
 
 The request path hands every answer's `cached_tokens` here with the prediction its pick
 made (router/dispatch/accounting.py). Against a backend without KV events it corrects the
-index and the backend's learned capacity (hashing/cache_trust.py), in this process at once
-and, with several workers, in the others through the placements' broadcast
+index and the backend's learned capacity (hashing/cache_trust.py; a cold answer too: the
+blocks it inserted count), in this process at once and, with several workers, in the
+others through the placements' broadcast
 (router/fleet/placements.py `answered`; `adopt` applies theirs). Against a backend with
 events it is a cross-check: a miss or a surplus counts as a disagreement, and corrects the
 index only once the backend's events stalled.
@@ -55,7 +56,7 @@ class CacheFeedback:
         now = time.monotonic()
         if events and outcome in _WRONG:
             self._metrics.kv_disagreements.labels(backend).inc()
-        if outcome is Outcome.COLD or (events and not index.trust.stalled(backend, now)):
+        if events and not index.trust.stalled(backend, now):
             return
         if outcome in _WRONG:
             self._metrics.kv_corrections.labels(backend, outcome.value).inc()
