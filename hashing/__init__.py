@@ -15,6 +15,8 @@ and for KV-aware routing:
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts)
     tiered_index  the same per cache medium: GPU, offload tiers (CPU, storage, shared)
+    cache_trust   the answers' cached tokens correct the index and bound, per backend,
+                  how many of its placements it trusts (a learned capacity)
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
@@ -25,6 +27,7 @@ The public surface is the modules: ``from hashing.ring import HashRing``.
 
 from hashing import (
     blocks,
+    cache_trust,
     canonical,
     chat_tokens,
     fingerprint,
@@ -38,6 +41,7 @@ from hashing import (
 
 __all__ = [
     "blocks",
+    "cache_trust",
     "canonical",
     "chat_tokens",
     "fingerprint",

@@ -21,7 +21,8 @@ most `limit` backends; those are the ones holding the longest prefixes, and each
 length is one more binary search: O((1 + holders) * log blocks), whatever the fleet size.
 
 Memory is bounded per backend by `capacity` keys (LRU over confirmed keys, and as many
-speculative ones; the backend's `num_gpu_blocks` is the natural value), and the reverse
+speculative ones, or as many as the backend's answers showed it keeps, `trust`; the
+backend's `num_gpu_blocks` is the natural value), and the reverse
 map by the sum of those: one entry per key held anywhere, whose value is the holder's name
 while there is one, a tuple of names while there are a few and a set once there are more.
 Not thread-safe: one event loop owns it.
@@ -42,6 +43,8 @@ __all__ = ["PrefixIndex"]
 @dataclass
 class _Holdings:
     capacity: int
+    #: how many speculative keys are kept (a learned bound below `capacity`; see `trust`)
+    trusted: int | None = None
     confirmed: OrderedDict[int, int] = field(default_factory=OrderedDict)
     by_engine: dict[int, int] = field(default_factory=dict)
     speculative: OrderedDict[int, float] = field(default_factory=OrderedDict)
@@ -74,6 +77,13 @@ class PrefixIndex:
     def set_capacity(self, backend: str, capacity: int) -> None:
         h = self._of(backend)
         h.capacity = capacity
+        self._trim(backend, h)
+
+    def trust(self, backend: str, blocks: int | None) -> None:
+        """Keep at most `blocks` speculative keys of `backend` (None: `capacity`), the
+        least recently used leaving first: what it proved it keeps (hashing/cache_trust.py)."""
+        h = self._of(backend)
+        h.trusted = blocks
         self._trim(backend, h)
 
     def stored(
@@ -157,6 +167,38 @@ class PrefixIndex:
             spec[key] = expires_at
             spec.move_to_end(key)
         self._trim(backend, h)
+
+    def dropped(self, backend: str, keys: Iterable[int], confirmed: bool = False) -> None:
+        """`backend` was found not to hold `keys`: its speculative entries for them go,
+        and with `confirmed` its confirmed ones too (its KV events are not keeping up)."""
+        h = self._backends.get(backend)
+        if h is None:
+            return
+        for key in keys:
+            gone = h.speculative.pop(key, None) is not None
+            if confirmed and (engine := h.confirmed.pop(key, None)) is not None:
+                h.by_engine.pop(engine, None)
+                gone = True
+            if gone:
+                self._unheld(key, backend, h)
+
+    def touched(self, backend: str, keys: Sequence[int], expires_at: float) -> None:
+        """`backend` was just found holding `keys`: the speculative ones among them become
+        its most recently used (the head of the chain last, so it leaves last), with a
+        new TTL."""
+        h = self._backends.get(backend)
+        if h is None:
+            return
+        spec = h.speculative
+        for key in reversed(keys):
+            if key in spec:
+                spec[key] = expires_at
+                spec.move_to_end(key)
+
+    def expiry(self, backend: str, key: int) -> float | None:
+        """When `backend`'s speculative entry for `key` expires (None: it has none)."""
+        h = self._backends.get(backend)
+        return h.speculative.get(key) if h is not None else None
 
     def expire(self, now: float) -> None:
         """Drop speculative keys whose TTL passed (oldest first; called beside the path)."""
@@ -255,7 +297,8 @@ class PrefixIndex:
             key, engine = h.confirmed.popitem(last=False)
             h.by_engine.pop(engine, None)
             self._unheld(key, backend, h)
-        for _ in range(len(h.speculative) - h.capacity):
+        kept = h.capacity if h.trusted is None else min(h.capacity, h.trusted)
+        for _ in range(len(h.speculative) - kept):
             key, _expires_at = h.speculative.popitem(last=False)
             self._unheld(key, backend, h)
 

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from hashing.cache_trust import CacheTrust
 from hashing.prefix_index import PrefixIndex
 
 __all__ = ["GPU", "Tier", "TieredIndex"]
@@ -58,6 +59,8 @@ Reach = tuple[tuple[Tier, PrefixIndex], ...]
 class TieredIndex:
     def __init__(self, capacity: int = 1_000_000, tiers: Sequence[Tier] = ()) -> None:
         self.gpu = PrefixIndex(capacity)
+        #: what each backend's answers proved its GPU holds (hashing/cache_trust.py)
+        self.trust = CacheTrust(self.gpu)
         #: cheapest first: the order a prompt's blocks are best loaded in
         self.tiers = tuple(sorted(tiers, key=lambda t: t.load_s_per_token))
         self._media = {GPU: self.gpu} | {t.medium: PrefixIndex(capacity) for t in self.tiers}
@@ -119,6 +122,7 @@ class TieredIndex:
     def forget(self, backend: str) -> None:
         for index in self._media.values():
             index.forget(backend)
+        self.trust.forget(backend)
 
     def reach(self) -> Reach:
         """The tiers that hold anything, cheapest first (empty, and cheap, when none does):

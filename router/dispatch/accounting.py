@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container
 
-from policies import SPILL_REASONS, Pick
+from policies import SPILL_REASONS, Pick, Reason
 from router import log
 from router.access_log import AccessLog, Entry
 from router.capture import Capture, Captured
@@ -26,6 +26,7 @@ from router.errors import KvrouteError
 from router.fleet.backends import Fleet
 from router.fleet.speeds import MIN_DECODE_TOKENS, speed_prior
 from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
+from router.telemetry.cache_feedback import CacheFeedback, in_router_tokens
 from router.upstream.usage import NO_USAGE, Usage
 from router.usage_records import UsageRecords
 
@@ -38,6 +39,7 @@ class Accounting:
         "_capture",
         "_decisions",
         "_e2e",
+        "_feedback",
         "_fleet",
         "_metrics",
         "_requests",
@@ -58,6 +60,7 @@ class Accounting:
     ) -> None:
         self._metrics = metrics
         self._fleet = fleet
+        self._feedback = CacheFeedback(fleet, metrics)
         self._access = access
         self._capture = capture
         self._usage = usage
@@ -152,13 +155,20 @@ class Accounting:
                 self._captured(attempt, entry)
 
     def _check_prediction(self, routed: Routed, used: Usage) -> None:
-        """Closed loop: the backend's reported cached_tokens against our prediction."""
+        """Closed loop: the backend's reported cached_tokens against our prediction, which
+        they correct (router/telemetry/cache_feedback.py)."""
         actual = used.cached
         if actual is not None:
             m = self._metrics
             m.prediction_error.observe(routed.predicted_cached - actual)
             m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
             m.cached_tokens.labels("reported").inc(actual)
+            found = in_router_tokens(actual, routed.prompt_tokens, used.prompt)
+            if routed.reason == Reason.KV_HIT and 2 * found < routed.predicted_cached:
+                m.kv_hit_shortfalls.inc()
+            self._feedback.answered(
+                routed.backend.name, routed.blocks, routed.predicted_cached, found
+            )
 
     def _learn(self, attempt: Attempt, ttft: float, used: Usage) -> None:
         """A whole stream's timings: the answer's length for its model, and its

@@ -7,7 +7,7 @@ importing the Dispatcher that chains the steps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Mapping, MutableMapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -94,3 +94,5 @@ class Routed(NamedTuple):
     #: (router/fleet/speeds.py learns its speed from them)
     ahead: int = 0
     running: int = 0
+    #: the prompt's block keys, which the answer's cached tokens check (KV-aware policies)
+    blocks: Sequence[int] = ()

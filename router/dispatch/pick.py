@@ -78,6 +78,7 @@ class Picker:
             pick.predicted_cached,
             backend.queued_tokens,
             backend.inflight,
+            route_req.blocks,
         )
 
     def _first_with_room(

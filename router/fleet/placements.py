@@ -8,7 +8,8 @@ one fast and lossy, one exact and a few milliseconds late:
 
 - **The table** (`PlacementTable`): a set of (backend, block key) pairs in shared memory
   in the supervisor's run directory, written by `place` before the policy's pick returns
-  (no await) and read by every worker's next pick (`held`). It is direct-mapped: pair
+  (no await) and read by every worker's next pick (`held`), for two seconds at most (the
+  broadcast's delay, with room to spare). It is direct-mapped: pair
   (b, k) lives in slot ``(k ^ hash(b)) mod SLOTS`` with its tag and expiry, and a newer
   pair overwrites an older one in its slot. `held` finds which backend holds a prompt's
   first uncached block (one probe per backend), then how many of the following blocks
@@ -24,6 +25,8 @@ one fast and lossy, one exact and a few milliseconds late:
 - **The broadcast**: the same placements, batched per loop turn, go to the collector's
   control socket and from there to every worker's index (router/telemetry/feed.py, topic
   `l`), exactly and for their whole TTL, however many the table has overwritten since.
+  The batch also carries the answers' reported cached tokens (`answered`), which correct
+  every worker's index and learned capacities alike (hashing/cache_trust.py).
 
 Concurrency: each slot word is an aligned 8-byte store, so no value tears. Two workers
 writing one slot at once leave one of the two pairs, possibly with the other's expiry;
@@ -47,6 +50,7 @@ from pathlib import Path
 
 import msgspec
 
+from hashing.cache_trust import Answer
 from hashing.rendezvous import name_hash
 from router.fleet.shared_load import lock_within, map_shared
 
@@ -57,25 +61,34 @@ _MASK = SLOTS - 1
 #: how long a pick waits for another worker's: a scheduler slice, for a holder that was
 #: descheduled mid-pick on a busy machine
 _LOCK_WAIT_S = 0.005
+#: how long the table vouches for a placement: until the broadcast has reached every
+#: worker's index (milliseconds), with room for a busy machine. Longer, it would bring
+#: back placements an index has since let go (hashing/cache_trust.py)
+_TABLE_TTL_S = 2.0
 #: the control-socket prefix of a broadcast batch (admin edits are JSON, hellos "hello")
 LEARNED = b"L"
 
 
 class _Batch(msgspec.Struct, array_like=True):
-    """A worker's placements of one loop turn: (backend, expires_at, keys) each."""
+    """A worker's placements of one loop turn, (backend, expires_at, keys) each, and the
+    answers whose reported cached tokens correct every worker's index."""
 
     worker: int
     placed: list[tuple[str, float, list[int]]]
+    answers: list[Answer] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Batch).decode
 
 
-def decode_learned(payload: bytes) -> tuple[int, list[tuple[str, float, list[int]]]]:
-    """A broadcast batch (after `LEARNED`): the sending worker and its placements."""
+def decode_learned(
+    payload: bytes,
+) -> tuple[int, list[tuple[str, float, list[int]]], list[Answer]]:
+    """A broadcast batch (after `LEARNED`): the sending worker, its placements and the
+    answers it saw."""
     batch = _decode(payload[len(LEARNED) :])
-    return batch.worker, batch.placed
+    return batch.worker, batch.placed, batch.answers
 
 
 class PlacementTable:
@@ -91,6 +104,7 @@ class PlacementTable:
         self._send = send
         self._members: dict[str, int] = {}
         self._outbox: list[tuple[str, float, list[int]]] = []
+        self._answers: list[Answer] = []
 
     def lock(self) -> bool:
         """Take the pick lock if it comes within `_LOCK_WAIT_S` (an uncontended flock: two
@@ -122,14 +136,35 @@ class PlacementTable:
             return
         member = self._members.get(backend) or name_hash(backend)
         tags, expiries = self._tags, self._expiries
+        until = min(expires_at, time.monotonic() + _TABLE_TTL_S)
         for key in placed:
             tag = key ^ member
             slot = (tag & _MASK) * 2
-            expiries[slot + 1] = expires_at
+            expiries[slot + 1] = until
             tags[slot] = tag
-        if not self._outbox:
-            asyncio.get_running_loop().call_soon(self._flush)
+        self._flush_soon()
         self._outbox.append((backend, expires_at, placed))
+
+    def dropped(self, backend: str, keys: Sequence[int]) -> None:
+        """`backend` was found without `keys`: the table's pairs of them expire now, so no
+        worker's next pick adopts them back."""
+        member = self._members.get(backend) or name_hash(backend)
+        tags, expiries = self._tags, self._expiries
+        for key in keys:
+            tag = key ^ member
+            slot = (tag & _MASK) * 2
+            if tags[slot] == tag:
+                expiries[slot + 1] = 0.0
+
+    def answered(self, answer: Answer) -> None:
+        """An answer's cached tokens, for the other workers' indexes (hashing/cache_trust.py),
+        in this loop turn's batch."""
+        self._flush_soon()
+        self._answers.append(answer)
+
+    def _flush_soon(self) -> None:
+        if not self._outbox and not self._answers:
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """The backend holding the most of the prompt's blocks from `keys[start]` on, by
@@ -166,7 +201,8 @@ class PlacementTable:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        self._send(LEARNED + _encode(_Batch(self._worker, batch)))
+        answers, self._answers = self._answers, []
+        self._send(LEARNED + _encode(_Batch(self._worker, batch, answers)))
 
     def close(self) -> None:
         self._tags.release()

@@ -10,7 +10,8 @@ from collections.abc import Callable, Mapping
 
 from aiohttp import web
 
-from hashing.tiered_index import Tier
+from hashing.cache_trust import Learned
+from hashing.tiered_index import Tier, TieredIndex
 from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError, Unauthorized
 from router.fleet.backends import Fleet
@@ -112,6 +113,7 @@ class StatusRoutes:
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
                 "tier_keys": index.tier_sizes(b.name) if index is not None else None,
+                "learned_cache": _learned(index, b.name),
                 "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
             }
             for b in self._fleet.members
@@ -151,6 +153,15 @@ def _as_public(card: dict, public: dict[str, tuple[str, ...]]) -> list[dict]:
 
 def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
+
+
+def _learned(index: TieredIndex | None, backend: str) -> dict[str, int | None] | None:
+    """What the backend's answers taught the index (hashing/cache_trust.py): its learned
+    capacity in blocks (null: none learned) and the answers that taught it."""
+    if index is None:
+        return None
+    learned = index.trust.learned.get(backend)
+    return learned.described() if learned is not None else Learned().described()
 
 
 def _tier(tier: Tier) -> dict[str, float | bool]:

@@ -31,6 +31,34 @@ class TelemetryMetrics:
             ["source"],
             registry=r,
         )
+        self.kv_hit_shortfalls = Counter(
+            "kvroute_kv_hit_shortfalls",
+            "kv_hit decisions whose backend found less than half the prompt tokens the "
+            "router predicted cached",
+            registry=r,
+        )
+        self.kv_corrections = Counter(
+            "kvroute_kv_cache_corrections",
+            "Answers whose reported cached tokens corrected the prefix index, by backend and "
+            "outcome (miss: fewer than predicted, surplus: more)",
+            ["backend", "outcome"],
+            registry=r,
+        )
+        self.kv_disagreements = Counter(
+            "kvroute_kv_event_disagreements",
+            "Answers of a backend with KV events whose reported cached tokens disagree with "
+            "the index its events built (by over a block and an eighth of the prediction)",
+            ["backend"],
+            registry=r,
+        )
+        self.learned_cache_blocks = Gauge(
+            "kvroute_backend_learned_cache_blocks",
+            "KV blocks a backend without KV events proved it keeps: the router's index "
+            "trusts that many of its placements there",
+            ["backend"],
+            registry=r,
+            multiprocess_mode="livemax",
+        )
         self.telemetry_fallbacks = Counter(
             "kvroute_telemetry_fallbacks",
             "Telemetry downgrades by backend and reason (scrape_failed, stale_metrics, "
@@ -49,10 +77,12 @@ class TelemetryMetrics:
             self.cached_tokens.labels(source)
 
     def _prime_telemetry(self, backends: Iterable[Backend]) -> None:
-        """Create each backend's fallback counters at 0 (the KV-events alert reads them)."""
+        """Create each backend's fallback and disagreement counters at 0 (the KV-events
+        alert reads them)."""
         for b in backends:
             for reason in FALLBACK_REASONS:
                 self.telemetry_fallbacks.labels(b.name, reason)
+            self.kv_disagreements.labels(b.name)
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

@@ -21,6 +21,7 @@ backend's other media hold; on the GPU it carries nothing to index.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +108,7 @@ class EventApplier:
             self.stats.skipped += 1
             return
         self.stats.batches += 1
+        self._index.trust.heard[self._backend] = time.monotonic()
         for event in events if isinstance(events, list) else ():
             self._apply(event)
 

@@ -24,6 +24,7 @@ from router.context import WorkerContext
 from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
+from router.telemetry.cache_feedback import CacheFeedback
 from router.telemetry.feed import (
     BROADCAST_TIMEOUT_S,
     FEED_HWM,
@@ -54,6 +55,7 @@ class WorkerTelemetry(Telemetry):
         self._push: zmq.asyncio.Socket | None = None
         self._push_now: zmq.Socket | None = None  # `push_nowait`'s: sends never wait
         self._joined = asyncio.Event()  # the feed delivers (see `joined`)
+        self._feedback = CacheFeedback(self._fleet, self._metrics)
         self._me = str(link.index).encode()
         self._topic = worker_topic(self._me)
 
@@ -155,10 +157,13 @@ class WorkerTelemetry(Telemetry):
             index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
 
     def _learned(self, payload: bytes) -> None:
-        """Another worker's placements, into this worker's index for their whole TTL."""
-        worker, placed = decode_learned(payload)
+        """Another worker's placements, into this worker's index for their whole TTL, and
+        the answers it saw, correcting it (hashing/cache_trust.py)."""
+        worker, placed, answers = decode_learned(payload)
         index = getattr(self._fleet.policy, "index", None)
         if index is None or worker == self._link.index:
             return
         for backend, expires_at, keys in placed:
             index.gpu.learn(backend, keys, expires_at)
+        for answer in answers:
+            self._feedback.adopt(answer)

@@ -13,6 +13,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from bench.overhead import free_port
 from bench.processes import simulator
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
@@ -131,6 +132,68 @@ async def test_approximate_mode_without_events_keeps_prefixes_together() -> None
         assert all(cached > 600 for _, cached in again)
         text = router.metrics.render().decode()
         assert 'kvroute_backend_index_mode{backend="sim0",mode="approximate"} 1.0' in text
+
+
+def sampled(router: Router, family: str, **labels: str) -> float:
+    """The sum of `family`'s samples with `labels` in this router's registry."""
+    metric = getattr(router.metrics, family)
+    return sum(
+        s.value
+        for f in metric.collect()
+        for s in f.samples
+        if s.name.endswith("_total") and labels.items() <= s.labels.items()
+    )
+
+
+async def test_an_answer_at_odds_with_the_kv_events_is_counted() -> None:
+    """The backend empties its cache and its event of it is lost: the index, which its
+    events keep fresh, still credits the document; the answer's cached tokens disagree,
+    and that is counted, not applied (the events are the index's source)."""
+    async with kv_fleet(1) as (router, fleet):
+        await ask(router, document(0), "q")
+        await until_indexed(router, "sim0", 37)
+        assert (await ask(router, document(0), "again"))[1] > 600
+        assert sampled(router, "kv_disagreements", backend="sim0") == 0
+        assert sampled(router, "kv_hit_shortfalls") == 0
+        kv = fleet.backends[0].engine.kv
+        assert kv.reset_prefix_cache()
+        kv.take_events()  # its AllBlocksCleared is lost
+        assert (await ask(router, document(0), "once more"))[1] == 0
+        assert sampled(router, "kv_disagreements", backend="sim0") == 1
+        assert sampled(router, "kv_hit_shortfalls") == 1  # a kv_hit that found nothing
+        assert sampled(router, "kv_corrections") == 0
+
+
+async def test_stalled_kv_events_fall_back_to_the_reported_figures() -> None:
+    """A backend whose KV events never come (nothing publishes at its endpoint): its
+    index entries are the router's placements, and an answer that found none of them
+    cached is a disagreement that corrects them, as without events."""
+    fleet = await start_fleet(1, SimParams(time_scale=0.01))
+    (sim,) = fleet.backends
+    silent = {"endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": sim.url, "name": "sim0", "kv_events": silent}],
+        "routing": {"strategy": "KV_AWARE", "seed": 3, "speculative_ttl_s": 600},
+    }
+    router = Router(build(config))
+    await router.start()
+    try:
+        await ask(router, document(0), "q")
+        assert (await ask(router, document(0), "again"))[1] > 600
+        assert (await debug_routing(router))["backends"]["sim0"]["index_mode"] == "events"
+        async with aiohttp.ClientSession() as http:
+            async with http.post(sim.url + "/reset_prefix_cache") as resp:
+                assert resp.status == 200
+        assert (await ask(router, document(0), "once more"))[1] == 0
+        assert sampled(router, "kv_disagreements", backend="sim0") == 1
+        assert sampled(router, "kv_corrections", backend="sim0", outcome="miss") == 1
+        await ask(router, document(0), "and again")  # the index credits the document no more
+        (decision,) = (await debug_routing(router))["decisions"][-1:]
+        assert decision["scores"]["sim0"]["cached"] == 0
+    finally:
+        await router.stop()
+        await fleet.stop()
 
 
 async def test_a_dead_backend_stops_being_preferred() -> None:

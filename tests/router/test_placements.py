@@ -8,6 +8,7 @@ import time
 import pytest
 
 from hashing.blocks import chain, root_key
+from hashing.cache_trust import Answer
 from router.fleet.placements import PlacementTable, decode_learned
 
 ROOT = root_key("m", None)
@@ -55,6 +56,16 @@ async def test_the_longest_holder_wins_and_expired_pairs_do_not_count(pair) -> N
     assert theirs.held(DOC, 0)[:2] == ("b0", 40)
 
 
+async def test_blocks_a_backend_was_found_without_are_adopted_no_more(pair) -> None:
+    mine, theirs, _ = pair
+    mine.place("b1", DOC, 0, time.monotonic() + 60)
+    mine.place("b0", DOC, 0, time.monotonic() + 60)
+    theirs.dropped("b1", DOC[30:])
+    assert theirs.held(DOC, 0)[:2] == ("b0", 200)
+    theirs.dropped("b0", DOC)
+    assert theirs.held(DOC, 0)[:2] == ("b1", 30)
+
+
 async def test_a_backend_outside_the_fleet_is_not_reported(pair) -> None:
     mine, theirs, _ = pair
     mine.place("gone", DOC, 0, time.monotonic() + 60)
@@ -67,12 +78,15 @@ async def test_one_broadcast_batch_per_loop_turn(pair) -> None:
     mine.place("b0", DOC, 10, expires_at)
     mine.place("b1", DOC, 0, expires_at)
     mine.place("b1", DOC, 200, expires_at)  # nothing new: nothing placed
+    answer = Answer("b0", DOC[:20], 20, 4, 1.0, 600.0)
+    mine.answered(answer)
     assert sent == []  # sent at the end of the turn, not per pick
     await asyncio.sleep(0)
     assert len(sent) == 1
-    worker, placed = decode_learned(sent[0])
+    worker, placed, answers = decode_learned(sent[0])
     assert worker == 0
     assert placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
+    assert answers == [answer]
 
 
 async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:

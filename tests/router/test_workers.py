@@ -595,6 +595,84 @@ async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> N
         await fleet.stop()
 
 
+async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_path) -> None:
+    """Without KV events: a backend whose small cache (100 blocks, two documents) was
+    filled behind the router's back answers a document the index placed there with
+    nothing cached. Both workers drop the document's blocks, and the backend's learned
+    capacity, none at first (the index trusted the scraped 100 blocks), falls to what it
+    proved (not raised again when it keeps what that miss computed anew); when it then
+    shows it kept more than the index trusted, both raise it again."""
+    fleet = await start_fleet(1, SimParams(time_scale=0.01, num_gpu_blocks=100, max_model_len=1500))
+    (sim,) = fleet.backends
+    config = {
+        "backends": [{"url": sim.url, "name": "sim0"}],
+        "routing": {"strategy": "KV_AWARE", "seed": 1},
+        "telemetry": {"scrape_interval": 0.2},
+    }
+
+    def document(i: int) -> dict:
+        text = "".join(f"doc {i} clause {k}: keep the premises in good order. " for k in range(50))
+        return chat(text, model="sim-llama-70b") | {"max_tokens": 2}
+
+    async def ask(session: aiohttp.ClientSession, url: str, i: int) -> int:
+        async with session.post(url + CHAT, json=document(i)) as resp:
+            assert resp.status == 200
+            return (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    try:
+        async with multi_router(tmp_path, config) as r, aiohttp.ClientSession() as direct:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            w0, w1 = sessions
+
+            async def state(session: aiohttp.ClientSession) -> dict:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"]["sim0"]
+
+            async def everywhere(check) -> bool:
+                return all([check(await state(session)) for session in sessions])
+
+            assert await ask(w0, r.url, 0) == 0
+            await until(lambda: everywhere(lambda b: b["index_keys"][1] >= 30), 10, "the placement")
+            placed = (await state(w1))["index_keys"][1]
+            assert (await state(w1))["learned_cache"]["blocks"] is None
+            kv = sim.engine.kv
+            doc0 = set(kv._cached)
+            for pushed in range(1, 6):  # fill its cache behind the router's back
+                assert await ask(direct, sim.url, pushed) == 0
+                if not kv._cached.keys() & doc0:
+                    break
+            assert not kv._cached.keys() & doc0
+            assert await ask(w1, r.url, 0) < 100  # the index predicted the whole document
+
+            def corrected(b: dict) -> bool:
+                learned = b["learned_cache"]
+                return b["index_keys"][1] == 0 and learned["misses"] == 1 and learned["blocks"]
+
+            await until(lambda: everywhere(corrected), 10, "every worker's correction")
+            shrunk = [(await state(s))["learned_cache"]["blocks"] for s in sessions]
+            assert all(placed <= blocks < 100 for blocks in shrunk), (placed, shrunk)
+            # the index forgot document 0; the backend kept what that miss computed anew,
+            # which proves nothing of its capacity
+            assert await ask(w0, r.url, 0) >= 16 * (placed - 1)
+            rerun = await until(lambda: everywhere(lambda b: b["learned_cache"]["surpluses"]), 10)
+            assert (
+                rerun and [(await state(s))["learned_cache"]["blocks"] for s in sessions] == shrunk
+            )
+            # the document it was sent last behind the router's back: it kept that too
+            assert await ask(w1, r.url, pushed) >= 16 * (placed - 1)
+
+            def grown(b: dict) -> bool:
+                learned = b["learned_cache"]
+                return learned["surpluses"] == 2 and learned["blocks"] > max(shrunk)
+
+            await until(lambda: everywhere(grown), 10, "every worker's capacity to grow")
+            assert await ask(w1, r.url, 0) >= 16 * (placed - 1)
+            assert await metric(w0, r.url, "kvroute_kv_cache_corrections_total") == 3
+            assert await metric(w0, r.url, "kvroute_backend_learned_cache_blocks") > max(shrunk)
+    finally:
+        await fleet.stop()
+
+
 async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> None:
     servers = await stubs(3)
     try:
