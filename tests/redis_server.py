@@ -23,12 +23,15 @@ def _free_port() -> int:
 
 
 @contextmanager
-def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
-    """Its URL while it runs; stopped (and waited for) on the way out."""
+def redis_server(
+    workdir: Path, password: str | None = None, port: int | None = None
+) -> Iterator[str]:
+    """Its URL while it runs; stopped (and waited for) on the way out. `port`: the one
+    it listens on (a restarted server where the last one was), else a free one."""
     binary = shutil.which("redis-server")
     if binary is None:
         pytest.skip("redis-server is not installed (Debian's redis-server package)")
-    port = _free_port()
+    port = port or _free_port()
     args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
             "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
     if password is not None:

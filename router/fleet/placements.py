@@ -50,7 +50,7 @@ import msgspec
 from hashing.rendezvous import name_hash
 from router.fleet.shared_load import lock_within, map_shared
 
-__all__ = ["LEARNED", "PlacementTable", "decode_learned"]
+__all__ = ["LEARNED", "PlacementTable", "decode_learned", "encode_learned"]
 
 SLOTS = 1 << 20  # a power of two: the slot is the low bits
 _MASK = SLOTS - 1
@@ -70,6 +70,11 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Batch).decode
+
+
+def encode_learned(worker: int, placed: list[tuple[str, float, list[int]]]) -> bytes:
+    """A broadcast batch: `worker`'s placements (backend, expires_at, keys) of one turn."""
+    return LEARNED + _encode(_Batch(worker, placed))
 
 
 def decode_learned(payload: bytes) -> tuple[int, list[tuple[str, float, list[int]]]]:
@@ -166,7 +171,7 @@ class PlacementTable:
 
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
-        self._send(LEARNED + _encode(_Batch(self._worker, batch)))
+        self._send(encode_learned(self._worker, batch))
 
     def close(self) -> None:
         self._tags.release()

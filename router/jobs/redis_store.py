@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from router.config import ConfigError, RedisConfig
 from router.jobs.store import OPEN_BATCH, Batch, Job, Line, Outcome, Page, StoredFile, Writer
-from router.secrets import read_secret
+from router.secrets import redis_password
 
 #: batch lines score after every single job (epoch seconds stay far below this)
 _BATCH_SCORE = 1e10
@@ -167,9 +167,7 @@ class RedisJobStore:
             raise ConfigError(
                 "jobs.store: redis needs the redis extra: pip install 'kvroute[redis]'"
             ) from None
-        password = None
-        if cfg.password_file or cfg.password_env:
-            password = read_secret(cfg.password_file, cfg.password_env, "jobs.redis password")
+        password = redis_password(cfg, "jobs.redis")
         self._p = cfg.key_prefix
         self._db = redis.Redis.from_url(
             cfg.url, password=password, socket_timeout=cfg.timeout_s,
