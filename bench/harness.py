@@ -55,7 +55,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -108,6 +108,8 @@ DEFAULT_STRATEGIES = tuple(
 )
 DEFAULT_BACKENDS = 7
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
+#: the label suffix of a row whose replicas share through Redis (--cluster)
+CLUSTERED = "+cluster"
 DEFAULT_TIME_SCALE = 0.5
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
@@ -249,6 +251,15 @@ def _add_router_options(run: _Group) -> None:
         metavar="R",
         help="router processes per row, one config, each on its own port; each request goes "
         "to one of them drawn from the seed. Peers get R replicas too",
+    )
+    run.add_argument(
+        "--cluster",
+        nargs="?",
+        const="on",
+        choices=["on", "both"],
+        help="kvroute's replicas share placements and load through a redis-server started "
+        "for each row (config `cluster`); its rows are labelled STRATEGY+cluster. `both`: "
+        "each strategy without it, then with it, so that one run compares them",
     )
     run.add_argument(
         "--peers",
@@ -453,6 +464,8 @@ class Options(NamedTuple):
     seed: int = 0  # the workload's, the policies' and the replica draw's
     workers: int = 0  # per kvroute router; 0: one per usable core, as `kvroute serve`
     replicas: int = 1
+    #: kvroute's replicas share through Redis (config `cluster`): "on", "both" or None
+    cluster: str | None = None
     peers: tuple[Peer, ...] = ()
     #: (prefill, decode) backends: each strategy also runs disaggregated
     pd: tuple[int, int] | None = None
@@ -542,6 +555,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         calibration=args.calibration,
         workers=args.workers,
         replicas=args.replicas,
+        cluster=args.cluster,
         pd=args.pd,
     )
     return workload, options
@@ -585,7 +599,10 @@ async def run_bench(
     each peer (or one for --target), in order."""
     rows: list[str | _Split | Peer] = []
     for strategy in options.strategies:
-        rows.append(strategy)
+        if options.cluster != "on" or options.target is not None:
+            rows.append(strategy)
+        if options.cluster is not None and options.target is None:
+            rows.append(strategy + CLUSTERED)
         if options.pd is not None and options.target is None:
             rows.append(_Split(strategy, *options.pd))
     rows.extend(options.peers)
@@ -615,9 +632,12 @@ async def _simulated_run(
             label, router = row.label, _peer_router(row, urls, options)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
-            strategy = split.strategy if split else row
-            label = split.label if split else strategy
-            router = _kvroute_router(strategy, backends, options, Path(tmp), split)
+            label = split.label if split else row
+            strategy = split.strategy if split else row.removesuffix(CLUSTERED)
+            redis = None
+            if label.endswith(CLUSTERED):
+                redis = stack.enter_context(_redis(Path(tmp)))
+            router = _kvroute_router(strategy, backends, options, Path(tmp), split, redis)
         try:
             started = processes.replicas(router.command, router.ready, options.replicas)
             replicas = await stack.enter_async_context(started)
@@ -735,14 +755,31 @@ class _Router(NamedTuple):
     setup: Setup
 
 
+@contextlib.contextmanager
+def _redis(workdir: Path) -> Iterator[str]:
+    """A fresh redis-server for one row's replicas (`--cluster`), as a HarnessError if
+    there is none to start."""
+    try:
+        with processes.redis_server(workdir) as url:
+            yield url
+    except (FileNotFoundError, processes.StartFailed) as exc:
+        raise HarnessError(f"--cluster: {exc}") from None
+
+
 def _kvroute_router(
-    strategy: str, backends: list[dict], options: Options, tmp: Path, split: _Split | None
+    strategy: str,
+    backends: list[dict],
+    options: Options,
+    tmp: Path,
+    split: _Split | None,
+    redis: str | None = None,
 ) -> _Router:
     """`kvroute serve` with one config file for every replica, which differ by --port;
-    with `split`, the backends in a prefill and a decode pool."""
+    with `split`, the backends in a prefill and a decode pool; with `redis`, the
+    replicas share through it (config `cluster`)."""
     knobs = {**options.routing, "seed": options.seed}
     prefill = split.prefill if split else None
-    config = router_config(strategy, backends, knobs, options.workers, prefill)
+    config = router_config(strategy, backends, knobs, options.workers, prefill, redis)
     cmd = processes.kvroute_serve(config, tmp / "router.yaml")
     setup = Setup(
         router="kvroute serve",
@@ -752,6 +789,7 @@ def _kvroute_router(
         workers_config=config.workers,
         replicas=options.replicas,
         kv_events=any(b.kv_events for b in config.backends),
+        cluster=config.cluster is not None,
         pools=f"prefill {split.prefill} + decode {split.decode}" if split else None,
     )
     return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
@@ -780,10 +818,12 @@ def router_config(
     knobs: dict[str, object],
     workers: int = 0,
     prefill: int | None = None,
+    redis: str | None = None,
 ) -> Config:
     """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
     `workers` 0 is one per usable core, as `kvroute serve` runs by default. `prefill`:
-    the first that many backends are a prefill pool and the rest a decode pool."""
+    the first that many backends are a prefill pool and the rest a decode pool. `redis`:
+    the URL its replicas share through (config `cluster`)."""
     fields = policies.policy_class(strategy).params_type.__struct_fields__
     routing = {"strategy": strategy, **{k: v for k, v in knobs.items() if k in fields}}
     fleet: dict[str, object] = {"backends": backends}
@@ -803,6 +843,7 @@ def router_config(
             "routing": routing,
             "workers": workers,
             "log_level": "warning",
+            **({"cluster": {"redis": {"url": redis}}} if redis else {}),
         },
         "kvroute bench",
     )
@@ -1031,6 +1072,8 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     skip = {"strategy", "seed"}
     knobs = [f"{k}={_compact(v)}" for k, v in setup.params.items() if k not in skip]
     events = "on" if setup.kv_events else "off"
+    if setup.cluster:
+        replicas += " sharing through Redis"
     head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
     if setup.pools:
         head += f", pools {setup.pools}"
@@ -1095,6 +1138,8 @@ def _footer(runs: Sequence[Run], options: Options) -> list[str]:
         f"CPU, peak share of one core over a replay (router: every process of every "
         f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",
     ]
+    if options.cluster is not None:
+        lines.append(f"Router CPU per request (real ms, every replica's processes): {_cpu(runs)}.")
     if options.target is None and options.time_scale < 1:
         lines.append(
             f"A router's own added latency is real time, so it weighs {1 / options.time_scale:g}x "
@@ -1107,6 +1152,18 @@ def _footer(runs: Sequence[Run], options: Options) -> list[str]:
             "--time-scale."
         )
     return lines
+
+
+def _cpu(runs: Sequence[Run]) -> str:
+    """Each row's router CPU per request, averaged over its seeds: what sharing through
+    Redis (--cluster) costs beside the row without it."""
+    per: dict[str, list[float]] = {}
+    for r in runs:
+        if r.outcomes and "router" in r.cpu:
+            per.setdefault(r.strategy, []).append(
+                r.cpu["router"] * r.wall_seconds / len(r.outcomes)
+            )
+    return ", ".join(f"{row} {sum(v) / len(v) * 1e3:.2f}" for row, v in per.items()) or "n/a"
 
 
 def _write(
