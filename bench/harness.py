@@ -55,7 +55,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -262,6 +262,13 @@ def _add_router_options(run: _Group) -> None:
         "each strategy without it, then with it, so that one run compares them",
     )
     run.add_argument(
+        "--redis-outage",
+        type=_outage,
+        metavar="AFTER:SECONDS",
+        help="with --cluster: stop the row's redis-server AFTER seconds into the replay and "
+        "start it again SECONDS later (real time), e.g. 8:10",
+    )
+    run.add_argument(
         "--peers",
         action="store_true",
         help="add rows for sglang-router (cache_aware, round_robin) and vllm-router "
@@ -434,6 +441,17 @@ def _backend_count(args: argparse.Namespace) -> int:
     return total
 
 
+def _outage(text: str) -> tuple[float, float]:
+    """--redis-outage's AFTER:SECONDS."""
+    try:
+        after, seconds = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"AFTER:SECONDS, got {text}") from None
+    if after < 0 or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"AFTER >= 0 and SECONDS > 0, got {text}")
+    return after, seconds
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -466,6 +484,8 @@ class Options(NamedTuple):
     replicas: int = 1
     #: kvroute's replicas share through Redis (config `cluster`): "on", "both" or None
     cluster: str | None = None
+    #: with cluster: Redis stopped this many seconds into each replay, for so many
+    redis_outage: tuple[float, float] | None = None
     peers: tuple[Peer, ...] = ()
     #: (prefill, decode) backends: each strategy also runs disaggregated
     pd: tuple[int, int] | None = None
@@ -556,6 +576,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         workers=args.workers,
         replicas=args.replicas,
         cluster=args.cluster,
+        redis_outage=args.redis_outage,
         pd=args.pd,
     )
     return workload, options
@@ -634,10 +655,12 @@ async def _simulated_run(
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
             label = split.label if split else row
             strategy = split.strategy if split else row.removesuffix(CLUSTERED)
-            redis = None
+            redis, redis_url = None, None
             if label.endswith(CLUSTERED):
-                redis = stack.enter_context(_redis(Path(tmp)))
-            router = _kvroute_router(strategy, backends, options, Path(tmp), split, redis)
+                redis = _RowRedis(Path(tmp))
+                stack.callback(redis.stop)
+                redis_url = redis.start()
+            router = _kvroute_router(strategy, backends, options, Path(tmp), split, redis_url)
         try:
             started = processes.replicas(router.command, router.ready, options.replicas)
             replicas = await stack.enter_async_context(started)
@@ -652,6 +675,9 @@ async def _simulated_run(
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
         setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
         entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup)
+        if redis is not None and options.redis_outage is not None:
+            outage = asyncio.create_task(redis.outage(*options.redis_outage))
+            stack.callback(outage.cancel)
         return await _measured_replay(http, entry, model, specs, options, on_done)
 
 
@@ -755,15 +781,32 @@ class _Router(NamedTuple):
     setup: Setup
 
 
-@contextlib.contextmanager
-def _redis(workdir: Path) -> Iterator[str]:
-    """A fresh redis-server for one row's replicas (`--cluster`), as a HarnessError if
-    there is none to start."""
-    try:
-        with processes.redis_server(workdir) as url:
-            yield url
-    except (FileNotFoundError, processes.StartFailed) as exc:
-        raise HarnessError(f"--cluster: {exc}") from None
+class _RowRedis:
+    """A fresh redis-server for one row's replicas (`--cluster`), which --redis-outage
+    stops in the middle of the replay and starts again where it was."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._port = processes.free_port()
+        self._server = contextlib.ExitStack()
+
+    def start(self) -> str:
+        """Its URL once it answers; HarnessError if there is none to start."""
+        try:
+            started = processes.redis_server(self._workdir, port=self._port)
+            return self._server.enter_context(started)
+        except (FileNotFoundError, processes.StartFailed) as exc:
+            raise HarnessError(f"--cluster: {exc}") from None
+
+    def stop(self) -> None:
+        self._server.close()
+
+    async def outage(self, after: float, seconds: float) -> None:
+        """Down `after` seconds into the replay, for `seconds` (real time)."""
+        await asyncio.sleep(after)
+        self.stop()
+        await asyncio.sleep(seconds)
+        self.start()
 
 
 def _kvroute_router(
@@ -790,6 +833,7 @@ def _kvroute_router(
         replicas=options.replicas,
         kv_events=any(b.kv_events for b in config.backends),
         cluster=config.cluster is not None,
+        redis_outage=options.redis_outage if config.cluster is not None else None,
         pools=f"prefill {split.prefill} + decode {split.decode}" if split else None,
     )
     return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
@@ -1074,6 +1118,9 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     events = "on" if setup.kv_events else "off"
     if setup.cluster:
         replicas += " sharing through Redis"
+    if setup.redis_outage is not None:
+        after, seconds = setup.redis_outage
+        replicas += f" (down {after:g}-{after + seconds:g} s into the replay, real time)"
     head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
     if setup.pools:
         head += f", pools {setup.pools}"

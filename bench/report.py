@@ -78,6 +78,7 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     replicas: int = 1
     kv_events: bool = False
     cluster: bool = False  # kvroute's replicas share through Redis (config `cluster`)
+    redis_outage: tuple[float, float] | None = None  # Redis down (after, for) seconds
     pools: str | None = None  # kvroute's prefill and decode pools (--pd), in words
 
 

@@ -142,6 +142,17 @@ def test_cluster_both_runs_each_strategy_alone_then_sharing_through_redis(tmp_pa
     assert "Router CPU per request (real ms, every replica's processes): " in out
 
 
+def test_a_redis_outage_mid_replay_fails_no_request(tmp_path, capsys):
+    """--redis-outage stops the row's Redis during the replay: the replicas route alone."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package)")
+    argv = [*TINY, "--strategies=KV_AWARE", "--replicas=2", "--workers=1", "--cluster"]
+    assert harness.main([*argv, "--redis-outage=0:0.5", "--time-scale=0.2"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out)["KV_AWARE+cluster"][1:3] == ["20", "0"]  # ok, failed
+    assert "sharing through Redis (down 0-0.5 s into the replay, real time)" in out
+
+
 def test_peers_that_cannot_run_are_rows_of_na_with_the_reason(tmp_path, capsys):
     venv = tmp_path / "no-peers"
     argv = [*TINY, "--strategies=RANDOM", "--requests=8", f"--out={tmp_path}"]
