@@ -205,14 +205,16 @@ class ClusterLink:
                 socket_timeout=self._cfg.timeout_s,
                 socket_connect_timeout=self._cfg.timeout_s,
             )
+            shared = False  # the session got as far as sharing: back off from the start
             try:
                 await self._session(client)
             except Exception as exc:
+                shared = self.connected
                 self._alone(exc)
             finally:
                 with contextlib.suppress(Exception):
                     await client.aclose()
-            if self.connected:
+            if shared:
                 wait = BACKOFF_S[0]
             await asyncio.sleep(wait)
             wait = min(wait * 2, BACKOFF_S[1])
