@@ -9,7 +9,9 @@ Redis server every replica hears the others':
   index as another worker's are (router/fleet/placements.py, feed topic `l`);
 - **load**: the router's requests in flight and queued prompt tokens per backend, every
   `LOAD_INTERVAL_S`; each worker adds the others' sums to its backends (`remote_*`,
-  feed topic `r`), and a replica silent for `PEER_TTL_S` drops out of them.
+  feed topic `r`), and a replica silent for `PEER_TTL_S` drops out of them. A placement
+  heard counts in its replica's load at once (a request, its new blocks' tokens), until
+  that replica's next load message.
 
 Which process: the collector. It already hears every worker's placements (their
 broadcast batches reach its control socket) and feeds every worker, so one replica holds
@@ -226,7 +228,7 @@ class ClusterLink:
         try:
             await pubsub.subscribe(self._channel)
             for message in reversed(await client.lrange(self._recent, 0, HISTORY - 1)):
-                self._received(message)
+                self._received(message, live=False)
             self._shared()
             tasks = [
                 asyncio.create_task(self._listen(pubsub)),
@@ -301,8 +303,9 @@ class ClusterLink:
             self._expire_peers()
             await asyncio.sleep(LOAD_INTERVAL_S)
 
-    def _received(self, data: bytes) -> None:
-        """One message from Redis, validated; never raises."""
+    def _received(self, data: bytes, live: bool = True) -> None:
+        """One message from Redis, validated; never raises. `live`: from the channel,
+        not the recent list."""
         try:
             if len(data) > MAX_MESSAGE:
                 raise msgspec.ValidationError("too large")
@@ -320,11 +323,12 @@ class ClusterLink:
             self._metrics.cluster_messages.labels("foreign").inc()
             return
         else:
-            self._learn(message)
+            self._learn(message, live)
         self._metrics.cluster_messages.labels("applied").inc()
 
-    def _learn(self, message: Placed) -> None:
-        """Another replica's placements, to the workers as another worker's (`l`)."""
+    def _learn(self, message: Placed, live: bool) -> None:
+        """Another replica's placements, to the workers as another worker's (`l`);
+        `live`: just published (not read back from the recent list)."""
         offset = time.monotonic() - time.time()
         now = time.monotonic()
         known = {b.name for b in self._fleet.members}
@@ -337,6 +341,21 @@ class ClusterLink:
             payload = encode_learned(COLLECTOR, placed)
             self._history.append((max(p[1] for p in placed), payload))
             self._feed([b"l", b"", payload])
+        if live and placed:
+            self._queued(message.router, placed)
+
+    def _queued(self, router: str, placed: list[tuple[str, float, list[int]]]) -> None:
+        """Count another replica's placements in its load at once (a request, and its
+        new blocks' tokens to prefill), rather than up to `LOAD_INTERVAL_S` later: its
+        next load message, which counts them, replaces the guess. Replicas placing new
+        prefixes at the same moment thus see each other's queues in milliseconds."""
+        seen, backends = self._peers.get(router, (time.monotonic(), {}))
+        backends = dict(backends)
+        for backend, _, keys in placed:
+            inflight, queued = backends.get(backend, (0, 0))
+            backends[backend] = (inflight + 1, queued + len(keys) * self._block)
+        self._peers[router] = (seen, backends)
+        self._send_load()
 
     def _expire_peers(self) -> None:
         cutoff = time.monotonic() - PEER_TTL_S

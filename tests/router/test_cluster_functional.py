@@ -161,6 +161,11 @@ async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, s
                 await until(heard, what="the other replica's load")
                 assert (await routing(http, a))["b2"]["queued_tokens"] == 3000
                 assert await metric(http, a, "kvroute_cluster_peers") == 1
+                # a placement it makes counts at once, before its next load message
+                placed = Placed("other", 16, [("b2", time.time() + 60, [11, 12, 13])])
+                await db.publish(PREFIX + "feed", msgspec.msgpack.encode(placed))
+                await until(lambda: _inflight_is(http, a, "b2", 8), what="the placement")
+                assert (await routing(http, a))["b2"]["queued_tokens"] == 3000 + 3 * 16
                 # silent from here on: dropped within PEER_TTL_S and an interval
                 silent = time.monotonic()
                 await until(lambda: _inflight_is(http, a, "b2", 0), 5, "the silent replica dropped")
