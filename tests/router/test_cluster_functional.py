@@ -132,11 +132,17 @@ async def test_two_replicas_place_new_prefixes_alike_through_redis(tmp_path, stu
             homes = [await send(http, a, document(n)) for n in range(40)]
             held = await until(lambda: index_keys(http, a), what="a's placements")
             await until(lambda: _at_least(index_keys(http, b), held), what="b to learn them")
+            # a's placements counted in its load at once; its next load message says idle
+            await until(lambda: _idle(http, b), what="a's load heard idle")
             followed = [await send(http, b, document(n) + " And one more.") for n in range(40)]
             assert followed == homes
             # every follow-up was a predicted hit: b knew where a put each document
             hits = await metric(http, b, "kvroute_policy_decisions_total", 'reason="kv_hit"')
             assert hits == 40
+
+
+async def _idle(http: aiohttp.ClientSession, url: str) -> bool:
+    return not any(b["inflight"] or b["queued_tokens"] for b in (await routing(http, url)).values())
 
 
 async def _at_least(value, floor: int) -> bool:
@@ -232,6 +238,7 @@ async def test_a_request_succeeds_while_redis_is_down_and_sharing_resumes(tmp_pa
                 before = await index_keys(http, b)
                 home = await send(http, a, document(2))
                 await until(lambda: _above(index_keys(http, b), before), what="b to learn")
+                await until(lambda: _idle(http, b), what="a's load heard idle")
                 assert await send(http, b, document(2) + " And one more.") == home
     finally:
         first.close()
