@@ -540,7 +540,8 @@ class TracingConfig(_Strict):
 
 class RedisConfig(_Strict):
     """A Redis server (one, not a Cluster: the store's scripts touch keys they derive)
-    for the jobs of several router replicas; its errors name their path (`$.jobs.redis`)."""
+    for the jobs of several router replicas (and, as `ClusterRedisConfig`, for replicas
+    sharing what they learn); msgspec adds the section's path to its errors."""
 
     url: str = "redis://127.0.0.1:6379/0"
     #: the password, from a file or an environment variable (never in the URL)

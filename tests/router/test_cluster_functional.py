@@ -50,27 +50,30 @@ async def until(check, timeout: float = 15.0, what: str = "condition"):
         await asyncio.sleep(0.05)
 
 
-def config(servers: list[StubBackend], redis_url: str | None) -> dict:
+def config(servers: list[StubBackend], redis_url: str | None, **redis: str) -> dict:
     cfg = {
         "listen": {"host": "127.0.0.1"},
         "backends": [{"url": s.url, "name": f"b{i}"} for i, s in enumerate(servers)],
         "routing": {"strategy": "KV_AWARE"},
     }
     if redis_url is not None:
-        cfg["cluster"] = {"redis": {"url": redis_url, "key_prefix": PREFIX}}
+        cfg["cluster"] = {"redis": {"url": redis_url, "key_prefix": PREFIX, **redis}}
     return cfg
 
 
 @asynccontextmanager
-async def replica(tmp_path: Path, name: str, cfg: dict) -> AsyncIterator[str]:
-    """A `kvroute serve --workers 1` replica; its URL while it runs."""
+async def replica(
+    tmp_path: Path, name: str, cfg: dict, env: dict[str, str] | None = None
+) -> AsyncIterator[str]:
+    """A `kvroute serve --workers 1` replica (`env`: variables it gets besides ours); its
+    URL while it runs."""
     path = tmp_path / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     runs = tmp_path / f"run-{name}"
     runs.mkdir(exist_ok=True)
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--port", str(port)]
-    env = {**os.environ, RUN_PARENT_ENV: str(runs)}
+    env = {**os.environ, **(env or {}), RUN_PARENT_ENV: str(runs)}
     with process([*cmd, "--workers", "1", "--log-level", "warning"], env=env):
         url = f"http://127.0.0.1:{port}"
         await wait_ready(url, timeout=30)
@@ -246,3 +249,18 @@ async def test_a_request_succeeds_while_redis_is_down_and_sharing_resumes(tmp_pa
 
 async def _above(value, floor: int) -> bool:
     return await value > floor
+
+
+async def test_the_password_comes_from_the_environment(tmp_path, stubs) -> None:
+    """`password_env` opens a password-protected Redis; a wrong one leaves the replica
+    routing alone, and serving."""
+    with redis_server(tmp_path, password="s3cret") as url:
+        cfg = config(stubs, url, password_env="KVROUTE_TEST_REDIS_PASSWORD")
+        async with (
+            replica(tmp_path, "a", cfg, {"KVROUTE_TEST_REDIS_PASSWORD": "s3cret"}) as a,
+            replica(tmp_path, "b", cfg, {"KVROUTE_TEST_REDIS_PASSWORD": "wrong"}) as b,
+            aiohttp.ClientSession() as http,
+        ):
+            await until(lambda: connected(http, a), what="a connected")
+            assert await metric(http, b, "kvroute_cluster_connected") == 0
+            assert await send(http, b, document(1))
