@@ -111,6 +111,8 @@ DEFAULT_STRATEGIES = tuple(
 )
 DEFAULT_BACKENDS = 7
 DEFAULT_RATE = 6.0  # requests per simulated second: busy, not saturated, for 7 backends
+#: the label suffix of a row whose replicas share through Redis (--cluster)
+CLUSTERED = "+cluster"
 DEFAULT_TIME_SCALE = 0.5
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
@@ -270,6 +272,22 @@ def _add_router_options(run: _Group) -> None:
         metavar="R",
         help="router processes per row, one config, each on its own port; each request goes "
         "to one of them drawn from the seed. Peers get R replicas too",
+    )
+    run.add_argument(
+        "--cluster",
+        nargs="?",
+        const="on",
+        choices=["on", "both"],
+        help="kvroute's replicas share placements and load through a redis-server started "
+        "for each row (config `cluster`); its rows are labelled STRATEGY+cluster. `both`: "
+        "each strategy without it, then with it, so that one run compares them",
+    )
+    run.add_argument(
+        "--redis-outage",
+        type=_outage,
+        metavar="AFTER:SECONDS",
+        help="with --cluster: stop the row's redis-server AFTER seconds into the replay and "
+        "start it again SECONDS later (real time), e.g. 8:10",
     )
     run.add_argument(
         "--peers",
@@ -465,6 +483,17 @@ def _fleet_speeds(args: argparse.Namespace, backends: int) -> tuple[float, ...] 
     return args.speeds
 
 
+def _outage(text: str) -> tuple[float, float]:
+    """--redis-outage's AFTER:SECONDS."""
+    try:
+        after, seconds = (float(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"AFTER:SECONDS, got {text}") from None
+    if after < 0 or seconds <= 0:
+        raise argparse.ArgumentTypeError(f"AFTER >= 0 and SECONDS > 0, got {text}")
+    return after, seconds
+
+
 def _non_negative(text: str) -> int:
     value = int(text)
     if value < 0:
@@ -495,6 +524,10 @@ class Options(NamedTuple):
     seed: int = 0  # the workload's, the policies' and the replica draw's
     workers: int = 0  # per kvroute router; 0: one per usable core, as `kvroute serve`
     replicas: int = 1
+    #: kvroute's replicas share through Redis (config `cluster`): "on", "both" or None
+    cluster: str | None = None
+    #: with cluster: Redis stopped this many seconds into each replay, for so many
+    redis_outage: tuple[float, float] | None = None
     peers: tuple[Peer, ...] = ()
     #: (prefill, decode) backends: each strategy also runs disaggregated
     pd: tuple[int, int] | None = None
@@ -642,6 +675,8 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         calibration=args.calibration,
         workers=args.workers,
         replicas=args.replicas,
+        cluster=args.cluster,
+        redis_outage=args.redis_outage,
         pd=args.pd,
         speeds=_fleet_speeds(args, backends),
     )
@@ -687,7 +722,10 @@ def bench_rows(options: Options) -> list[Row]:
     """Each strategy (with --pd, then the same disaggregated), then each peer, in order."""
     rows: list[Row] = []
     for strategy in options.strategies:
-        rows.append(strategy)
+        if options.cluster != "on" or options.target is not None:
+            rows.append(strategy)
+        if options.cluster is not None and options.target is None:
+            rows.append(strategy + CLUSTERED)
         if options.pd is not None and options.target is None:
             rows.append(_Split(strategy, *options.pd))
     rows.extend(options.peers)
@@ -737,9 +775,14 @@ async def _simulated_run(
             label, router = row.label, _peer_router(row, urls, options)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
-            strategy = split.strategy if split else row
-            label = split.label if split else strategy
-            router = _kvroute_router(strategy, backends, options, Path(tmp), split)
+            label = split.label if split else row
+            strategy = split.strategy if split else row.removesuffix(CLUSTERED)
+            redis, redis_url = None, None
+            if label.endswith(CLUSTERED):
+                redis = _RowRedis(Path(tmp))
+                stack.callback(redis.stop)
+                redis_url = redis.start()
+            router = _kvroute_router(strategy, backends, options, Path(tmp), split, redis_url)
         try:
             name = label if isinstance(row, Peer) else f"the router ({label})"
             started = processes.replicas(
@@ -757,6 +800,9 @@ async def _simulated_run(
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
         setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
         entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup, watch)
+        if redis is not None and options.redis_outage is not None:
+            outage = asyncio.create_task(redis.outage(*options.redis_outage))
+            stack.callback(outage.cancel)
         try:
             return await _measured_replay(http, entry, model, specs, options, on_done)
         except processes.ProcessExited as exc:
@@ -913,14 +959,48 @@ class _Router(NamedTuple):
     setup: Setup
 
 
+class _RowRedis:
+    """A fresh redis-server for one row's replicas (`--cluster`), which --redis-outage
+    stops in the middle of the replay and starts again where it was."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._port = processes.free_port()
+        self._server = contextlib.ExitStack()
+
+    def start(self) -> str:
+        """Its URL once it answers; HarnessError if there is none to start."""
+        try:
+            started = processes.redis_server(self._workdir, port=self._port)
+            return self._server.enter_context(started)
+        except (FileNotFoundError, processes.StartFailed) as exc:
+            raise HarnessError(f"--cluster: {exc}") from None
+
+    def stop(self) -> None:
+        self._server.close()
+
+    async def outage(self, after: float, seconds: float) -> None:
+        """Down `after` seconds into the replay, for `seconds` (real time)."""
+        await asyncio.sleep(after)
+        self.stop()
+        await asyncio.sleep(seconds)
+        self.start()
+
+
 def _kvroute_router(
-    strategy: str, backends: list[dict], options: Options, tmp: Path, split: _Split | None
+    strategy: str,
+    backends: list[dict],
+    options: Options,
+    tmp: Path,
+    split: _Split | None,
+    redis: str | None = None,
 ) -> _Router:
     """`kvroute serve` with one config file for every replica, which differ by --port;
-    with `split`, the backends in a prefill and a decode pool."""
+    with `split`, the backends in a prefill and a decode pool; with `redis`, the
+    replicas share through it (config `cluster`)."""
     knobs = {**options.routing, "seed": options.seed}
     prefill = split.prefill if split else None
-    config = router_config(strategy, backends, knobs, options.workers, prefill)
+    config = router_config(strategy, backends, knobs, options.workers, prefill, redis)
     cmd = processes.kvroute_serve(config, tmp / "router.yaml")
     setup = Setup(
         router="kvroute serve",
@@ -930,6 +1010,8 @@ def _kvroute_router(
         workers_config=config.workers,
         replicas=options.replicas,
         kv_events=any(b.kv_events for b in config.backends),
+        cluster=config.cluster is not None,
+        redis_outage=options.redis_outage if config.cluster is not None else None,
         pools=f"prefill {split.prefill} + decode {split.decode}" if split else None,
     )
     return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
@@ -958,10 +1040,12 @@ def router_config(
     knobs: dict[str, object],
     workers: int = 0,
     prefill: int | None = None,
+    redis: str | None = None,
 ) -> Config:
     """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
     `workers` 0 is one per usable core, as `kvroute serve` runs by default. `prefill`:
-    the first that many backends are a prefill pool and the rest a decode pool."""
+    the first that many backends are a prefill pool and the rest a decode pool. `redis`:
+    the URL its replicas share through (config `cluster`)."""
     fields = policies.policy_class(strategy).params_type.__struct_fields__
     routing = {"strategy": strategy, **{k: v for k, v in knobs.items() if k in fields}}
     fleet: dict[str, object] = {"backends": backends}
@@ -981,6 +1065,7 @@ def router_config(
             "routing": routing,
             "workers": workers,
             "log_level": "warning",
+            **({"cluster": {"redis": {"url": redis}}} if redis else {}),
         },
         "kvroute bench",
     )
@@ -1209,6 +1294,11 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     skip = {"strategy", "seed"}
     knobs = [f"{k}={_compact(v)}" for k, v in setup.params.items() if k not in skip]
     events = "on" if setup.kv_events else "off"
+    if setup.cluster:
+        replicas += " sharing through Redis"
+    if setup.redis_outage is not None:
+        after, seconds = setup.redis_outage
+        replicas += f" (down {after:g}-{after + seconds:g} s into the replay, real time)"
     head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
     if setup.pools:
         head += f", pools {setup.pools}"
@@ -1283,6 +1373,8 @@ def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]
         f"CPU, peak share of one core over a replay (router: every process of every "
         f"replica): {shares or 'n/a'}; this process's event loop lag p99 {lag * 1e3:.1f} ms.",
     ]
+    if options.cluster is not None:
+        lines.append(f"Router CPU per request (real ms, every replica's processes): {_cpu(runs)}.")
     if options.target is None and options.time_scale < 1:
         lines.append(
             f"A router's own added latency is real time, so it weighs {1 / options.time_scale:g}x "
@@ -1295,6 +1387,18 @@ def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]
             "--time-scale."
         )
     return lines
+
+
+def _cpu(runs: Sequence[Run]) -> str:
+    """Each row's router CPU per request, averaged over its seeds: what sharing through
+    Redis (--cluster) costs beside the row without it."""
+    per: dict[str, list[float]] = {}
+    for r in runs:
+        if r.outcomes and "router" in r.cpu:
+            per.setdefault(r.strategy, []).append(
+                r.cpu["router"] * r.wall_seconds / len(r.outcomes)
+            )
+    return ", ".join(f"{row} {sum(v) / len(v) * 1e3:.2f}" for row, v in per.items()) or "n/a"
 
 
 def _write(

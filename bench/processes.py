@@ -6,7 +6,8 @@ replicas are asyncio subprocesses, stopped with an `await`. bench.throughput's p
 each run a loop of their own (`asyncio.run`) between blocking `wrk` runs, so its routers
 are plain `subprocess.Popen` children that outlive every loop. Both start kvroute the
 same way (`kvroute_serve`), wait with the same poller (`until_200`) and quote the same
-log tails (`last_lines`).
+log tails (`last_lines`). `redis_server` is the Redis that `kvroute bench --cluster`'s
+replicas share, and the tests' (tests/redis_server.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import contextlib
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -76,6 +79,38 @@ class Watch:
         finally:
             for wait in waits:
                 wait.cancel()
+
+
+@contextlib.contextmanager
+def redis_server(
+    workdir: Path, password: str | None = None, port: int | None = None
+) -> Iterator[str]:
+    """A redis-server on 127.0.0.1 (at `port`, else a free one), nothing persisted: its
+    URL while it runs; stopped, and waited for, on the way out. FileNotFoundError when
+    redis-server is not installed, StartFailed when it does not start."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise FileNotFoundError("redis-server is not installed (Debian's redis-server package)")
+    port = port or free_port()
+    args = [binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
+            "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
+    if password is not None:
+        args += ["--requirepass", password]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + _SIM_START_SECONDS
+        while True:  # until it accepts a connection, bounded
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise StartFailed(f"redis-server did not start on port {port}") from None
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}/0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=_STOP_SECONDS)
 
 
 def kvroute_serve(config: object, path: Path) -> list[str]:

@@ -79,6 +79,8 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     processes: int | None = None  # every process of one replica, counted once it started
     replicas: int = 1
     kv_events: bool = False
+    cluster: bool = False  # kvroute's replicas share through Redis (config `cluster`)
+    redis_outage: tuple[float, float] | None = None  # Redis down (after, for) seconds
     pools: str | None = None  # kvroute's prefill and decode pools (--pd), in words
 
 

@@ -152,13 +152,13 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     from router.control.reload import ConfigSource
     from router.control.supervisor import Supervisor, worker_count
 
-    log.setup(
-        config.log_level, "supervisor" if worker_count(config) > 1 else None, config.log_format
-    )
+    # a cluster's link to the other replicas is the collector's: one runs even for 1 worker
+    supervised = worker_count(config) > 1 or config.cluster is not None
+    log.setup(config.log_level, "supervisor" if supervised else None, config.log_format)
     for warning in advice(config):
         log.server.warning("%s", warning)
     try:
-        if worker_count(config) > 1:
+        if supervised:
             return Supervisor(config, args.config, overrides).run()
         uvloop.run(serve(config, ConfigSource(args.config, overrides)))
     except ListenError as exc:  # the port is taken, or the address is not ours

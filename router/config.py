@@ -540,7 +540,8 @@ class TracingConfig(_Strict):
 
 class RedisConfig(_Strict):
     """A Redis server (one, not a Cluster: the store's scripts touch keys they derive)
-    for the jobs of several router replicas."""
+    for the jobs of several router replicas (and, as `ClusterRedisConfig`, for replicas
+    sharing what they learn); msgspec adds the section's path to its errors."""
 
     url: str = "redis://127.0.0.1:6379/0"
     #: the password, from a file or an environment variable (never in the URL)
@@ -553,13 +554,31 @@ class RedisConfig(_Strict):
     def __post_init__(self) -> None:
         parsed = URL(self.url)
         if parsed.scheme not in ("redis", "rediss", "unix"):
-            raise ValueError(f"jobs.redis.url: {self.url!r} is not a redis:// URL")
+            raise ValueError(f"url: {self.url!r} is not a redis:// URL")
         if parsed.password:
             raise ValueError(
-                "jobs.redis.url: the password goes in password_file or password_env, not in the URL"
+                "url: the password goes in password_file or password_env, not in the URL"
             )
         if self.password_file and self.password_env:
-            raise ValueError("jobs.redis: password_file or password_env, not both")
+            raise ValueError("password_file or password_env, not both")
+
+
+class ClusterRedisConfig(RedisConfig):
+    """The Redis the replicas of one router share what they learn through; a short
+    timeout: a slow Redis is dropped (the replica routes alone) rather than waited for."""
+
+    #: every key and channel starts with this (several routers sharing one Redis)
+    key_prefix: str = "kvroute:cluster:"
+    timeout_s: Seconds = 1.0
+
+
+class ClusterConfig(_Strict):
+    """Router replicas sharing one view (router/telemetry/cluster.py): each one's
+    placements and per-backend load reach the others through `redis`. For fleets
+    without KV events; with them on every backend the backends already tell each
+    replica where prefixes are."""
+
+    redis: ClusterRedisConfig = ClusterRedisConfig()
 
 
 class JobsConfig(_Strict):
@@ -753,6 +772,8 @@ class Config(_Strict):
     usage: UsageConfig = UsageConfig()
     jobs: JobsConfig = JobsConfig()
     compression: CompressionConfig = CompressionConfig()
+    #: replicas of this router sharing placements and load through Redis; none: alone
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
         if self.log_level.lower() not in LOG_LEVELS:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from router.config import ConfigError
+from router.config import ConfigError, RedisConfig
 
 
 def read_secret(file: str | None, env: str | None, what: str) -> str:
@@ -26,3 +26,10 @@ def read_secret(file: str | None, env: str | None, what: str) -> str:
     if not value:
         raise ConfigError(f"{what}: {file} is empty")
     return value
+
+
+def redis_password(cfg: RedisConfig, what: str) -> str | None:
+    """A Redis server's password as `cfg` names it (None: the server wants none)."""
+    if cfg.password_file or cfg.password_env:
+        return read_secret(cfg.password_file, cfg.password_env, f"{what} password")
+    return None

@@ -1,25 +1,18 @@
 """A real redis-server for the tests, on 127.0.0.1 at a free port, nothing persisted;
-skipped, with the reason, where redis-server is not installed (.ci/run installs it)."""
+skipped, with the reason, where redis-server is not installed (.ci/run installs it).
+The server is bench's (`kvroute bench --cluster` starts the same one)."""
 
 from __future__ import annotations
 
 import shutil
-import socket
-import subprocess
-import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import pytest
 
-_START_SECONDS = 10.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from bench import processes
+from bench.overhead import free_port
 
 
 class RedisServer:
@@ -27,46 +20,32 @@ class RedisServer:
     in between)."""
 
     def __init__(self, workdir: Path, password: str | None = None) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
+        if shutil.which("redis-server") is None:
             pytest.skip("redis-server is not installed (Debian's redis-server package)")
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self._args = [binary, "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                      "--appendonly", "no", "--dir", str(workdir)]  # fmt: skip
-        if password is not None:
-            self._args += ["--requirepass", password]
-        self._proc: subprocess.Popen | None = None
+        self._workdir = workdir
+        self._password = password
+        self._running = ExitStack()
 
     def start(self) -> None:
         """Start it, and return once it accepts a connection (bounded)."""
-        proc = self._proc = subprocess.Popen(
-            self._args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        self._running.enter_context(
+            processes.redis_server(self._workdir, self._password, self.port)
         )
-        deadline = time.monotonic() + _START_SECONDS
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.02)
 
     def stop(self) -> None:
         """Stop it, and wait for it to end."""
-        if self._proc is not None:
-            self._proc.terminate()
-            self._proc.wait(timeout=10)
-            self._proc = None
+        self._running.close()
 
 
 @contextmanager
-def redis_server(workdir: Path, password: str | None = None) -> Iterator[str]:
-    """Its URL while it runs; stopped (and waited for) on the way out."""
-    server = RedisServer(workdir, password)
-    try:
-        server.start()
-        yield server.url
-    finally:
-        server.stop()
+def redis_server(
+    workdir: Path, password: str | None = None, port: int | None = None
+) -> Iterator[str]:
+    """Its URL while it runs; stopped (and waited for) on the way out. `port`: the one
+    it listens on (a restarted server where the last one was), else a free one."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package)")
+    with processes.redis_server(workdir, password, port) as url:
+        yield url

@@ -2,7 +2,8 @@
 
 It scrapes every backend's /metrics, holds the KV event subscriptions, runs the health
 checks, model polls and discovery sources once for the router, and publishes all of it
-to the workers (router/telemetry/feed.py). It has no listener and serves no request.
+to the workers (router/telemetry/feed.py). With `cluster` set it is the replica's one
+link to the others (router/telemetry/cluster.py). It has no listener and serves no request.
 """
 
 from __future__ import annotations
@@ -10,15 +11,25 @@ from __future__ import annotations
 from router.config import Config
 from router.control.admin import discovered_edit, replay_edits
 from router.control.node import Node
+from router.telemetry.cluster import ClusterLink, OwnLoad
 from router.telemetry.collector_feed import CollectorTelemetry
 from router.telemetry.loops import Parts
 
 
 class Collector(Node):
     telemetry: CollectorTelemetry
+    #: the router's load as the workers count it, for the other replicas (`cluster`)
+    _own_load: OwnLoad | None = None
 
     def _telemetry(self, parts: Parts) -> CollectorTelemetry:
-        return CollectorTelemetry(parts, self.context, self._edited, self.verdicts, self._replay)
+        cluster = None
+        if (cfg := self.config.cluster) is not None:
+            self._own_load = OwnLoad(self.fleet, self.context)
+            block = getattr(self.config.routing, "block_size", 1)
+            cluster = ClusterLink(cfg, self.fleet, self.metrics, block, self._own_load)
+        return CollectorTelemetry(
+            parts, self.context, self._edited, self.verdicts, self._replay, cluster
+        )
 
     def _replay(self) -> list[bytes]:
         """The edits that bring a joining worker to the router's runtime view, now."""
@@ -36,6 +47,8 @@ class Collector(Node):
 
     async def stop(self) -> None:
         await self.stop_parts()
+        if self._own_load is not None:
+            self._own_load.close()
 
     async def shutdown(self) -> None:
         """It serves nothing: it just stops."""

@@ -2,7 +2,8 @@
 
 Identity, weight, the models it serves, whether it is usable, and the router-wide
 in-flight count (summed over the workers through shared_load.py when there are several;
-dispatch's accounting keeps it exact). Usable = passes active health checks
+dispatch's accounting keeps it exact), plus the other replicas' when they share their
+load (config `cluster`, router/telemetry/cluster.py). Usable = passes active health checks
 (`healthy`), its circuit breaker admits attempts, and it is not draining; only the
 fleet changes those (usability.py).
 """
@@ -45,6 +46,8 @@ class Backend:
         "name",
         "pool",
         "prefix",
+        "remote_inflight",
+        "remote_queued",
         "slot",
         "speed",
         "speed_samples",
@@ -87,6 +90,10 @@ class Backend:
         #: this process's requests in flight here, and their queued prompt tokens
         self.local_inflight = 0
         self.local_queued = 0
+        #: the other router replicas' requests in flight here and their queued prompt
+        #: tokens (config `cluster`; 0 alone)
+        self.remote_inflight = 0
+        self.remote_queued = 0
         #: with several workers: the shared table and this backend's slot in it
         self.slot = None if table is None else table.slot(cfg.key, cfg.url)
         self.table = None if self.slot is None else table
@@ -115,16 +122,27 @@ class Backend:
         return not model or models is None or model in models
 
     @property
-    def inflight(self) -> int:
+    def own_inflight(self) -> int:
         """Requests in flight here, router-wide (every worker's, when there are several)."""
         table = self.table
         return self.local_inflight if table is None else table.inflight(self.slot)
 
     @property
-    def queued_tokens(self) -> int:
-        """Prompt tokens sent here and expected uncached, not yet answered (KV_AWARE)."""
+    def inflight(self) -> int:
+        """Requests in flight here: this router's and its sharing replicas'."""
+        return self.own_inflight + self.remote_inflight
+
+    @property
+    def own_queued_tokens(self) -> int:
+        """This router's prompt tokens sent here, expected uncached, not yet answered."""
         table = self.table
         return self.local_queued if table is None else table.queued_tokens(self.slot)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens sent here and expected uncached, not yet answered (KV_AWARE):
+        this router's and its sharing replicas'."""
+        return self.own_queued_tokens + self.remote_queued
 
     def count(self, requests: int, tokens: int) -> None:
         """The request path's accounting: attempts begin (+1) and end (-1) here."""

@@ -54,7 +54,7 @@ from hashing.cache_trust import Answer
 from hashing.rendezvous import name_hash
 from router.fleet.shared_load import lock_within, map_shared
 
-__all__ = ["LEARNED", "PlacementTable", "decode_learned"]
+__all__ = ["LEARNED", "PlacementTable", "decode_learned", "encode_learned"]
 
 SLOTS = 1 << 20  # a power of two: the slot is the low bits
 _MASK = SLOTS - 1
@@ -80,6 +80,14 @@ class _Batch(msgspec.Struct, array_like=True):
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder(_Batch).decode
+
+
+def encode_learned(
+    worker: int, placed: list[tuple[str, float, list[int]]], answers: list[Answer] | None = None
+) -> bytes:
+    """A broadcast batch: `worker`'s placements (backend, expires_at, keys) of one turn,
+    and the answers it saw."""
+    return LEARNED + _encode(_Batch(worker, placed, answers or []))
 
 
 def decode_learned(
@@ -202,7 +210,7 @@ class PlacementTable:
     def _flush(self) -> None:
         batch, self._outbox = self._outbox, []
         answers, self._answers = self._answers, []
-        self._send(LEARNED + _encode(_Batch(self._worker, batch, answers)))
+        self._send(encode_learned(self._worker, batch, answers))
 
     def close(self) -> None:
         self._tags.release()

@@ -74,6 +74,11 @@ def lock_within(fd: int, seconds: float) -> bool:
             os.sched_yield()
 
 
+def _key(name: str, url: str) -> int:
+    """A backend's key in the table (0 marks a never-used slot)."""
+    return xxhash.xxh3_64_intdigest(f"{name}\0{url}".encode()) or 1
+
+
 class LoadTable:
     """A mapped view of the shared counters; `worker` is the column this process writes."""
 
@@ -88,7 +93,7 @@ class LoadTable:
 
     def slot(self, name: str, url: str) -> int | None:
         """The backend's slot, claimed and held by this worker; None when the table is full."""
-        key = xxhash.xxh3_64_intdigest(f"{name}\0{url}".encode()) or 1
+        key = _key(name, url)
         with open(self.path, "rb") as f:  # claims are rare: a lock on the whole file
             fcntl.flock(f, fcntl.LOCK_EX)
             found = self._claim(key)
@@ -97,6 +102,19 @@ class LoadTable:
                 return None
             self._words[self._base(found) + 2 * self.workers + self.worker] = 1
             return found
+
+    def find(self, name: str, url: str) -> int | None:
+        """The slot some worker claimed for the backend, without claiming it (the
+        collector reads the router's load: router/telemetry/cluster.py)."""
+        key = _key(name, url)
+        start = key % self.slots
+        for i in range(self.slots):
+            held = self._keys[(start + i) % self.slots]
+            if held == key:
+                return (start + i) % self.slots
+            if held == 0:
+                return None
+        return None
 
     def release(self, slot: int) -> None:
         """This worker is done with the slot's backend (gone from its fleet, idle)."""

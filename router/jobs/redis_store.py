@@ -33,7 +33,7 @@ from router.jobs.store import (
     StoredFile,
     Writer,
 )
-from router.secrets import read_secret
+from router.secrets import redis_password
 
 #: batch lines score after every single job (epoch seconds stay far below this)
 _BATCH_SCORE = 1e10
@@ -209,9 +209,7 @@ class RedisJobStore(FilePieces):
             raise ConfigError(
                 "jobs.store: redis needs the redis extra: pip install 'kvroute[redis]'"
             ) from None
-        password = None
-        if cfg.password_file or cfg.password_env:
-            password = read_secret(cfg.password_file, cfg.password_env, "jobs.redis password")
+        password = redis_password(cfg, "jobs.redis")
         self._redis = redis.exceptions
         self.errors: tuple[type[Exception], ...] = (redis.RedisError,)
         self._p = cfg.key_prefix

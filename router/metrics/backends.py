@@ -122,7 +122,7 @@ class BackendCollector:
         )
         speeds = [GaugeMetricFamily(name, doc, labels=["backend"]) for name, doc in _SPEEDS]
         for b in self._members():
-            inflight.add_metric([b.name], b.inflight)
+            inflight.add_metric([b.name], b.own_inflight)
             up.add_metric([b.name], 1.0 if b.usable else 0.0)
             checks.add_metric([b.name], 1.0 if b.healthy else 0.0)
             for state in BreakerState:

@@ -13,6 +13,8 @@ from router.fleet.backend import Backend
 _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
 #: why telemetry fell back (telemetry/scrape.py, index_upkeep.py, tokenize.py)
 FALLBACK_REASONS = ("scrape_failed", "stale_metrics", "event_reset", "tokenize_failed")
+#: what became of a message from the cluster's Redis (telemetry/cluster.py)
+CLUSTER_OUTCOMES = ("applied", "malformed", "foreign")
 
 
 class TelemetryMetrics:
@@ -75,6 +77,27 @@ class TelemetryMetrics:
         )
         for source in ("predicted", "reported"):
             self.cached_tokens.labels(source)
+        self.cluster_connected = Gauge(
+            "kvroute_cluster_connected",
+            "1 while this replica shares placements and load through the cluster's Redis, "
+            "0 while it routes alone (config `cluster`)",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.cluster_peers = Gauge(
+            "kvroute_cluster_peers",
+            "Other router replicas whose load this one heard within the last seconds",
+            registry=r,
+            multiprocess_mode="livemax",
+        )
+        self.cluster_messages = Counter(
+            "kvroute_cluster_messages",
+            "Messages from the cluster's Redis: applied, or dropped as malformed or foreign",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in CLUSTER_OUTCOMES:
+            self.cluster_messages.labels(outcome)
 
     def _prime_telemetry(self, backends: Iterable[Backend]) -> None:
         """Create each backend's fallback and disagreement counters at 0 (the KV-events

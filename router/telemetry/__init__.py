@@ -6,6 +6,8 @@
                      workers and feeds them
   worker_feed.py     `WorkerTelemetry`: a worker of several follows that feed
   feed.py            the feed's sockets, topics and messages
+  cluster.py         `ClusterLink`: the collector's link to the router's other replicas
+                     through Redis (config `cluster`): placements and load shared
   scrape.py          /metrics scraping: the vLLM series routing reads
   index_upkeep.py    the prefix index's event sources following the fleet; aging, size
   kv_events.py       one backend's vLLM KV event stream (ZMQ, replay) into the index

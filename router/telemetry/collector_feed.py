@@ -4,7 +4,9 @@ Besides scraping and subscribing like a router alone, it publishes what it learn
 the feed (router/telemetry/feed.py: snapshots, KV batches in order, index resets,
 verdicts, edits), relays what workers push to its control socket (placements, refused
 connections, admin edits, hellos), and welcomes each joining worker with what it
-missed.
+missed. With `cluster` set it also holds the replica's link to the other replicas
+(router/telemetry/cluster.py): the workers' placements go out there too, and what the
+others send comes to the workers as placements (`l`) and load (`r`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from router.context import WorkerContext
 from router.fleet.backends import Backend
 from router.fleet.health import REFUSED, Verdicts
 from router.fleet.placements import LEARNED
+from router.telemetry.cluster import ClusterLink
 from router.telemetry.feed import FEED_HWM, HELLO, worker_topic
 from router.telemetry.index_upkeep import Held, Sink, subscribe
 from router.telemetry.kv_events import EventApplier
@@ -53,8 +56,10 @@ class CollectorTelemetry(Telemetry):
         on_broadcast: Callable[[bytes], None],
         verdicts: Verdicts,
         replay: Callable[[], list[bytes]],
+        cluster: ClusterLink | None = None,
     ) -> None:
         super().__init__(parts)
+        self._cluster = cluster
         self._link = link
         self._on_broadcast = on_broadcast
         self._verdicts = verdicts
@@ -64,9 +69,14 @@ class CollectorTelemetry(Telemetry):
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, FEED_HWM)
         self._pub.bind(link.feed)
+        if cluster is not None:
+            cluster.attach(self._publish)
 
     def _role_tasks(self) -> list[asyncio.Task]:
-        return [asyncio.create_task(self._relay(), name="kvroute-control")]
+        tasks = [asyncio.create_task(self._relay(), name="kvroute-control")]
+        if self._cluster is not None:
+            tasks.append(asyncio.create_task(self._cluster.run(), name="kvroute-cluster"))
+        return tasks
 
     def _publish(self, frames: list[bytes]) -> None:
         """Never blocks: a worker too slow to keep up loses messages, not the collector."""
@@ -116,6 +126,8 @@ class CollectorTelemetry(Telemetry):
                 payload = await pull.recv()
                 if payload.startswith(LEARNED):  # a worker's placements: to the others
                     self._publish([b"l", b"", payload])
+                    if self._cluster is not None:
+                        self._cluster.placed(payload)
                 elif payload.startswith(REFUSED):  # nothing listens: down for every worker
                     if self._verdicts.refused(payload):
                         self.verdicts_changed()
@@ -129,7 +141,8 @@ class CollectorTelemetry(Telemetry):
 
     async def _welcome(self, topic: bytes) -> None:
         """The answer to a worker's hello, on that worker's topic: `j` (its feed is
-        live), the runtime edits the file does not know (`e`), the index of every
+        live), the runtime edits the file does not know (`e`), the other replicas'
+        live placements and load (`l`, `r`), the index of every
         backend with events (`i`, ordered with the batches, so the worker goes on from
         there); and the verdicts, to everyone.
 
@@ -141,6 +154,9 @@ class CollectorTelemetry(Telemetry):
         self._publish([topic, b"j"])
         for edit in self._replay():
             self._publish([topic, b"e", edit])
+        if self._cluster is not None:
+            for kind, payload in self._cluster.replay():
+                self._publish([topic, kind, payload])
         self.verdicts_changed()
         index = self._upkeep.index
         if index is not None:

@@ -16,7 +16,8 @@ to the others (`l`), the admin API's runtime edits (worker 0 pushes an edit to t
 collector's PULL socket, `broadcast`; the collector applies it too, so it scrapes,
 subscribes to and probes an added backend, and publishes it, `a`) and the collector's
 own edits (`announce`: the discovered backends, `a` too); each worker hands an edit to
-`on_broadcast`.
+`on_broadcast`. With `cluster` set, the other replicas' placements come as `l` too (from
+worker COLLECTOR) and their summed load per backend as `r` (router/telemetry/cluster.py).
 
 PUB/SUB drops what is published before a subscription reaches the publisher, so a
 worker does not serve until its feed is live: it pushes hellos (`hello <n>`) to the
@@ -36,7 +37,7 @@ BROADCAST_TIMEOUT_S = 2.0
 #: how often a joining worker says hello until the collector answers
 HELLO_INTERVAL_S = 0.05
 #: the topics every worker follows (besides its own, `worker_topic`)
-FOLLOWED = (b"s", b"k", b"c", b"a", b"p", b"l")
+FOLLOWED = (b"s", b"k", b"c", b"a", b"p", b"l", b"r")
 #: the high-water marks of the feed's two ends: a slow worker loses messages, never
 #: the collector
 FEED_HWM = 100_000

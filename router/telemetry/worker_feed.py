@@ -25,6 +25,7 @@ from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
 from router.telemetry.cache_feedback import CacheFeedback
+from router.telemetry.cluster import apply_remote_load
 from router.telemetry.feed import (
     BROADCAST_TIMEOUT_S,
     FEED_HWM,
@@ -140,6 +141,8 @@ class WorkerTelemetry(Telemetry):
             log.backends.warning("KV index of %s cleared (collector's reset)", name)
         elif kind == b"l":
             self._learned(rest[0])
+        elif kind == b"r":
+            apply_remote_load(self._fleet, rest[0])
         elif kind == b"a":
             self._on_broadcast(rest[0])
         elif kind == b"p":
@@ -153,6 +156,10 @@ class WorkerTelemetry(Telemetry):
             self._joined.set()
         elif what == "e":
             self._on_broadcast(rest[0])
+        elif what == "l":
+            self._learned(rest[0])
+        elif what == "r":
+            apply_remote_load(self._fleet, rest[0])
         elif what == "i" and (index := getattr(self._fleet.policy, "index", None)) is not None:
             index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
 

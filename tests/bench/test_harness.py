@@ -6,6 +6,7 @@ import errno
 import importlib.util
 import math
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -123,6 +124,34 @@ def test_replicas_share_the_requests_of_one_config(tmp_path, capsys):
     assert (
         f"2 replicas (requests {first:.0f} / {second:.0f} with seed 0)" in capsys.readouterr().out
     )
+
+
+def test_cluster_both_runs_each_strategy_alone_then_sharing_through_redis(tmp_path, capsys):
+    """`--cluster both`: the replicas without, then with, a Redis of the bench's own."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package)")
+    argv = [*TINY, "--strategies=KV_AWARE", "--replicas=2", "--workers=1", "--cluster=both"]
+    assert harness.main([*argv, f"--out={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    rows = _rows(out)
+    assert list(rows) == ["KV_AWARE", "KV_AWARE+cluster"]
+    for cells in rows.values():
+        assert cells[1:3] == ["20", "0"]  # ok, failed
+    alone, shared = (run["setup"] for run in _results(tmp_path)["runs"])
+    assert (alone["cluster"], shared["cluster"]) == (False, True)
+    assert "with seed 0) sharing through Redis, KV events off" in out
+    assert "Router CPU per request (real ms, every replica's processes): " in out
+
+
+def test_a_redis_outage_mid_replay_fails_no_request(tmp_path, capsys):
+    """--redis-outage stops the row's Redis during the replay: the replicas route alone."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (Debian's redis-server package)")
+    argv = [*TINY, "--strategies=KV_AWARE", "--replicas=2", "--workers=1", "--cluster"]
+    assert harness.main([*argv, "--redis-outage=0:0.5", "--time-scale=0.2"]) == 0
+    out = capsys.readouterr().out
+    assert _rows(out)["KV_AWARE+cluster"][1:3] == ["20", "0"]  # ok, failed
+    assert "sharing through Redis (down 0-0.5 s into the replay, real time)" in out
 
 
 def test_peers_that_cannot_run_are_rows_of_na_with_the_reason(tmp_path, capsys):

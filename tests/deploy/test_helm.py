@@ -367,6 +367,33 @@ def test_an_env_key_without_its_secret_fails_the_render() -> None:
     assert "secretEnv.KEY0.secretName" in render_error(values)
 
 
+def test_the_notes_advise_sharing_when_kv_aware_replicas_have_no_kv_events() -> None:
+    assert "share through Redis" not in render({}).notes  # the defaults have KV events
+    alone = with_config(backends=[{"url": "http://vllm-0.vllm:8000"}])
+    assert "config.cluster.redis" in render(alone).notes
+    assert "share through Redis" not in render({**alone, "replicaCount": 1}).notes
+    prefix = with_config(backends=alone["config"]["backends"], routing={"strategy": "PREFIX_AWARE"})
+    assert "share through Redis" not in render(prefix).notes
+
+
+def test_the_cluster_redis_password_comes_from_a_secret() -> None:
+    """Replicas sharing through Redis (config `cluster`): its password_env is wired from
+    secretEnv like every other `*_env` key, and rendering fails without it."""
+    values = with_config(
+        cluster={"redis": {"url": "redis://redis:6379/0", "password_env": "REDIS_PASSWORD"}}
+    )
+    assert "config names the variable REDIS_PASSWORD" in render_error(values)
+    values["secretEnv"] = {"REDIS_PASSWORD": {"secretName": "redis", "key": "password"}}
+    rendered = render(values)
+    assert rendered.config.cluster.redis.password_env == "REDIS_PASSWORD"
+    assert "share through Redis" not in rendered.notes
+    env = {e["name"]: e for e in rendered.container["env"]}
+    assert env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+        "name": "redis",
+        "key": "password",
+    }
+
+
 @pytest.mark.parametrize(
     "shutdown,pre_stop",
     [({}, 5), ({"drain_seconds": 0}, 5), ({"unready_seconds": 2.5, "drain_seconds": 120.5}, 1)],
