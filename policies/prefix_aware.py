@@ -60,7 +60,10 @@ YAML:
 
 from __future__ import annotations
 
+import math
 import random
+import time
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Literal
 
 import msgspec
@@ -73,6 +76,7 @@ from policies.base import (
     BackendLike,
     FleetView,
     Pick,
+    Placements,
     Policy,
     PolicyParams,
     Reason,
@@ -81,6 +85,11 @@ from policies.base import (
 )
 from policies.least_outstanding_requests import least_loaded
 from policies.registry import register
+
+#: how long a prefix's last backend is remembered after its last request
+REMEMBER_S = 600.0
+#: prefixes one worker remembers without shared placements (the oldest go first)
+_LOCAL_PREFIXES = 1 << 16
 
 
 class TokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
@@ -98,13 +107,46 @@ class TokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, k
 class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
     #: a pool's caps are its own; the fingerprint (prefix_length, tokenizer) and the
     #: ring (vnodes) are every pool's
-    pool_tunable = frozenset({"concurrency_threshold", "load_factor"})
+    pool_tunable = frozenset({"concurrency_threshold", "load_factor", "load_floor"})
     prefix_length: Annotated[int, Meta(ge=1)] = 256
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = 32
-    load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.25
+    load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.5
+    load_floor: Annotated[int, Meta(ge=1)] = 8
     tokenizer: TokenizerParams = TokenizerParams()
     vnodes: Annotated[int, Meta(ge=1, le=4096)] = DEFAULT_VNODES
     seed: Annotated[int, Meta(ge=0)] | None = None
+
+
+class LastPlaced:
+    """Where each prefix went last, for one worker alone: `Placements` over one key per
+    prompt (its fingerprint), bounded to the most recently placed prefixes."""
+
+    __slots__ = ("_last",)
+
+    def __init__(self) -> None:
+        self._last: dict[int, tuple[str, float]] = {}
+
+    def place(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+        last = self._last
+        for key in keys[start:]:
+            last.pop(key, None)
+            if len(last) >= _LOCAL_PREFIXES:
+                del last[next(iter(last))]
+            last[key] = (backend, expires_at)
+
+    def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
+        found = self._last.get(keys[start])
+        if found is None or found[1] <= time.monotonic():
+            return None
+        return found[0], 1, found[1]
+
+
+class _Caps(msgspec.Struct, frozen=True):
+    """When a backend is full for this pick (`_full`)."""
+
+    per_weight: float
+    floor: int
+    threshold: int | None
 
 
 @register
@@ -119,38 +161,91 @@ class PrefixAwarePolicy(Policy[PrefixAwareParams]):
         )
         self._rng = random.Random(params.seed)
         self._members: tuple[BackendLike, ...] = ()
+        self._positions: dict[str, int] = {}
         self._ring = HashRing([], params.vnodes)
+        self._last: Placements = LastPlaced()
 
     @property
     def fingerprinter(self) -> Fingerprinter:
         return self._fingerprinter
 
+    @property
+    def shares_picks(self) -> bool:
+        return True
+
     def on_fleet_change(self, members: tuple[BackendLike, ...]) -> None:
         self._members = members
+        self._positions = {m.name: i for i, m in enumerate(members)}
         self._ring = HashRing([(m.name, m.weight) for m in members], self.params.vnodes)
+
+    def share(self, placements: Placements) -> None:
+        self._last = placements
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)
-        per_weight = load_cap_per_weight(self.params.load_factor, fleet.candidates)
-        threshold = self.params.concurrency_threshold
-        reason = Reason.AFFINITY
-        for index in self._ring.walk(req.fingerprint):
+        p = self.params
+        mean = load_cap_per_weight(1.0, fleet.candidates)
+        caps = _Caps(mean * (p.load_factor or math.inf), p.load_floor, p.concurrency_threshold)
+        key = (req.fingerprint,)
+        last = self._last.held(key, 0)
+        at = self._positions.get(last[0]) if last is not None else None
+        if at is None:
+            reason = Reason.AFFINITY
+        else:
+            backend = self._members[at]
+            if backend.name not in fleet.candidate_names:
+                reason = Reason.SPILL_UNAVAILABLE
+            elif _full(backend, caps):
+                reason = Reason.SPILL_THRESHOLD
+                # it outgrew its backend: it moves on to one under the mean
+                caps = _Caps(mean if p.load_factor else math.inf, 1, p.concurrency_threshold)
+            else:
+                self._keep(backend.name, key, last)
+                return Pick(backend, Reason.AFFINITY)
+        for index in self._order(req.fingerprint, at):
             backend = self._members[index]
             if backend.name not in fleet.candidate_names:
                 if reason is Reason.AFFINITY:
                     reason = Reason.SPILL_UNAVAILABLE
                 continue
-            if not _full(backend, per_weight, threshold):
+            if not _full(backend, caps):
+                self._keep(backend.name, key, None)
                 return Pick(backend, reason)
             reason = Reason.SPILL_THRESHOLD
-        return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
+        backend = least_loaded(fleet.candidates, self._rng)
+        self._keep(backend.name, key, last)
+        return Pick(backend, Reason.ALL_SATURATED)
+
+    def _order(self, fingerprint: int, at: int | None) -> Iterator[int]:
+        """The fingerprint's ring order; from the member after `at` if given, wrapping
+        round, so that a prefix outgrowing backend after backend turns through all of
+        them, instead of leaving the last of its run only what the others cannot take."""
+        walk = self._ring.walk(fingerprint)
+        if at is None:
+            yield from walk
+            return
+        before = []
+        for index in walk:
+            if index == at:
+                break
+            before.append(index)
+        yield from walk
+        yield from before
+
+    def _keep(self, name: str, key: tuple[int], last: tuple[str, int, float] | None) -> None:
+        """Remember that the prefix went to `name`: written when it moves, and when its
+        memory is half way to forgetting, not on every request."""
+        now = time.monotonic()
+        if last is None or last[0] != name or last[2] - now < REMEMBER_S / 2:
+            self._last.place(name, key, 0, now + REMEMBER_S)
 
 
-def _full(backend: BackendLike, per_weight: float, threshold: int | None) -> bool:
-    """At either cap. An integer count reaches ceil(x) exactly when it reaches x, so the
-    relative cap needs no ceil (and an infinite one never binds)."""
+def _full(backend: BackendLike, caps: _Caps) -> bool:
+    """At the absolute cap, or at the relative one once past the floor. An integer count
+    reaches ceil(x) exactly when it reaches x, so the relative cap needs no ceil (and an
+    infinite one never binds)."""
     load = backend.inflight
-    if threshold is not None and load >= threshold:
+    if caps.threshold is not None and load >= caps.threshold:
         return True
-    return load >= per_weight * backend.weight
+    return load >= caps.floor and load >= caps.per_weight * backend.weight
