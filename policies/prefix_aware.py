@@ -2,48 +2,57 @@
 
 The fingerprint of the first `prefix_length` tokens (model and tenant mixed in) is
 looked up on a hash ring over every configured backend, so all router processes and
-replicas with the same backend list agree without sharing state, and adding or
-removing one of N backends moves about 1/N of the prefixes.
+replicas with the same backend list agree on a new prefix's owner without sharing
+state, and adding or removing one of N backends moves about 1/N of the prefixes.
 
-Bounded load ("Consistent Hashing with Bounded Loads", Mirrokni, Thorup and Zadimoghaddam,
-SODA 2018; Envoy's `hash_balance_factor`, HAProxy's `hash-balance-factor`). With T the in-flight
-requests of the candidates and W their total weight, candidate b is full when
+Sticky until the load is real. A prefix stays on the backend it went to last while that
+backend is under the bound: moving it costs a whole uncached prefill there, while one
+more sequence in a batch that decodes dozens costs a fraction of a step. With T the
+in-flight requests of the candidates and W their total weight, a backend is full when
 
-    inflight(b) >= ceil(load_factor * (T + 1) * weight(b) / W)
+    inflight(b) >= load_floor  and  inflight(b) >= load_factor * (T + 1) * weight(b) / W
 
 or when inflight(b) >= `concurrency_threshold` (the absolute cap). The "+ 1" is the
-request being placed, so the backend that takes it ends at or under ceil(load_factor *
-mean), the mean counting that request: below load_factor x mean + 1. A lone request
-(T = 0) has a cap of at least 1, so it always fits on its owner. With equal weights the
-cap is ceil(load_factor * (T + 1) / n) over n candidates, as in the paper.
+request being placed. Under `load_floor` requests a backend is never full for the
+relative cap, so a light fleet keeps every prefix where it is.
 
-A full owner hands the request on clockwise along that fingerprint's own ring order
-(`HashRing.walk`), the same order in every worker and replica that sees the same loads,
-so a hot prefix grows onto a small, stable run of backends instead of scattering.
-Backends that are not candidates (unhealthy, or not serving the model) are skipped the
-same way. The relative caps alone always leave room (together they exceed T), so only
-`concurrency_threshold` can fill every candidate (ALL_SATURATED); then the least loaded
-one wins (ties at random).
+A full (or unusable) backend hands the prefix on along that fingerprint's ring order
+(`HashRing.walk`), starting after the backend it leaves and wrapping round, to the
+first backend under the mean (T + 1) * weight / W, and the prefix stays there in turn.
+So a hot prefix moves only when its backend is loaded beyond its share, and one prefix
+that is the whole load (every conversation behind one system prompt longer than
+`prefix_length`) turns through every backend. Walking from the owner instead would
+fill the first backends of its run to the cap and leave the last only what they cannot
+take (with load_factor 1.25 on 4 backends, 4 - 3 x 1.25 = a quarter of the mean).
+A new prefix starts at its owner and takes the first backend that is not full. When
+every candidate is at `concurrency_threshold` (the relative caps alone always leave
+room), the least loaded wins (ALL_SATURATED, ties at random).
 
-Trade-off. A lower load_factor spreads a hot prefix sooner: better balance, fewer cache
-hits. When one shared system prompt is longer than `prefix_length`, every request has
-the same fingerprint: all conversations share one owner and none keeps a backend of its
-own. Raise `prefix_length` past the shared part to pin each conversation; until then,
-bounded load keeps such a fleet from sitting on one backend. load_factor must be above
-1.0: at 1.0 every backend must stay within one request of the mean, and the paper's
-bounds on walk length and on requests moved per change grow without limit as
-load_factor nears 1.
+Where each prefix went last (its fingerprint, the backend, an expiry `REMEMBER_S` after
+its last use) is this worker's memory alone with one worker (`LastPlaced`), and with
+several the router's placements table (`Policy.share`, router/fleet/placements.py),
+read and written under its pick lock, so every worker of a router walks alike: what
+one moves, the next request through another finds where it went. Router replicas do
+not share it: each moves a prefix by the loads it sees, as each sees its own.
 
-Reads: fingerprint, candidate names, in-flight counts and weights. Cost: one pass over
-the candidates to total their load (none when load_factor is null), O(log V) for the
-ring lookup, then a few ring points per skipped backend; no allocation grows with the
-fleet but the walk's set of backends met. With 64 backends a pick takes about 4 us, 5 us
-when it walks past 50 full ones. The ring is rebuilt only on fleet change.
+Trade-off. A lower load_factor or load_floor moves a prefix sooner: better balance,
+more cache misses. When one shared system prompt is longer than `prefix_length`, every
+request has the same fingerprint and no conversation keeps a backend of its own: raise
+`prefix_length` past the shared part to pin each conversation. load_factor must be
+above 1.0: at 1.0 every backend must stay within one request of the mean.
+
+Reads: fingerprint, candidate names, in-flight counts and weights, one lookup of where
+the prefix went last. Cost: one pass over the candidates to total their load, O(log V)
+for the ring lookup when it walks, then a few ring points per skipped backend; with
+several workers, one probe of the placements table per backend (a pick lock already
+held), and a write only when the prefix moves or its memory is half way to expiring.
+With 64 backends a pick takes about 4 us. The ring is rebuilt only on fleet change.
 
 Parameters (defaults):
   prefix_length (256): leading tokens that form the fingerprint.
-  load_factor (1.25, > 1.0, null = no relative cap): how far above the mean in-flight
-      load (per unit of weight) a backend may go before the walk passes it by.
+  load_factor (1.5, > 1.0, null = no relative cap): how far above the mean in-flight
+      load (per unit of weight) a backend may go before its prefixes move on.
+  load_floor (8): in-flight requests under which the relative cap never binds.
   concurrency_threshold (32, null = no absolute cap): in-flight requests at which a
       backend is full whatever the mean.
   tokenizer: {kind: approx, chars_per_token: 4.0} or {kind: hf, path: /models/tok/}.
@@ -53,7 +62,8 @@ YAML:
   routing:
     strategy: PREFIX_AWARE
     prefix_length: 256
-    load_factor: 1.25
+    load_factor: 1.5
+    load_floor: 8
     concurrency_threshold: 32
     tokenizer: {kind: approx, chars_per_token: 4.0}
 """
