@@ -52,7 +52,7 @@ Parameters (defaults):
   prefix_length (256): leading tokens that form the fingerprint.
   load_factor (1.5, > 1.0, null = no relative cap): how far above the mean in-flight
       load (per unit of weight) a backend may go before its prefixes move on.
-  load_floor (8): in-flight requests under which the relative cap never binds.
+  load_floor (4): in-flight requests under which the relative cap never binds.
   concurrency_threshold (32, null = no absolute cap): in-flight requests at which a
       backend is full whatever the mean.
   tokenizer: {kind: approx, chars_per_token: 4.0} or {kind: hf, path: /models/tok/}.
@@ -63,7 +63,7 @@ YAML:
     strategy: PREFIX_AWARE
     prefix_length: 256
     load_factor: 1.5
-    load_floor: 8
+    load_floor: 4
     concurrency_threshold: 32
     tokenizer: {kind: approx, chars_per_token: 4.0}
 """
@@ -121,7 +121,7 @@ class PrefixAwareParams(PolicyParams, tag="PREFIX_AWARE"):
     prefix_length: Annotated[int, Meta(ge=1)] = 256
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = 32
     load_factor: Annotated[float, Meta(gt=1.0)] | None = 1.5
-    load_floor: Annotated[int, Meta(ge=1)] = 8
+    load_floor: Annotated[int, Meta(ge=1)] = 4
     tokenizer: TokenizerParams = TokenizerParams()
     vnodes: Annotated[int, Meta(ge=1, le=4096)] = DEFAULT_VNODES
     seed: Annotated[int, Meta(ge=0)] | None = None

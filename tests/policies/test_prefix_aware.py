@@ -277,9 +277,9 @@ def test_a_prefix_stays_where_it_went_last_while_under_the_bound() -> None:
     owner, second, third, fourth = (
         next(b for b in members if b.name == n) for n in ring_order(policy, FP)
     )
-    owner.inflight = 8  # at the floor and over 1.5 x the mean
+    owner.inflight = 8  # over the floor and 1.5 x the mean
     assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.SPILL_THRESHOLD)
-    owner.inflight, second.inflight = 0, 7
+    owner.inflight, second.inflight = 0, 3
     for _ in range(3):
         assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.AFFINITY)
     second.inflight, third.inflight = 8, 3  # the mean counting this request: 11 / 4
@@ -290,7 +290,7 @@ def test_a_prefix_stays_where_it_went_last_while_under_the_bound() -> None:
 @pytest.mark.parametrize(
     ("floor", "stays_up_to"),
     [
-        pytest.param(8, 7, id="default-floor"),
+        pytest.param(4, 3, id="default-floor"),
         pytest.param(16, 15, id="a-batch-of-sixteen"),
         pytest.param(1, 0, id="no-floor"),
     ],
@@ -299,7 +299,7 @@ def test_the_relative_cap_binds_only_past_the_floor(floor, stays_up_to) -> None:
     """A light fleet is no reason to move a prefix: under `load_floor` in flight its
     backend keeps it, however far above the mean; at the floor the cap binds."""
     members = [B(f"10.0.0.{i}:8000") for i in range(4)]
-    policy = make(members, load_floor=floor) if floor != 8 else make(members)
+    policy = make(members, load_floor=floor) if floor != 4 else make(members)
     owner = next(b for b in members if b.name == ring_order(policy, FP)[0])
     for load in range(stays_up_to + 2):
         owner.inflight = load
@@ -326,14 +326,15 @@ def test_one_prefix_that_is_the_whole_load_reaches_every_backend(size, window) -
 
 
 def test_many_prefixes_balance_and_keep_their_backends() -> None:
-    """24 documents hashed unevenly over 4 backends: the busiest takes at most 1.3 times
-    the mean, and a document meets few backends (its cache misses)."""
+    """24 documents hashed unevenly over 4 backends, 360 requests with about 16 in
+    flight: the busiest takes at most 1.3 times the mean, and a document meets few
+    backends (each a cache miss)."""
     members = [B(f"10.0.0.{i}:8000") for i in range(4)]
     docs = [(i + 1) * 0x9E3779B97F4A7C15 % 2**64 for i in range(24)]
     rng = random.Random(7)
     _, taken, met = steady([make(members)], members, [rng.choice(docs) for _ in range(360)], 16)
     assert max(taken.values()) <= 1.3 * 90, taken
-    assert len(met) <= 2 * len(docs), len(met)
+    assert len(met) <= 52, len(met)  # about two backends each (bounded load alone: 57)
 
 
 @contextlib.contextmanager
