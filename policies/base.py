@@ -199,6 +199,12 @@ class Policy(Generic[P]):
         """The block-key describer this policy needs (`RouteRequest.blocks`), or None."""
         return None
 
+    @property
+    def shares_picks(self) -> bool:
+        """It writes its picks to the shared placements (`share`) and reads the other
+        workers' before it picks, so a pick holds their lock: the KV-aware ones."""
+        return self.block_keys is not None
+
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         raise NotImplementedError
 

@@ -176,7 +176,8 @@ class PlacementTable:
 
     def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """The backend holding the most of the prompt's blocks from `keys[start]` on, by
-        any worker's recent placement: (backend, how many, expires_at), or None."""
+        any worker's recent placement, the latest placed among equals: (backend, how
+        many, expires_at), or None."""
         best: tuple[str, int, float] | None = None
         now = time.monotonic()
         for name, member in self._members.items():
@@ -184,7 +185,7 @@ class PlacementTable:
             if expires_at is None:
                 continue
             count = self._run(keys, start, member, now)
-            if best is None or count > best[1]:
+            if best is None or (count, expires_at) > best[1:]:
                 best = (name, count, expires_at)
         return best
 

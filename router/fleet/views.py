@@ -35,10 +35,10 @@ class Views:
 
     def picking(self) -> contextlib.AbstractContextManager[object]:
         """Held around a pick and the count of its request in the shared load table: with
-        several workers and a policy that learns from its picks (KV-aware), the
-        placements' lock, so that the next worker's pick sees both where this one went
+        several workers and a policy that learns from its picks (`Policy.shares_picks`),
+        the placements' lock, so that the next worker's pick sees both where this one went
         and its load; else nothing to hold (a stateless pick need not wait for others)."""
-        if self.placements is None or self.policy.block_keys is None:
+        if self.placements is None or not self.policy.shares_picks:
             return contextlib.nullcontext()
         return self.placements
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
+import random
+from collections.abc import Iterator
 
 import pytest
 
@@ -11,6 +14,7 @@ import policies
 from policies import Pick, Reason, RouteRequest
 from policies.prefix_aware import PrefixAwareParams, PrefixAwarePolicy
 from router.config import ConfigError, build
+from router.fleet.placements import PlacementTable
 from tests.policies.plain import B, fleet
 
 FP = 0x1234_5678_9ABC_DEF0
@@ -86,8 +90,9 @@ def relative_cap(load_factor: float, members: list[B], backend: B) -> int:
     ],
 )
 def test_bounded_walk(threshold, load_factor, loads, down, reason, rank) -> None:
+    """The caps alone (a floor of 1: the relative cap binds from the first request)."""
     members = [B(n) for n in "abcdef"]
-    policy = make(members, concurrency_threshold=threshold, load_factor=load_factor)
+    policy = make(members, concurrency_threshold=threshold, load_factor=load_factor, load_floor=1)
     order = ring_order(policy, FP)
     by_name = {b.name: b for b in members}
     for r, load in loads.items():
@@ -97,20 +102,21 @@ def test_bounded_walk(threshold, load_factor, loads, down, reason, rank) -> None
 
 
 @pytest.mark.parametrize(
-    ("weights", "load_factor", "requests", "run"),
+    ("weights", "load_factor", "requests"),
     [
-        pytest.param([1] * 4, 1.25, 480, 4, id="four-default"),
-        pytest.param([1] * 8, 1.05, 400, 8, id="eight-tight"),
-        pytest.param([1] * 3, 2.0, 60, 2, id="three-loose"),
-        pytest.param([1, 2, 1, 4], 1.25, 400, 3, id="weighted"),
-        pytest.param([1] * 64, 1.25, 2000, 52, id="sixty-four"),
+        pytest.param([1] * 4, 1.25, 480, id="four-default"),
+        pytest.param([1] * 8, 1.05, 400, id="eight-tight"),
+        pytest.param([1] * 3, 2.0, 60, id="three-loose"),
+        pytest.param([1, 2, 1, 4], 1.25, 400, id="weighted"),
+        pytest.param([1] * 64, 1.25, 2000, id="sixty-four"),
     ],
 )
-def test_hot_fingerprint_spreads_within_the_cap(weights, load_factor, requests, run) -> None:
-    """Rising load on one fingerprint fills the owner's ring run backend by backend, each to
-    its cap, so about n / load_factor backends share it (`run`) and none goes over."""
+def test_hot_fingerprint_spreads_within_the_cap(weights, load_factor, requests) -> None:
+    """Rising load on one fingerprint (none finishing) stays on a backend up to its cap,
+    then moves to the first backend under the mean along the fingerprint's ring order:
+    none goes over the cap."""
     members = [B(f"b{i}", weight=w) for i, w in enumerate(weights)]
-    policy = make(members, concurrency_threshold=None, load_factor=load_factor)
+    policy = make(members, concurrency_threshold=None, load_factor=load_factor, load_floor=1)
     view = fleet(members)
     for _ in range(requests):
         pick = policy.pick(RouteRequest("m", FP), view)
@@ -119,9 +125,6 @@ def test_hot_fingerprint_spreads_within_the_cap(weights, load_factor, requests, 
         assert pick.backend.inflight <= relative_cap(load_factor, members, pick.backend)
     mean = requests / sum(weights)
     assert all(b.inflight < load_factor * mean * b.weight + 1 for b in members)
-    by_name = {b.name: b for b in members}
-    used = [by_name[name].inflight > 0 for name in ring_order(policy, FP)]
-    assert used == [True] * run + [False] * (len(members) - run)
 
 
 @pytest.mark.parametrize(
@@ -214,7 +217,7 @@ def test_same_fingerprint_same_backend_and_spread() -> None:
 @pytest.mark.parametrize(
     ("value", "expected"),
     [
-        pytest.param(..., 1.25, id="default"),
+        pytest.param(..., 1.5, id="default"),
         pytest.param(None, None, id="null-disables"),
         pytest.param(1.01, 1.01, id="just-above-one"),
         pytest.param(2, 2.0, id="an-int"),
@@ -240,3 +243,141 @@ def test_load_factor_config_bounds(value, message) -> None:
     with pytest.raises(ConfigError, match=message) as err:
         build({"backends": ONE, "routing": routing})
     assert "$.routing.load_factor" in str(err.value)
+
+
+def steady(
+    workers: list[PrefixAwarePolicy], members: list[B], fingerprints: list[int], window: int
+) -> tuple[list[str], collections.Counter[str], set[tuple[int, str]]]:
+    """Requests of `fingerprints` in turn, through each of `workers` in turn, each
+    finishing `window` arrivals after it came (so about `window` are in flight): where
+    each went, how many each backend took, and the (prefix, backend) pairs met (each a
+    cache miss)."""
+    view = fleet(members)
+    running: collections.deque[B] = collections.deque()
+    picked: list[str] = []
+    met: set[tuple[int, str]] = set()
+    for i, fp in enumerate(fingerprints):
+        if len(running) >= window:
+            running.popleft().inflight -= 1
+        backend = workers[i % len(workers)].pick(RouteRequest("m", fp), view).backend
+        backend.inflight += 1
+        running.append(backend)
+        picked.append(backend.name)
+        met.add((fp, backend.name))
+    return picked, collections.Counter(picked), met
+
+
+def test_a_prefix_stays_where_it_went_last_while_under_the_bound() -> None:
+    """Its owner full, a prefix moves to the next backend on its ring and stays there
+    once the owner is free again, until that backend is full in turn: then it moves on
+    along the ring, to the next backend under the mean."""
+    members = [B(f"10.0.0.{i}:8000") for i in range(4)]
+    policy = make(members)
+    view = fleet(members)
+    owner, second, third, fourth = (
+        next(b for b in members if b.name == n) for n in ring_order(policy, FP)
+    )
+    owner.inflight = 8  # over the floor and 1.5 x the mean
+    assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.SPILL_THRESHOLD)
+    owner.inflight, second.inflight = 0, 3
+    for _ in range(3):
+        assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.AFFINITY)
+    second.inflight, third.inflight = 8, 3  # the mean counting this request: 11 / 4
+    assert policy.pick(RouteRequest("m", FP), view) == Pick(fourth, Reason.SPILL_THRESHOLD)
+    assert policy.pick(RouteRequest("m", FP), view) == Pick(fourth, Reason.AFFINITY)
+
+
+@pytest.mark.parametrize(
+    ("floor", "stays_up_to"),
+    [
+        pytest.param(4, 3, id="default-floor"),
+        pytest.param(16, 15, id="a-batch-of-sixteen"),
+        pytest.param(1, 0, id="no-floor"),
+    ],
+)
+def test_the_relative_cap_binds_only_past_the_floor(floor, stays_up_to) -> None:
+    """A light fleet is no reason to move a prefix: under `load_floor` in flight its
+    backend keeps it, however far above the mean; at the floor the cap binds."""
+    members = [B(f"10.0.0.{i}:8000") for i in range(4)]
+    policy = make(members, load_floor=floor) if floor != 4 else make(members)
+    owner = next(b for b in members if b.name == ring_order(policy, FP)[0])
+    for load in range(stays_up_to + 2):
+        owner.inflight = load
+        pick = policy.pick(RouteRequest("m", FP), fleet(members))
+        assert (pick.backend is owner) == (load <= stays_up_to), load
+
+
+@pytest.mark.parametrize(
+    ("size", "window"),
+    [
+        pytest.param(4, 12, id="four-light"),
+        pytest.param(4, 16, id="four"),
+        pytest.param(4, 32, id="four-busy"),
+        pytest.param(8, 40, id="eight"),
+    ],
+)
+def test_one_prefix_that_is_the_whole_load_reaches_every_backend(size, window) -> None:
+    """Every request shares one fingerprint (a system prompt longer than prefix_length):
+    the prefix moves on to a backend under the mean each time its backend fills, so each
+    backend takes between half and 1.3 times the mean, none only what the others leave."""
+    members = [B(f"10.0.0.{i}:8000") for i in range(size)]
+    _, taken, _ = steady([make(members)], members, [FP] * 60 * size, window)
+    assert all(30 <= taken[b.name] <= 78 for b in members), taken
+
+
+def test_many_prefixes_balance_and_keep_their_backends() -> None:
+    """24 documents hashed unevenly over 4 backends, 360 requests with about 16 in
+    flight: the busiest takes at most 1.3 times the mean, and a document meets few
+    backends (each a cache miss)."""
+    members = [B(f"10.0.0.{i}:8000") for i in range(4)]
+    docs = [(i + 1) * 0x9E3779B97F4A7C15 % 2**64 for i in range(24)]
+    rng = random.Random(7)
+    _, taken, met = steady([make(members)], members, [rng.choice(docs) for _ in range(360)], 16)
+    assert max(taken.values()) <= 1.3 * 90, taken
+    assert len(met) <= 52, len(met)  # about two backends each (bounded load alone: 57)
+
+
+@contextlib.contextmanager
+def workers_sharing(tmp_path, members: list[B], count: int) -> Iterator[list[PrefixAwarePolicy]]:
+    """`count` policies standing for one router's workers: each its own mapping of one
+    placements table (router/fleet/placements.py), as `serve --workers` gives them."""
+    tables = [PlacementTable(tmp_path / "placements", w, lambda _: None) for w in range(count)]
+    workers = [make(members) for _ in tables]
+    for policy, table in zip(workers, tables, strict=True):
+        table.known(b.name for b in members)
+        policy.share(table)
+    try:
+        yield workers
+    finally:
+        for table in tables:
+            table.close()
+
+
+async def test_a_prefix_moved_by_one_worker_stays_put_through_another(tmp_path) -> None:
+    """Worker 0 moves a prefix off its full owner; worker 1, asked next with the owner
+    free again, sends it where worker 0 did, not to the owner."""
+    members = [B(f"10.0.0.{i}:8000") for i in range(4)]
+    with workers_sharing(tmp_path, members, 2) as (first, second):
+        owner, after, *_ = (next(b for b in members if b.name == n) for n in ring_order(first, FP))
+        owner.inflight = 8
+        assert first.pick(RouteRequest("m", FP), fleet(members)).backend is after
+        owner.inflight = 0
+        assert second.pick(RouteRequest("m", FP), fleet(members)) == Pick(after, Reason.AFFINITY)
+
+
+@pytest.mark.parametrize(
+    "fingerprints",
+    [
+        pytest.param([FP] * 240, id="one-prefix"),
+        pytest.param([(i % 24 + 1) * 0x9E3779B97F4A7C15 % 2**64 for i in range(360)], id="24-docs"),
+    ],
+)
+async def test_the_walk_is_the_same_in_every_worker(tmp_path, fingerprints) -> None:
+    """Requests dealt in turn to three workers sharing placements go exactly where one
+    worker alone sends them: every move one makes, the others follow."""
+    members, again = ([B(f"10.0.0.{i}:8000") for i in range(4)] for _ in range(2))
+    alone, *_ = steady([make(members)], members, fingerprints, 16)
+    with workers_sharing(tmp_path, again, 3) as workers:
+        dealt, *_ = steady(workers, again, fingerprints, 16)
+    assert dealt == alone
+    assert len(set(alone)) == 4

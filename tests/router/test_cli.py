@@ -33,4 +33,4 @@ def test_policies_lists_what_a_pool_may_set_for_the_strategies_that_have_some(ca
         if policies.policy_class(name).params_type.pool_tunable
     }
     assert "max_queue_s" in tunable["KV_AWARE"]
-    assert tunable["PREFIX_AWARE"] == ["concurrency_threshold", "load_factor"]
+    assert tunable["PREFIX_AWARE"] == ["concurrency_threshold", "load_factor", "load_floor"]

@@ -66,6 +66,14 @@ async def test_blocks_a_backend_was_found_without_are_adopted_no_more(pair) -> N
     assert theirs.held(DOC, 0)[:2] == ("b1", 30)
 
 
+async def test_among_equal_holders_the_latest_placement_wins(pair) -> None:
+    """A prompt placed on b0, then moved to b2 (b0's pair not yet expired): it is on b2."""
+    mine, theirs, _ = pair
+    mine.place("b0", DOC, 0, time.monotonic() + 60)
+    mine.place("b2", DOC, 0, time.monotonic() + 61)
+    assert theirs.held(DOC, 0)[:2] == ("b2", 200)
+
+
 async def test_a_backend_outside_the_fleet_is_not_reported(pair) -> None:
     mine, theirs, _ = pair
     mine.place("gone", DOC, 0, time.monotonic() + 60)

@@ -136,3 +136,42 @@ async def test_two_replicas_place_new_prefixes_identically(tmp_path, routing: di
     finally:
         for s in servers:
             await s.stop()
+
+
+async def test_prefix_aware_a_prefix_moved_through_one_worker_stays_put_through_the_other(
+    tmp_path,
+) -> None:
+    """PREFIX_AWARE, two workers: through worker 0 a document fills its owner (held open
+    at the backend, at `concurrency_threshold`), so its next request moves to another
+    backend. Once every request has finished, the document's next request through
+    worker 1 goes where worker 0 moved it, not back to its free owner."""
+    gate = asyncio.Event()
+    servers = await stubs(4, Behaviour(gate=gate))
+    routing = {
+        "strategy": "PREFIX_AWARE",
+        "prefix_length": 64,
+        "concurrency_threshold": 2,
+        "load_factor": None,
+    }
+    config = {"backends": backends(servers), "routing": routing}
+    try:
+        async with multi_router(tmp_path, config) as r:
+            zero, one = r.workers()
+            *firsts, first = [await r.pinned(zero) for _ in range(3)]  # a connection each
+            second = await r.pinned(one)
+            held = [asyncio.create_task(_home(s, r.url, _document(7))) for s in firsts]
+            await until(lambda: max(s.active for s in servers) == 2, 10, "the owner full")
+            owner = f"b{[s.active for s in servers].index(2)}"
+            moved = asyncio.create_task(_home(first, r.url, _document(7)))
+            await until(lambda: sum(s.active for s in servers) == 3, 10, "the third held")
+            gate.set()
+            assert await asyncio.gather(*held) == [owner, owner]
+            elsewhere = await moved
+            assert elsewhere != owner
+            await until(lambda: sum(s.active for s in servers) == 0, 10, "all finished")
+            assert await _home(second, r.url, _document(7)) == elsewhere
+            assert await _home(first, r.url, _document(7)) == elsewhere
+    finally:
+        gate.set()
+        for s in servers:
+            await s.stop()

@@ -14,6 +14,7 @@ import aiohttp
 import pytest
 import yaml
 
+from hashing.ring import HashRing
 from policies import RouteRequest
 from router.config import ConfigError
 from router.control.reload import ConfigSource
@@ -114,22 +115,35 @@ def _owners(router: Router, fingerprints: list[int]) -> list[str]:
     ]
 
 
+def _ring_owners(names: list[str], fingerprints: list[int]) -> list[str]:
+    ring = HashRing([(name, 1) for name in names])
+    return [names[ring.owner(fp)] for fp in fingerprints]
+
+
 async def test_unchanged_backends_keep_their_prefixes(tmp_path: Path) -> None:
+    """PREFIX_AWARE: a backend added takes about 1/4 of the new prefixes, the ones its
+    ring points own; a prefix already placed stays where it went (its backend holds it);
+    removing the backend puts its prefixes back on their owners."""
     routing = {"strategy": "PREFIX_AWARE", "concurrency_threshold": None}
+    three, four = ["s0", "s1", "s2"], ["s0", "s1", "s2", "s3"]
     async with rig(tmp_path, 4, {0: 1, 1: 1, 2: 1}, routing=routing) as r:
         policy = r.router.fleet.policy
-        fps = [random.getrandbits(64) for _ in range(2000)]
-        before = _owners(r.router, fps)
+        placed, new = ([random.getrandbits(64) for _ in range(2000)] for _ in range(2))
+        before = _owners(r.router, placed)
+        assert before == _ring_owners(three, placed)
         r.write({0: 1, 1: 1, 2: 1, 3: 1}, routing=routing)
         await r.reload()
         assert r.router.fleet.policy is policy  # same routing: the policy object stays
-        after = _owners(r.router, fps)
-        moved = [a for b, a in zip(before, after, strict=True) if a != b]
+        assert _owners(r.router, placed) == before
+        after = _owners(r.router, new)
+        assert after == _ring_owners(four, new)
+        moved = [a for b, a in zip(_ring_owners(three, new), after, strict=True) if a != b]
         assert set(moved) == {"s3"}  # keys only move to the new backend
-        assert 0.15 < len(moved) / len(fps) < 0.35  # about 1/4
+        assert 0.15 < len(moved) / len(new) < 0.35  # about 1/4
         r.write({0: 1, 1: 1, 2: 1}, routing=routing)
         await r.reload()
-        assert _owners(r.router, fps) == before  # removing it puts them back
+        assert _owners(r.router, placed) == before
+        assert _owners(r.router, new) == _ring_owners(three, new)  # removing it puts them back
 
 
 @pytest.mark.parametrize(

@@ -96,7 +96,9 @@ async def test_prefix_aware_spills_at_the_threshold() -> None:
         owner = await ask(oai, messages)
         names = await asyncio.gather(*(ask(oai, messages) for _ in range(5)))
         counts = collections.Counter(names)
-        assert counts[owner] == 2, counts  # the owner takes up to the threshold
+        # the owner takes up to the threshold, then the prefix moves on to the next
+        # backend, which keeps it up to the threshold in turn
+        assert counts[owner] == 2, counts
         assert sorted(counts.values()) == [1, 2, 2]
         assert max(s.max_active for s in stubs) == 2
         await settle(router)
@@ -107,4 +109,4 @@ async def test_prefix_aware_spills_at_the_threshold() -> None:
             for s in f.samples
             if s.name.endswith("_total") and s.value  # not the reasons at 0
         }
-        assert spills == {"spill_threshold": 3.0}
+        assert spills == {"spill_threshold": 2.0}  # its two moves
