@@ -11,7 +11,6 @@ says it routes alone, and it shares again once Redis is back.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import sys
 import time
@@ -28,26 +27,13 @@ from bench.overhead import free_port, process, wait_ready
 from router.control.supervisor import RUN_PARENT_ENV
 from router.telemetry.cluster import Load, Placed
 from tests.redis_server import redis_server
+from tests.router.test_workers import until
 from tests.stub_backend import Behaviour, StubBackend
 
 redis = pytest.importorskip("redis")
 
 CHAT = "/v1/chat/completions"
 PREFIX = "t35:"
-
-
-async def until(check, timeout: float = 15.0, what: str = "condition"):
-    """Poll `check` (sync or async) until it returns something truthy; bounded."""
-    deadline = time.monotonic() + timeout
-    while True:
-        result = check()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return result
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 def config(servers: list[StubBackend], redis_url: str | None, **redis: str) -> dict:
