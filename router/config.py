@@ -686,7 +686,7 @@ class SaturationConfig(_Strict):
 
     enabled: bool = True
     #: vllm:num_requests_waiting, plus the router's in-flight added there since that
-    #: scrape, above this
+    #: scrape when it was queueing then, above this
     max_waiting: Annotated[float, Meta(ge=0)] = 4.0
     #: vllm:kv_cache_usage_perc (0..1) at or above this
     max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95

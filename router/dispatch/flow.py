@@ -17,7 +17,8 @@ Admission (router/dispatch/admission.py) keeps its waiters here instead of one F
   untrusted tenant naming a higher class is refused (403, not silently lowered, so a
   misconfigured client learns it at once).
 - **Saturation.** A backend is saturated when its scraped `vllm:num_requests_waiting`,
-  plus the requests the router added there since that scrape, passes `max_waiting`, or
+  plus the requests the router added there since that scrape if it was queueing then,
+  passes `max_waiting`, or
   its `vllm:kv_cache_usage_perc` reaches `max_kv_cache_usage`. While every usable
   backend is saturated no waiter is released: requests wait in the router, in the order
   above, not in vLLM's queue; they are released (then routed as usual, cache-aware) as
@@ -232,8 +233,12 @@ class FlowQueue:
 
 
 def saturated(backend: Backend, cfg: SaturationConfig) -> bool:
-    """Is `backend` full by its own state: vLLM's queue or KV cache?"""
-    added = max(0, backend.inflight - backend.inflight_at_scrape)
+    """Is `backend` full by its own state: vLLM's queue or KV cache? The requests the
+    router sent it since the last scrape count as waiting only when that scrape found it
+    queueing already (at its batch's limit, a new request waits too); a backend whose
+    queue was empty batches what it is sent, and one whose metrics are unknown or stale
+    (waiting 0) is never judged full by guesswork."""
+    added = max(0, backend.inflight - backend.inflight_at_scrape) if backend.waiting else 0
     return backend.waiting + added > cfg.max_waiting or backend.kv_usage >= cfg.max_kv_cache_usage
 
 

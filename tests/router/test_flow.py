@@ -110,7 +110,8 @@ def test_saturated_only_when_every_usable_backend_is() -> None:
     full, kv_full = _Backend(3, 0.1), _Backend(0, 0.9)
     assert all_saturated([full, kv_full, _Backend(0, 0, usable=False)], cfg)
     assert not all_saturated([full, _Backend(0, 0.5)], cfg)
-    assert all_saturated([full, _Backend(0, 0.5, inflight=3)], cfg)  # the router added 3
+    assert all_saturated([full, _Backend(1, 0.5, inflight=2)], cfg)  # queueing, 2 added
+    assert not all_saturated([full, _Backend(0, 0.5, inflight=30)], cfg)  # it batches them
     assert not all_saturated([], cfg)  # none usable: routing answers instead
     assert not all_saturated([full], SaturationConfig(enabled=False))
 

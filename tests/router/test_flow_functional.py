@@ -8,6 +8,7 @@ from typing import Any
 
 import aiohttp
 import orjson
+import pytest
 
 from router.control.worker import Router
 from tests.router.chaos import until
@@ -157,3 +158,30 @@ async def test_requests_wait_in_the_router_while_every_backend_is_saturated() ->
         stubs[1].behaviour.metrics = _vllm_page(waiting=0, kv=0.5)  # leaves saturation
         assert (await waiting)[0] == 200
         assert _order(stubs[0]) + _order(stubs[1]) == ["waits"]  # then routed as usual
+
+
+@pytest.mark.parametrize("metrics", [True, False], ids=["empty-queue", "no-metrics"])
+async def test_backends_that_were_not_queueing_take_more_than_max_waiting_at_once(
+    metrics: bool,
+) -> None:
+    """Requests sent since the last scrape count as waiting only on a backend that was
+    queueing then: one with an empty queue, or no metrics at all, batches them (a vLLM
+    server runs dozens of sequences at once), and none waits in the router."""
+    telemetry = {"scrape_interval": 2}  # seconds between a backend's scrapes
+    flow = {"saturation": {"max_waiting": 2}}
+    async with (
+        running(2, telemetry=telemetry, flow=flow) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        if metrics:
+            for stub in stubs:
+                stub.behaviour.metrics = _vllm_page(waiting=0, kv=0.1)
+            await until(lambda: all(b.kv_usage == 0.1 for b in router.fleet.members), 5)
+        for stub in stubs:
+            stub.behaviour.gate = asyncio.Event()
+        held = [asyncio.create_task(_post(http, router, f"r{i}")) for i in range(12)]
+        await until(lambda: sum(s.active for s in stubs) == 12)
+        assert router.dispatcher.admission.queued == 0
+        for stub in stubs:
+            stub.behaviour.gate.set()
+        assert [status for status, _ in await asyncio.gather(*held)] == [200] * 12
