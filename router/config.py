@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import yaml
@@ -405,8 +405,8 @@ class AdminConfig(_Strict):
 class AuthConfig(_Strict):
     """Bearer tokens on the data plane; off unless `enabled`.
 
-    Static tokens: one per line (`TOKEN` or `TOKEN TENANT`, `#` comments) in
-    `tokens_file`, or comma-separated in the `tokens_env` variable. Signed tokens
+    Static tokens: one per line (`TOKEN [TENANT] [priority=CLASS] [trusted=true]`, `#`
+    comments) in `tokens_file`, or comma-separated in the `tokens_env` variable. Signed tokens
     (`kvroute token issue`): HMAC-SHA256 with the key in `signing_key_file` or
     `signing_key_env`, expiring, at most 12 hours, carrying a tenant.
     """
@@ -658,6 +658,14 @@ def webhook_target(entry: str) -> tuple[str, int | None]:
 #: and batch lines are `background`, below every interactive class
 PRIORITIES = ("critical", "standard", "sheddable", "background")
 Priority = Literal["critical", "standard", "sheddable", "background"]
+
+
+class TokenClass(NamedTuple):
+    """A static token's class (its `priority=` and `trusted=` fields, auth.tokens_file)."""
+
+    priority: str
+    #: may raise its class with the priority header
+    trusted: bool
 
 
 class FlowClassConfig(_Strict):

@@ -192,7 +192,9 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            call.priority = call.priority or request_class(self._flow, call.tenant, call.headers)
+            call.priority = call.priority or request_class(
+                self._flow, call.tenant, call.headers, call.token_class
+            )
             waited = time.perf_counter()
             try:
                 held = await self.admission.enter(call.tenant, call.priority)

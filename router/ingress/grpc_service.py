@@ -45,7 +45,7 @@ from multidict import CIMultiDict
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router import log
-from router.config import Config
+from router.config import Config, TokenClass
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import KvrouteError, PayloadTooLarge, UpstreamError
 from router.fleet.backends import Fleet
@@ -210,9 +210,11 @@ class _Inference(pb_grpc.InferenceServicer):
         metadata = context.invocation_metadata() or ()
         request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
-        tenant = None
+        tenant = token_class = None
         try:
-            tenant = self._token_tenant(authorization, claimed)  # no work for strangers
+            tenant, token_class = self._token_tenant(
+                authorization, claimed
+            )  # no work for strangers
             request = grpc_convert.parse(_REQUESTS[kind], raw)
             routing = request.routing
             if not self._auth.enabled:
@@ -233,7 +235,7 @@ class _Inference(pb_grpc.InferenceServicer):
         headers = self._headers(request_id, authorization, tenant, routing)
         headers.extend((k, v) for k, v in metadata if k in _TRACE_CONTEXT)
         call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, arrived, tenant)
-        call.request_id = request_id
+        call.request_id, call.token_class = request_id, token_class
         call.sent_headers = CIMultiDict(metadata)  # what the capture records
         return trailers, call
 
@@ -250,15 +252,18 @@ class _Inference(pb_grpc.InferenceServicer):
                 tenant = value
         return passable_request_id(request_id), authorization, tenant
 
-    def _token_tenant(self, authorization: str | None, claimed: str | None) -> str | None:
-        """With auth on, the tenant as over HTTP (`Authenticator.tenant`), the tenant
-        metadata being the claimed tenant; None with auth off. Raises Unauthorized."""
+    def _token_tenant(
+        self, authorization: str | None, claimed: str | None
+    ) -> tuple[str | None, TokenClass | None]:
+        """With auth on, the tenant and token class as over HTTP (`Authenticator.identify`),
+        the tenant metadata being the claimed tenant; None with auth off. Raises
+        Unauthorized."""
         if not self._auth.enabled:
-            return None
-        tenant = self._auth.tenant(authorization, claimed)
+            return None, None
+        tenant, token_class = self._auth.identify(authorization, claimed)
         if tenant is not None:
             self._metrics.tenant_request(tenant, self._auth.tenants)
-        return tenant
+        return tenant, token_class
 
     def _claimed_tenant(self, claimed: str | None, routing: pb.RoutingHints) -> str | None:
         """With auth off, the tenant metadata, or `routing.tenant` over it: only then,

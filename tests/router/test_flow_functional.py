@@ -38,12 +38,16 @@ async def _post(
 
 
 async def _queue_behind_held(
-    router: Router, stub, http: aiohttp.ClientSession, sends: list[tuple[str, dict]]
+    router: Router,
+    stub,
+    http: aiohttp.ClientSession,
+    sends: list[tuple[str, dict]],
+    held_headers: dict[str, str] | None = None,
 ) -> list[asyncio.Task]:
     """Hold the only slot with a gated request, then queue `sends` (label, headers) in
     that order, each once the one before is queued; the tasks, the holder's first."""
     stub.behaviour.gate = asyncio.Event()
-    held = asyncio.create_task(_post(http, router, "held"))
+    held = asyncio.create_task(_post(http, router, "held", **(held_headers or {})))
     await until(lambda: stub.active == 1)
     tasks = [held]
     for label, headers in sends:
@@ -157,3 +161,34 @@ async def test_requests_wait_in_the_router_while_every_backend_is_saturated() ->
         stubs[1].behaviour.metrics = _vllm_page(waiting=0, kv=0.5)  # leaves saturation
         assert (await waiting)[0] == 200
         assert _order(stubs[0]) + _order(stubs[1]) == ["waits"]  # then routed as usual
+
+
+async def test_a_static_tokens_class_counts_where_the_tenant_config_sets_none(
+    monkeypatch,
+) -> None:
+    tokens = [
+        "tok-vip vip priority=critical trusted=true",
+        "tok-low priority=sheddable",
+        "tok-cfg cfg priority=critical",
+    ]
+    monkeypatch.setenv("KV_FLOW_TOKENS", ",".join(tokens))
+    auth = {"enabled": True, "tokens_env": "KV_FLOW_TOKENS"}
+    flow = {"tenants": {"cfg": {"priority": "sheddable"}}}  # the tenant's config wins
+    config = {"limits": ONE_AT_A_TIME, "auth": auth, "flow": flow}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+
+        def bearer(token: str, **more: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {token}", **more}
+
+        raised = bearer("tok-low", **{"X-Kvroute-Priority": "standard"})  # not trusted
+        assert (await _post(http, router, "raised", **raised))[0] == 403
+        sends = [
+            ("low", bearer("tok-low")),
+            ("cfg", bearer("tok-cfg")),
+            ("vip-lowered", bearer("tok-vip", **{"X-Kvroute-Priority": "standard"})),
+            ("vip", bearer("tok-vip")),
+        ]
+        tasks = await _queue_behind_held(router, stub, http, sends, bearer("tok-low"))
+        stub.behaviour.gate.set()
+        assert [(await t)[0] for t in tasks] == [200] * 5
+        assert _order(stub)[1:] == ["vip", "vip-lowered", "low", "cfg"]
