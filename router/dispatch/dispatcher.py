@@ -111,6 +111,7 @@ class Dispatcher:
             metrics,
             config.flow,
             lambda: all_saturated(fleet.members, self._flow.saturation),
+            lambda tenant: metrics.tenant_label(tenant, self._account.tenants()),
         )
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)

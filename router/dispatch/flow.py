@@ -70,6 +70,8 @@ class Waiter:
     rank: int
     future: asyncio.Future[None]
     since: float = field(default_factory=time.monotonic)
+    #: its tenant as the metrics label it
+    label: str = ""
 
 
 def request_class(
