@@ -730,8 +730,8 @@ class FlowConfig(_Strict):
     classes: dict[Priority, FlowClassConfig] = msgspec.field(default_factory=dict)
     saturation: SaturationConfig = SaturationConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
-    #: answer with `x-kvroute-reason`: why the backend was picked (`kv_hit`, `session`,
-    #: `spill_threshold`, ...)
+    #: answer with `x-kvroute-reason` (gRPC: that trailer): why the backend was picked
+    #: (`kv_hit`, `session`, `spill_threshold`, ...), then `; queued` if it waited here
     reason_header: bool = False
 
 

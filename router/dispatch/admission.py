@@ -144,13 +144,20 @@ class Admission:
 
     async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Hashable | None:
         """Take a slot (waiting if need be) or raise Overloaded; returns the tenant key held."""
+        return (await self.enter_timed(tenant, priority))[0]
+
+    async def enter_timed(
+        self, tenant: str | None, priority: str = DEFAULT_CLASS
+    ) -> tuple[Hashable | None, float]:
+        """`enter`'s tenant key, and the seconds the request waited in the queue (0: it
+        was admitted at once)."""
         held = self._take_tenant(tenant)
         try:
-            await self._take_slot(tenant or "", rank_of(priority))
+            waited = await self._take_slot(tenant or "", rank_of(priority))
         except BaseException:
             self._give_tenant(held)
             raise
-        return held
+        return held, waited
 
     def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
@@ -199,10 +206,11 @@ class Admission:
         self.active -= 1
         self._counts.give(TOTAL)
 
-    async def _take_slot(self, tenant: str, rank: int) -> None:
+    async def _take_slot(self, tenant: str, rank: int) -> float:
+        """Take a slot, waiting in the queue if need be; the seconds waited there."""
         queue = self._queue
         if not len(queue) and not self._counts.waiting_above(rank) and self._free_slot():
-            return
+            return 0.0
         name = PRIORITIES[rank]
         if queue.depth(rank) >= queue.queue_size(name):
             raise self._refused(Refusal.QUEUE_FULL, f"The `{name}` queue is full.")
@@ -240,10 +248,11 @@ class Admission:
                 ) from None
             raise
         finally:
+            waited = time.monotonic() - waiter.since
             if self._metrics is not None:
-                waited = time.monotonic() - waiter.since
                 self._metrics.flow_wait.labels(name).observe(waited)
                 self._metrics.flow_tenant_wait.labels(waiter.label).observe(waited)
+        return waited
 
     def _poll_soon(self) -> None:
         """Look again soon for a slot another worker freed, or a backend that left

@@ -82,7 +82,7 @@ class Call:
     priority: str | None = None
     #: its static token's class, which counts when its tenant's config sets none
     token_class: TokenClass | None = None
-    #: seconds it waited in admission's queue
+    #: seconds it waited in admission's queue (0: admitted at once)
     queued: float = 0.0
 
 

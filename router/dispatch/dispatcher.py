@@ -39,7 +39,7 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.disaggregation import Disaggregation
-from router.dispatch.flow import all_saturated, request_class
+from router.dispatch.flow import all_saturated, decision, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.session import Sessions
@@ -198,9 +198,10 @@ class Dispatcher:
             )
             waited = time.perf_counter()
             try:
-                held = await self.admission.enter(call.tenant, call.priority)
-            finally:
+                held, call.queued = await self.admission.enter_timed(call.tenant, call.priority)
+            except BaseException:
                 call.queued = time.perf_counter() - waited
+                raise
             try:
                 async with asyncio.timeout(None) as deadline:
                     if self._adapters.wanted(call.req.model):
@@ -217,7 +218,7 @@ class Dispatcher:
                     if call.trace is not None:
                         call.trace.routed(first.routed, self._account.strategy, t0, call)
                     if self._flow.reason_header:
-                        call.decision = first.routed.reason
+                        call.decision = decision(first.routed.reason, call.queued)
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below

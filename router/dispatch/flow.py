@@ -108,6 +108,15 @@ def request_class(
     return asked
 
 
+def decision(reason: str, queued: float) -> str:
+    """The answer's x-kvroute-reason: why its backend was picked, then `queued` when the
+    request waited in the router's queue (`queued` seconds) before that pick."""
+    parts = [reason] if reason else []
+    if queued:
+        parts.append("queued")
+    return "; ".join(parts)
+
+
 def rank_of(name: str) -> int:
     return _RANK[name]
 

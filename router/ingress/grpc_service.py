@@ -70,6 +70,8 @@ SERVICE = SERVICES[0].full_name
 _UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
 POOL_KEY = "x-kvroute-pool"
+#: why the backend was picked, when `flow.reason_header` is on (HTTP's x-kvroute-reason)
+REASON_KEY = "x-kvroute-reason"
 REQUEST_ID_KEY = "x-request-id"
 #: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
@@ -178,7 +180,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, raw, context, stream=False)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.extend(_served_by(upstream))
+                trailers.extend(_served_by(upstream, call))
                 body = await upstream.read()
                 status = upstream.status
                 reply = grpc_convert.decode(convert, body) if status == 200 else None
@@ -193,7 +195,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, raw, context, stream=True)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.extend(_served_by(upstream))
+                trailers.extend(_served_by(upstream, call))
                 if upstream.status == 200 and upstream.streaming:
                     error = await _relay(upstream, context, convert, call.strip_usage)
                 else:
@@ -319,11 +321,14 @@ async def _relay(
     return error
 
 
-def _served_by(upstream: Upstream) -> list[tuple[str, str]]:
-    """The trailers naming the backend that answered, and its pool when it has one."""
+def _served_by(upstream: Upstream, call: Call) -> list[tuple[str, str]]:
+    """The trailers naming the backend that answered, its pool when it has one, and
+    why it was picked when the reason is sent."""
     found = [(BACKEND_KEY, upstream.backend_name)]
     if upstream.pool is not None:
         found.append((POOL_KEY, upstream.pool))
+    if call.decision:
+        found.append((REASON_KEY, call.decision))
     return found
 
 

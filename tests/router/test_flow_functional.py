@@ -192,3 +192,15 @@ async def test_a_static_tokens_class_counts_where_the_tenant_config_sets_none(
         stub.behaviour.gate.set()
         assert [(await t)[0] for t in tasks] == [200] * 5
         assert _order(stub)[1:] == ["vip", "vip-lowered", "low", "cfg"]
+
+
+async def test_the_reason_header_says_when_a_request_waited_in_the_queue() -> None:
+    config = {"limits": ONE_AT_A_TIME, "flow": {"reason_header": True}}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+        tasks = await _queue_behind_held(router, stub, http, [("waited", {})])
+        stub.behaviour.gate.set()
+        (held_status, held), (waited_status, waited) = [await t for t in tasks]
+    assert held_status == waited_status == 200
+    reason = held["x-kvroute-reason"]
+    assert reason and "queued" not in reason  # admitted at once
+    assert waited["x-kvroute-reason"] == f"{reason}; queued"
