@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 
 import msgspec
 import yaml
@@ -405,8 +405,8 @@ class AdminConfig(_Strict):
 class AuthConfig(_Strict):
     """Bearer tokens on the data plane; off unless `enabled`.
 
-    Static tokens: one per line (`TOKEN` or `TOKEN TENANT`, `#` comments) in
-    `tokens_file`, or comma-separated in the `tokens_env` variable. Signed tokens
+    Static tokens: one per line (`TOKEN [TENANT] [priority=CLASS] [trusted=true]`, `#`
+    comments) in `tokens_file`, or comma-separated in the `tokens_env` variable. Signed tokens
     (`kvroute token issue`): HMAC-SHA256 with the key in `signing_key_file` or
     `signing_key_env`, expiring, at most 12 hours, carrying a tenant.
     """
@@ -660,6 +660,14 @@ PRIORITIES = ("critical", "standard", "sheddable", "background")
 Priority = Literal["critical", "standard", "sheddable", "background"]
 
 
+class TokenClass(NamedTuple):
+    """A static token's class (its `priority=` and `trusted=` fields, auth.tokens_file)."""
+
+    priority: str
+    #: may raise its class with the priority header
+    trusted: bool
+
+
 class FlowClassConfig(_Strict):
     """One priority class's wait in the router (None: the `limits` value)."""
 
@@ -722,8 +730,8 @@ class FlowConfig(_Strict):
     classes: dict[Priority, FlowClassConfig] = msgspec.field(default_factory=dict)
     saturation: SaturationConfig = SaturationConfig()
     session_affinity: SessionAffinityConfig = SessionAffinityConfig()
-    #: answer with `x-kvroute-reason`: why the backend was picked (`kv_hit`, `session`,
-    #: `spill_threshold`, ...)
+    #: answer with `x-kvroute-reason` (gRPC: that trailer): why the backend was picked
+    #: (`kv_hit`, `session`, `spill_threshold`, ...), then `; queued` if it waited here
     reason_header: bool = False
 
 

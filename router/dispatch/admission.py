@@ -25,8 +25,10 @@ client gone) after its slot was handed over passes it on. `enter` returns what `
 must give back, so a reload that changes the caps in between cannot unbalance the
 per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
 
-Metrics: each refusal by its reason, and the queue's depth (total and by class) and
-each waiter's wait by class, set only when the queue changes (a request admitted at
+Metrics: each refusal by its reason, and the queue's depth (total, by class and by
+tenant) and each waiter's wait by class and by tenant, the tenant bounded as every
+tenant label is (`metrics.tenants` and the static tokens' by name, else `(other)`),
+set only when the queue changes (a request admitted at
 once touches no metric here).
 """
 
@@ -111,15 +113,20 @@ class Admission:
         metrics: Metrics | None = None,
         flow: FlowConfig | None = None,
         saturated: Callable[[], bool] = lambda: False,
+        tenant_label: Callable[[str | None], str] = lambda tenant: tenant or "",
     ) -> None:
         """`saturated`: whether every backend is full now (flow.py's `all_saturated`),
-        when requests wait here instead of in the backends' queues."""
+        when requests wait here instead of in the backends' queues; `tenant_label`: a
+        tenant's label in the metrics (bounded)."""
         self.limits = limits
         self.active = 0
         self._counts = counts or LocalCounts()
         self._metrics = metrics
         self._queue = FlowQueue(flow or FlowConfig(), limits)
         self._saturated = saturated
+        self._tenant_label = tenant_label
+        #: this worker's waiters by tenant label
+        self._tenant_depth: dict[str, int] = {}
         self._drain = DrainRate()
         #: saturation held requests back since the queue was last empty: release paced
         self._held_back = False
@@ -137,13 +144,20 @@ class Admission:
 
     async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Hashable | None:
         """Take a slot (waiting if need be) or raise Overloaded; returns the tenant key held."""
+        return (await self.enter_timed(tenant, priority))[0]
+
+    async def enter_timed(
+        self, tenant: str | None, priority: str = DEFAULT_CLASS
+    ) -> tuple[Hashable | None, float]:
+        """`enter`'s tenant key, and the seconds the request waited in the queue (0: it
+        was admitted at once)."""
         held = self._take_tenant(tenant)
         try:
-            await self._take_slot(tenant or "", rank_of(priority))
+            waited = await self._take_slot(tenant or "", rank_of(priority))
         except BaseException:
             self._give_tenant(held)
             raise
-        return held
+        return held, waited
 
     def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
@@ -157,7 +171,7 @@ class Admission:
         queue = self._queue
         while len(queue) and not self._counts.waiting_above(queue.top_rank()):
             waiter = queue.pop()
-            self._queue_changed(waiter.rank)
+            self._queue_changed(waiter, -1)
             if not waiter.future.done():  # a cancelled one is queued until its task runs
                 waiter.future.set_result(None)
                 return True
@@ -192,10 +206,11 @@ class Admission:
         self.active -= 1
         self._counts.give(TOTAL)
 
-    async def _take_slot(self, tenant: str, rank: int) -> None:
+    async def _take_slot(self, tenant: str, rank: int) -> float:
+        """Take a slot, waiting in the queue if need be; the seconds waited there."""
         queue = self._queue
         if not len(queue) and not self._counts.waiting_above(rank) and self._free_slot():
-            return
+            return 0.0
         name = PRIORITIES[rank]
         if queue.depth(rank) >= queue.queue_size(name):
             raise self._refused(Refusal.QUEUE_FULL, f"The `{name}` queue is full.")
@@ -204,13 +219,14 @@ class Admission:
             if victim is None:
                 raise self._refused(Refusal.QUEUE_FULL, "The router's wait queue is full.")
             queue.remove(victim)
-            self._queue_changed(victim.rank)
+            self._queue_changed(victim, -1)
             victim.future.set_exception(
                 self._refused(Refusal.SHED, "Shed for a request of a higher priority.")
             )
         waiter = Waiter(tenant, rank, asyncio.get_running_loop().create_future())
+        waiter.label = self._tenant_label(tenant or None)
         queue.push(waiter)
-        self._queue_changed(rank)
+        self._queue_changed(waiter, 1)
         self._poll_soon()
         try:
             async with asyncio.timeout(queue.queue_timeout(name)):
@@ -220,7 +236,7 @@ class Admission:
             if future.done() and not future.cancelled() and future.exception() is None:
                 self.leave(None)  # handed a slot just as we gave up: pass it on
             elif queue.remove(waiter):
-                self._queue_changed(rank)
+                self._queue_changed(waiter, -1)
             if isinstance(exc, TimeoutError):
                 if self._saturated():
                     raise self._refused(
@@ -232,8 +248,11 @@ class Admission:
                 ) from None
             raise
         finally:
+            waited = time.monotonic() - waiter.since
             if self._metrics is not None:
-                self._metrics.flow_wait.labels(name).observe(time.monotonic() - waiter.since)
+                self._metrics.flow_wait.labels(name).observe(waited)
+                self._metrics.flow_tenant_wait.labels(waiter.label).observe(waited)
+        return waited
 
     def _poll_soon(self) -> None:
         """Look again soon for a slot another worker freed, or a backend that left
@@ -261,10 +280,18 @@ class Admission:
         if held is not None:
             self._counts.give(held)
 
-    def _queue_changed(self, rank: int) -> None:
+    def _queue_changed(self, waiter: Waiter, change: int) -> None:
+        """`waiter` joined (`change` 1) or left (-1) the queue."""
+        rank, label = waiter.rank, waiter.label
+        depth = self._tenant_depth.get(label, 0) + change
+        if depth:
+            self._tenant_depth[label] = depth
+        else:
+            self._tenant_depth.pop(label, None)  # bounded: only labels with waiters
         if self._metrics is not None:
             self._metrics.admission_queue.set(len(self._queue))
             self._metrics.flow_queue.labels(PRIORITIES[rank]).set(self._queue.depth(rank))
+            self._metrics.flow_tenant_queue.labels(label).set(depth)
         self._counts.set_waiting(rank, self._queue.depth(rank))
 
     def _refused(self, why: Refusal, message: str) -> Overloaded:

@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 
 from multidict import CIMultiDict
 
+from router.config import TokenClass
 from router.fleet.backend import Backend
 from router.request import Kind
 from router.upstream.usage import Usage
@@ -79,7 +80,9 @@ class Call:
     #: its priority class: set by the router for async jobs, else once admission
     #: took it from the tenant or the header (router/dispatch/flow.py)
     priority: str | None = None
-    #: seconds it waited in admission's queue
+    #: its static token's class, which counts when its tenant's config sets none
+    token_class: TokenClass | None = None
+    #: seconds it waited in admission's queue (0: admitted at once)
     queued: float = 0.0
 
 

@@ -39,7 +39,7 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.disaggregation import Disaggregation
-from router.dispatch.flow import all_saturated, request_class
+from router.dispatch.flow import all_saturated, decision, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
 from router.dispatch.session import Sessions
@@ -111,6 +111,7 @@ class Dispatcher:
             metrics,
             config.flow,
             lambda: all_saturated(fleet.members, self._flow.saturation),
+            lambda tenant: metrics.tenant_label(tenant, self._account.tenants()),
         )
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
         self._describer = Describer(fleet, self._tokenizer)
@@ -192,12 +193,15 @@ class Dispatcher:
                 call.body, call.strip_usage = asked, True
         try:
             self._open.enter(task)
-            call.priority = call.priority or request_class(self._flow, call.tenant, call.headers)
+            call.priority = call.priority or request_class(
+                self._flow, call.tenant, call.headers, call.token_class
+            )
             waited = time.perf_counter()
             try:
-                held = await self.admission.enter(call.tenant, call.priority)
-            finally:
+                held, call.queued = await self.admission.enter_timed(call.tenant, call.priority)
+            except BaseException:
                 call.queued = time.perf_counter() - waited
+                raise
             try:
                 async with asyncio.timeout(None) as deadline:
                     if self._adapters.wanted(call.req.model):
@@ -214,7 +218,7 @@ class Dispatcher:
                     if call.trace is not None:
                         call.trace.routed(first.routed, self._account.strategy, t0, call)
                     if self._flow.reason_header:
-                        call.decision = first.routed.reason
+                        call.decision = decision(first.routed.reason, call.queued)
                     attempt = await self._connector.connect(call, first, deadline, tried)
                     ok = False
                     try:  # no await since connect returned: the attempt is released below

@@ -12,8 +12,9 @@ Admission (router/dispatch/admission.py) keeps its waiters here instead of one F
   turns by deficit round robin: each turn a tenant is credited its weight and releases
   one request per whole credit. A tenant sending five times its share therefore only
   lengthens its own queue. Weights come from `flow.tenants`, else `default_weight`.
-- **Class of a request.** Its tenant's `priority`, or the `priority_header` when the
-  request names one: any tenant may lower its class, only a `trusted` one raise it. An
+- **Class of a request.** Its tenant's `priority` (else its static token's, else
+  `standard`), or the `priority_header` when the request names one: any tenant may lower
+  its class, only a `trusted` one (tenant or token) raise it. An
   untrusted tenant naming a higher class is refused (403, not silently lowered, so a
   misconfigured client learns it at once).
 - **Saturation.** A backend is saturated when its scraped `vllm:num_requests_waiting`,
@@ -46,7 +47,7 @@ from dataclasses import dataclass, field
 
 from multidict import CIMultiDict
 
-from router.config import PRIORITIES, FlowConfig, LimitsConfig, SaturationConfig
+from router.config import PRIORITIES, FlowConfig, LimitsConfig, SaturationConfig, TokenClass
 from router.errors import KvrouteError
 from router.fleet.backend import Backend
 
@@ -70,12 +71,25 @@ class Waiter:
     rank: int
     future: asyncio.Future[None]
     since: float = field(default_factory=time.monotonic)
+    #: its tenant as the metrics label it
+    label: str = ""
 
 
-def request_class(flow: FlowConfig, tenant: str | None, headers: CIMultiDict[str] | None) -> str:
-    """The class of a request: its tenant's, or the header's when that is allowed."""
+def request_class(
+    flow: FlowConfig,
+    tenant: str | None,
+    headers: CIMultiDict[str] | None,
+    token: TokenClass | None = None,
+) -> str:
+    """The class of a request: its tenant's config's, else its token's, or the header's
+    when that is allowed."""
     cfg = flow.tenants.get(tenant or "")
-    own = cfg.priority if cfg is not None else DEFAULT_CLASS
+    if cfg is not None:
+        own, trusted = cfg.priority, cfg.trusted
+    elif token is not None:
+        own, trusted = token.priority, token.trusted
+    else:
+        own, trusted = DEFAULT_CLASS, False
     asked = headers.get(flow.priority_header) if headers and flow.priority_header else None
     if asked is None:
         return own
@@ -86,13 +100,22 @@ def request_class(flow: FlowConfig, tenant: str | None, headers: CIMultiDict[str
             param=flow.priority_header,
             status=400,
         )
-    if _RANK[asked] < _RANK[own] and not (cfg is not None and cfg.trusted):
+    if _RANK[asked] < _RANK[own] and not trusted:
         raise PriorityRefused(
             f"Priority `{asked}` is above this tenant's (`{own}`); only a trusted tenant "
             "may raise it.",
             param=flow.priority_header,
         )
     return asked
+
+
+def decision(reason: str, queued: float) -> str:
+    """The answer's x-kvroute-reason: why its backend was picked, then `queued` when the
+    request waited in the router's queue (`queued` seconds) before that pick."""
+    parts = [reason] if reason else []
+    if queued:
+        parts.append("queued")
+    return "; ".join(parts)
 
 
 def rank_of(name: str) -> int:

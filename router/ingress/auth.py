@@ -2,7 +2,9 @@
 
 Two kinds of data-plane token, both sent as `Authorization: Bearer <token>`:
 
-- static: listed in a file or an environment variable, each optionally with a tenant;
+- static: listed in a file or an environment variable, each optionally with a tenant,
+  and a flow control class (`priority=CLASS`, `trusted=true` to let it raise its class
+  with the priority header) that counts when the tenant's config sets none;
 - signed: `kvr1.<claims>.<mac>`, where claims is base64url(JSON {"tnt", "iat", "exp"})
   and mac is base64url(HMAC-SHA256(key, "kvr1." + claims)). It is valid while
   iat - 60 s <= now < exp, and only if exp - iat <= 12 hours: a longer-lived token is
@@ -37,7 +39,15 @@ import time
 
 import msgspec
 
-from router.config import TENANT_PATTERN, AdminConfig, AuthConfig, ConfigError, load
+from router.config import (
+    PRIORITIES,
+    TENANT_PATTERN,
+    AdminConfig,
+    AuthConfig,
+    ConfigError,
+    TokenClass,
+    load,
+)
 from router.errors import BadRequest, Unauthorized
 from router.jobs.store import TOKEN_OWNER
 from router.secrets import read_secret
@@ -131,7 +141,12 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(_bytes(token)).digest()
 
 
-def _static_tokens(cfg: AuthConfig) -> list[tuple[bytes, str | None]]:
+#: a static token's entry: its digest, tenant and class
+_Static = tuple[bytes, str | None, TokenClass | None]
+_LINE = "auth: a static token line is `TOKEN [TENANT] [priority=CLASS] [trusted=true|false]`"
+
+
+def _static_tokens(cfg: AuthConfig) -> list[_Static]:
     lines: list[str] = []
     if cfg.tokens_file is not None:
         lines += read_secret(cfg.tokens_file, None, "auth.tokens_file").splitlines()
@@ -140,12 +155,28 @@ def _static_tokens(cfg: AuthConfig) -> list[tuple[bytes, str | None]]:
     tokens = []
     for line in lines:
         fields = line.split("#", 1)[0].split()
-        if not fields:
-            continue
-        if len(fields) > 2 or (len(fields) == 2 and not _TENANT.fullmatch(fields[1])):
-            raise ConfigError("auth: a static token line is `TOKEN [TENANT]`")
-        tokens.append((_digest(fields[0]), fields[1] if len(fields) == 2 else None))
+        if fields:
+            tokens.append(_static_line(fields))
     return tokens
+
+
+def _static_line(fields: list[str]) -> _Static:
+    """One static token line's entry; ConfigError (never naming the token) if malformed.
+    A tenant id has no `=`, so the optional fields cannot be taken for one."""
+    token, rest = fields[0], fields[1:]
+    tenant = rest.pop(0) if rest and "=" not in rest[0] else None
+    if tenant is not None and not _TENANT.fullmatch(tenant):
+        raise ConfigError(_LINE)
+    options = dict(field.partition("=")[::2] for field in rest)
+    if len(options) != len(rest) or not options.keys() <= {"priority", "trusted"}:
+        raise ConfigError(_LINE)
+    priority, trusted = options.get("priority"), options.get("trusted", "false")
+    if (priority is not None and priority not in PRIORITIES) or trusted not in ("true", "false"):
+        raise ConfigError(f"{_LINE}, CLASS one of {', '.join(PRIORITIES)}")
+    if priority is None and trusted == "true":
+        raise ConfigError("auth: a static token with trusted=true needs a priority=")
+    token_class = TokenClass(priority, trusted == "true") if priority is not None else None
+    return _digest(token), tenant, token_class
 
 
 def _signing_key(cfg: AuthConfig) -> bytes | None:
@@ -171,7 +202,7 @@ class Authenticator:
         self._key = _signing_key(cfg) if cfg.enabled else None
         self._trust_header = cfg.tenant_header_trusted
         #: the tenants static tokens name: known ones, which metrics show by name
-        self.tenants = frozenset(tenant for _, tenant in self._static if tenant is not None)
+        self.tenants = frozenset(tenant for _, tenant, _ in self._static if tenant is not None)
 
     def adopt(self, other: Authenticator) -> None:
         self.enabled, self._static, self._key = other.enabled, other._static, other._key
@@ -182,12 +213,18 @@ class Authenticator:
         (its `tenant_header`): see the module's docstring. Raises Unauthorized when auth
         is on and the token is missing, malformed or invalid, BadRequest when the claim
         counts and is not a tenant id."""
+        return self.identify(authorization, claimed)[0]
+
+    def identify(
+        self, authorization: str | None, claimed: str | None
+    ) -> tuple[str | None, TokenClass | None]:
+        """The request's tenant (as `tenant`) and its static token's class, if any."""
         if not self.enabled:
-            return _claim(claimed)
-        tenant = self.authenticate(authorization)
+            return _claim(claimed), None
+        tenant, token_class = self._identity(authorization)
         if tenant is None and self._trust_header:
-            return _claim(claimed)
-        return tenant
+            return _claim(claimed), token_class
+        return tenant, token_class
 
     def owner(self, authorization: str | None, claimed: str | None) -> str | None:
         """Whose jobs, files and batches a request sees: its tenant, else (auth on, a
@@ -209,21 +246,25 @@ class Authenticator:
 
         Raises Unauthorized when the header is missing, malformed or the token invalid.
         """
+        return self._identity(authorization)[0]
+
+    def _identity(self, authorization: str | None) -> tuple[str | None, TokenClass | None]:
+        """`authenticate`'s tenant, and the static token's class."""
         token = bearer(authorization)
         if token.startswith(_PREFIX + ".") and self._key is not None:
-            return verify(self._key, token)
-        matched, tenant = self._match(token)
+            return verify(self._key, token), None
+        matched, tenant, token_class = self._match(token)
         if not matched:
             raise Unauthorized("Invalid bearer token.")
-        return tenant
+        return tenant, token_class
 
-    def _match(self, token: str) -> tuple[bool, str | None]:
-        """Whether `token` is a static token, and its tenant."""
-        digest, matched, found = _digest(token), False, None
-        for known, tenant in self._static:
+    def _match(self, token: str) -> tuple[bool, str | None, TokenClass | None]:
+        """Whether `token` is a static token, its tenant and its class."""
+        digest, matched, found, found_class = _digest(token), False, None, None
+        for known, tenant, token_class in self._static:
             if hmac.compare_digest(digest, known):  # no early exit: same time for all
-                matched, found = True, tenant
-        return matched, found
+                matched, found, found_class = True, tenant, token_class
+        return matched, found, found_class
 
 
 class AdminToken:

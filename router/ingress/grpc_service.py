@@ -45,7 +45,7 @@ from multidict import CIMultiDict
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router import log
-from router.config import Config
+from router.config import Config, TokenClass
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import KvrouteError, PayloadTooLarge, UpstreamError
 from router.fleet.backends import Fleet
@@ -70,6 +70,8 @@ SERVICE = SERVICES[0].full_name
 _UNGATED = frozenset({SERVICE, health.SERVICE_NAME})
 BACKEND_KEY = "x-kvroute-backend"
 POOL_KEY = "x-kvroute-pool"
+#: why the backend was picked, when `flow.reason_header` is on (HTTP's x-kvroute-reason)
+REASON_KEY = "x-kvroute-reason"
 REQUEST_ID_KEY = "x-request-id"
 #: W3C Trace Context metadata, passed to the backend as the HTTP headers it is
 _TRACE_CONTEXT = frozenset({"traceparent", "tracestate"})
@@ -178,7 +180,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, raw, context, stream=False)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.extend(_served_by(upstream))
+                trailers.extend(_served_by(upstream, call))
                 body = await upstream.read()
                 status = upstream.status
                 reply = grpc_convert.decode(convert, body) if status == 200 else None
@@ -193,7 +195,7 @@ class _Inference(pb_grpc.InferenceServicer):
         trailers, call = await self._call(kind, raw, context, stream=True)
         try:
             async with self._dispatch.exchange(call) as upstream:
-                trailers.extend(_served_by(upstream))
+                trailers.extend(_served_by(upstream, call))
                 if upstream.status == 200 and upstream.streaming:
                     error = await _relay(upstream, context, convert, call.strip_usage)
                 else:
@@ -210,9 +212,11 @@ class _Inference(pb_grpc.InferenceServicer):
         metadata = context.invocation_metadata() or ()
         request_id, authorization, claimed = self._metadata(metadata)
         trailers: list[tuple[str, str]] = [(REQUEST_ID_KEY, request_id)]
-        tenant = None
+        tenant = token_class = None
         try:
-            tenant = self._token_tenant(authorization, claimed)  # no work for strangers
+            tenant, token_class = self._token_tenant(
+                authorization, claimed
+            )  # no work for strangers
             request = grpc_convert.parse(_REQUESTS[kind], raw)
             routing = request.routing
             if not self._auth.enabled:
@@ -233,7 +237,7 @@ class _Inference(pb_grpc.InferenceServicer):
         headers = self._headers(request_id, authorization, tenant, routing)
         headers.extend((k, v) for k, v in metadata if k in _TRACE_CONTEXT)
         call = Call(kind, req, "POST", _PATHS[kind], body, headers, started, arrived, tenant)
-        call.request_id = request_id
+        call.request_id, call.token_class = request_id, token_class
         call.sent_headers = CIMultiDict(metadata)  # what the capture records
         return trailers, call
 
@@ -250,15 +254,18 @@ class _Inference(pb_grpc.InferenceServicer):
                 tenant = value
         return passable_request_id(request_id), authorization, tenant
 
-    def _token_tenant(self, authorization: str | None, claimed: str | None) -> str | None:
-        """With auth on, the tenant as over HTTP (`Authenticator.tenant`), the tenant
-        metadata being the claimed tenant; None with auth off. Raises Unauthorized."""
+    def _token_tenant(
+        self, authorization: str | None, claimed: str | None
+    ) -> tuple[str | None, TokenClass | None]:
+        """With auth on, the tenant and token class as over HTTP (`Authenticator.identify`),
+        the tenant metadata being the claimed tenant; None with auth off. Raises
+        Unauthorized."""
         if not self._auth.enabled:
-            return None
-        tenant = self._auth.tenant(authorization, claimed)
+            return None, None
+        tenant, token_class = self._auth.identify(authorization, claimed)
         if tenant is not None:
             self._metrics.tenant_request(tenant, self._auth.tenants)
-        return tenant
+        return tenant, token_class
 
     def _claimed_tenant(self, claimed: str | None, routing: pb.RoutingHints) -> str | None:
         """With auth off, the tenant metadata, or `routing.tenant` over it: only then,
@@ -314,11 +321,14 @@ async def _relay(
     return error
 
 
-def _served_by(upstream: Upstream) -> list[tuple[str, str]]:
-    """The trailers naming the backend that answered, and its pool when it has one."""
+def _served_by(upstream: Upstream, call: Call) -> list[tuple[str, str]]:
+    """The trailers naming the backend that answered, its pool when it has one, and
+    why it was picked when the reason is sent."""
     found = [(BACKEND_KEY, upstream.backend_name)]
     if upstream.pool is not None:
         found.append((POOL_KEY, upstream.pool))
+    if call.decision:
+        found.append((REASON_KEY, call.decision))
     return found
 
 

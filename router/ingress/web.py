@@ -38,7 +38,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 C
 from multidict import CIMultiDict
 
 from router import log
-from router.config import Config, LimitsConfig
+from router.config import Config, LimitsConfig, TokenClass
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
@@ -189,11 +189,12 @@ class HttpIngress:
         body, tenant = b"", None
         try:
             try:
-                tenant = self._tenant(client_headers)  # before the body: no work for strangers
+                # before the body: no work for strangers
+                tenant, token_class = self._identity(client_headers)
                 body = await read_body()
                 req = parse(kind, body)
                 call = Call(kind, req, method, path, body, headers, started, arrived, tenant, rid)
-                call.sent_headers = client_headers
+                call.sent_headers, call.token_class = client_headers, token_class
             except KvrouteError as err:
                 unread = _unread(kind, method, path, headers, rid, (started, arrived), tenant)
                 await self._refuse(reply, err, extra, unread)
@@ -242,11 +243,15 @@ class HttpIngress:
         """The request's tenant (`Authenticator.tenant`: with auth on, the token's, the
         tenant header's only when trusted). Raises Unauthorized for a missing or invalid
         token."""
+        return self._identity(headers)[0]
+
+    def _identity(self, headers: Mapping[str, str]) -> tuple[str | None, TokenClass | None]:
+        """The request's tenant (`_tenant`) and its static token's class."""
         claimed = headers.get(self._tenant_header) if self._tenant_header else None
-        tenant = self._auth.tenant(headers.get("Authorization"), claimed)
+        tenant, token_class = self._auth.identify(headers.get("Authorization"), claimed)
         if tenant is not None and self._auth.enabled:
             self._metrics.tenant_request(tenant, self._auth.tenants)
-        return tenant
+        return tenant, token_class
 
     @web.middleware
     async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:

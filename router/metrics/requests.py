@@ -18,7 +18,7 @@ from policies import SPILL_REASONS, Reason
 from router.config import PRIORITIES
 from router.fleet.backend import Backend
 from router.metrics.backends import UPSTREAM_KINDS
-from router.metrics.tokens import OTHER
+from router.metrics.tokens import NO_TENANT, OTHER
 from router.request import Kind
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
@@ -172,6 +172,28 @@ class RequestMetrics:
         for name in PRIORITIES:
             self.flow_queue.labels(name)
             self.flow_wait.labels(name)
+        self.flow_tenant_queue = Gauge(
+            "kvroute_flow_tenant_queue_depth",
+            f"Requests waiting in admission's queue now, by tenant ({OTHER_TENANT}: not a "
+            f"known one, {NO_TENANT}: none; summed over workers)",
+            ["tenant"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self.flow_tenant_wait = Histogram(
+            "kvroute_flow_tenant_queue_wait_seconds",
+            "How long requests that waited in admission's queue waited, by tenant (as "
+            "kvroute_flow_tenant_queue_depth names them)",
+            ["tenant"],
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self._prime_flow_tenants((*self._tenants, OTHER_TENANT, NO_TENANT))
+
+    def _prime_flow_tenants(self, tenants: Iterable[str]) -> None:
+        for tenant in tenants:
+            self.flow_tenant_queue.labels(tenant)
+            self.flow_tenant_wait.labels(tenant)
 
     def _declare_latencies(self, r: CollectorRegistry) -> None:
         labels = ["backend", "endpoint", "model"]
@@ -221,9 +243,11 @@ class RequestMetrics:
                     histogram.labels(backend, endpoint, model)
 
     def _prime_tenants(self, tenants: Iterable[str]) -> None:
-        """Create at 0 the request counter of each of `tenants` (the static tokens')."""
+        """Create at 0 the request counter and flow series of each of `tenants` (the
+        static tokens')."""
         for tenant in tenants:
             self._tenant_requests.labels(tenant)
+        self._prime_flow_tenants(tenants)
 
     def _prime_outcomes(
         self, backend: str, strategy: str, models: Iterable[str], statuses: Iterable[str]

@@ -178,6 +178,13 @@ def test_signed_and_static_together(tmp_path, monkeypatch) -> None:
         pytest.param({"tokens_file": "/nonexistent/x"}, {}, "cannot read", id="file-missing"),
         pytest.param({"signing_key_env": "KV_KEY"}, {"KV_KEY": "short"}, "32 bytes", id="short"),
         pytest.param({"tokens_env": "KV_T"}, {"KV_T": "a b c"}, "static token line", id="bad-line"),
+        pytest.param(
+            {"tokens_env": "KV_T"}, {"KV_T": "a t priority=urgent"}, "CLASS one of", id="class"
+        ),
+        pytest.param(
+            {"tokens_env": "KV_T"}, {"KV_T": "a trusted=true"}, "needs a priority", id="trust"
+        ),
+        pytest.param({"tokens_env": "KV_T"}, {"KV_T": "a t weight=2"}, "token line", id="key"),
     ],
 )
 def test_unusable_secrets_are_config_errors(cfg, env, message, monkeypatch) -> None:

@@ -39,12 +39,16 @@ async def _post(
 
 
 async def _queue_behind_held(
-    router: Router, stub, http: aiohttp.ClientSession, sends: list[tuple[str, dict]]
+    router: Router,
+    stub,
+    http: aiohttp.ClientSession,
+    sends: list[tuple[str, dict]],
+    held_headers: dict[str, str] | None = None,
 ) -> list[asyncio.Task]:
     """Hold the only slot with a gated request, then queue `sends` (label, headers) in
     that order, each once the one before is queued; the tasks, the holder's first."""
     stub.behaviour.gate = asyncio.Event()
-    held = asyncio.create_task(_post(http, router, "held"))
+    held = asyncio.create_task(_post(http, router, "held", **(held_headers or {})))
     await until(lambda: stub.active == 1)
     tasks = [held]
     for label, headers in sends:
@@ -185,3 +189,46 @@ async def test_backends_that_were_not_queueing_take_more_than_max_waiting_at_onc
         for stub in stubs:
             stub.behaviour.gate.set()
         assert [status for status, _ in await asyncio.gather(*held)] == [200] * 12
+
+
+async def test_a_static_tokens_class_counts_where_the_tenant_config_sets_none(
+    monkeypatch,
+) -> None:
+    tokens = [
+        "tok-vip vip priority=critical trusted=true",
+        "tok-low priority=sheddable",
+        "tok-cfg cfg priority=critical",
+    ]
+    monkeypatch.setenv("KV_FLOW_TOKENS", ",".join(tokens))
+    auth = {"enabled": True, "tokens_env": "KV_FLOW_TOKENS"}
+    flow = {"tenants": {"cfg": {"priority": "sheddable"}}}  # the tenant's config wins
+    config = {"limits": ONE_AT_A_TIME, "auth": auth, "flow": flow}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+
+        def bearer(token: str, **more: str) -> dict[str, str]:
+            return {"Authorization": f"Bearer {token}", **more}
+
+        raised = bearer("tok-low", **{"X-Kvroute-Priority": "standard"})  # not trusted
+        assert (await _post(http, router, "raised", **raised))[0] == 403
+        sends = [
+            ("low", bearer("tok-low")),
+            ("cfg", bearer("tok-cfg")),
+            ("vip-lowered", bearer("tok-vip", **{"X-Kvroute-Priority": "standard"})),
+            ("vip", bearer("tok-vip")),
+        ]
+        tasks = await _queue_behind_held(router, stub, http, sends, bearer("tok-low"))
+        stub.behaviour.gate.set()
+        assert [(await t)[0] for t in tasks] == [200] * 5
+        assert _order(stub)[1:] == ["vip", "vip-lowered", "low", "cfg"]
+
+
+async def test_the_reason_header_says_when_a_request_waited_in_the_queue() -> None:
+    config = {"limits": ONE_AT_A_TIME, "flow": {"reason_header": True}}
+    async with running(1, **config) as (router, (stub,)), aiohttp.ClientSession() as http:
+        tasks = await _queue_behind_held(router, stub, http, [("waited", {})])
+        stub.behaviour.gate.set()
+        (held_status, held), (waited_status, waited) = [await t for t in tasks]
+    assert held_status == waited_status == 200
+    reason = held["x-kvroute-reason"]
+    assert reason and "queued" not in reason  # admitted at once
+    assert waited["x-kvroute-reason"] == f"{reason}; queued"

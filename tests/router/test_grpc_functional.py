@@ -174,6 +174,28 @@ async def _vllm_stream(request: web.Request, body: dict, b, chat: bool) -> web.S
     return response
 
 
+async def test_trailers_carry_the_reason_and_whether_the_request_queued() -> None:
+    limits = {"max_concurrent_requests": 1, "queue_size": 4, "queue_timeout": 30}
+    async with grpc_router(limits=limits, flow={"reason_header": True}) as rig:
+        rig.stubs[0].behaviour.gate = asyncio.Event()  # the first call holds the only slot
+        held = rig.api.CreateChatCompletion(chat_request("held"), timeout=TIMEOUT)
+        held_reply = asyncio.ensure_future(held)
+        await wait_for(lambda: rig.stubs[0].active == 1)
+        waited = rig.api.StreamChatCompletion(chat_request("waited"), timeout=TIMEOUT)
+        streamed = asyncio.ensure_future(_drain(waited))
+        await wait_for(lambda: rig.router.dispatcher.admission.queued == 1)
+        rig.stubs[0].behaviour.gate.set()
+        await held_reply
+        assert await streamed
+        reason = dict(await held.trailing_metadata())["x-kvroute-reason"]
+        assert reason and "queued" not in reason  # admitted at once
+        assert dict(await waited.trailing_metadata())["x-kvroute-reason"] == f"{reason}; queued"
+
+
+async def _drain(call) -> list:
+    return [m async for m in call]
+
+
 async def test_stream_decodes_vllm_events_across_chunk_boundaries() -> None:
     async with grpc_router() as rig:
         rig.stubs[0]._stream = _vllm_stream

@@ -137,6 +137,40 @@ async def test_admission_counts_its_queue_and_why_it_refused() -> None:
     assert value(page, "kvroute_flow_queue_wait_seconds_count", **{"class": "standard"}) == 1
 
 
+async def test_the_queue_is_measured_by_tenant_with_the_tenant_label_bounded() -> None:
+    limits = {"max_concurrent_requests": 1, "queue_size": 8, "queue_timeout": 30}
+    config = {"limits": limits, "tenant_header": "X-Tenant", "metrics": {"tenants": ["known"]}}
+    async with running(1, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        stubs[0].behaviour.gate = asyncio.Event()  # the first request holds the only slot
+        url = router.url + CHAT_PATH
+        queued = lambda: router.dispatcher.admission.queued  # noqa: E731
+        tasks = [await sent(http.post(url, **chat()), lambda: stubs[0].active == 1)]
+        for i, tenant in enumerate(["known", "stranger-1", "stranger-2", None], start=1):
+            headers = {"X-Tenant": tenant} if tenant else {}
+            post = http.post(url, headers=headers, **chat())
+            tasks.append(await sent(post, lambda i=i: queued() == i))
+        page = samples(router)
+        depth = "kvroute_flow_tenant_queue_depth"
+        assert value(page, depth, tenant="known") == 1
+        assert value(page, depth, tenant="(other)") == 2
+        assert value(page, depth, tenant="(none)") == 1
+        stubs[0].behaviour.gate.set()
+        for task in tasks:
+            async with await task as resp:
+                assert resp.status == 200
+        await settle(router)
+        page = samples(router)
+    waits = "kvroute_flow_tenant_queue_wait_seconds_count"
+    assert {t: value(page, waits, tenant=t) for t in ("known", "(other)", "(none)")} == {
+        "known": 1, "(other)": 2, "(none)": 1
+    }  # fmt: skip
+    assert {t: value(page, depth, tenant=t) for t in ("known", "(other)", "(none)")} == {
+        "known": 0, "(other)": 0, "(none)": 0
+    }  # fmt: skip
+    named = {dict(labels).get("tenant") for (name, labels), _ in page.items()}
+    assert not any(t and t.startswith("stranger") for t in named)  # no series per stranger
+
+
 async def sent(request: Awaitable, arrived: Callable[[], bool]) -> asyncio.Future:
     """Send `request` in a task; return the task once `arrived()` holds (bounded)."""
     task = asyncio.ensure_future(request)
