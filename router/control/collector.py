@@ -26,7 +26,8 @@ class Collector(Node):
         if (cfg := self.config.cluster) is not None:
             self._own_load = OwnLoad(self.fleet, self.context)
             block = getattr(self.config.routing, "block_size", 1)
-            cluster = ClusterLink(cfg, self.fleet, self.metrics, block, self._own_load)
+            own = self._own_load
+            cluster = ClusterLink(cfg, self.fleet, self.metrics, block, own, own.speeds)
         return CollectorTelemetry(
             parts, self.context, self._edited, self.verdicts, self._replay, cluster
         )

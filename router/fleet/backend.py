@@ -48,6 +48,7 @@ class Backend:
         "prefix",
         "remote_inflight",
         "remote_queued",
+        "shared_speed",
         "slot",
         "speed",
         "speed_samples",
@@ -97,12 +98,15 @@ class Backend:
         #: with several workers: the shared table and this backend's slot in it
         self.slot = None if table is None else table.slot(cfg.key, cfg.url)
         self.table = None if self.slot is None else table
-        #: its speed as learned from its own streams (speeds.py), None until then; and
-        #: the speed routing reads: its own, else the fleet's typical learned one (a
-        #: backend judged by the configured speed beside faster learned ones would get
-        #: no streams to learn from), else None (the policy's configured speed holds)
+        #: its speed as learned from its own streams (speeds.py), None until then; the
+        #: other router replicas' learned one (config `cluster`), None alone; and
+        #: the speed routing reads: its own, else the others', else the fleet's typical
+        #: learned one (a backend judged by the configured speed beside faster learned
+        #: ones would get no streams to learn from), else None (the policy's configured
+        #: speed holds)
         self.speed_samples = SpeedLearner(self.table, self.slot)
         self.learned_speed: Speed | None = None
+        self.shared_speed: Speed | None = None
         self.speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0

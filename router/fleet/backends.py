@@ -74,11 +74,12 @@ class Fleet(Usability):
         self._attach(policy, self.members)
 
     def lend_speeds(self) -> None:
-        """Each backend's speed for routing: its learned one, else the median of the
-        learned ones (figure by figure; router/fleet/speeds.py)."""
-        typical = typical_speed([b.learned_speed for b in self.members if b.learned_speed])
-        for b in self.members:
-            b.speed = b.learned_speed or typical
+        """Each backend's speed for routing: its learned one, else the other replicas'
+        learned one, else the median of those (figure by figure; router/fleet/speeds.py)."""
+        known = [b.learned_speed or b.shared_speed for b in self.members]
+        typical = typical_speed([s for s in known if s is not None])
+        for b, speed in zip(self.members, known, strict=True):
+            b.speed = speed or typical
 
     def set_pools(self, pools: Iterable[PoolConfig]) -> None:
         """The pools, preferred first (a reload may change them; none: a flat fleet)."""

@@ -25,6 +25,10 @@ needs batches that differ by `MIN_SPREAD` requests. With
 several workers the samples live in the shared load table (shared_load.py), each worker
 writing its own column, and a worker recomputes a backend's speed from every worker's
 samples every `REFRESH` streams of its own there: every worker reads the same samples.
+
+Router replicas (config `cluster`) share their learned speeds (router/telemetry/cluster.py):
+a backend this replica has not learned yet takes the others' (`pooled`) before the
+fleet's typical one (backends.py `lend_speeds`).
 """
 
 from __future__ import annotations
@@ -63,6 +67,16 @@ def speed_prior(params: object) -> Speed | None:
     if rate is None:
         return None
     return Speed(rate, params.decode_step_s, params.decode_s_per_request)
+
+
+def pooled(figures: list[tuple[Speed, int]]) -> Speed | None:
+    """The mean of several replicas' learned speeds of one backend, figure by figure,
+    each weighted by its samples (a replica that saw more streams there knows it
+    better); None for none."""
+    total = sum(n for _, n in figures)
+    if total <= 0:
+        return None
+    return Speed(*(sum(s[i] * n for s, n in figures) / total for i in range(len(Speed._fields))))
 
 
 def typical_speed(speeds: list[Speed]) -> Speed | None:
@@ -140,6 +154,11 @@ class SpeedLearner:
         if table is None:
             return self._local[_PREFILLED]
         return sum(column[_PREFILLED] for column in table.speed_columns(self._slot))
+
+    def counted(self) -> int:
+        """The samples its figures come from (both kinds, every worker's)."""
+        prefills, gaps = self._samples()
+        return len(prefills) + len(gaps)
 
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of

@@ -14,6 +14,7 @@ from hashing.cache_trust import Learned
 from hashing.tiered_index import Tier, TieredIndex
 from router.dispatch.dispatcher import Dispatcher
 from router.errors import KvrouteError, Unauthorized
+from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.relay import refused
@@ -89,7 +90,8 @@ class StatusRoutes:
     async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
         speed (null: the configured one holds; `speed_learned` false: the fleet's
-        typical learned one stands in for its own), index (source,
+        typical learned one stands in for its own; `speed_source`: learned, shared by
+        the other replicas, typical or null), index (source,
         GPU and offload-tier sizes) and its last scraped vLLM metrics; with a
         KV-aware policy, its offload tiers and the media its events named that it does
         not index; with prefill/decode pools, the last decode picks. Those decisions
@@ -110,6 +112,7 @@ class StatusRoutes:
                 "waiting": b.waiting,
                 "speed": b.speed._asdict() if b.speed is not None else None,
                 "speed_learned": b.learned_speed is not None,
+                "speed_source": _speed_source(b),
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
                 "tier_keys": index.tier_sizes(b.name) if index is not None else None,
@@ -153,6 +156,15 @@ def _as_public(card: dict, public: dict[str, tuple[str, ...]]) -> list[dict]:
 
 def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
+
+
+def _speed_source(b: Backend) -> str | None:
+    """Where the speed routing reads for `b` comes from (Fleet.lend_speeds)."""
+    if b.learned_speed is not None:
+        return "learned"
+    if b.shared_speed is not None:
+        return "shared"
+    return None if b.speed is None else "typical"
 
 
 def _learned(index: TieredIndex | None, backend: str) -> dict[str, int | None] | None:

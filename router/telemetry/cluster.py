@@ -11,7 +11,15 @@ Redis server every replica hears the others':
   `LOAD_INTERVAL_S`; each worker adds the others' sums to its backends (`remote_*`,
   feed topic `r`), and a replica silent for `PEER_TTL_S` drops out of them. A placement
   heard counts in its replica's load at once (a request, its new blocks' tokens), until
-  that replica's next load message.
+  that replica's next load message;
+- **speeds**: each backend's speed as the replica learned it from its streams, with the
+  samples behind it (router/fleet/speeds.py), every `SPEEDS_INTERVAL_S` (they change
+  slowly); the others' are pooled per backend, weighted by samples, and sent to the
+  workers (feed topic `v`), where a backend this replica has not learned yet takes them
+  before the fleet's typical speed. A replica's own learned figure stands whole: it
+  comes from enough samples already, timed on this replica's own path to the backend,
+  and mixing in the others' would need no more than the cold start does. A replica
+  silent for `SPEEDS_TTL_S` drops out of them.
 
 Which process: the collector. It already hears every worker's placements (their
 broadcast batches reach its control socket) and feeds every worker, so one replica holds
@@ -32,7 +40,7 @@ placements age out of the index), says so once in the log and in
 `kvroute_cluster_connected`, and reconnects with back-off. Placements made meanwhile are
 not sent later.
 
-Trust: every message is decoded into a Struct (`Placed` or `Load`) with bounds; a
+Trust: every message is decoded into a Struct (`Placed`, `Load` or `Speeds`) with bounds; a
 malformed one is counted (`kvroute_cluster_messages{outcome="malformed"}`) and dropped,
 as is a foreign one (another block size, so other keys); backends this replica does not
 have are skipped. `key_prefix` names the channel and the list, so routers sharing one
@@ -52,12 +60,14 @@ from typing import Annotated
 import msgspec
 from msgspec import Meta
 
+from policies import Speed
 from router import log
 from router.config import ClusterConfig, ConfigError
 from router.context import COLLECTOR, WorkerContext
 from router.fleet.backends import Fleet
 from router.fleet.placements import decode_learned, encode_learned
 from router.fleet.shared_load import LoadTable
+from router.fleet.speeds import SpeedLearner, pooled, speed_prior
 from router.metrics import Metrics
 from router.secrets import redis_password
 
@@ -65,6 +75,9 @@ from router.secrets import redis_password
 LOAD_INTERVAL_S = 0.1
 #: a replica not heard from for this long is dropped from the load view
 PEER_TTL_S = 1.5
+#: how often a replica publishes its learned speeds, and how long the others' stand
+SPEEDS_INTERVAL_S = 1.0
+SPEEDS_TTL_S = 3 * SPEEDS_INTERVAL_S
 #: reconnection back-off, first and longest
 BACKOFF_S = (0.1, 5.0)
 #: recent placement batches kept in Redis for joining replicas, and their list's TTL
@@ -78,6 +91,8 @@ MAX_MESSAGE = 4 << 20
 _Count = Annotated[int, Meta(ge=0, le=1 << 40)]
 _Key = Annotated[int, Meta(ge=0)]  # msgpack holds no integer past 64 bits
 _Name = Annotated[str, Meta(max_length=256)]
+_Rate = Annotated[float, Meta(gt=0, le=1e12)]
+_Seconds = Annotated[float, Meta(ge=0, le=3600)]
 
 
 class Placed(msgspec.Struct, tag="placed", forbid_unknown_fields=True):
@@ -95,10 +110,19 @@ class Load(msgspec.Struct, tag="load", forbid_unknown_fields=True):
     backends: dict[_Name, tuple[_Count, _Count]]
 
 
+class Speeds(msgspec.Struct, tag="speeds", forbid_unknown_fields=True):
+    """One replica's learned speeds: per backend, `Speed`'s figures and the samples
+    they come from."""
+
+    router: _Name
+    backends: dict[_Name, tuple[_Rate, _Seconds, _Seconds, _Count]]
+
+
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(Placed | Load).decode
+_decode = msgspec.msgpack.Decoder(Placed | Load | Speeds).decode
 _encode_loads = msgspec.msgpack.Encoder().encode
 _decode_loads = msgspec.msgpack.Decoder(dict[str, tuple[int, int]]).decode
+_decode_speeds = msgspec.msgpack.Decoder(dict[str, Speed]).decode
 
 
 def apply_remote_load(fleet: Fleet, payload: bytes) -> None:
@@ -108,9 +132,17 @@ def apply_remote_load(fleet: Fleet, payload: bytes) -> None:
         b.remote_inflight, b.remote_queued = loads.get(b.name, (0, 0))
 
 
+def apply_shared_speeds(fleet: Fleet, payload: bytes) -> None:
+    """A worker takes the other replicas' learned speeds (feed topic `v`)."""
+    speeds = _decode_speeds(payload)
+    for b in fleet.members:
+        b.shared_speed = speeds.get(b.name)
+    fleet.lend_speeds()
+
+
 class OwnLoad:
-    """This router's load per backend, read by the collector from the workers' shared
-    load table (router/fleet/shared_load.py), which it never writes."""
+    """This router's load and learned speeds per backend, read by the collector from
+    the workers' shared load table (router/fleet/shared_load.py), which it never writes."""
 
     def __init__(self, fleet: Fleet, context: WorkerContext) -> None:
         self._fleet = fleet
@@ -118,16 +150,37 @@ class OwnLoad:
         self._slots: dict[str, int] = {}
 
     def __call__(self) -> dict[str, tuple[int, int]]:
-        loads = {}
+        table = self._table
+        return {
+            name: (table.inflight(slot), table.queued_tokens(slot)) for name, slot in self._found()
+        }
+
+    def speeds(self) -> dict[str, tuple[float, float, float, int]]:
+        """Each backend's speed as the workers' samples show it (computed as a worker
+        does), with their count; the backends still at the prior left out."""
+        prior = speed_prior(self._fleet.policy.params)
+        speeds: dict[str, tuple[float, float, float, int]] = {}
+        if prior is None:
+            return speeds
+        for name, slot in self._found():
+            samples = SpeedLearner(self._table, slot)
+            learned = samples.learned(prior)
+            if learned is not None:
+                speeds[name] = (*learned, samples.counted())
+        return speeds
+
+    def _found(self) -> list[tuple[str, int]]:
+        """(backend, slot) of the backends some worker counted a request at."""
+        found = []
         for b in self._fleet.members:
             slot = self._slots.get(b.name)
             if slot is None:
                 slot = self._table.find(b.name, str(b.url))
-                if slot is None:  # no worker counted a request there yet
+                if slot is None:
                     continue
                 self._slots[b.name] = slot
-            loads[b.name] = (self._table.inflight(slot), self._table.queued_tokens(slot))
-        return loads
+            found.append((b.name, slot))
+        return found
 
     def close(self) -> None:
         self._table.close()
@@ -144,6 +197,7 @@ class ClusterLink:
         metrics: Metrics,
         block: int,
         own_load: Callable[[], dict[str, tuple[int, int]]],
+        own_speeds: Callable[[], dict[str, tuple[float, float, float, int]]],
     ) -> None:
         """ConfigError if the password cannot be read or redis-py is not installed."""
         try:
@@ -158,6 +212,7 @@ class ClusterLink:
         self._metrics = metrics
         self._block = block
         self._own_load = own_load
+        self._own_speeds = own_speeds
         self.router = secrets.token_hex(8)  # this replica, in its messages
         self._channel = f"{cfg.redis.key_prefix}feed"
         self._recent = f"{cfg.redis.key_prefix}recent"
@@ -166,6 +221,8 @@ class ClusterLink:
         self._pending = asyncio.Event()
         self._peers: dict[str, tuple[float, dict[str, tuple[int, int]]]] = {}
         self._sent_load: bytes | None = None
+        self._speeds: dict[str, tuple[float, dict[str, tuple[float, float, float, int]]]] = {}
+        self._sent_speeds: bytes | None = None
         #: the others' batches as feed payloads, with their last expiry (for welcomes)
         self._history: deque[tuple[float, bytes]] = deque(maxlen=HISTORY)
         self.connected = False
@@ -188,11 +245,13 @@ class ClusterLink:
 
     def replay(self) -> list[tuple[bytes, bytes]]:
         """What a joining worker needs to hear, as (feed kind, payload): the others'
-        placements still alive (`l`), then their load (`r`)."""
+        placements still alive (`l`), then their load (`r`) and speeds (`v`)."""
         now = time.monotonic()
         frames = [(b"l", payload) for expires_at, payload in self._history if expires_at > now]
         if self._sent_load is not None:
             frames.append((b"r", self._sent_load))
+        if self._sent_speeds is not None:
+            frames.append((b"v", self._sent_speeds))
         return frames
 
     async def run(self) -> None:
@@ -234,6 +293,7 @@ class ClusterLink:
                 asyncio.create_task(self._listen(pubsub)),
                 asyncio.create_task(self._publish_placements(client)),
                 asyncio.create_task(self._publish_load(client)),
+                asyncio.create_task(self._publish_speeds(client)),
             ]
             try:
                 done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -266,6 +326,9 @@ class ClusterLink:
             self._peers.clear()
             self._metrics.cluster_peers.set(0)
             self._send_load()
+        if self._speeds:
+            self._speeds.clear()
+            self._send_speeds()
         if was or not self._alone_said:
             log.server.warning(
                 "cluster: Redis %s unreachable (%s): routing alone, reconnecting",
@@ -303,6 +366,19 @@ class ClusterLink:
             self._expire_peers()
             await asyncio.sleep(LOAD_INTERVAL_S)
 
+    async def _publish_speeds(self, client) -> None:
+        """This replica's learned speeds every interval; the silent others' dropped."""
+        while True:
+            speeds = Speeds(self.router, self._own_speeds())
+            await client.publish(self._channel, _encode(speeds))
+            cutoff = time.monotonic() - SPEEDS_TTL_S
+            gone = [r for r, (seen, _) in self._speeds.items() if seen < cutoff]
+            for router in gone:
+                del self._speeds[router]
+            if gone:
+                self._send_speeds()
+            await asyncio.sleep(SPEEDS_INTERVAL_S)
+
     def _received(self, data: bytes, live: bool = True) -> None:
         """One message from Redis, validated; never raises. `live`: from the channel,
         not the recent list."""
@@ -319,6 +395,9 @@ class ClusterLink:
             self._peers[message.router] = (time.monotonic(), message.backends)
             self._metrics.cluster_peers.set(len(self._peers))
             self._send_load()
+        elif isinstance(message, Speeds):
+            self._speeds[message.router] = (time.monotonic(), message.backends)
+            self._send_speeds()
         elif message.block != self._block:
             self._metrics.cluster_messages.labels("foreign").inc()
             return
@@ -378,3 +457,16 @@ class ClusterLink:
         if payload != self._sent_load:
             self._sent_load = payload
             self._feed([b"r", b"", payload])
+
+    def _send_speeds(self) -> None:
+        """The others' learned speeds pooled per backend (speeds.py `pooled`), to the
+        workers when they changed."""
+        figures: dict[str, list[tuple[Speed, int]]] = {}
+        for _, backends in self._speeds.values():
+            for name, (*speed, samples) in backends.items():
+                figures.setdefault(name, []).append((Speed(*speed), samples))
+        shared = {name: pooled(found) for name, found in figures.items()}
+        payload = _encode_loads({name: s for name, s in shared.items() if s is not None})
+        if payload != self._sent_speeds:
+            self._sent_speeds = payload
+            self._feed([b"v", b"", payload])

@@ -37,7 +37,7 @@ BROADCAST_TIMEOUT_S = 2.0
 #: how often a joining worker says hello until the collector answers
 HELLO_INTERVAL_S = 0.05
 #: the topics every worker follows (besides its own, `worker_topic`)
-FOLLOWED = (b"s", b"k", b"c", b"a", b"p", b"l", b"r")
+FOLLOWED = (b"s", b"k", b"c", b"a", b"p", b"l", b"r", b"v")
 #: the high-water marks of the feed's two ends: a slow worker loses messages, never
 #: the collector
 FEED_HWM = 100_000

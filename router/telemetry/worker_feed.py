@@ -25,7 +25,7 @@ from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
 from router.telemetry.cache_feedback import CacheFeedback
-from router.telemetry.cluster import apply_remote_load
+from router.telemetry.cluster import apply_remote_load, apply_shared_speeds
 from router.telemetry.feed import (
     BROADCAST_TIMEOUT_S,
     FEED_HWM,
@@ -143,6 +143,8 @@ class WorkerTelemetry(Telemetry):
             self._learned(rest[0])
         elif kind == b"r":
             apply_remote_load(self._fleet, rest[0])
+        elif kind == b"v":
+            apply_shared_speeds(self._fleet, rest[0])
         elif kind == b"a":
             self._on_broadcast(rest[0])
         elif kind == b"p":
@@ -160,6 +162,8 @@ class WorkerTelemetry(Telemetry):
             self._learned(rest[0])
         elif what == "r":
             apply_remote_load(self._fleet, rest[0])
+        elif what == "v":
+            apply_shared_speeds(self._fleet, rest[0])
         elif what == "i" and (index := getattr(self._fleet.policy, "index", None)) is not None:
             index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
 

@@ -4,7 +4,8 @@ Each replica is a real `kvroute serve` (a supervisor, its collector and one work
 front of the same stub backends; the test sends to each replica over real sockets and
 reads what it decided (the backend header, /debug/routing, /metrics). Checked: a prefix
 one replica placed is a hit where it was placed for the other; the other replicas' load
-is added to a replica's view and dropped once they fall silent; a junk or foreign
+is added to a replica's view and dropped once they fall silent; a backend's speed learned
+by one replica is used by another that has not learned it; a junk or foreign
 message is counted and dropped; with Redis down a request still succeeds and the replica
 says it routes alone, and it shares again once Redis is back.
 """
@@ -25,7 +26,7 @@ import yaml
 
 from bench.overhead import free_port, process, wait_ready
 from router.control.supervisor import RUN_PARENT_ENV
-from router.telemetry.cluster import Load, Placed
+from router.telemetry.cluster import Load, Placed, Speeds
 from tests.redis_server import redis_server
 from tests.router.test_workers import until
 from tests.stub_backend import Behaviour, StubBackend
@@ -169,6 +170,46 @@ async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, s
                 await db.aclose()
 
 
+async def test_a_speed_one_replica_learned_is_used_by_the_other(tmp_path) -> None:
+    """Only a relays streams to the backend; b, which has seen none, routes by a's
+    learned speed (marked shared) rather than the configured one."""
+    stub = await StubBackend(behaviour=Behaviour(chunks=12, pace=0.005)).start()
+    try:
+        with redis_server(tmp_path) as url:
+            async with (
+                replica(tmp_path, "a", config([stub], url)) as a,
+                replica(tmp_path, "b", config([stub], url)) as b,
+                aiohttp.ClientSession() as http,
+            ):
+                await until(lambda: connected(http, a), what="a connected")
+                await until(lambda: connected(http, b), what="b connected")
+                assert (await routing(http, b))["b0"]["speed_source"] is None
+
+                async def learned() -> dict | None:
+                    await stream(http, a)
+                    found = (await routing(http, a))["b0"]
+                    return found if found["speed_source"] == "learned" else None
+
+                own = await until(learned, 30, "a to learn b0's speed")
+
+                async def shared() -> dict | None:
+                    found = (await routing(http, b))["b0"]
+                    return found if found["speed_source"] == "shared" else None
+
+                heard = await until(shared, what="b to hear a's speed")
+                assert heard["speed_learned"] is False
+                assert heard["speed"] == pytest.approx(own["speed"])
+    finally:
+        await stub.stop()
+
+
+async def stream(http: aiohttp.ClientSession, url: str) -> None:
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+    async with http.post(url + CHAT, json={**body, "stream": True}) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
 async def _inflight_is(http: aiohttp.ClientSession, url: str, backend: str, n: int) -> bool:
     return (await routing(http, url))[backend]["inflight"] == n
 
@@ -184,16 +225,19 @@ async def test_junk_and_foreign_messages_are_counted_and_dropped(tmp_path, stubs
             try:
                 malformed = 'outcome="malformed"'
                 foreign = 'outcome="foreign"'
-                for junk in (b"\xff\x00junk", msgspec.msgpack.encode({"type": "placed"})):
+                nan = Speeds("other", {"b0": (float("nan"), 0.01, 0.0, 9)})
+                for junk in (b"\xff\x00junk", msgspec.msgpack.encode({"type": "placed"}), nan):
+                    junk = junk if isinstance(junk, bytes) else msgspec.msgpack.encode(junk)
                     await db.publish(PREFIX + "feed", junk)
                 other = Placed("other", 64, [("b0", time.time() + 60, [1, 2, 3])])
                 await db.publish(PREFIX + "feed", msgspec.msgpack.encode(other))
                 # another router's channel: never heard
                 await db.publish("someone-else:feed", b"\xff")
                 counted = "kvroute_cluster_messages_total"
-                await until(lambda: _equals(metric(http, a, counted, malformed), 2), what="junk")
+                await until(lambda: _equals(metric(http, a, counted, malformed), 3), what="junk")
                 await until(lambda: _equals(metric(http, a, counted, foreign), 1), what="foreign")
                 assert await index_keys(http, a) == 0
+                assert (await routing(http, a))["b0"]["speed_source"] is None
                 assert await send(http, a, document(1))  # still serving
                 assert await connected(http, a)
             finally:

@@ -1,6 +1,7 @@
 """Learned backend speeds from synthetic observations: the prior until enough samples,
 convergence on two speeds, outliers that cannot swing a figure, every worker reading the
-same samples, a backend not learned yet borrowing the fleet's typical speed; and the
+same samples, a backend not learned yet borrowing the other replicas' speed or the
+fleet's typical one, the replicas' speeds pooled by samples; and the
 answers' median length per model."""
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from policies.round_robin import RoundRobinParams, RoundRobinPolicy
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.backends import Fleet
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner
+from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner, pooled
 
 PRIOR = Speed(10_000.0, 0.025, 0.00015)
 
@@ -133,3 +134,24 @@ def test_a_backend_not_learned_yet_routes_at_the_fleets_typical_speed() -> None:
     fleet.lend_speeds()
     typical = Speed(19_000.0, 0.0125, 0.00015)
     assert [b.speed for b in fleet.members] == learned[:2] + [pytest.approx(typical)] * 2
+
+
+def test_the_other_replicas_speed_stands_in_until_this_one_learns_its_own() -> None:
+    """Own learned first, then the others' (pooled by samples), then the typical one."""
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(3)]
+    fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
+    own, other = Speed(20_000.0, 0.012, 0.0001), Speed(10_000.0, 0.02, 0.0003)
+    fleet.members[0].learned_speed = own
+    fleet.members[0].shared_speed = fleet.members[1].shared_speed = other
+    fleet.lend_speeds()
+    assert [b.speed for b in fleet.members] == [
+        own,
+        other,
+        pytest.approx(Speed(15_000.0, 0.016, 0.0002)),
+    ]
+
+
+def test_the_replicas_speeds_pool_weighted_by_their_samples() -> None:
+    fast, slow = Speed(30_000.0, 0.01, 0.0), Speed(10_000.0, 0.03, 0.0004)
+    assert pooled([(fast, 30), (slow, 10)]) == pytest.approx(Speed(25_000.0, 0.015, 0.0001))
+    assert pooled([]) is None
