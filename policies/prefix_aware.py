@@ -19,6 +19,8 @@ relative cap, so a light fleet keeps every prefix where it is.
 A full (or unusable) backend hands the prefix on along that fingerprint's ring order
 (`HashRing.walk`), starting after the backend it leaves and wrapping round, to the
 first backend under the mean (T + 1) * weight / W, and the prefix stays there in turn.
+A move past an unusable backend alone (drained, down) is not remembered: the walk
+finds the same next backend without it, and the prefix goes back when its backend does.
 So a hot prefix moves only when its backend is loaded beyond its share, and one prefix
 that is the whole load (every conversation behind one system prompt longer than
 `prefix_length`) turns through every backend. Walking from the owner instead would
@@ -220,7 +222,8 @@ class PrefixAwarePolicy(Policy[PrefixAwareParams]):
                     reason = Reason.SPILL_UNAVAILABLE
                 continue
             if not _full(backend, caps):
-                self._keep(backend.name, key, None)
+                if reason is not Reason.SPILL_UNAVAILABLE:  # not kept off a backend that
+                    self._keep(backend.name, key, None)  # returns (undrained, healthy)
                 return Pick(backend, reason)
             reason = Reason.SPILL_THRESHOLD
         backend = least_loaded(fleet.candidates, self._rng)
