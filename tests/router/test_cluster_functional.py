@@ -18,6 +18,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import ExitStack, asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import msgspec
@@ -139,7 +140,12 @@ async def _at_least(value, floor: int) -> bool:
     return await value >= floor
 
 
-async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, stubs) -> None:
+@asynccontextmanager
+async def replica_heard(
+    tmp_path: Path, stubs
+) -> AsyncIterator[tuple[str, aiohttp.ClientSession, Any]]:
+    """Replica a, connected to its redis-server, with an HTTP session and a Redis client
+    that speaks on its channel as another replica (or a stranger) would."""
     with redis_server(tmp_path) as url:
         async with (
             replica(tmp_path, "a", config(stubs, url)) as a,
@@ -148,26 +154,31 @@ async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, s
             await until(lambda: connected(http, a), what="connected")
             db = redis.asyncio.Redis.from_url(url)
             try:
-                load = msgspec.msgpack.encode(Load("other", {"b2": (7, 3000)}))
-
-                async def heard() -> bool:
-                    await db.publish(PREFIX + "feed", load)
-                    return (await routing(http, a))["b2"]["inflight"] == 7
-
-                await until(heard, what="the other replica's load")
-                assert (await routing(http, a))["b2"]["queued_tokens"] == 3000
-                assert await metric(http, a, "kvroute_cluster_peers") == 1
-                # a placement it makes counts at once, before its next load message
-                placed = Placed("other", 16, [("b2", time.time() + 60, [11, 12, 13])])
-                await db.publish(PREFIX + "feed", msgspec.msgpack.encode(placed))
-                await until(lambda: _inflight_is(http, a, "b2", 8), what="the placement")
-                assert (await routing(http, a))["b2"]["queued_tokens"] == 3000 + 3 * 16
-                # silent from here on: dropped within PEER_TTL_S and an interval
-                silent = time.monotonic()
-                await until(lambda: _inflight_is(http, a, "b2", 0), 5, "the silent replica dropped")
-                assert time.monotonic() - silent < 2.5
+                yield a, http, db
             finally:
                 await db.aclose()
+
+
+async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, stubs) -> None:
+    async with replica_heard(tmp_path, stubs) as (a, http, db):
+        load = msgspec.msgpack.encode(Load("other", {"b2": (7, 3000)}))
+
+        async def heard() -> bool:
+            await db.publish(PREFIX + "feed", load)
+            return (await routing(http, a))["b2"]["inflight"] == 7
+
+        await until(heard, what="the other replica's load")
+        assert (await routing(http, a))["b2"]["queued_tokens"] == 3000
+        assert await metric(http, a, "kvroute_cluster_peers") == 1
+        # a placement it makes counts at once, before its next load message
+        placed = Placed("other", 16, [("b2", time.time() + 60, [11, 12, 13])])
+        await db.publish(PREFIX + "feed", msgspec.msgpack.encode(placed))
+        await until(lambda: _inflight_is(http, a, "b2", 8), what="the placement")
+        assert (await routing(http, a))["b2"]["queued_tokens"] == 3000 + 3 * 16
+        # silent from here on: dropped within PEER_TTL_S and an interval
+        silent = time.monotonic()
+        await until(lambda: _inflight_is(http, a, "b2", 0), 5, "the silent replica dropped")
+        assert time.monotonic() - silent < 2.5
 
 
 async def test_a_speed_one_replica_learned_is_used_by_the_other(tmp_path) -> None:
@@ -215,33 +226,24 @@ async def _inflight_is(http: aiohttp.ClientSession, url: str, backend: str, n: i
 
 
 async def test_junk_and_foreign_messages_are_counted_and_dropped(tmp_path, stubs) -> None:
-    with redis_server(tmp_path) as url:
-        async with (
-            replica(tmp_path, "a", config(stubs, url)) as a,
-            aiohttp.ClientSession() as http,
-        ):
-            await until(lambda: connected(http, a), what="connected")
-            db = redis.asyncio.Redis.from_url(url)
-            try:
-                malformed = 'outcome="malformed"'
-                foreign = 'outcome="foreign"'
-                nan = Speeds("other", {"b0": (float("nan"), 0.01, 0.0, 9)})
-                for junk in (b"\xff\x00junk", msgspec.msgpack.encode({"type": "placed"}), nan):
-                    junk = junk if isinstance(junk, bytes) else msgspec.msgpack.encode(junk)
-                    await db.publish(PREFIX + "feed", junk)
-                other = Placed("other", 64, [("b0", time.time() + 60, [1, 2, 3])])
-                await db.publish(PREFIX + "feed", msgspec.msgpack.encode(other))
-                # another router's channel: never heard
-                await db.publish("someone-else:feed", b"\xff")
-                counted = "kvroute_cluster_messages_total"
-                await until(lambda: _equals(metric(http, a, counted, malformed), 3), what="junk")
-                await until(lambda: _equals(metric(http, a, counted, foreign), 1), what="foreign")
-                assert await index_keys(http, a) == 0
-                assert (await routing(http, a))["b0"]["speed_source"] is None
-                assert await send(http, a, document(1))  # still serving
-                assert await connected(http, a)
-            finally:
-                await db.aclose()
+    async with replica_heard(tmp_path, stubs) as (a, http, db):
+        malformed = 'outcome="malformed"'
+        foreign = 'outcome="foreign"'
+        nan = Speeds("other", {"b0": (float("nan"), 0.01, 0.0, 9)})
+        for junk in (b"\xff\x00junk", msgspec.msgpack.encode({"type": "placed"}), nan):
+            junk = junk if isinstance(junk, bytes) else msgspec.msgpack.encode(junk)
+            await db.publish(PREFIX + "feed", junk)
+        other = Placed("other", 64, [("b0", time.time() + 60, [1, 2, 3])])
+        await db.publish(PREFIX + "feed", msgspec.msgpack.encode(other))
+        # another router's channel: never heard
+        await db.publish("someone-else:feed", b"\xff")
+        counted = "kvroute_cluster_messages_total"
+        await until(lambda: _equals(metric(http, a, counted, malformed), 3), what="junk")
+        await until(lambda: _equals(metric(http, a, counted, foreign), 1), what="foreign")
+        assert await index_keys(http, a) == 0
+        assert (await routing(http, a))["b0"]["speed_source"] is None
+        assert await send(http, a, document(1))  # still serving
+        assert await connected(http, a)
 
 
 async def _equals(value, expected: float) -> bool:
