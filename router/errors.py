@@ -234,11 +234,14 @@ class UpstreamError(KvrouteError, ConnectionError):
     kind = "upstream"
     #: the backend that failed: the answer's x-kvroute-backend header
     backend: str | None = None
+    #: that backend's pool, in a fleet with pools
+    pool: str | None = None
 
-    def blame(self, name: str, address: str) -> None:
-        """Name the backend in the header and the message: "The backend refused the
-        connection." becomes "Backend b0 (10.0.0.5:8000) refused the connection."."""
-        self.backend = name
+    def blame(self, name: str, address: str, pool: str | None = None) -> None:
+        """Name the backend (and its pool) in the headers and the backend in the message:
+        "The backend refused the connection." becomes "Backend b0 (10.0.0.5:8000)
+        refused the connection."."""
+        self.backend, self.pool = name, pool
         if self.message.startswith(_SUBJECT):
             who = name if name == address else f"{name} ({address})"
             self.message = f"Backend {who} {self.message.removeprefix(_SUBJECT)}"

@@ -241,5 +241,5 @@ def _refused_credentials(status: int) -> UpstreamCredentialsRefused:
 def blame(err: UpstreamError, backend: Backend) -> UpstreamError:
     """`err`, naming `backend` as the one that failed (the client sees which)."""
     url = backend.url
-    err.blame(backend.name, f"{url.host}:{url.port}")
+    err.blame(backend.name, f"{url.host}:{url.port}", backend.pool)
     return err

@@ -241,6 +241,8 @@ async def refuse(reply: Reply, err: KvrouteError, extra: dict[str, str]) -> None
         extra = {**extra, "WWW-Authenticate": "Bearer"}
     elif isinstance(err, UpstreamError) and err.backend is not None:
         extra = {**extra, BACKEND_HEADER: err.backend}  # the one that failed, tried last
+        if err.pool is not None:
+            extra[POOL_HEADER] = err.pool
     headers, body = err.http_answer(extra)
     # refused before its body was read whole (a 401 on the head, a 413, a 408, a full
     # body budget): the rest of the body is not worth the connection

@@ -196,7 +196,8 @@ async def test_with_every_prefill_failing_a_whole_pool_serves_or_it_is_a_502(who
                 await ask(oai)
             assert info.value.status_code == 502
             assert "The prefill failed on every prefill backend tried" in info.value.message
-            assert info.value.response.headers["x-kvroute-backend"] == "sim0"  # it failed
+            headers = info.value.response.headers
+            assert (headers["x-kvroute-backend"], headers["x-kvroute-pool"]) == ("sim0", "prefill")
         assert fleet.backends[1].stats.requests_received == 0
 
 
