@@ -417,7 +417,8 @@ def chart(runs: Sequence[Run], summaries: Sequence[Summary], path: Path) -> bool
     left.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     left.set_title("TTFT distribution")
     left.grid(alpha=0.3)
-    left.legend()
+    if left.get_lines():  # every row unmeasured (its simulator died): nothing to name
+        left.legend()
     names = [s.strategy for s in summaries]
     rates = [100 * (s.hit_rate or 0.0) for s in summaries]
     bars = right.bar(range(len(names)), rates, color=[f"C{i}" for i in range(len(names))])
