@@ -771,13 +771,14 @@ async def _simulated_run(
     async with contextlib.AsyncExitStack() as stack:
         backends, sim_pid = await _fleet(stack, options, split.roles if split else [], watch)
         urls = [b["url"] for b in backends]
+        redis: _RowRedis | None = None  # a kvroute row's with --cluster
         if isinstance(row, Peer):
             label, router = row.label, _peer_router(row, urls, options)
         else:
             tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvroute-bench-"))
             label = split.label if split else row
             strategy = split.strategy if split else row.removesuffix(CLUSTERED)
-            redis, redis_url = None, None
+            redis_url = None
             if label.endswith(CLUSTERED):
                 redis = _RowRedis(Path(tmp))
                 stack.callback(redis.stop)
