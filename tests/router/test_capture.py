@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gzip
 import os
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,6 +17,7 @@ from router.capture import Capture, Captured, Sampler, line, stream
 from router.config import CaptureConfig, ConfigError
 from router.upstream.clock import Framed
 from router.upstream.proxy import unframed
+from tests import tmpfs
 
 CHAT_STREAM = (
     b"".join(
@@ -97,20 +97,8 @@ def test_files_rotate_by_size_with_whole_lines_and_optional_gzip(tmp_path, gz: b
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 256 KiB tmpfs to fill (mounting one needs root: skipped otherwise)."""
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    try:
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command to mount a small tmpfs")
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs: {done.stderr.decode().strip()}")
-    try:
+    with tmpfs.small_disk(tmp_path / "disk", "256k") as disk:
         yield disk
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def noisy(i: int) -> Captured:

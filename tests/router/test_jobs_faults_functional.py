@@ -11,10 +11,9 @@ import io
 import logging
 import shutil
 import signal
-import subprocess
 import sys
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -41,6 +40,7 @@ from tests.router.test_jobs_functional import (
 from tests.router.test_jobs_store import lines_of
 from tests.router.test_signals_functional import CHAT_PATH, kvroute
 from tests.stub_backend import StubBackend
+from tests.tmpfs import small_disk
 
 
 @asynccontextmanager
@@ -264,25 +264,6 @@ async def test_a_corrupt_database_answers_503s_and_logs_a_few_lines(tmp_path: Pa
             assert r.status == 202
             status_url = router.url + (await r.json())["status_url"]
         assert (await finished(http, status_url))["status"] == "succeeded"
-
-
-@contextmanager
-def small_disk(where: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of `size` mounted at `where` meanwhile (skipped where none can be)."""
-    where.mkdir()
-    try:
-        mounted = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)],
-            capture_output=True,
-        )
-    except FileNotFoundError:
-        pytest.skip("no mount command here to make a small filesystem")
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs (root only): {mounted.stderr.decode().strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 async def upload(http: aiohttp.ClientSession, url: str, size: int) -> tuple[int, dict, str]:
