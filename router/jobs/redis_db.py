@@ -5,13 +5,15 @@ redis_store.py keeps the jobs, files and batches in it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from router.config import ConfigError, RedisConfig
 from router.jobs import redis_scripts
 from router.jobs.logic import page
 from router.secrets import redis_password
+
+T = TypeVar("T")
 
 
 class RedisDb:
@@ -100,6 +102,18 @@ class RedisDb:
             return ids, False
         window = page(ids, limit)
         return window.items, window.more
+
+    def _listed(self, index: str, ids: list[str], fetch: Callable[[str], T | None]) -> list[T]:
+        """What `fetch` finds of `ids`, in their order; an id whose hash expired leaves
+        the listing `index`."""
+        found = []
+        for ident in ids:
+            item = fetch(ident)
+            if item is None:
+                self._db.zrem(index, ident)  # expired
+            else:
+                found.append(item)
+        return found
 
 
 def ms(seconds: float) -> int:

@@ -160,15 +160,10 @@ class RedisFiles(FilesLogic, RedisDb):
     def files(
         self, tenant: str | None, purpose: str | None, after: str | None, limit: int
     ) -> Page[StoredFile]:
-        found: list[StoredFile] = []
         index = self._of("files", tenant)
         ids, more = self._page(index, after, limit if purpose is None else None)
-        for file_id in ids:
-            stored = self.file(file_id, tenant)
-            if stored is None:
-                self._db.zrem(index, file_id)  # expired
-            elif purpose is None or stored.purpose == purpose:
-                found.append(stored)
+        found = self._listed(index, ids, lambda file_id: self.file(file_id, tenant))
+        found = [f for f in found if purpose is None or f.purpose == purpose]
         return Page(found[:limit], more or len(found) > limit)
 
     def delete_file(self, file_id: str, tenant: str | None) -> bool:
@@ -217,14 +212,7 @@ class RedisBatches(BatchesLogic[None], RedisDb):
     def batches(self, tenant: str | None, after: str | None, limit: int) -> Page[Batch]:
         index = self._of("batches", tenant)
         ids, more = self._page(index, after, limit)
-        found = []
-        for batch_id in ids:
-            batch = self.batch(batch_id, tenant)
-            if batch is None:
-                self._db.zrem(index, batch_id)  # expired
-            else:
-                found.append(batch)
-        return Page(found, more)
+        return Page(self._listed(index, ids, lambda batch_id: self.batch(batch_id, tenant)), more)
 
     def unsettled(self) -> list[str]:
         """The batches whose last line ended (or was cancelled) and that did not end."""
