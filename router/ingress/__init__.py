@@ -19,7 +19,10 @@
                     `Reply`, which both servers implement, and `EncodedReply` over it
   compression.py    the answer's content coding from Accept-Encoding (gzip, zstd), and
                     encoders whose every output decodes on its own (a stream's events)
-  jobs_routes.py    with `jobs` on: async requests (202), OpenAI's files and batches
+  jobs_routes.py    with `jobs` on: async requests (202), and the token gate, 405s and
+                    404s of every job path; it routes to files_routes.py (OpenAI's
+                    Files API: uploads in pieces, streamed reads) and batches_routes.py
+                    (the Batch API); jobs_http.py, what their handlers share
   status.py         the read-only routes: /health, /ready, /v1/models, /debug/routing
   grpc_service.py   grpc.aio: protobuf to the same JSON body and `Call`; SSE to messages
   grpc_convert.py   the conversions both ways

@@ -1,7 +1,8 @@
 """What the job stores keep, and what a store does: the records (a job, a stored file, a
 batch, a batch line, a finished line) and `JobStore`, which the SQLite store
 (sqlite_store.py, one host) and the Redis store (redis_store.py, several router
-replicas) both are; stores.py opens the one the config names.
+replicas) both are, their common steps in logic.py; stores.py opens the one the config
+names.
 
 A job is accepted once it is stored, and only then answered. A worker runs it under a
 lease (`claim`): the lease names the worker and runs out `lease_s` after it was last
@@ -68,7 +69,7 @@ class Layout(NamedTuple):
     parts: int
 
     def pieces(self) -> int:
-        """How many pieces `FilePieces.piece` reads it in."""
+        """How many pieces `JobStore.piece` reads it in."""
         return -(-self.written // PIECE_BYTES) + self.parts
 
 
@@ -232,36 +233,3 @@ class JobStore(Protocol):
         """End the batch if none of its lines waits or runs: its output and error files
         (ids `files`) from `write`, its counts and state, its lines dropped. True if
         this call ended it (once, however many workers try)."""
-
-
-class FilePieces:
-    """Reading a stored file a piece at a time, as both stores do: the bytes written
-    whole in slices of `PIECE_BYTES`, then the uploaded pieces. A store gives
-    `layout`, `_written` and `_part`."""
-
-    def layout(self, file_id: str, tenant: str | None) -> Layout | None:
-        raise NotImplementedError
-
-    def _written(self, file_id: str, start: int, size: int) -> bytes | None:
-        """`size` bytes from `start` of what was written whole (None: the file went)."""
-        raise NotImplementedError
-
-    def _part(self, file_id: str, n: int) -> bytes | None:
-        """Uploaded piece `n` (None: the file went)."""
-        raise NotImplementedError
-
-    def piece(self, file_id: str, layout: Layout, n: int) -> bytes | None:
-        slices = -(-layout.written // PIECE_BYTES)
-        if n < slices:
-            start = n * PIECE_BYTES
-            return self._written(file_id, start, min(PIECE_BYTES, layout.written - start))
-        return self._part(file_id, n - slices)
-
-    def content(self, file_id: str, tenant: str | None) -> bytes | None:
-        layout = self.layout(file_id, tenant)
-        if layout is None:
-            return None
-        whole = bytearray()
-        for n in range(layout.pieces()):
-            whole += self.piece(file_id, layout, n) or b""
-        return bytes(whole)

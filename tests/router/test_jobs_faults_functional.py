@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from router.config import RedisConfig
-from router.jobs import sqlite_store
+from router.jobs import sqlite_db
 from router.jobs.redis_store import RedisJobStore
 from router.jobs.sqlite_store import SqliteJobStore
 from router.jobs.store import JobStore
@@ -86,7 +86,7 @@ async def ready(http: aiohttp.ClientSession, url: str) -> dict:
 async def test_the_runner_outlives_a_database_locked_by_another_process(
     tmp_path: Path, monkeypatch
 ) -> None:
-    monkeypatch.setattr(sqlite_store, "_BUSY_SECONDS", 0.2)  # the wait before SQLITE_BUSY
+    monkeypatch.setattr(sqlite_db, "_BUSY_SECONDS", 0.2)  # the wait before SQLITE_BUSY
     async with jobs_router(tmp_path) as (router, _), aiohttp.ClientSession() as http:
         sample = router.metrics.registry.get_sample_value
         async with locked(tmp_path / "jobs.db"):

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.config import ConfigError, RedisConfig
+from router.jobs.logic import BatchesLogic, FilesLogic, JobsLogic
 from router.jobs.redis_store import RedisJobStore
 from router.jobs.sqlite_store import SqliteJobStore
 from router.jobs.store import PIECE_BYTES, JobStore
@@ -68,6 +69,21 @@ def test_a_redis_password_comes_from_its_file(tmp_path: Path) -> None:
         store = RedisJobStore(RedisConfig(url=url, password_file=str(secret)))
         store.put("j1", None, CHAT, BODY)
         assert store.claim("w", 60).id == "j1"
+
+
+@pytest.mark.parametrize("logic", [JobsLogic, FilesLogic, BatchesLogic])
+def test_both_stores_take_their_common_steps_from_one_place(logic: type) -> None:
+    """The calls logic.py writes are each store's own, and every storage call it names
+    (a `_` one, or `layout`) is the store's, none left to its NotImplementedError."""
+    names = [name for name in vars(logic) if not name.startswith("__")]
+    given = [name for name in names if name.startswith("_") or name == "layout"]
+    written = [name for name in names if name not in given]
+    assert written and given
+    for store in (SqliteJobStore, RedisJobStore):
+        for name in written:
+            assert getattr(store, name) is vars(logic)[name], (store, name)
+        for name in given:
+            assert getattr(store, name) is not vars(logic)[name], (store, name)
 
 
 def test_a_lease_that_ran_out_is_claimed_again_with_one_more_attempt(store: JobStore) -> None:
