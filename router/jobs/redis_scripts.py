@@ -79,6 +79,10 @@ return redis.call('HGETALL', key)
 """
 HOOK_TRIED = """
 local key = ARGV[4] .. 'job:' .. ARGV[1]
+if redis.call('EXISTS', key) == 0 then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  return 0
+end
 redis.call('HSET', key, 'hook_state', ARGV[2])
 redis.call('HINCRBY', key, 'hook_attempts', 1)
 if ARGV[2] == 'pending' then

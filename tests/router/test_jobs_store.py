@@ -227,6 +227,21 @@ def test_a_webhook_is_due_when_its_job_ends_and_again_after_a_failed_try(
     assert store.get("j1", None).hook_state == "delivered"
 
 
+def test_a_webhook_tried_after_its_job_expired_leaves_no_trace(store: JobStore) -> None:
+    store.put("j1", "acme", CHAT, BODY, webhook="http://127.0.0.1:9/hook")
+    job = store.claim("w", 60)
+    store.finish(job.id, "w", "succeeded", 200, b"{}", ttl_s=0.05)
+    assert store.due_hook(lease_s=60).id == "j1"  # leased while its answer expires
+    deadline = time.monotonic() + 5
+    while store.get("j1", "acme") is not None and time.monotonic() < deadline:
+        time.sleep(0.01)  # wall-clock TTL
+        store.expire()
+    store.hook_tried("j1", "pending", retry_in=0)
+    assert store.get("j1", "acme") is None
+    assert store.get("j1", "beta") is None
+    assert store.due_hook(lease_s=60) is None
+
+
 def test_files_are_listed_newest_first_page_by_page_and_deleted(store: JobStore) -> None:
     for i in range(5):
         purpose = "batch" if i % 2 == 0 else "batch_output"
