@@ -132,6 +132,44 @@ class OwnLoad:
         self._table.close()
 
 
+class Outbox:
+    """This replica's placements waiting for Redis: queued as the workers make them,
+    published once per loop turn, on the channel and in the recent list."""
+
+    def __init__(self, router: str, block: int) -> None:
+        self._router = router
+        self._block = block
+        self._queue: list[tuple[str, float, list[int]]] = []
+        self._pending = asyncio.Event()
+
+    def add(self, payload: bytes) -> None:
+        """A worker's broadcast batch, its expiries made wall-clock."""
+        _, placed, _ = decode_learned(payload)
+        offset = time.time() - time.monotonic()
+        self._queue.extend((b, expires_at + offset, keys) for b, expires_at, keys in placed)
+        del self._queue[:-OUTBOX]
+        self._pending.set()
+
+    def clear(self) -> None:
+        self._queue.clear()
+
+    async def publish(self, client, channel: str, recent: str) -> None:
+        """This turn's placements in one message, on `channel` and in the `recent` list."""
+        while True:
+            await self._pending.wait()
+            self._pending.clear()
+            batch, self._queue = self._queue, []
+            if not batch:
+                continue
+            data = encode(Placed(self._router, self._block, batch))
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.publish(channel, data)
+                pipe.lpush(recent, data)
+                pipe.ltrim(recent, 0, HISTORY - 1)
+                pipe.expire(recent, HISTORY_TTL_S)
+                await pipe.execute()
+
+
 class ClusterLink:
     """The collector's session with the cluster's Redis: publishes this replica's
     placements, load and speeds, and hands what it hears of the others to `peers`."""
@@ -155,15 +193,13 @@ class ClusterLink:
         self._cfg = cfg.redis
         self._password = redis_password(cfg.redis, "cluster.redis")
         self._metrics = metrics
-        self._block = block
         self._own_load = own_load
         self._own_speeds = own_speeds
         self.router = secrets.token_hex(8)  # this replica, in its messages
         self.peers = Peers(fleet, metrics, block, self.router)
         self._channel = f"{cfg.redis.key_prefix}feed"
         self._recent = f"{cfg.redis.key_prefix}recent"
-        self._outbox: list[tuple[str, float, list[int]]] = []
-        self._pending = asyncio.Event()
+        self._outbox = Outbox(self.router, block)
         self.connected = False
         self._alone_said = False
         metrics.cluster_connected.set(0)
@@ -173,14 +209,9 @@ class ClusterLink:
         self.peers.attach(feed)
 
     def placed(self, payload: bytes) -> None:
-        """A worker's broadcast batch: queued for Redis, expiries made wall-clock."""
-        if not self.connected:
-            return
-        _, placed, _ = decode_learned(payload)
-        offset = time.time() - time.monotonic()
-        self._outbox.extend((b, expires_at + offset, keys) for b, expires_at, keys in placed)
-        del self._outbox[:-OUTBOX]
-        self._pending.set()
+        """A worker's broadcast batch, queued for Redis while the session shares."""
+        if self.connected:
+            self._outbox.add(payload)
 
     def replay(self) -> list[tuple[bytes, bytes]]:
         """What a joining worker needs to hear, as (feed kind, payload): the others'
@@ -224,7 +255,7 @@ class ClusterLink:
             self._shared()
             tasks = [
                 asyncio.create_task(self._listen(pubsub)),
-                asyncio.create_task(self._publish_placements(client)),
+                asyncio.create_task(self._outbox.publish(client, self._channel, self._recent)),
                 asyncio.create_task(self._publish_load(client)),
                 asyncio.create_task(self._publish_speeds(client)),
             ]
@@ -269,22 +300,6 @@ class ClusterLink:
             message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=1.0)
             if message is not None and message.get("type") == "message":
                 self.peers.received(message["data"])
-
-    async def _publish_placements(self, client) -> None:
-        """This turn's placements in one message, on the channel and in the list."""
-        while True:
-            await self._pending.wait()
-            self._pending.clear()
-            batch, self._outbox = self._outbox, []
-            if not batch:
-                continue
-            data = encode(Placed(self.router, self._block, batch))
-            async with client.pipeline(transaction=False) as pipe:
-                pipe.publish(self._channel, data)
-                pipe.lpush(self._recent, data)
-                pipe.ltrim(self._recent, 0, HISTORY - 1)
-                pipe.expire(self._recent, HISTORY_TTL_S)
-                await pipe.execute()
 
     async def _publish_load(self, client) -> None:
         """This replica's load every interval; the silent others dropped."""
