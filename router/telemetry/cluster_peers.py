@@ -44,6 +44,16 @@ def apply_shared_speeds(fleet: Fleet, payload: bytes) -> None:
     fleet.lend_speeds()
 
 
+def _drop_silent(heard: dict[str, tuple[float, object]], ttl: float) -> bool:
+    """Drop from `heard` (replica: (last heard, what it said)) the replicas silent
+    for `ttl` seconds; whether there were any."""
+    cutoff = time.monotonic() - ttl
+    gone = [r for r, (seen, _) in heard.items() if seen < cutoff]
+    for router in gone:
+        del heard[router]
+    return bool(gone)
+
+
 class Peers:
     """The other replicas as this one heard them; `router` names this one (its own
     messages come back on the channel and are skipped)."""
@@ -133,21 +143,13 @@ class Peers:
 
     def expire_load(self) -> None:
         """The load of replicas silent for `PEER_TTL_S` dropped."""
-        cutoff = time.monotonic() - PEER_TTL_S
-        gone = [r for r, (seen, _) in self._peers.items() if seen < cutoff]
-        for router in gone:
-            del self._peers[router]
-        if gone:
+        if _drop_silent(self._peers, PEER_TTL_S):
             self._metrics.cluster_peers.set(len(self._peers))
             self._send_load()
 
     def expire_speeds(self) -> None:
         """The speeds of replicas silent for `SPEEDS_TTL_S` dropped."""
-        cutoff = time.monotonic() - SPEEDS_TTL_S
-        gone = [r for r, (seen, _) in self._speeds.items() if seen < cutoff]
-        for router in gone:
-            del self._speeds[router]
-        if gone:
+        if _drop_silent(self._speeds, SPEEDS_TTL_S):
             self._send_speeds()
 
     def forget(self) -> None:
