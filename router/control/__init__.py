@@ -1,8 +1,14 @@
 """Control: the processes, their roles, and how the config changes while they run.
 
   serve.py       run one process until SIGTERM (drain) or SIGINT; SIGHUP reloads
-  worker.py      `Router`: a process that serves (listeners, dispatcher, shared tables);
+  worker.py      `Router`: a process that serves (its request path, the shared tables);
                  alone it is the whole router, telemetry in-process
+  request_path.py
+                 a worker's records, dispatcher, jobs and listeners: opened in order,
+                 drained together, closed
+  shared_tables.py
+                 the run directory's tables a worker of several shares with the others
+  joining.py     a worker of several following the collector: its feed, verdicts, edits
   collector.py   `Collector`: the process of several that faces the backends and feeds
                  the workers
   node.py        `Node`: the parts both roles are composed of

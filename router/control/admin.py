@@ -236,22 +236,26 @@ class AdminServer:
 
     def _describe(self, b: Backend, state: str) -> dict:
         last = self._router.health.last_pass.get(b.name)
-        now = asyncio.get_running_loop().time()
-        return {
-            "name": b.name,
-            "url": str(b.url),
-            "weight": b.weight,
-            "models": sorted(b.models) if b.models is not None else None,
-            "state": state,
-            "usable": b.usable,
-            "health": {
-                "up": b.healthy,
-                "streak": b.check_streak,
-                "last_pass_seconds_ago": None if last is None else round(now - last, 3),
-            },
-            "breaker": b.breaker.state.value,
-            "inflight": b.inflight,
-        }
+        return _backend_row(b, state, last, asyncio.get_running_loop().time())
+
+
+def _backend_row(b: Backend, state: str, last_pass: float | None, now: float) -> dict:
+    """One backend as GET /admin/backends lists it; `last_pass`, `now`: loop times."""
+    return {
+        "name": b.name,
+        "url": str(b.url),
+        "weight": b.weight,
+        "models": sorted(b.models) if b.models is not None else None,
+        "state": state,
+        "usable": b.usable,
+        "health": {
+            "up": b.healthy,
+            "streak": b.check_streak,
+            "last_pass_seconds_ago": None if last_pass is None else round(now - last_pass, 3),
+        },
+        "breaker": b.breaker.state.value,
+        "inflight": b.inflight,
+    }
 
 
 async def apply_edit(

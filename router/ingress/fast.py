@@ -88,7 +88,7 @@ class FastConnections:
     async def drain(self, timeout: float) -> None:
         """Close idle connections now; let requests in flight finish within `timeout`,
         then cut what is left. Their answers say `Connection: close`. The dispatcher's
-        drain deadline comes first (router/control/worker.py): by this one, what is left is an
+        drain deadline comes first (router/control/request_path.py): by this one, what is left is an
         answer ended with a "shutting down" error that its client does not read."""
         self.closing = True
         busy = []

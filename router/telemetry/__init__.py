@@ -8,6 +8,8 @@
   feed.py            the feed's sockets, topics and messages
   cluster.py         `ClusterLink`: the collector's link to the router's other replicas
                      through Redis (config `cluster`): placements and load shared
+  cluster_wire.py    the messages replicas exchange there, and their cadence
+  cluster_peers.py   `Peers`: what a replica heard of the others, handed to the workers
   scrape.py          /metrics scraping: the vLLM series routing reads
   index_upkeep.py    the prefix index's event sources following the fleet; aging, size
   kv_events.py       one backend's vLLM KV event stream (ZMQ, replay) into the index

@@ -25,7 +25,7 @@ from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
 from router.telemetry.cache_feedback import CacheFeedback
-from router.telemetry.cluster import apply_remote_load, apply_shared_speeds
+from router.telemetry.cluster_peers import apply_remote_load, apply_shared_speeds
 from router.telemetry.feed import (
     BROADCAST_TIMEOUT_S,
     FEED_HWM,

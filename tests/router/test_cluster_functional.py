@@ -27,7 +27,7 @@ import yaml
 
 from bench.overhead import free_port, process, wait_ready
 from router.control.supervisor import RUN_PARENT_ENV
-from router.telemetry.cluster import Load, Placed, Speeds
+from router.telemetry.cluster_wire import Load, Placed, Speeds
 from tests.redis_server import redis_server
 from tests.router.test_workers import until
 from tests.stub_backend import Behaviour, StubBackend
