@@ -19,9 +19,10 @@ off the engine); params holds every knob.
     await fleet.stop()
 """
 
+from bench.sim.backend import SimBackend
 from bench.sim.cli import main
 from bench.sim.engine import EngineStats, SimEngine
-from bench.sim.fleet import SimBackend, SimFleet, start_fleet
+from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import Fault, SimConfig, SimParams, load_config
 from bench.sim.tokenizer import render_chat, tokenize
 
