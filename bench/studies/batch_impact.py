@@ -10,6 +10,8 @@ interactive TTFT should barely move. One row per run: interactive TTFT p50/p90/p
 failures, the batch lines done by the time the interactive replay ended, and (the batch
 waited for after it) the lines answered and how long the batch took. Latencies are in
 simulated time.
+
+Reproduces docs/performance.md, "A batch beside interactive traffic".
 """
 
 from __future__ import annotations

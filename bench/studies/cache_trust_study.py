@@ -18,6 +18,8 @@ them whose backend found less than half the predicted cached tokens
 `--no-telemetry` keeps the router from scraping the servers' /metrics, as with an engine
 that publishes no vLLM metrics (llama.cpp): its cache size is then unknown to the router.
 Arguments after `--` go to `kvroute bench --target`.
+
+Reproduces docs/performance.md, "KV_AWARE learning what small caches keep".
 """
 
 from __future__ import annotations

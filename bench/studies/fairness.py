@@ -26,6 +26,8 @@ saturated client does not pass for a slow router. On 2 cores the backend, the ta
 the holder and the prober share them: compare the targets within one run.
 
     python -m bench.studies.fairness --streams 2000 --interval 0.01
+
+Reproduces docs/performance.md, "New requests while streams flow".
 """
 
 from __future__ import annotations

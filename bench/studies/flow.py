@@ -17,6 +17,8 @@ refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's latency i
 checked against its class's `queue_timeout`.
 
     python -m bench.studies.flow --seconds 20
+
+Reproduces docs/performance.md, "Flow control past saturation".
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ what gRPC adds or saves on top, client library included (grpcio's client on one
 HTTP/2 channel, aiohttp's on a pool of HTTP/1.1 connections).
 
     python -m bench.studies.grpc_overhead --requests 2000 --concurrency 32
+
+No section of docs/performance.md quotes it yet: a study of the gRPC ingress, beside
+bench.studies.overhead's HTTP figures.
 """
 
 from __future__ import annotations

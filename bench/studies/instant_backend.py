@@ -19,6 +19,10 @@ without bound. `GET /debug/streams` counts the open streams per model.
 
     python -m bench.studies.instant_backend --port 0     # prints the URL it listens on
     python -m bench.studies.instant_backend --raw --interval 0.01 --slow-interval 0.5
+
+Not a study of its own: the backend of docs/performance.md, "Throughput beside the Rust
+routers", "New requests while streams flow", "What compression costs" and the overhead
+sections (bench.studies.throughput, fairness, compression, overhead, grpc_overhead).
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ the step, how much larger it got (the stall), the worker's RSS before and at its
 (its `kvroute_event_loop_lag_seconds` histogram, as a bucket's bound: the probe's gaps
 also take in the simulator's and the probe's own scheduling), and the answers. The
 probe runs in a process of its own, so the bench's own uploads never delay its clock.
+
+No section of docs/performance.md quotes it yet: a study of what job uploads,
+downloads and batches cost a worker's interactive streams (tests/bench/test_jobs_pressure.py
+runs it small).
 """
 
 from __future__ import annotations

@@ -14,6 +14,10 @@ with tracing configured but sampling nothing, and `--capture SHARE` one with dat
 sampling that share (repeatable), in the same batches; `--stream N` sends streams of N
 events instead of whole answers: the difference of their added
 latencies from the default router's is what the log, tracing or capture costs.
+
+Reproduces docs/performance.md, "What the access log and tracing cost" and "What data
+capture costs", and the added latency under "Routing quality on the simulator";
+bench.studies.throughput times its latencies with `compare`, grpc_overhead shares its flags.
 """
 
 from __future__ import annotations

@@ -8,6 +8,9 @@ the pipe itself costs (the event loop's wake-ups and the kernel's reads and writ
 Python proxy on this machine can go below.
 
     python -m bench.studies.pipe --backend http://127.0.0.1:8001 --port 9000
+
+Not a study of its own: the "bare TCP pipe" row of docs/performance.md, "Throughput
+beside the Rust routers" (bench.studies.throughput starts it).
 """
 
 from __future__ import annotations

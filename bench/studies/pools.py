@@ -8,6 +8,8 @@ stages of rising then falling Poisson rates (`--stages`, requests per simulated 
 `--stage-requests` each); one table row per stage: what was served, what failed (every
 request must succeed), the share the fallback took, TTFT per pool, and the router's
 spill counts (kvroute_pool_spills_total). Latencies are in simulated time.
+
+Reproduces docs/performance.md, "Pools under a load ramp".
 """
 
 from __future__ import annotations

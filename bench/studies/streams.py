@@ -11,6 +11,10 @@ open at once).
     board = Board()
     streams = await open_streams("http://127.0.0.1:8000", 1000, body, board)
     await board.wait_closed(60)
+
+Not a study of its own: the SSE client of docs/performance.md, "Throughput beside the
+Rust routers" and "New requests while streams flow" (bench.studies.throughput and
+fairness), and of tests/e2e/test_many_streams_functional.py.
 """
 
 from __future__ import annotations

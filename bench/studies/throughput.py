@@ -31,6 +31,8 @@ and the router share the cores: compare rows with each other, and per router cor
 
     python -m bench.studies.throughput                    # every row, 2-3 minutes on 2 cores
     python -m bench.studies.throughput --quick --no-peers --json out.json
+
+Reproduces docs/performance.md, "Throughput beside the Rust routers".
 """
 
 from __future__ import annotations
