@@ -88,7 +88,7 @@ Cost: O((holders + sample) * log blocks) for the lookups, whatever the fleet siz
 (O(candidates * log blocks) with `sample: 0`, and one O(candidates) filter when every
 scored backend is at the cap); keys are cached by prefix in hashing/; one shared-placement
 probe and one rendezvous rank per tied candidate. The whole-request cost adds a few
-float operations per scored candidate to the lookups (bench/test_bench_routing.py).
+float operations per scored candidate to the lookups (bench/micro/test_bench_routing.py).
 
 Parameters (defaults): block_size (16, the backends' KV block size), tokenizer ({kind:
 chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens (32768),

@@ -51,7 +51,7 @@ from bench.sim.request import SimRequest
 from bench.sim.tokenizer import token_strs, tokenize
 
 if TYPE_CHECKING:
-    from bench.sim.fleet import SimBackend
+    from bench.sim.backend import SimBackend
 
 _B = TypeVar("_B", bound=msgspec.Struct)
 _CHAT = msgspec.json.Decoder(ChatBody)

@@ -13,8 +13,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from bench.overhead import free_port
-from bench.processes import simulator
+from bench.harness.processes import free_port, simulator
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
 from router.config import build
