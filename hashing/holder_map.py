@@ -9,6 +9,8 @@ binary searches read it at a dict's speed. Not thread-safe: one event loop owns 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 __all__ = ["FEW", "Held", "HolderMap", "holder_count"]
 
 #: the backends holding one key: its one holder's name, a tuple of a few, or a set of more
@@ -20,20 +22,23 @@ FEW = 8
 class HolderMap(dict[int, Held]):
     __slots__ = ()
 
-    def hold(self, key: int, backend: str) -> None:
-        """`backend` holds `key` (idempotent: one probe, as most keys stored are new)."""
-        held = self.setdefault(key, backend)
-        if held is backend:
-            return
-        kind = held.__class__
-        if kind is str:
-            if held != backend:
-                self[key] = (held, backend)
-        elif kind is tuple:
-            if backend not in held:
-                self[key] = (*held, backend) if len(held) < FEW else {*held, backend}
-        else:
-            held.add(backend)
+    def hold(self, keys: Iterable[int], backend: str) -> None:
+        """`backend` holds each of `keys` (idempotent: one probe each, as most keys stored
+        are new; a loop here rather than a call per key, as a pick inserts its new blocks)."""
+        setdefault = self.setdefault
+        for key in keys:
+            held = setdefault(key, backend)
+            if held is backend:
+                continue
+            kind = held.__class__
+            if kind is str:
+                if held != backend:
+                    self[key] = (held, backend)
+            elif kind is tuple:
+                if backend not in held:
+                    self[key] = (*held, backend) if len(held) < FEW else {*held, backend}
+            else:
+                held.add(backend)
 
     def release(self, key: int, backend: str) -> None:
         """`backend` no longer holds `key`; the key goes with its last holder."""

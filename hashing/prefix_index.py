@@ -89,9 +89,7 @@ class PrefixIndex(PrefixLookup):
         from another medium's index (`key_of`)."""
         h = self._of(backend)
         pairs = list(pairs)
-        hold = self._holders.hold
-        for key, _ in pairs:
-            hold(key, backend)
+        self._holders.hold([key for key, _ in pairs], backend)
         h.confirm(pairs)
         self._left(backend, h, h.trimmed())
 
@@ -117,9 +115,7 @@ class PrefixIndex(PrefixLookup):
     def learn(self, backend: str, keys: Sequence[int], expires_at: float) -> None:
         """Record that the router just sent these blocks to `backend` (speculative)."""
         h = self._of(backend)
-        hold = self._holders.hold
-        for key in keys:
-            hold(key, backend)
+        self._holders.hold(keys, backend)
         h.speculate(keys, expires_at)
         self._left(backend, h, h.trimmed())
 
@@ -146,9 +142,7 @@ class PrefixIndex(PrefixLookup):
         """Replace `backend`'s confirmed keys with a `snapshot` (a worker joining late)."""
         h = self._of(backend)
         self._left(backend, h, h.restored(pairs))
-        hold = self._holders.hold
-        for key in h.confirmed:
-            hold(key, backend)
+        self._holders.hold(h.confirmed, backend)
         self._left(backend, h, h.trimmed())
 
     def _left(self, backend: str, h: Holdings, keys: Iterable[int]) -> None:
