@@ -42,7 +42,7 @@ adds).
 backend's estimated queue the same way (the work ahead of a new request, in seconds).
 Either cap is KV_AWARE's saturation point, where a fleet with pools passes a request to
 the next pool. The estimate adds a few float operations per scored candidate to its
-index lookups (bench/test_bench_routing.py).
+index lookups.
 """
 
 from __future__ import annotations
