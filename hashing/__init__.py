@@ -13,7 +13,11 @@ and for KV-aware routing:
                   their block keys, cached by prefix checkpoints
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
-    prefix_index  which backend holds which block keys (KV events + speculative inserts)
+    prefix_index  which backend holds which block keys (KV events + speculative inserts),
+                  from its three parts:
+    holdings      one backend's keys, least recently used first, within its bounds
+    holder_map    the reverse map: each key's holders, kept compact
+    prefix_lookup the lookups over both: longest prefix per backend, longest holders
     tiered_index  the same per cache medium: GPU, offload tiers (CPU, storage, shared)
     cache_trust   the answers' cached tokens correct the index and bound, per backend,
                   how many of its placements it trusts (a learned capacity)
@@ -32,7 +36,10 @@ from hashing import (
     chat_tokens,
     fingerprint,
     hf_chat,
+    holder_map,
+    holdings,
     prefix_index,
+    prefix_lookup,
     rendezvous,
     ring,
     tiered_index,
@@ -46,7 +53,10 @@ __all__ = [
     "chat_tokens",
     "fingerprint",
     "hf_chat",
+    "holder_map",
+    "holdings",
     "prefix_index",
+    "prefix_lookup",
     "rendezvous",
     "ring",
     "tiered_index",
