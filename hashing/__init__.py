@@ -11,6 +11,7 @@ and for KV-aware routing:
 
     chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
                   their block keys, cached by prefix checkpoints
+    text_blocks   block keys straight from the text, when no backend publishes KV events
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts)
@@ -20,7 +21,7 @@ and for KV-aware routing:
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
-prometheus_client (stdlib, msgspec and xxhash only; ``tokenizers`` when an HF tokenizer is
+prometheus_client (stdlib, msgspec, xxhash and numpy only; ``tokenizers`` when an HF tokenizer is
 built). Nothing depends on ``hash()``, so every process and replica computes the same values.
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
@@ -35,6 +36,7 @@ from hashing import (
     prefix_index,
     rendezvous,
     ring,
+    text_blocks,
     tiered_index,
     tokens,
 )
@@ -49,6 +51,7 @@ __all__ = [
     "prefix_index",
     "rendezvous",
     "ring",
+    "text_blocks",
     "tiered_index",
     "tokens",
 ]

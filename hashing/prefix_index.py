@@ -162,10 +162,12 @@ class PrefixIndex:
         """Record that the router just sent these blocks to `backend` (speculative)."""
         h = self._of(backend)
         spec = h.speculative
-        for key in keys:
-            self._hold(key, backend)
+        first_holder, to_end = self._holders.setdefault, spec.move_to_end
+        for key in keys:  # a new prompt's keys are new: one probe each, no call
+            if first_holder(key, backend) is not backend:
+                self._hold(key, backend)
             spec[key] = expires_at
-            spec.move_to_end(key)
+            to_end(key)
         self._trim(backend, h)
 
     def dropped(self, backend: str, keys: Iterable[int], confirmed: bool = False) -> None:

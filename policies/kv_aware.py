@@ -246,14 +246,17 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         tiers = [Tier(m, t.load_s_per_token, t.shared) for m, t in params.tiers.items()]
         self.index = TieredIndex(params.index_capacity, tiers)
         self._gpu = self.index.gpu
+        #: backends that publish KV events; the others are indexed from our own decisions
+        #: (none: the block keys need no token ids)
+        self.event_backends: set[str] = set()
         max_blocks = params.max_prefix_tokens // params.block_size
         tok = params.tokenizer
-        self._blocks = make_prompt_blocks(params.block_size, max_blocks, tok.kind, tok.path)
+        self._blocks = make_prompt_blocks(
+            params.block_size, max_blocks, tok.kind, tok.path, self.event_backends
+        )
         self._rng = random.Random(params.seed)
         #: the last decisions as recorded (see `recent`)
         self._recent: deque[tuple] = deque(maxlen=64)
-        #: backends that publish KV events; the others are indexed from our own decisions
-        self.event_backends: set[str] = set()
         #: each backend's rendezvous identity, by name (memoised: names are few)
         self._hashes: dict[str, int] = {}
         self._shared: Placements | None = None
