@@ -16,8 +16,10 @@ router, from /proc's nanosecond run times, background loops included).
 
 Then the head-of-line probe: small requests, one at a time, through a kvroute worker
 (`--workers 1`, so that they share its event loop with the long prompts), first alone
-and then while new `--probe-tokens`-token prompts flow to the same worker back to back.
-What matters is the difference of the two P99s.
+and then while new `--probe-tokens`-token prompts flow to the same worker back to back
+(from a process of their own). What matters is the difference of the two P99s, beside
+the same difference straight to the backend (here the raw one, `--raw`, which does not
+parse bodies): what the machine's own contention adds.
 
     python -m bench.long_prompts                  # kvroute KV_AWARE, default workers
     python -m bench.long_prompts --peers          # and sglang-router, vllm-router
@@ -32,11 +34,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import http.client
+import multiprocessing
 import statistics
 import sys
 import tempfile
 import time
+import urllib.parse
 from collections.abc import Iterator, Sequence
+from multiprocessing.sharedctypes import Synchronized
+from multiprocessing.synchronize import Event
 from pathlib import Path
 
 import aiohttp
@@ -180,28 +187,41 @@ async def _phase(
 
 
 async def probe(name: str, url: str, tokens: int, small: int) -> Probe:
-    """`small` small requests' P99 alone, then while new `tokens`-token prompts flow."""
+    """`small` small requests' P99 alone, then while new `tokens`-token prompts flow to
+    the same URL from a process of their own (building and sending them here would hold
+    up this loop's clock)."""
     words = max(1, round(tokens * 4 / _CHARS_PER_WORD))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         for _ in range(20):
             await _send(http, url, _SMALL)
         quiet = [await _send(http, url, _SMALL) for _ in range(small)]
-        stop = asyncio.Event()
-        sent = 0
-
-        async def long_prompts() -> None:
-            nonlocal sent
-            while not stop.is_set():
-                await _send(http, url, chat_body(words, 1_000_000 + sent))
-                sent += 1
-
-        flowing = asyncio.create_task(long_prompts())
+        spawn = multiprocessing.get_context("spawn")  # no copy of this loop
+        ready, stop, sent = spawn.Event(), spawn.Event(), spawn.Value("i", 0)
+        sender = spawn.Process(target=_long_prompts, args=(url, words, ready, stop, sent))
+        sender.start()
         try:
+            await asyncio.to_thread(ready.wait, 60)
             busy = [await _send(http, url, _SMALL) for _ in range(small)]
         finally:
             stop.set()
-            await flowing
-    return Probe(name, percentile(quiet, 0.99) * 1e3, percentile(busy, 0.99) * 1e3, sent)
+            await asyncio.to_thread(sender.join, 30)
+    return Probe(name, percentile(quiet, 0.99) * 1e3, percentile(busy, 0.99) * 1e3, sent.value)
+
+
+def _long_prompts(url: str, words: int, ready: Event, stop: Event, sent: Synchronized) -> None:
+    """New long chat prompts to `url`, one after the other, until `stop`: one document,
+    each time behind a new first line, so that none shares a block with another."""
+    body = orjson.loads(chat_body(words, 1_000_000))
+    document = body["messages"][0]["content"]
+    host, port = urllib.parse.urlsplit(url).netloc.split(":")
+    conn = http.client.HTTPConnection(host, int(port))
+    ready.set()
+    while not stop.is_set():
+        body["messages"][0]["content"] = f"{sent.value} {document}"
+        conn.request("POST", _CHAT, orjson.dumps(body), _HEADERS)
+        conn.getresponse().read()
+        sent.value += 1
+    conn.close()
 
 
 @contextlib.contextmanager
@@ -298,19 +318,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
     strategies = _strategies(args.strategy)
-    with (
-        tempfile.TemporaryDirectory() as tmp,
-        process([sys.executable, "-m", "bench.instant_backend", "--port", "0"]) as backend,
-    ):
-        direct = backend.stdout.readline().strip()
+    backend = [sys.executable, "-m", "bench.instant_backend", "--port", "0"]
+    with tempfile.TemporaryDirectory() as tmp, process(backend) as instant:
+        direct = instant.stdout.readline().strip()
         with routers(direct, strategies, args.workers, args.peers, Path(tmp)) as running:
             cells = asyncio.run(measure(direct, running, sizes, args.requests))
-        probes = []
-        if args.probe_tokens:
-            with routers(direct, [strategies[0]], 1, False, Path(tmp)) as one:
-                ((url, _),) = one.values()
-                name = f"kvroute {strategies[0]}, 1 worker"
-                probes.append(asyncio.run(probe(name, url, args.probe_tokens, args.probe_requests)))
+    probes = []
+    # the probe's backend is the raw one: aiohttp's parsing of long bodies would delay
+    # the small requests there, and the probe is about the router's loop
+    with tempfile.TemporaryDirectory() as tmp, process([*backend, "--raw"]) as raw:
+        direct = raw.stdout.readline().strip()
+        with routers(direct, [strategies[0]], 1, False, Path(tmp)) as one:
+            ((url, _),) = one.values()
+            targets = {"the raw backend, direct": direct, f"kvroute {strategies[0]}, 1 worker": url}
+            for name, target in targets.items() if args.probe_tokens else ():
+                tokens, small = args.probe_tokens, args.probe_requests
+                probes.append(asyncio.run(probe(name, target, tokens, small)))
     _print(cells, probes, args, strategies[0])
     if args.json:
         data = {"cells": cells, "probes": [msgspec.to_builtins(p) for p in probes]}

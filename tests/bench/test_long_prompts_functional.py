@@ -23,8 +23,11 @@ def test_small_run_fills_the_table_and_the_probe(tmp_path, capsys) -> None:
     }
     for cell in cells.values():
         assert cell["p50_ms"] > 0 and cell["direct_p50_ms"] > 0 and cell["cpu_ms"] > 0, cell
-    (probe,) = data["probes"]
-    assert probe["quiet_p99_ms"] > 0 and probe["busy_p99_ms"] > 0 and probe["long_prompts"] > 0
+    probes = {p["router"]: p for p in data["probes"]}
+    assert set(probes) == {"the raw backend, direct", "kvroute KV_AWARE, 1 worker"}
+    for probe in probes.values():
+        assert probe["quiet_p99_ms"] > 0 and probe["busy_p99_ms"] > 0, probe
+        assert probe["long_prompts"] > 0, probe
     printed = capsys.readouterr().out
     assert "| 1,000 | new |" in printed and "small-request P99" in printed
 
