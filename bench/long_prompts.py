@@ -285,13 +285,18 @@ def ratios(cells: Sequence[Cell], router: str) -> list[str]:
         here = [c for c in cells if (c.words, c.mode) == (words, mode)]
         mine = next(c for c in here if c.router == router)
         others = [c for c in here if c.router in peers]
-        p50 = min(max(c.added_p50_ms, 0.01) for c in others)
-        cpu = min(max(c.cpu_ms, 0.01) for c in others)
+        p50 = min(c.added_p50_ms for c in others)
+        cpu = min(c.cpu_ms for c in others)
         lines.append(
-            f"{words:>7,} words, {mode:8}: added P50 {mine.added_p50_ms / p50:5.2f}x, "
-            f"CPU {mine.cpu_ms / cpu:5.2f}x the best peer's"
+            f"{words:>7,} words, {mode:8}: added P50 {_ratio(mine.added_p50_ms, p50)}, "
+            f"CPU {_ratio(mine.cpu_ms, cpu)} the best peer's"
         )
     return lines
+
+
+def _ratio(mine: float, best: float) -> str:
+    """`mine` over `best`; none when `best` is within the noise of nothing."""
+    return f"{mine / best:5.2f}x" if best > 0.05 else f"{mine:.2f} ms against {best:.2f} ms"
 
 
 def _strategies(given: list[str]) -> list[str]:
