@@ -22,8 +22,8 @@ code points, so a conversation keeps its keys when a later turn adds an accent.
 Constants are fixed, so every worker and replica computes the same keys (they share
 placements). A collision (~2**-64 for unrelated text) only misroutes one request.
 
-Cost: ~20 µs for 2,048 blocks (32k tokens), against ~500 µs for tokenizing them and
-chaining xxh3 over the ids.
+Cost: ~0.1 ms for 2,048 blocks (32k tokens), a third of what tokenizing them and chaining
+xxh3 over the ids costs (one Python call per block).
 """
 
 from __future__ import annotations
