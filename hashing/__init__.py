@@ -11,6 +11,7 @@ and for KV-aware routing:
 
     chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
                   their block keys, cached by prefix checkpoints
+    text_blocks   block keys straight from the text, when no backend publishes KV events
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts),
@@ -24,7 +25,7 @@ and for KV-aware routing:
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
-prometheus_client (stdlib, msgspec and xxhash only; ``tokenizers`` when an HF tokenizer is
+prometheus_client (stdlib, msgspec, xxhash and numpy only; ``tokenizers`` when an HF tokenizer is
 built). Nothing depends on ``hash()``, so every process and replica computes the same values.
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
@@ -42,6 +43,7 @@ from hashing import (
     prefix_lookup,
     rendezvous,
     ring,
+    text_blocks,
     tiered_index,
     tokens,
 )
@@ -59,6 +61,7 @@ __all__ = [
     "prefix_lookup",
     "rendezvous",
     "ring",
+    "text_blocks",
     "tiered_index",
     "tokens",
 ]
