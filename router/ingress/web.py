@@ -7,13 +7,13 @@ JSON whole and SSE chunk by chunk, compressed when `compression` is on and the c
 accepts a coding it offers (compression.py). The read-only routes are status.py's.
 
 Hostile clients are refused before any work: the bearer token is checked before the
-body is read (auth.py, identity.py: 401); the body must arrive in time and within its limits
-(body.py: 408, 413 (one declared larger is refused before a `100 Continue` invites
-it), 503); aiohttp enforces the header limits (431) and the header timeout
+body is read (auth.py, identity.py: 401); the body must arrive in time and within its
+limits (body.py: 408, 413 (one declared larger is refused before a `100 Continue`
+invites it), 503); aiohttp enforces the header limits (431) and the header timeout
 (`server_limits`). A refusal never reaches dispatch or a backend. With auth on, a path
 or method the router does not serve is a 401 too without a valid token, not a 404 or
-405 (identity.py's `unrouted`), so a stranger cannot map the routes. Proxied routes forward the path
-in origin-form, dot segments resolved (targets.py).
+405 (identity.py's `unrouted`), so a stranger cannot map the routes. Proxied routes
+forward the path in origin-form, dot segments resolved (targets.py).
 
 Every answer carries X-Request-Id (the client's, else a new one), including the errors
 aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`).
