@@ -116,6 +116,8 @@ class HttpIngress:
         self._compression = Compression(config.compression) if config.compression.enabled else None
         #: request bodies held at once: this worker's share of the router's budget
         self.bodies = self._body.bodies
+        #: the 408 of a body that did not arrive in time (the fast path's too)
+        self.body_late: Callable[[], RequestTimeout] = self._body.late
         self._status = StatusRoutes(
             fleet, dispatcher, self._auth, self._who.tenant, telemetry, admin_token,
             None if jobs is None else jobs.faults,
@@ -234,10 +236,6 @@ class HttpIngress:
         response = err.to_http({REQUEST_ID: rid})
         response.force_close()
         return response
-
-    def body_late(self) -> RequestTimeout:
-        """The 408 of a body that did not arrive in time (the fast path's too)."""
-        return self._body.late()
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)
