@@ -10,9 +10,10 @@ Llama-70B-class cost model scaled by time_scale (engine.py). Faults are injectab
 start and at runtime (POST /sim/fault, /sim/restart).
 
 Modules, along one request: cli -> fleet (sockets) -> backend (one server's state) and
-server (HTTP, faults) -> protocol (bodies, responses) -> tokenizer -> engine ->
-scheduler -> kv_cache -> kv_events/publisher (ZMQ); metrics beside the engine; embedding
-(/v1/embeddings, off the engine); params holds every knob.
+server (HTTP, faults; what it reports: reports) -> protocol (bodies, responses) ->
+tokenizer -> engine -> scheduler -> kv_cache (its CPU tier: cpu_tier) ->
+kv_events/publisher (ZMQ); metrics beside the engine; embedding (/v1/embeddings, off the
+engine); params holds every knob.
 
 Imports nothing of the router or its policies (it stands in for vLLM, which knows nothing
 of its router) and nothing else of bench; hashing/ only, for the chat template and

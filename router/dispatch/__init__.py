@@ -15,7 +15,9 @@
   connect.py          the attempt loop: retries before the first byte, the 503 when
                       every backend failed
   attempt.py          one attempt on one backend: its in-flight slot, the upstream
-                      exchange's opening, the breaker's verdict
+                      exchange's opening
+  verdict.py          the breaker's verdict on an attempt, a server error's held until
+                      the request's fate says whose fault it was
   accounting.py       the request's metrics: decision, retries, outcome, tokens,
                       refusals; its access log line and throttled failure warnings
   tracing.py          OpenTelemetry spans per sampled request, W3C traceparent to the
