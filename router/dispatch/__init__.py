@@ -17,7 +17,10 @@
   attempt.py          one attempt on one backend: its in-flight slot, the upstream
                       exchange's opening, the breaker's verdict
   accounting.py       the request's metrics: decision, retries, outcome, tokens,
-                      refusals; its access log line and throttled failure warnings
+                      refusals; its throttled failure warnings
+  log_line.py         the request's access log line, and its capture record
+  prediction.py       the KV-cache prediction checked against the backend's answer
+  learning.py         what a whole stream teaches the fleet: answer lengths, speeds
   tracing.py          OpenTelemetry spans per sampled request, W3C traceparent to the
                       backend
   records.py          a worker's access log and tracer, opened and flushed with it
