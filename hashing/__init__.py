@@ -11,7 +11,6 @@ and for KV-aware routing:
 
     chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
                   their block keys, cached by prefix checkpoints
-    text_blocks   block keys straight from the text, when no backend publishes KV events
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts),
@@ -43,7 +42,6 @@ from hashing import (
     prefix_lookup,
     rendezvous,
     ring,
-    text_blocks,
     tiered_index,
     tokens,
 )
@@ -61,7 +59,6 @@ __all__ = [
     "prefix_lookup",
     "rendezvous",
     "ring",
-    "text_blocks",
     "tiered_index",
     "tokens",
 ]

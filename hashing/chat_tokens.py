@@ -20,7 +20,7 @@ block, the xxh3 chain), O(checkpoint) past a cached prefix; memory bounded by
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import xxhash
@@ -28,7 +28,6 @@ import xxhash
 from hashing.blocks import chain, chain_packed, root_key
 from hashing.canonical import Message, MessagePart
 from hashing.hf_chat import HFChat
-from hashing.text_blocks import TextBlocks
 from hashing.tokens import pack_ids
 
 __all__ = [
@@ -232,10 +231,8 @@ class PromptBlocks:
     The root mixes the model (or LoRA name) and `cache_salt`, the isolation vLLM applies.
     Only the first `max_blocks` blocks are keyed: matching never needs more than the
     longest prefix worth routing on, and a chat is rendered only that far. With `ChatML4`
-    keys are cached at text checkpoints, unless no key has to match a backend's KV events
-    (`event_backends` given and empty): then they are `TextBlocks` keys, straight from the
-    text. With an `HFChat` tokenizer its own history cache saves the encoding and the keys
-    are chained from the ids.
+    keys are cached at text checkpoints. With an `HFChat` tokenizer its own history cache
+    saves the encoding and the keys are chained from the ids.
     """
 
     def __init__(
@@ -244,7 +241,6 @@ class PromptBlocks:
         max_blocks: int,
         tokenizer: ChatML4 | HFChat | None = None,
         remote: bool = False,
-        event_backends: Collection[str] | None = None,
     ) -> None:
         #: the router asks a backend's /tokenize for the ids; the local tokenizer is the
         #: fallback when that fails
@@ -253,9 +249,6 @@ class PromptBlocks:
         self.offload = isinstance(tokenizer, HFChat)
         self._tokenizer = tokenizer or ChatML4()
         self._cache = BlockKeyCache(ChatML4(), block_size)
-        self._text_blocks = TextBlocks(block_size, max_blocks)
-        #: the backends that publish KV events, a live set (None: keys always exact)
-        self._events = event_backends
         self._block_size = block_size
         self._max_blocks = max_blocks
         self._max_chars = max_blocks * block_size * CHARS_PER_TOKEN
@@ -300,8 +293,6 @@ class PromptBlocks:
     def _of_text(self, root: int, head: str, chars: int) -> tuple[list[int], int]:
         """Keys of a text prompt's `head` (its keyed part) and the count of its `chars`."""
         tokens = -(-chars // CHARS_PER_TOKEN)
-        if self._events is not None and not self._events:
-            return self._text_blocks.keys(root, head), tokens
         return self._cache.keys(root, head, self._max_blocks)[0], tokens
 
     def _of_ids(self, root: int, ids: Sequence[int]) -> tuple[list[int], int]:
@@ -314,11 +305,9 @@ def make_prompt_blocks(
     max_blocks: int,
     kind: str,
     path: str | None,
-    event_backends: Collection[str] | None = None,
 ) -> PromptBlocks:
     """From config: kind "chatml4" (`kvroute sim`'s tokenizer), "hf" (a tokenizer dir) or
-    "backend" (each backend's /tokenize, ChatML4 when it fails); `event_backends`: the
-    live set of backends publishing KV events (see PromptBlocks)."""
+    "backend" (each backend's /tokenize, ChatML4 when it fails)."""
     tokenizer = HFChat(path) if kind == "hf" and path else ChatML4()
     remote = kind == "backend"
-    return PromptBlocks(block_size, max_blocks, tokenizer, remote, event_backends)
+    return PromptBlocks(block_size, max_blocks, tokenizer, remote)

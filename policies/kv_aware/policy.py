@@ -84,9 +84,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self.event_backends = self._upkeep.event_backends
         max_blocks = params.max_prefix_tokens // params.block_size
         tok = params.tokenizer
-        self._blocks = make_prompt_blocks(
-            params.block_size, max_blocks, tok.kind, tok.path, self.event_backends
-        )
+        self._blocks = make_prompt_blocks(params.block_size, max_blocks, tok.kind, tok.path)
         #: one generator for every random step, so a seed replays the same picks
         self._rng = random.Random(params.seed)
         self._decisions = Decisions()

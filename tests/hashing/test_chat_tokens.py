@@ -1,12 +1,11 @@
-"""ChatML4 rendering cut at the keyed head, and PromptBlocks' two kinds of text keys:
-exact (token ids, as KV events carry them) while a backend publishes events, straight
-from the text otherwise."""
+"""ChatML4 rendering cut at the keyed head, and PromptBlocks' keys of a text prompt: the
+exact token ids' chain, as KV events carry them."""
 
 from __future__ import annotations
 
 import pytest
 
-from hashing.blocks import chain, root_key
+from hashing.blocks import chain
 from hashing.canonical import Message
 from hashing.chat_tokens import (
     BlockKeyCache,
@@ -16,7 +15,6 @@ from hashing.chat_tokens import (
     render_chat,
     tokenize,
 )
-from hashing.text_blocks import TextBlocks
 from hashing.tokens import pack_ids
 
 DOC = "a long shared document " * 300
@@ -55,23 +53,9 @@ def test_key_cache_hits_past_many_checkpoints_match_the_uncached_chain() -> None
         assert tokens == len(tokenize(text))
 
 
-def test_keys_are_exact_while_a_backend_publishes_events_and_from_the_text_otherwise() -> None:
-    events: set[str] = set()
-    blocks = PromptBlocks(16, 1000, event_backends=events)
-    root, rendered = root_key("m", None), ChatML4().chat_text(MESSAGES)
-    tokens = -(-len(rendered) // 4)
-    assert blocks.chat("m", None, MESSAGES) == (TextBlocks(16, 1000).keys(root, rendered), tokens)
-    events.add("vllm-0")
-    assert blocks.chat("m", None, MESSAGES) == (chain(root, tokenize(rendered), 16), tokens)
-    assert PromptBlocks(16, 1000).prompt("m", None, rendered)[0] == chain(
-        root, tokenize(rendered), 16
-    )
-
-
 def test_only_the_keyed_head_is_read_and_the_tokens_still_count_the_whole() -> None:
     rendered = ChatML4().chat_text(MESSAGES)
-    for events in (set(), {"vllm-0"}):
-        keys, tokens = PromptBlocks(16, 10, event_backends=events).chat("m", None, MESSAGES)
-        assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
-        keys, tokens = PromptBlocks(16, 10, event_backends=events).prompt("m", None, rendered)
-        assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
+    keys, tokens = PromptBlocks(16, 10).chat("m", None, MESSAGES)
+    assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
+    keys, tokens = PromptBlocks(16, 10).prompt("m", None, rendered)
+    assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
