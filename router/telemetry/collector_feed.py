@@ -95,7 +95,8 @@ class CollectorTelemetry(Telemetry):
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here and relayed to the workers."""
-        return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, self)
+        fleet, tally = self._fleet, self._metrics.kv_events_applied
+        return subscribe(self._context(), fleet, backend, cfg, index, self._fallback, self, tally)
 
     def publish_verdicts(self) -> None:
         """Send the health verdicts and model lists to every worker."""

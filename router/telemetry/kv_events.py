@@ -88,16 +88,27 @@ def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
     return found[-1] if found else None
 
 
+#: counts one batch's applied events: (stored, removed, cleared)
+Tally = Callable[[int, int, int], None]
+
+
 class EventApplier:
-    """Applies decoded batches of one backend to the index (pure, no sockets)."""
+    """Applies decoded batches of one backend to the index (pure, no sockets); `tally`
+    counts each batch's events (where the router counts them: alone, or the collector)."""
 
     def __init__(
-        self, backend: str, index: TieredIndex, block_size: int, base_model: Callable[[], str]
+        self,
+        backend: str,
+        index: TieredIndex,
+        block_size: int,
+        base_model: Callable[[], str],
+        tally: Tally | None = None,
     ) -> None:
         self._backend = backend
         self._index = index
         self._block_size = block_size
         self._base_model = base_model
+        self._tally = tally
         self.stats = EventStats()
 
     def apply_payload(self, payload: bytes) -> None:
@@ -109,19 +120,31 @@ class EventApplier:
             return
         self.stats.batches += 1
         self._index.trust.heard[self._backend] = time.monotonic()
+        if isinstance(batch[0], float):
+            self._index.published[self._backend] = batch[0]
+        counts = [0, 0, 0]
         for event in events if isinstance(events, list) else ():
-            self._apply(event)
+            kind = self._apply(event)
+            if kind is not None:
+                counts[kind] += 1
+        if self._tally is not None:
+            self._tally(*counts)
 
-    def _apply(self, event: Any) -> None:
+    def _apply(self, event: Any) -> int | None:
+        """Apply one event; its kind (0 stored, 1 removed, 2 cleared), None if unknown."""
         tag = _tag(event)
         if tag == "BlockStored":
             self._stored(_fields(event, _BLOCK_STORED_FIELDS) or {})
-        elif tag == "BlockRemoved":
+            return 0
+        if tag == "BlockRemoved":
             fields = _fields(event, _REMOVED_FIELDS) or {}
             hashes = [as_uint64(h) for h in fields.get("block_hashes") or ()]
             self._index.removed(self._backend, fields.get("medium"), hashes)
-        elif tag == "AllBlocksCleared":
+            return 1
+        if tag == "AllBlocksCleared":
             self._index.cleared(self._backend)
+            return 2
+        return None
 
     def _stored(self, f: dict[str, Any]) -> None:
         tokens, medium = f.get("token_ids") or [], f.get("medium")

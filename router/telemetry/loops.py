@@ -109,7 +109,8 @@ class Telemetry:
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here."""
-        return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, None)
+        fleet, tally = self._fleet, self._metrics.kv_events_applied
+        return subscribe(self._context(), fleet, backend, cfg, index, self._fallback, None, tally)
 
 
 class LocalTelemetry(Telemetry):
