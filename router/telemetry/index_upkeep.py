@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import zmq.asyncio
@@ -32,6 +32,8 @@ Source = Callable[[Backend, KvEventsConfig, TieredIndex], Held]
 
 class Sink(Protocol):
     def apply_payload(self, payload: bytes) -> None: ...
+
+    def apply_payloads(self, payloads: Sequence[bytes]) -> None: ...
 
 
 class Relay(Protocol):
