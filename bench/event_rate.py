@@ -148,6 +148,8 @@ class Row:
     offered: float  # events/s sent
     applied: float  # events/s counted in the window
     collector_cpu: float  # share of one core
+    workers_cpu: float  # the rest of the router: its workers (and supervisor), summed
+    generator_cpu: float  # the fake backends
     complete: float  # applied / sent, once drained
     lag_p50_ms: float | None
     lag_p99_ms: float | None
@@ -276,7 +278,13 @@ async def _measured(
     before = await _applied(http, url)
     stop = asyncio.Event()
     ages = asyncio.create_task(_ages(http, url, stop))
-    with procstat.cpu_meter({"collector": [_collector(pid)]}) as cpu:
+    collector, generators = _collector(pid), [gen.proc.pid for gen in gens]
+    groups = {
+        "collector": [collector],
+        "workers": [p for p in procstat.tree(pid) if p != collector],
+        "generator": generators,
+    }
+    with procstat.cpu_meter(groups) as cpu:
         t0 = time.monotonic()
         sent = await _run(gens, args.seconds)
         window = time.monotonic() - t0
@@ -290,6 +298,8 @@ async def _measured(
         offered=events / window,
         applied=(during - before) / window,
         collector_cpu=cpu.get("collector", float("nan")),
+        workers_cpu=cpu.get("workers", float("nan")),
+        generator_cpu=cpu.get("generator", float("nan")),
         complete=drained / events if events else 1.0,
         lag_p50_ms=_quantile(samples, 0.5),
         lag_p99_ms=_quantile(samples, 0.99),
@@ -322,14 +332,15 @@ def table(rows: Sequence[Row], rate: float) -> str:
         return "-" if v is None else f"{v:.0f}"
 
     lines = [
-        "| backends | offered ev/s | applied ev/s | collector CPU % | applied/sent | "
-        "lag P50 ms | lag P99 ms |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "| backends | offered ev/s | applied ev/s | collector CPU % | workers CPU % | "
+        "generator CPU % | applied/sent | lag P50 ms | lag P99 ms |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
             f"| {r.backends} | {r.offered:,.0f} | {r.applied:,.0f} | {r.collector_cpu * 100:.0f} "
-            f"| {r.complete:.3f} | {ms(r.lag_p50_ms)} | {ms(r.lag_p99_ms)} |"
+            f"| {r.workers_cpu * 100:.0f} | {r.generator_cpu * 100:.0f} | {r.complete:.3f} "
+            f"| {ms(r.lag_p50_ms)} | {ms(r.lag_p99_ms)} |"
         )
     lines.append("")
     lines.append(one_core(rows, rate))

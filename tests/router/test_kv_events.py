@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 import pytest
 
@@ -98,3 +100,37 @@ def test_offload_events_go_to_their_tier_and_unknown_media_are_counted() -> None
     assert index.tier_blocks(KEYS, "pod", 1, index.reach()) == (2,)
     assert index.ignored == {"localdiskbackend": 2}
     assert applier.stats.skipped == 1  # the store on the unknown medium
+
+
+def _appender(into: list[tuple[int, ...]]) -> Callable[..., None]:
+    return lambda *counts: into.append(counts)
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_typed_and_tolerant_paths_build_the_same_index(form: str) -> None:
+    """The typed one-pass decoder and the generic one (taken for an unknown tag) agree,
+    and each batch's events are counted by kind, with the batch's publish time kept."""
+    stored = stored_map()
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}
+    if form == "array":
+        stored = ["BlockStored", [1, 2], None, IDS, 16, None, "GPU", None]
+        removed = ["BlockRemoved", [2], "GPU"]
+    unknown = {"type": "BlockTeleported"} if form == "map" else ["BlockTeleported"]
+    results = []
+    for events in ([stored, removed], [stored, removed, unknown]):
+        counted: list[tuple[int, int, int]] = []
+        index = TieredIndex()
+        applier = EventApplier("pod", index, 16, lambda: MODEL, _appender(counted))
+        applier.apply_payload(msgspec.msgpack.encode([12.5, events, 0]))
+        results.append(index.gpu.snapshot("pod"))
+        applier.apply_payload(msgspec.msgpack.encode([13.5, [["AllBlocksCleared"]], 0]))
+        assert counted == [(1, 1, 0), (0, 0, 1)]
+        assert index.published == {"pod": 13.5}
+        assert index.gpu.snapshot("pod") == []
+    assert results[0] == results[1] == [(KEYS[0], 1)]
+
+
+def test_typed_path_holds_what_the_events_say() -> None:
+    """A store then a removal of its second block, through the typed decoder."""
+    index, _ = apply(stored_map(), {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"})
+    assert index.gpu.snapshot("pod") == [(KEYS[0], 1)]
