@@ -35,6 +35,8 @@ def root_key(model: str, salt: str | None) -> int:
 
 def chain(parent: int, ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `ids`, chained from `parent` (a root or a block key)."""
+    if len(ids) == block_size:  # one block, as most stores while decoding are
+        return [xxhash.xxh3_64_intdigest(pack_ids(ids), seed=parent)]
     buf = memoryview(pack_ids(ids))
     step = block_size * _UINT32
     keys: list[int] = []
