@@ -279,7 +279,13 @@ class EventApplier:
         root = self._root(lora or self._base_model(), _salt(extra_keys, lora))
         parent_engine = None if parent is None else as_uint64(parent)
         bs = self._block_size
-        if not self._index.stored(self._backend, medium, parent_engine, hashes, tokens, bs, root):
+        try:
+            stored = self._index.stored(
+                self._backend, medium, parent_engine, hashes, tokens, bs, root
+            )
+        except ValueError:  # a token id outside uint32: nothing to hash it by
+            stored = False
+        if not stored:
             self.stats.skipped += 1
 
     def _root(self, model: str, salt: str | None) -> int:
@@ -330,20 +336,27 @@ class EventSubscriber:
         """Batches in sequence go to the applier together; a restart or a gap (filled
         from replay, or reset) first applies those before it, so order holds."""
         run: list[bytes] = []
+        last = self.last_seq
         for frames in messages:
             if len(frames) != 3 or len(frames[1]) != 8:
                 continue
-            seq, last = int.from_bytes(frames[1], "big"), self.last_seq
+            seq = int.from_bytes(frames[1], "big")
             if last is not None and not last < seq <= last + 1:
-                self._applier.apply_payloads(run)
+                self._apply_run(run, last)
                 run = []
                 if seq <= last:
                     self._reset("sequence went back (backend restarted)")
                 elif not await self._fill(last + 1, seq):
                     self._reset(f"unrecoverable gap {last + 1}..{seq - 1}")
             run.append(frames[2])
-            self.last_seq = seq
+            last = seq
+        self._apply_run(run, last)
+
+    def _apply_run(self, run: Sequence[bytes], last: int | None) -> None:
+        """Apply batches in sequence, up to `last`: the sequence moves on once they are
+        applied (were one to raise, the restarted subscription replays them)."""
         self._applier.apply_payloads(run)
+        self.last_seq = last
 
     def _reset(self, why: str) -> None:
         self._applier.stats.resets += 1

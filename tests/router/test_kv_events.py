@@ -134,3 +134,12 @@ def test_typed_path_holds_what_the_events_say() -> None:
     """A store then a removal of its second block, through the typed decoder."""
     index, _ = apply(stored_map(), {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"})
     assert index.gpu.snapshot("pod") == [(KEYS[0], 1)]
+
+
+def test_a_token_id_outside_uint32_skips_its_store_not_the_batch() -> None:
+    """Such a store cannot be hashed: it is skipped, and the batch's other events apply
+    (it raised out of the applier, so a worker's feed loop stopped on it)."""
+    bad = stored_map(token_ids=[-1] * 16, block_hashes=[9])
+    index, applier = apply(bad, stored_map())
+    assert applier.stats.skipped == 1
+    assert index.gpu.snapshot("pod") == [(KEYS[0], 1), (KEYS[1], 2)]
