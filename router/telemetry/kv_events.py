@@ -390,6 +390,15 @@ class EventSubscriber:
         return expected >= until
 
 
+def kv_context() -> zmq.asyncio.Context:
+    """A ZMQ context for a socket per backend: libzmq's default stops at 1,023 sockets,
+    short of a 1,024-backend fleet; its own limit (65,535) holds (file descriptors too:
+    see `ulimit -n`)."""
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
+    return ctx
+
+
 def drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
     """Up to `limit` messages already queued on `sock` (a plain socket: no await each)."""
     found: list[list[bytes]] = []

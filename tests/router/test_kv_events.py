@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import resource
 from collections.abc import Callable
 
 import msgspec
 import pytest
+import zmq
 
 from hashing.blocks import chain, root_key
 from hashing.tiered_index import Tier, TieredIndex
-from router.telemetry.kv_events import EventApplier, as_uint64
+from router.telemetry.kv_events import EventApplier, as_uint64, kv_context
 
 MODEL = "m"
 IDS = list(range(32))
@@ -143,3 +145,23 @@ def test_a_token_id_outside_uint32_skips_its_store_not_the_batch() -> None:
     index, applier = apply(bad, stored_map())
     assert applier.stats.skipped == 1
     assert index.gpu.snapshot("pod") == [(KEYS[0], 1), (KEYS[1], 2)]
+
+
+def test_the_telemetry_context_holds_a_socket_per_backend_of_a_large_fleet() -> None:
+    """libzmq's default context refuses its 1,024th socket: a 1,100-backend fleet's
+    subscriptions (and the collector's own sockets) must all open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2_048:
+        pytest.skip(f"1,100 sockets need more file descriptors than the hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2_048), hard))
+    ctx = kv_context()
+    sockets = []
+    try:
+        for _ in range(1_100):
+            sockets.append(ctx.socket(zmq.SUB))
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(sockets) == 1_100
