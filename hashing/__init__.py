@@ -11,16 +11,21 @@ and for KV-aware routing:
 
     chat_tokens   the backend's exact token ids (ChatML4 = `kvroute sim`'s tokenizer),
                   their block keys, cached by prefix checkpoints
+    text_blocks   block keys straight from the text, when no backend publishes KV events
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
-    prefix_index  which backend holds which block keys (KV events + speculative inserts)
+    prefix_index  which backend holds which block keys (KV events + speculative inserts),
+                  from its three parts:
+    holdings      one backend's keys, least recently used first, within its bounds
+    holder_map    the reverse map: each key's holders, kept compact
+    prefix_lookup the lookups over both: longest prefix per backend, longest holders
     tiered_index  the same per cache medium: GPU, offload tiers (CPU, storage, shared)
     cache_trust   the answers' cached tokens correct the index and bound, per backend,
                   how many of its placements it trusts (a learned capacity)
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
-prometheus_client (stdlib, msgspec and xxhash only; ``tokenizers`` when an HF tokenizer is
+prometheus_client (stdlib, msgspec, xxhash and numpy only; ``tokenizers`` when an HF tokenizer is
 built). Nothing depends on ``hash()``, so every process and replica computes the same values.
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
@@ -32,9 +37,13 @@ from hashing import (
     chat_tokens,
     fingerprint,
     hf_chat,
+    holder_map,
+    holdings,
     prefix_index,
+    prefix_lookup,
     rendezvous,
     ring,
+    text_blocks,
     tiered_index,
     tokens,
 )
@@ -46,9 +55,13 @@ __all__ = [
     "chat_tokens",
     "fingerprint",
     "hf_chat",
+    "holder_map",
+    "holdings",
     "prefix_index",
+    "prefix_lookup",
     "rendezvous",
     "ring",
+    "text_blocks",
     "tiered_index",
     "tokens",
 ]

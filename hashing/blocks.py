@@ -10,7 +10,8 @@ recomputed (llm-d's dual-key design, see vllm-telemetry.md §3.3): the index re-
 token ids that BlockStored events carry into these keys, so vLLM's hash algorithm, its
 NONE_HASH and PYTHONHASHSEED cannot make the router silently miss.
 
-Cost: one xxh3 call per block over a memoryview slice of one packed buffer: O(tokens).
+Cost: one xxh3 call per block over a memoryview slice of one packed buffer: O(tokens),
+~0.1 µs a block (`chain_packed` takes ids already packed, e.g. by a vectorized tokenizer).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import xxhash
 
 from hashing.tokens import pack_ids
 
-__all__ = ["chain", "root_key"]
+__all__ = ["chain", "chain_packed", "root_key"]
 
 _UINT32 = 4
 
@@ -35,12 +36,20 @@ def root_key(model: str, salt: str | None) -> int:
 
 def chain(parent: int, ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `ids`, chained from `parent` (a root or a block key)."""
+    packed = pack_ids(ids)
     if len(ids) == block_size:  # one block, as most stores while decoding are
-        return [xxhash.xxh3_64_intdigest(pack_ids(ids), seed=parent)]
-    buf = memoryview(pack_ids(ids))
+        return [xxhash.xxh3_64_intdigest(packed, seed=parent)]
+    return chain_packed(parent, packed, block_size)
+
+
+def chain_packed(parent: int, packed: bytes, block_size: int) -> list[int]:
+    """The same for ids packed as little-endian uint32s (`hashing.tokens.pack_ids`)."""
+    buf = memoryview(packed)
     step = block_size * _UINT32
+    digest = xxhash.xxh3_64_intdigest
     keys: list[int] = []
+    append = keys.append
     for start in range(0, len(buf) - step + 1, step):
-        parent = xxhash.xxh3_64_intdigest(buf[start : start + step], seed=parent)
-        keys.append(parent)
+        parent = digest(buf[start : start + step], parent)
+        append(parent)
     return keys

@@ -3,30 +3,33 @@
 KV events speak in token ids, so KV_AWARE needs the ids the backend itself computes.
 `ChatML4` reproduces `kvroute sim`'s tokenizer exactly (it is the simulator's own
 definition, shared from here): chat messages rendered through a fixed ChatML template,
-then one token per 4 characters, id = xxh32(chars) % 32000, no special tokens.
+then one token per 4 characters, id = xxh32(chars) % 32000, no special tokens. ASCII
+text is tokenized by numpy on whole arrays (~2 ns a token).
 
 `BlockKeyCache` turns a rendered prompt into the chain of block keys
-(`hashing.blocks.chain`) for its full blocks. Tokenizing a long prompt in Python costs
-~0.3 µs per token, so keys are cached at checkpoints every `checkpoint_blocks` blocks,
-keyed by xxh3 of the text up to there: a request that shares a cached prefix only
-tokenizes and hashes the text past the last checkpoint it shares. Checkpoints fall on
-block boundaries of a tokenizer whose tokens have a fixed width in characters, which is
-what makes text prefixes and token prefixes line up. Cost: O(checkpoint) tokens plus one
-xxh3 over the prefix per probe; memory bounded by `max_entries` (LRU).
+(`hashing.blocks.chain`) for its full blocks. Keys are cached at checkpoints every
+`checkpoint_blocks` blocks, keyed by xxh3 of the text up to there (one streaming pass
+gives every checkpoint's id): a request that shares a cached prefix only tokenizes and
+hashes the text past the last checkpoint it shares. Checkpoints fall on block boundaries
+of a tokenizer whose tokens have a fixed width in characters, which is what makes text
+prefixes and token prefixes line up. Cost: O(keyed text) for a new prompt (~0.2 µs a
+block, the xxh3 chain), O(checkpoint) past a cached prefix; memory bounded by
+`max_entries` (LRU), a prompt's checkpoints sharing one list of keys.
 """
 
 from __future__ import annotations
 
-import array
-import sys
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
+import numpy as np
 import xxhash
 
-from hashing.blocks import chain, root_key
+from hashing.blocks import chain, chain_packed, root_key
 from hashing.canonical import Message, MessagePart
 from hashing.hf_chat import HFChat
+from hashing.text_blocks import TextBlocks
+from hashing.tokens import pack_ids
 
 __all__ = [
     "CHARS_PER_TOKEN",
@@ -43,45 +46,58 @@ VOCAB_SIZE = 32000
 CHARS_PER_TOKEN = 4
 
 
-class _ChunkIds(dict):
-    """Ids of 4-byte chunks, read as native uint32s, computed on first sight.
+#: xxh32's primes (its specification), for `_xxh32_words`
+_P1, _P2, _P3, _P4, _P5 = map(
+    np.uint32, (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+)
 
-    Prompts reuse a small set of chunks (words, spaces, template markers), so after
-    warm-up a token costs one C-level dict lookup instead of a slice and a hash. Bounded:
-    cleared when it reaches `_MAX_CHUNKS` entries (32 MiB at most).
+
+def _xxh32_words(words: np.ndarray) -> np.ndarray:
+    """xxh32 (seed 0) of each 4-byte input, given as its little-endian uint32: the
+    specification's path for a 4-byte input (one lane of 4 bytes, then the avalanche),
+    on whole arrays."""
+    h = words * _P3
+    h += _P5 + np.uint32(CHARS_PER_TOKEN)
+    h = (h << np.uint32(17)) | (h >> np.uint32(15))
+    h *= _P4
+    h ^= h >> np.uint32(15)
+    h *= _P2
+    h ^= h >> np.uint32(13)
+    h *= _P3
+    h ^= h >> np.uint32(16)
+    return h
+
+
+def packed_ids(text: str) -> bytes:
+    """`tokenize(text)` as little-endian uint32s (`hashing.tokens.pack_ids`'s layout).
+
+    ASCII text (a character is a byte) is hashed 4 bytes at a time by numpy, whole
+    arrays at C speed (~2 ns a token, against ~80 ns a token in Python); other text
+    one run at a time.
     """
+    if not text.isascii():
+        return pack_ids(_runs(text))
+    raw = text.encode()
+    full = len(raw) // CHARS_PER_TOKEN
+    ids = _xxh32_words(np.frombuffer(raw, "<u4", full))
+    ids %= np.uint32(VOCAB_SIZE)
+    out = ids.astype("<u4", copy=False).tobytes()
+    if full * CHARS_PER_TOKEN < len(raw):
+        out += pack_ids(_runs(text[full * CHARS_PER_TOKEN :]))
+    return out
 
-    def __missing__(self, word: int) -> int:
-        if len(self) >= _MAX_CHUNKS:
-            self.clear()
-        token = self[word] = xxhash.xxh32_intdigest(word.to_bytes(4, sys.byteorder)) % VOCAB_SIZE
-        return token
 
-
-_MAX_CHUNKS = 1 << 18
-assert array.array("I").itemsize == 4, "a 4-character run is read as one uint32"
-_CHUNK_IDS = _ChunkIds()
-
-
-def tokenize(text: str) -> list[int]:
-    """One id per 4-character run of `text` (the last run may be shorter).
-
-    ASCII text (a character is a byte) is read as uint32 words at C speed and mapped
-    through `_CHUNK_IDS`: the same ids as hashing each run, ~3x faster on long prompts
-    (~80 ns a token), which matters because KV_AWARE tokenizes on the event loop.
-    """
+def _runs(text: str) -> list[int]:
     h = xxhash.xxh32_intdigest
-    if text.isascii():
-        raw = text.encode()
-        full = len(raw) - len(raw) % CHARS_PER_TOKEN
-        out = list(map(_CHUNK_IDS.__getitem__, array.array("I", raw[:full])))
-        if full < len(raw):
-            out.append(h(raw[full:]) % VOCAB_SIZE)
-        return out
     return [
         h(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
         for i in range(0, len(text), CHARS_PER_TOKEN)
     ]
+
+
+def tokenize(text: str) -> list[int]:
+    """One id per 4-character run of `text` (the last run may be shorter)."""
+    return np.frombuffer(packed_ids(text), "<u4").tolist()
 
 
 def render_chat(
@@ -91,12 +107,37 @@ def render_chat(
     continue_final_message: bool = False,
 ) -> str:
     """Render (role, content text) pairs through the fixed ChatML template."""
-    rendered = [f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in messages]
-    if continue_final_message and rendered:
-        rendered[-1] = rendered[-1].removesuffix("<|im_end|>\n")
+    return "".join(_pieces(messages, add_generation_prompt, continue_final_message))
+
+
+def _pieces(
+    messages: Iterable[tuple[str, str]], add_generation_prompt: bool, continue_final_message: bool
+) -> list[str]:
+    """The rendering's pieces, the contents among them uncopied."""
+    out: list[str] = []
+    for role, content in messages:
+        out += ("<|im_start|>", role, "\n", content, "<|im_end|>\n")
+    if continue_final_message and out:
+        out.pop()
     elif add_generation_prompt:
-        rendered.append("<|im_start|>assistant\n")
-    return "".join(rendered)
+        out.append("<|im_start|>assistant\n")
+    return out
+
+
+def _head(pieces: list[str], limit: int) -> tuple[str, int]:
+    """The first `limit` characters of the pieces joined, and the whole join's length:
+    a long prompt is copied only as far as it is keyed."""
+    total = sum(map(len, pieces))
+    if total <= limit:
+        return "".join(pieces), total
+    taken: list[str] = []
+    for piece in pieces:
+        if len(piece) >= limit:
+            taken.append(piece[:limit])
+            break
+        taken.append(piece)
+        limit -= len(piece)
+    return "".join(taken), total
 
 
 def text_of(content: str | Sequence[MessagePart] | None) -> str:
@@ -116,6 +157,10 @@ class ChatML4:
     def chat_text(self, messages: Sequence[Message]) -> str:
         return render_chat((m.role, text_of(m.content)) for m in messages)
 
+    def chat_head(self, messages: Sequence[Message], limit: int) -> tuple[str, int]:
+        """The rendering's first `limit` characters, and the whole rendering's length."""
+        return _head(_pieces(((m.role, text_of(m.content)) for m in messages), True, False), limit)
+
     def tokenize(self, text: str) -> list[int]:
         return tokenize(text)
 
@@ -132,40 +177,53 @@ class BlockKeyCache:
         self._block_size = block_size
         self._step = checkpoint_blocks * block_size * tokenizer.chars_per_token
         self._max = max_entries
-        self._cache: OrderedDict[int, list[int]] = OrderedDict()
+        #: a checkpoint's prefix id -> (the keys of a prompt through it, how many of them
+        #: it covers): a prompt's checkpoints share one list
+        self._cache: OrderedDict[int, tuple[list[int], int]] = OrderedDict()
 
     def keys(self, root: int, text: str, max_blocks: int) -> tuple[list[int], int]:
         """(keys of the first full blocks of `text`, up to max_blocks; its token count)."""
         cpt = self._tokenizer.chars_per_token
         tokens = -(-len(text) // cpt)
         end = min(len(text), max_blocks * self._block_size * cpt)
-        start, keys = self._longest_cached(root, text, end)
+        prefixes = _prefix_ids(root, text, end, self._step)
+        done, keys = self._longest_cached(prefixes)
+        start = done * self._step
         parent = keys[-1] if keys else root
-        tail = self._tokenizer.tokenize(text[start:end])
-        keys = keys + chain(parent, tail, self._block_size)
-        self._remember(root, text, start, end, keys)
+        keys = keys + chain_packed(parent, packed_ids(text[start:end]), self._block_size)
+        self._remember(prefixes, done, keys)
         return keys, tokens
 
-    def _longest_cached(self, root: int, text: str, end: int) -> tuple[int, list[int]]:
-        for stop in range(end - end % self._step, 0, -self._step):
-            prefix = _prefix_id(root, text, stop)
-            found = self._cache.get(prefix)
+    def _longest_cached(self, prefixes: list[int]) -> tuple[int, list[int]]:
+        """(checkpoints the longest cached prefix spans, its keys)."""
+        for done in range(len(prefixes), 0, -1):
+            found = self._cache.get(prefixes[done - 1])
             if found is not None:
-                self._cache.move_to_end(prefix)
-                return stop, found
+                self._cache.move_to_end(prefixes[done - 1])
+                keys, count = found
+                return done, keys[:count]
         return 0, []
 
-    def _remember(self, root: int, text: str, start: int, end: int, keys: list[int]) -> None:
-        first = start + self._step
-        for stop in range(first - first % self._step, end + 1, self._step):
-            blocks = stop // (self._block_size * self._tokenizer.chars_per_token)
-            self._cache[_prefix_id(root, text, stop)] = keys[:blocks]
+    def _remember(self, prefixes: list[int], done: int, keys: list[int]) -> None:
+        per = self._step // (self._block_size * self._tokenizer.chars_per_token)
+        for at in range(done, len(prefixes)):
+            self._cache[prefixes[at]] = (keys, (at + 1) * per)
         while len(self._cache) > self._max:
             self._cache.popitem(last=False)
 
 
-def _prefix_id(root: int, text: str, stop: int) -> int:
-    return xxhash.xxh3_64_intdigest(text[:stop].encode(), seed=root)
+def _prefix_ids(root: int, text: str, end: int, step: int) -> list[int]:
+    """xxh3 (seeded with `root`) of `text` up to each multiple of `step` characters up
+    to `end`, in one streaming pass."""
+    state = xxhash.xxh3_64(seed=root)
+    out: list[int] = []
+    data = memoryview(text[:end].encode()) if text.isascii() else None
+    for stop in range(step, end + 1, step):
+        state.update(
+            text[stop - step : stop].encode() if data is None else data[stop - step : stop]
+        )
+        out.append(state.intdigest())
+    return out
 
 
 class PromptBlocks:
@@ -173,9 +231,11 @@ class PromptBlocks:
 
     The root mixes the model (or LoRA name) and `cache_salt`, the isolation vLLM applies.
     Only the first `max_blocks` blocks are keyed: matching never needs more than the
-    longest prefix worth routing on. With `ChatML4` keys are cached at text checkpoints;
-    with an `HFChat` tokenizer its own history cache saves the encoding and the keys are
-    chained from the ids.
+    longest prefix worth routing on, and a chat is rendered only that far. With `ChatML4`
+    keys are cached at text checkpoints, unless no key has to match a backend's KV events
+    (`event_backends` given and empty): then they are `TextBlocks` keys, straight from the
+    text. With an `HFChat` tokenizer its own history cache saves the encoding and the keys
+    are chained from the ids.
     """
 
     def __init__(
@@ -184,6 +244,7 @@ class PromptBlocks:
         max_blocks: int,
         tokenizer: ChatML4 | HFChat | None = None,
         remote: bool = False,
+        event_backends: Collection[str] | None = None,
     ) -> None:
         #: the router asks a backend's /tokenize for the ids; the local tokenizer is the
         #: fallback when that fails
@@ -192,8 +253,12 @@ class PromptBlocks:
         self.offload = isinstance(tokenizer, HFChat)
         self._tokenizer = tokenizer or ChatML4()
         self._cache = BlockKeyCache(ChatML4(), block_size)
+        self._text_blocks = TextBlocks(block_size, max_blocks)
+        #: the backends that publish KV events, a live set (None: keys always exact)
+        self._events = event_backends
         self._block_size = block_size
         self._max_blocks = max_blocks
+        self._max_chars = max_blocks * block_size * CHARS_PER_TOKEN
 
     def chat(
         self, model: str, salt: str | None, messages: Sequence[Message], tools: object = None
@@ -201,7 +266,8 @@ class PromptBlocks:
         root = root_key(model, salt)
         tok = self._tokenizer
         if isinstance(tok, ChatML4):
-            return self._cache.keys(root, tok.chat_text(messages), self._max_blocks)
+            head, chars = tok.chat_head(messages, self._max_chars)
+            return self._of_text(root, head, chars)
         return self._of_ids(root, tok.chat_ids(messages, tools or None))
 
     def local_ids(
@@ -227,9 +293,16 @@ class PromptBlocks:
         if isinstance(first, str):
             tok = self._tokenizer
             if isinstance(tok, ChatML4):
-                return self._cache.keys(root, first, self._max_blocks)
+                return self._of_text(root, first[: self._max_chars], len(first))
             return self._of_ids(root, tok.prompt_ids(first))
         return self._of_ids(root, prompt if isinstance(first, int) else first)
+
+    def _of_text(self, root: int, head: str, chars: int) -> tuple[list[int], int]:
+        """Keys of a text prompt's `head` (its keyed part) and the count of its `chars`."""
+        tokens = -(-chars // CHARS_PER_TOKEN)
+        if self._events is not None and not self._events:
+            return self._text_blocks.keys(root, head), tokens
+        return self._cache.keys(root, head, self._max_blocks)[0], tokens
 
     def _of_ids(self, root: int, ids: Sequence[int]) -> tuple[list[int], int]:
         head = ids[: self._max_blocks * self._block_size]
@@ -237,9 +310,15 @@ class PromptBlocks:
 
 
 def make_prompt_blocks(
-    block_size: int, max_blocks: int, kind: str, path: str | None
+    block_size: int,
+    max_blocks: int,
+    kind: str,
+    path: str | None,
+    event_backends: Collection[str] | None = None,
 ) -> PromptBlocks:
     """From config: kind "chatml4" (`kvroute sim`'s tokenizer), "hf" (a tokenizer dir) or
-    "backend" (each backend's /tokenize, ChatML4 when it fails)."""
+    "backend" (each backend's /tokenize, ChatML4 when it fails); `event_backends`: the
+    live set of backends publishing KV events (see PromptBlocks)."""
     tokenizer = HFChat(path) if kind == "hf" and path else ChatML4()
-    return PromptBlocks(block_size, max_blocks, tokenizer, remote=kind == "backend")
+    remote = kind == "backend"
+    return PromptBlocks(block_size, max_blocks, tokenizer, remote, event_backends)

@@ -1,7 +1,9 @@
 """Routing strategies behind one small interface (see `policies.base`).
 
 Importing this package imports every strategy module, and each registers itself with
-`policies.registry.register`; nothing else has to be edited to add one.
+`policies.registry.register`; nothing else has to be edited to add one. A strategy with
+several jobs is a folder of one module per job (kv_aware/: KV_AWARE's cost, scoring,
+tie-break and index upkeep), which registers itself the same way.
 """
 
 import importlib

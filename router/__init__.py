@@ -31,8 +31,8 @@ lives there and what it may import. Imports run one way, down this list
                a process's place among the workers, the error classes and their
                HTTP/gRPC answers, the loggers
 
-A chat request, file by file: ingress/fast.py (or ingress/web.py) → ingress/auth.py →
-ingress/body.py → dispatch/dispatcher.py, which chains dispatch/admission.py →
+A chat request, file by file: ingress/fast.py (or ingress/web.py) → ingress/identity.py
+(auth.py) → ingress/body.py → dispatch/dispatcher.py, which chains dispatch/admission.py →
 dispatch/describe.py → dispatch/pick.py (policies/) → dispatch/connect.py →
 upstream/proxy.py (upstream/pool.py, connection.py, response.py; relay.py and chunked.py
 for SSE) → back out through ingress/relay.py (or ingress/fast_reply.py), then

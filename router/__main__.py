@@ -201,14 +201,20 @@ def build_parser() -> argparse.ArgumentParser:
 _TOOLS = {
     "token": ("router.ingress.auth", "issue a signed data-plane token (kvroute token issue -h)"),
     "sim": ("bench.sim.cli", "run simulated vLLM servers (see kvroute sim --help)"),
-    "bench": ("bench.harness", "compare routing strategies on one workload (kvroute bench -h)"),
-    "demo": ("bench.demo", "4 simulated backends, 4 strategies, one table, in about a minute"),
+    "bench": (
+        "bench.harness.compare",
+        "compare routing strategies on one workload (kvroute bench -h)",
+    ),
+    "demo": (
+        "bench.harness.demo",
+        "4 simulated backends, 4 strategies, one table, in about a minute",
+    ),
     "health": (
         "router.control.probe",
         "GET /health on the config's listener over loopback (the image's HEALTHCHECK)",
     ),
     "recommend": (
-        "bench.recommend",
+        "bench.harness.recommend",
         "advise a strategy and its parameters from a capture (kvroute recommend -h)",
     ),
 }

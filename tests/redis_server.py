@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import processes
-from bench.overhead import free_port
+from bench.harness import processes
+from bench.harness.processes import free_port
 
 
 class RedisServer:

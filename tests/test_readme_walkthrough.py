@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import wait_ready
+from bench.harness.processes import wait_ready
 from tests import readme
 
 TITLE = "Five minutes with the simulator"

@@ -19,19 +19,20 @@ Algorithm (after `vllm/v1/core/block_pool.py` and `kv_cache_manager.py`):
 Usage = 1 - free/(N-1), vLLM's `kv_cache_usage_perc`: cached but evictable blocks count
 as free. Cost: O(1) per block allocated, freed or looked up.
 
-CPU tier (`num_cpu_blocks` > 0): a victim cache. A cached block the GPU evicts is kept in
-a CPU LRU of chain hashes, announced first as vLLM's offloading connector does (a
-token-less BlockStored with medium CPU, block size 0, no parent) and only then removed
-from the GPU, so a subscriber can resolve the CPU copy through the GPU block it still
-knows. The CPU LRU's own evictions are BlockRemoved with medium CPU. A lookup continues
-from the GPU's run into the blocks the CPU holds (`offloaded`); those are loaded into new
-GPU blocks and committed like computed ones, and keep their CPU copy.
+CPU tier (`num_cpu_blocks` > 0, cpu_tier.py): a victim cache. A cached block the GPU
+evicts is kept in a CPU LRU of chain hashes, announced first as vLLM's offloading
+connector does (a token-less BlockStored with medium CPU, block size 0, no parent) and
+only then removed from the GPU, so a subscriber can resolve the CPU copy through the GPU
+block it still knows. The CPU LRU's own evictions are BlockRemoved with medium CPU. A
+lookup continues from the GPU's run into the blocks the CPU holds (`offloaded`); those
+are loaded into new GPU blocks and committed like computed ones, and keep their CPU
+copy.
 """
 
 from collections import OrderedDict
 
+from bench.sim.cpu_tier import CpuTier
 from bench.sim.kv_events import (
-    MEDIUM_CPU,
     MEDIUM_GPU,
     AllBlocksCleared,
     BlockRemoved,
@@ -47,7 +48,7 @@ class KVCache:
     ) -> None:
         self.num_blocks = num_blocks
         self.cpu_blocks = cpu_blocks
-        self._cpu: OrderedDict[int, None] = OrderedDict()  # chain hashes, least recent first
+        self._cpu = CpuTier(cpu_blocks)
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._ref = [0] * num_blocks
@@ -92,13 +93,7 @@ class KVCache:
         hit), touched as used; capped like a hit."""
         if not self._cpu or not self.enable_prefix_caching:
             return 0
-        run = 0
-        for h in req.block_hashes[start : (req.num_tokens - 1) // self.block_size]:
-            if h not in self._cpu:
-                break
-            self._cpu.move_to_end(h)
-            run += 1
-        return run
+        return self._cpu.run(req.block_hashes[start : (req.num_tokens - 1) // self.block_size])
 
     def allocate(self, req: SimRequest, num_new_tokens: int, computed: list[int]) -> bool:
         """Give `req` the blocks for `num_new_tokens` more tokens after `computed`.
@@ -153,32 +148,10 @@ class KVCache:
             self._hash[block] = None
             del self._cached[evicted]
             if self.cpu_blocks:
-                self._offload(evicted)
+                self._cpu.keep(evicted, self._events)
             self._events.append(BlockRemoved(block_hashes=[evicted], medium=MEDIUM_GPU))
         self._ref[block] = 1
         return block
-
-    def _offload(self, h: int) -> None:
-        """Keep an evicted GPU block in the CPU tier (announced before its GPU removal)."""
-        cpu = self._cpu
-        if h in cpu:
-            cpu.move_to_end(h)
-            return
-        cpu[h] = None
-        self._events.append(
-            BlockStored(
-                block_hashes=[h],
-                parent_block_hash=None,
-                token_ids=[],
-                block_size=0,
-                lora_id=None,
-                medium=MEDIUM_CPU,
-                lora_name=None,
-            )
-        )
-        if len(cpu) > self.cpu_blocks:
-            old, _ = cpu.popitem(last=False)
-            self._events.append(BlockRemoved(block_hashes=[old], medium=MEDIUM_CPU))
 
     def _commit(self, req: SimRequest, num_full: int) -> None:
         end = min(num_full, len(req.block_hashes))

@@ -151,6 +151,38 @@ def usage(req: SimRequest) -> dict[str, Any]:
     }
 
 
+def model_card(
+    name: str, root: str, parent: str | None, created: int, max_model_len: int
+) -> dict[str, Any]:
+    """A `GET /v1/models` card as vLLM writes it: the base model's, or a LoRA adapter's
+    (`parent`: its base model)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "vllm",
+        "root": root,
+        "parent": parent,
+        "max_model_len": max_model_len,
+        "permission": [
+            {
+                "id": f"modelperm-{name}",
+                "object": "model_permission",
+                "created": created,
+                "allow_create_engine": False,
+                "allow_sampling": True,
+                "allow_logprobs": True,
+                "allow_search_indices": False,
+                "allow_view": True,
+                "allow_fine_tuning": False,
+                "organization": "*",
+                "group": None,
+                "is_blocking": False,
+            }
+        ],
+    }
+
+
 def sse(obj: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(obj) + b"\n\n"
 

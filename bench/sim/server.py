@@ -27,7 +27,7 @@ import msgspec
 import orjson
 from aiohttp import web
 
-from bench.sim import embedding
+from bench.sim import embedding, reports
 from bench.sim.engine import updates
 from bench.sim.lora import LoraError
 from bench.sim.metrics import CONTENT_TYPE
@@ -51,7 +51,7 @@ from bench.sim.request import SimRequest
 from bench.sim.tokenizer import token_strs, tokenize
 
 if TYPE_CHECKING:
-    from bench.sim.fleet import SimBackend
+    from bench.sim.backend import SimBackend
 
 _B = TypeVar("_B", bound=msgspec.Struct)
 _CHAT = msgspec.json.Decoder(ChatBody)
@@ -264,7 +264,7 @@ class _Generation:
             pass
         if cut or responder.req.dropped:
             _cut(request)
-        resp = _json_bytes(responder.full(self.b.kv_transfer_params(responder.req)))
+        resp = _json_bytes(responder.full(reports.kv_transfer_params(self.b, responder.req)))
         resp.headers["X-Request-Id"] = responder.req.request_id
         return resp
 
@@ -308,7 +308,7 @@ class _VllmRoutes:
         return await _fault_gate(request, self.b, self.b.fault) or web.Response()
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": self.b.model_cards()})
+        return _json({"object": "list", "data": reports.model_cards(self.b)})
 
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await _decode(request, _TOKENIZE)
@@ -350,7 +350,7 @@ class _VllmRoutes:
         return _json({"version": VLLM_VERSION})
 
     async def kv_event_sources(self, request: web.Request) -> web.Response:
-        return _json(self.b.kv_event_sources())
+        return _json(reports.kv_event_sources(self.b))
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         if not await self.b.engine.reset_prefix_cache():
@@ -392,7 +392,7 @@ class _SimRoutes:
         return web.Response()
 
     async def stats(self, request: web.Request) -> web.Response:
-        return _json(self.b.snapshot())
+        return _json(reports.snapshot(self.b))
 
 
 class _SSEWriter:

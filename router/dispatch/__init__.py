@@ -4,7 +4,11 @@
                       admission, the prompt described, the pick, the attempts, the
                       accounting when the answer ends; and the request ids
   call.py             what passes from step to step: the `Call`, a pick's `Routed`
-  admission.py        the wait queue and concurrency caps (429), per tenant
+  admission.py        the concurrency caps' slots (429 per tenant), taken at once or
+                      handed to the waiters
+  waiting.py          admission's wait queue: join, shed, wait, give up; its metrics
+                      and refusals
+  counts.py           what the caps are checked against: this process's counts
   shared_admission.py admission's counts in shared memory, with several workers
   describe.py         the model check (404) and the prompt described for the policy
                       (exact tokens, fingerprint, block keys)
@@ -15,9 +19,14 @@
   connect.py          the attempt loop: retries before the first byte, the 503 when
                       every backend failed
   attempt.py          one attempt on one backend: its in-flight slot, the upstream
-                      exchange's opening, the breaker's verdict
+                      exchange's opening
+  verdict.py          the breaker's verdict on an attempt, a server error's held until
+                      the request's fate says whose fault it was
   accounting.py       the request's metrics: decision, retries, outcome, tokens,
-                      refusals; its access log line and throttled failure warnings
+                      refusals; its throttled failure warnings
+  log_line.py         the request's access log line, and its capture record
+  prediction.py       the KV-cache prediction checked against the backend's answer
+  learning.py         what a whole stream teaches the fleet: answer lengths, speeds
   tracing.py          OpenTelemetry spans per sampled request, W3C traceparent to the
                       backend
   records.py          a worker's access log and tracer, opened and flushed with it

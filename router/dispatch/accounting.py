@@ -9,6 +9,9 @@ measured from the call's `arrived` (perf_counter: sub-millisecond on every loop)
 failure (a 5xx the router makes, a retry) is logged, throttled; a success never is,
 beside the access log, which writes off the request's path (router/access_log.py), as
 the data capture does (router/capture.py).
+
+Its parts: the access log line and capture record (log_line.py), the KV-cache
+prediction checked (prediction.py), what a stream teaches the fleet (learning.py).
 """
 
 from __future__ import annotations
@@ -16,18 +19,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Container
 
-from policies import SPILL_REASONS, Pick, Reason
+from policies import SPILL_REASONS, Pick
 from router import log
-from router.access_log import AccessLog, Entry
-from router.capture import Capture, Captured
+from router.access_log import AccessLog
+from router.capture import Capture
 from router.dispatch.attempt import Attempt
-from router.dispatch.call import Call, Routed
+from router.dispatch.call import Call
+from router.dispatch.learning import learn
+from router.dispatch.log_line import entry, logged
+from router.dispatch.prediction import check_prediction
 from router.errors import KvrouteError
 from router.fleet.backends import Fleet
-from router.fleet.speeds import MIN_DECODE_TOKENS, speed_prior
 from router.metrics import NO_POOL, NO_TENANT, Labelled, Metrics, model_label
-from router.telemetry.cache_feedback import CacheFeedback, in_router_tokens
-from router.upstream.usage import NO_USAGE, Usage
+from router.telemetry.cache_feedback import CacheFeedback
+from router.upstream.usage import NO_USAGE
 from router.usage_records import UsageRecords
 
 
@@ -126,9 +131,9 @@ class Accounting:
                 # chargeback keeps every tenant's id; only the metrics' labels are bounded
                 self._usage.add(call.tenant or NO_TENANT, model, pool or NO_POOL, *used)
             if attempt.routed.prompt_tokens:
-                self._check_prediction(attempt.routed, used)
+                check_prediction(self._metrics, self._feedback, attempt.routed, used)
         if ok and ttft is not None and upstream.streaming:
-            self._learn(attempt, ttft, used)
+            learn(self._fleet, attempt, ttft, used)
         if trace is not None:
             trace.finish(attempt.status, error, used, name, call.attempts - 1)
         if error is not None:
@@ -140,62 +145,8 @@ class Accounting:
                 name,
                 error.message,
             )
-        captured = call.capture is not None and self._capture is not None
-        if self._access is not None or captured:
-            failure = type(error).__name__ if error is not None else _disconnected(attempt)
-            retries = call.attempts - 1
-            why = attempt.routed.reason
-            status = _answered(attempt)
-            entry = _entry(
-                call, self.strategy, seconds, ttft, name, why, status, retries, used, failure
-            )
-            if self._access is not None:
-                self._access.add(entry)
-            if captured:
-                self._captured(attempt, entry)
-
-    def _check_prediction(self, routed: Routed, used: Usage) -> None:
-        """Closed loop: the backend's reported cached_tokens against our prediction, which
-        they correct (router/telemetry/cache_feedback.py)."""
-        actual = used.cached
-        if actual is not None:
-            m = self._metrics
-            m.prediction_error.observe(routed.predicted_cached - actual)
-            m.cached_tokens.labels("predicted").inc(routed.predicted_cached)
-            m.cached_tokens.labels("reported").inc(actual)
-            found = in_router_tokens(actual, routed.prompt_tokens, used.prompt)
-            if routed.reason == Reason.KV_HIT and 2 * found < routed.predicted_cached:
-                m.kv_hit_shortfalls.inc()
-            self._feedback.answered(
-                routed.backend.name, routed.blocks, routed.predicted_cached, found
-            )
-
-    def _learn(self, attempt: Attempt, ttft: float, used: Usage) -> None:
-        """A whole stream's timings: the answer's length for its model, and its
-        backend's speed (router/fleet/speeds.py) for a policy that weighs speeds. The
-        tokens are its usage's, else its events (about one a token)."""
-        events, decoding = attempt.upstream.decoding()
-        completion = used.completion or events
-        fleet = self._fleet
-        if completion:
-            fleet.answers.add(attempt.call.req.model or "", completion)
-        prior = speed_prior(fleet.policy.params)
-        if prior is None:
-            return
-        routed, backend = attempt.routed, attempt.backend
-        samples = backend.speed_samples
-        if routed.prompt_tokens:
-            cached = routed.predicted_cached if used.cached is None else used.cached
-            tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
-            samples.prefilled(tokens, ttft, routed.running)
-        if completion > MIN_DECODE_TOKENS:
-            running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
-            beside = samples.prefilled_total() - attempt.prefills_then
-            samples.decoded(running, decoding / (completion - 1), beside / (completion - 1))
-        learned = samples.refreshed(prior, backend.learned_speed)
-        if learned is not backend.learned_speed:
-            backend.learned_speed = learned
-            fleet.lend_speeds()
+        if self._access is not None or (call.capture is not None and self._capture is not None):
+            logged(self._access, self._capture, attempt, self.strategy, seconds, ttft, used)
 
     def rejected(self, error: KvrouteError, call: Call) -> None:
         """Count a request refused before it reached any backend; `call`: what is known
@@ -211,74 +162,7 @@ class Accounting:
             seconds = time.perf_counter() - call.arrived
             status, failure = str(error.status), type(error).__name__
             dropped = getattr(error, "drop_reason", "")  # why admission refused it
-            entry = _entry(
+            line = entry(
                 call, self.strategy, seconds, None, "", dropped, status, 0, NO_USAGE, failure
             )
-            self._access.add(entry)
-
-    def _captured(self, attempt: Attempt, entry: Entry) -> None:
-        """Hand the request's raw parts to the capture's queue (it encodes them)."""
-        call, upstream, capture = attempt.call, attempt.upstream, self._capture
-        response = upstream.body() if upstream is not None and upstream.kept else None
-        sent = call.headers if call.sent_headers is None else call.sent_headers
-        capture.add(
-            Captured(
-                entry,
-                attempt.backend.pool,
-                capture.headers(sent.items()),
-                call.capture,
-                response,
-                upstream is not None and upstream.streaming,
-            )
-        )
-
-
-def _entry(
-    call: Call,
-    strategy: str,
-    seconds: float,
-    ttft: float | None,
-    backend: str,
-    reason: str,
-    status: str,
-    retries: int,
-    used: Usage,
-    failure: str,
-) -> Entry:
-    """The request's access log line (router/access_log.py), which a capture record
-    holds too."""
-    return Entry(
-        time.time(),
-        seconds,
-        ttft,
-        call.request_id,
-        call.tenant,
-        call.method,
-        call.path,
-        call.req.model or "",
-        strategy,
-        backend,
-        reason,
-        call.prefilled_by or "",
-        status,
-        retries,
-        *used,
-        failure,
-        call.priority or "",
-        call.queued,
-    )
-
-
-def _answered(attempt: Attempt) -> str:
-    """The status the client got: a stream's that began, even if the backend broke it
-    after (its line's `error` says it did; the metrics count the failure), else the
-    outcome's."""
-    upstream = attempt.upstream
-    if attempt.call.began and attempt.error is not None and upstream is not None:
-        return str(upstream.status)
-    return attempt.status
-
-
-def _disconnected(attempt: Attempt) -> str:
-    """The failure of an attempt that ended with no error of its backend's."""
-    return "ClientDisconnected" if attempt.status == "499" else ""
+            self._access.add(line)

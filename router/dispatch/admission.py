@@ -16,7 +16,8 @@ does the class order (each worker publishes its waiters per class there). The qu
 stays per worker (`queue_size` waiters in each): a slot freed in this worker goes
 straight to its next waiter unless another worker has a waiter of a higher class; one
 freed in another worker, or a backend leaving saturation, is found by a poll every
-`_POLL_SECONDS`, armed only while this worker has waiters.
+`_POLL_SECONDS`, armed only while this worker has waiters. The queue's side (joining,
+shedding, waiting, giving up, its metrics) is waiting.py's; the counts are counts.py's.
 
 Invariants: `active` counts this worker's admitted requests exactly, as the counts'
 total does. A freed slot is handed straight to the next waiter (so the count does
@@ -25,87 +26,29 @@ client gone) after its slot was handed over passes it on. `enter` returns what `
 must give back, so a reload that changes the caps in between cannot unbalance the
 per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
 
-Metrics: each refusal by its reason, and the queue's depth (total, by class and by
-tenant) and each waiter's wait by class and by tenant, the tenant bounded as every
-tenant label is (`metrics.tenants` and the static tokens' by name, else `(other)`),
-set only when the queue changes (a request admitted at
-once touches no metric here).
+Metrics (waiting.py): each refusal by its reason, and the queue's depth (total, by
+class and by tenant) and each waiter's wait by class and by tenant, the tenant bounded
+as every tenant label is (`metrics.tenants` and the static tokens' by name, else
+`(other)`), set only when the queue changes (a request admitted at once touches no
+metric here).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Callable, Hashable
-from typing import Protocol
+from functools import partial
 
-from router.config import PRIORITIES, FlowConfig, LimitsConfig
-from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, Waiter, rank_of
-from router.dispatch.session import SessionRecords
+from router.config import FlowConfig, LimitsConfig
+from router.dispatch.counts import Counts, LocalCounts
+from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, rank_of
 from router.dispatch.shared_admission import TOTAL
-from router.errors import Overloaded
+from router.dispatch.waiting import Waiting
 from router.metrics import Metrics, Refusal
-
-#: how often a worker with waiters looks for a slot freed in another worker
-_POLL_SECONDS = 0.01
-
-
-class Counts(Protocol):
-    """Requests counted per key (TOTAL, or a tenant's key), each against a cap."""
-
-    shared: bool  # other processes change the counts too
-    #: the session affinity records shared with the other processes, if any
-    sessions: SessionRecords | None
-
-    def key(self, tenant: str) -> Hashable:
-        """What `tenant` is counted under."""
-
-    def take(self, key: Hashable, cap: int) -> bool:
-        """Count one more under `key` if that stays within `cap`."""
-
-    def give(self, key: Hashable) -> None: ...
-
-    def set_waiting(self, rank: int, depth: int) -> None:
-        """This process's waiters of class `rank` now."""
-
-    def waiting_above(self, rank: int) -> bool:
-        """Does another process have a waiter of a class above `rank`?"""
-
-
-class LocalCounts:
-    """One process's counts: the whole router's when it is the only worker."""
-
-    shared = False
-    sessions = None
-
-    def __init__(self) -> None:
-        self._counts: dict[Hashable, int] = {}
-
-    def key(self, tenant: str) -> str:
-        return tenant
-
-    def take(self, key: Hashable, cap: int) -> bool:
-        count = self._counts.get(key, 0)
-        if count >= cap:
-            return False
-        self._counts[key] = count + 1
-        return True
-
-    def give(self, key: Hashable) -> None:
-        count = self._counts[key] - 1
-        if count:
-            self._counts[key] = count
-        else:
-            del self._counts[key]  # bounded: only keys with requests in flight
-
-    def set_waiting(self, rank: int, depth: int) -> None:
-        pass  # no other process to tell
-
-    def waiting_above(self, rank: int) -> bool:
-        return False
 
 
 class Admission:
+    """The caps' slots: taken at once, or handed to the queue's waiters (waiting.py)."""
+
     def __init__(
         self,
         limits: LimitsConfig,
@@ -121,16 +64,21 @@ class Admission:
         self.limits = limits
         self.active = 0
         self._counts = counts or LocalCounts()
-        self._metrics = metrics
         self._queue = FlowQueue(flow or FlowConfig(), limits)
         self._saturated = saturated
-        self._tenant_label = tenant_label
-        #: this worker's waiters by tenant label
-        self._tenant_depth: dict[str, int] = {}
         self._drain = DrainRate()
+        self._waiting = Waiting(
+            self._queue,
+            self._counts,
+            self._drain,
+            metrics,
+            saturated,
+            tenant_label,
+            self._admit_waiters,
+            partial(self.leave, None),
+        )
         #: saturation held requests back since the queue was last empty: release paced
         self._held_back = False
-        self._poll: asyncio.TimerHandle | None = None
 
     @property
     def queued(self) -> int:
@@ -162,20 +110,10 @@ class Admission:
     def leave(self, held: Hashable | None) -> None:
         self._give_tenant(held)
         self._drain.left()
-        if not len(self._queue) or self._saturated() or not self._wake():  # else handed over
+        if (
+            not len(self._queue) or self._saturated() or not self._waiting.wake()
+        ):  # else handed over
             self._give_slot()
-
-    def _wake(self) -> bool:
-        """Hand a slot to the next live waiter; False if there is none, or if another
-        worker has a waiter of a higher class (its poll takes the slot)."""
-        queue = self._queue
-        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
-            waiter = queue.pop()
-            self._queue_changed(waiter, -1)
-            if not waiter.future.done():  # a cancelled one is queued until its task runs
-                waiter.future.set_result(None)
-                return True
-        return False
 
     def _admit_waiters(self) -> None:
         """Hand the slots free now to the waiters, in flow order. After the fleet was
@@ -185,7 +123,7 @@ class Admission:
         queue = self._queue
         paced = self._held_back
         while len(queue) and not self._counts.waiting_above(queue.top_rank()) and self._free_slot():
-            if not self._wake():  # only cancelled ones were left
+            if not self._waiting.wake():  # only cancelled ones were left
                 self._give_slot()
                 return
             if paced:
@@ -208,63 +146,9 @@ class Admission:
 
     async def _take_slot(self, tenant: str, rank: int) -> float:
         """Take a slot, waiting in the queue if need be; the seconds waited there."""
-        queue = self._queue
-        if not len(queue) and not self._counts.waiting_above(rank) and self._free_slot():
+        if not len(self._queue) and not self._counts.waiting_above(rank) and self._free_slot():
             return 0.0
-        name = PRIORITIES[rank]
-        if queue.depth(rank) >= queue.queue_size(name):
-            raise self._refused(Refusal.QUEUE_FULL, f"The `{name}` queue is full.")
-        if len(queue) >= self.limits.queue_size:
-            victim = queue.lower_than(rank)
-            if victim is None:
-                raise self._refused(Refusal.QUEUE_FULL, "The router's wait queue is full.")
-            queue.remove(victim)
-            self._queue_changed(victim, -1)
-            victim.future.set_exception(
-                self._refused(Refusal.SHED, "Shed for a request of a higher priority.")
-            )
-        waiter = Waiter(tenant, rank, asyncio.get_running_loop().create_future())
-        waiter.label = self._tenant_label(tenant or None)
-        queue.push(waiter)
-        self._queue_changed(waiter, 1)
-        self._poll_soon()
-        try:
-            async with asyncio.timeout(queue.queue_timeout(name)):
-                await waiter.future
-        except BaseException as exc:
-            future = waiter.future
-            if future.done() and not future.cancelled() and future.exception() is None:
-                self.leave(None)  # handed a slot just as we gave up: pass it on
-            elif queue.remove(waiter):
-                self._queue_changed(waiter, -1)
-            if isinstance(exc, TimeoutError):
-                if self._saturated():
-                    raise self._refused(
-                        Refusal.SATURATED, "Every backend is saturated; the wait timed out."
-                    ) from None
-                raise self._refused(
-                    Refusal.QUEUE_TIMEOUT,
-                    "The wait in the router's queue timed out.",
-                ) from None
-            raise
-        finally:
-            waited = time.monotonic() - waiter.since
-            if self._metrics is not None:
-                self._metrics.flow_wait.labels(name).observe(waited)
-                self._metrics.flow_tenant_wait.labels(waiter.label).observe(waited)
-        return waited
-
-    def _poll_soon(self) -> None:
-        """Look again soon for a slot another worker freed, or a backend that left
-        saturation (neither wakes this worker)."""
-        if self._poll is None:
-            self._poll = asyncio.get_running_loop().call_later(_POLL_SECONDS, self._polled)
-
-    def _polled(self) -> None:
-        self._poll = None
-        self._admit_waiters()
-        if len(self._queue):
-            self._poll_soon()
+        return await self._waiting.wait(tenant, rank, self.limits.queue_size)
 
     def _take_tenant(self, tenant: str | None) -> Hashable | None:
         cap = self.limits.max_concurrent_per_tenant
@@ -273,30 +157,9 @@ class Admission:
         key = self._counts.key(tenant)
         if not self._counts.take(key, cap):
             message = f"Tenant `{tenant}` is at its limit of {cap} concurrent requests."
-            raise self._refused(Refusal.TENANT_CAP, message)
+            raise self._waiting.refused(Refusal.TENANT_CAP, message)
         return key
 
     def _give_tenant(self, held: Hashable | None) -> None:
         if held is not None:
             self._counts.give(held)
-
-    def _queue_changed(self, waiter: Waiter, change: int) -> None:
-        """`waiter` joined (`change` 1) or left (-1) the queue."""
-        rank, label = waiter.rank, waiter.label
-        depth = self._tenant_depth.get(label, 0) + change
-        if depth:
-            self._tenant_depth[label] = depth
-        else:
-            self._tenant_depth.pop(label, None)  # bounded: only labels with waiters
-        if self._metrics is not None:
-            self._metrics.admission_queue.set(len(self._queue))
-            self._metrics.flow_queue.labels(PRIORITIES[rank]).set(self._queue.depth(rank))
-            self._metrics.flow_tenant_queue.labels(label).set(depth)
-        self._counts.set_waiting(rank, self._queue.depth(rank))
-
-    def _refused(self, why: Refusal, message: str) -> Overloaded:
-        """The refusal to raise, counted, its Retry-After from the drain rate."""
-        if self._metrics is not None:
-            self._metrics.admission_rejections.labels(why).inc()
-        retry = self._drain.retry_after(len(self._queue))
-        return Overloaded(message, drop_reason=why.value, retry_after=retry)

@@ -1,5 +1,5 @@
 """One try of a request on one backend: its in-flight slot, the upstream exchange's
-opening, and the breaker's verdict on it.
+opening, and (from its base, verdict.py) the breaker's verdict on it.
 
 An attempt takes its backend's in-flight slot (and the breaker's half-open trial slot,
 when it is the trial) as it begins; `release` gives them back, once. The breaker hears
@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from router.config import TimeoutsConfig
 from router.dispatch.call import Call, Routed
+from router.dispatch.verdict import Verdict
 from router.errors import UpstreamCredentialsRefused, UpstreamError, UpstreamTimeout
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
@@ -49,24 +50,18 @@ class Attempts:
         return Attempt(self, routed, call, timeout)
 
 
-class Attempt:
-    """One try of a request on one backend (this module's docstring says what it holds).
+class Attempt(Verdict):
+    """One try of a request on one backend (this module's docstring says what it holds;
+    the breaker's verdict on it is its base's, verdict.py).
 
     `with attempt:` notes how the attempt ends if an exception ends it.
     """
 
     __slots__ = (
-        "_deferred",
-        "_fleet",
-        "_held",
         "_itl",
-        "_judged",
-        "_metrics",
         "_queued",
         "_refused",
         "_timeout",
-        "_trial",
-        "backend",
         "call",
         "error",
         "labels",
@@ -91,10 +86,10 @@ class Attempt:
         self._itl = attempts.itl(backend.name, *self.labels)
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
+        # the verdict's state (verdict.py), set here: no call of its own per attempt
         self._trial = fleet.attempt_begins(backend)
-        self._judged = False  # the breaker heard this attempt's verdict
-        self._held: Outcome | None = None  # a server error's verdict, not given yet
-        self._deferred = False  # `judge` gives it, not `release`
+        self._judged = self._deferred = False
+        self._held = None
         self.status = "error"
         #: the exchange's timeout: this attempt sets it and hears when it expires
         self._timeout = timeout
@@ -149,26 +144,6 @@ class Attempt:
         elif verdict is not Outcome.SUCCESS:  # a success is judged when the answer ended
             self._verdict(verdict)
 
-    @property
-    def server_error(self) -> bool:
-        """It answered a server error whose verdict is held (`defer`, `judge`)."""
-        return self._held is not None and not self._judged
-
-    def defer(self) -> None:
-        """Keep the held verdict past `release`: the request is retried elsewhere, and
-        the next answer says whose fault the server error was (`judge`)."""
-        self._deferred = True
-
-    def judge(self, blamed: bool) -> None:
-        """Give the held verdict: this backend's server error if `blamed`, else none
-        (another backend answered the same request with one too: the request's fault)."""
-        if not self.server_error:
-            return
-        if blamed:
-            self._verdict(self._held)
-        else:
-            self._judged = True
-
     def __enter__(self) -> Attempt:
         return self
 
@@ -215,14 +190,6 @@ class Attempt:
         elif isinstance(exc, (asyncio.CancelledError, ConnectionResetError)):
             self.status = "499"  # nginx's "client closed request"
             self._metrics.client_disconnects.labels(self.backend.name).inc()
-
-    def _verdict(self, verdict: Outcome | None) -> None:
-        if self._judged:
-            return
-        self._judged = verdict is not None
-        if self._fleet.attempt_verdict(self.backend, verdict, self._trial):
-            self._metrics.ejections_refused.labels(self.backend.name).inc()
-        self._trial = False
 
 
 def sent_body(call: Call, renamed: str | None) -> bytes:

@@ -1,9 +1,9 @@
 """Flow control: the order in which waiting requests are released, and when to wait.
 
-Admission (router/dispatch/admission.py) keeps its waiters here instead of one FIFO:
+Admission (router/dispatch/waiting.py) keeps its waiters here instead of one FIFO:
 
 - **Classes.** `critical`, `standard` (the default), `sheddable`, and `background`
-  (async jobs and batch lines, router/jobs/runner.py): a request waiting in
+  (async jobs and batch lines, router/jobs/execute.py): a request waiting in
   a higher class is always released before any in a lower one. A request waiting longer
   than its class's `max_wait` is released as if of the class above, so nothing starves.
   When the queue is full, a newcomer takes the place of the newest waiter of a lower

@@ -1,7 +1,9 @@
 """Fleet: the backends and what the router knows of them, beside the request path.
 
-  backend.py      a backend's state: health, breaker, drain, in-flight
+  backend.py      a backend's state: health, breaker, drain, how to reach it
+  backend_load.py  its load: requests in flight and queued prompt tokens, router-wide
   backends.py     `Fleet`: the members, and their updates on reload or discovery
+  pool_settings.py  each pool's tuned policy and the model names its `model_map` renames
   views.py        the cached per-model views the policies pick from, with Envoy's
                   panic mode
   usability.py    health, drain and breaker verdicts as they change usability, with

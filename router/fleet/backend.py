@@ -1,9 +1,7 @@
 """A `Backend`: what routing needs of one backend.
 
-Identity, weight, the models it serves, whether it is usable, and the router-wide
-in-flight count (summed over the workers through shared_load.py when there are several;
-dispatch's accounting keeps it exact), plus the other replicas' when they share their
-load (config `cluster`, router/telemetry/cluster.py). Usable = passes active health checks
+Identity, weight, the models it serves, whether it is usable, how to reach it, and
+(from its base, backend_load.py) its in-flight count. Usable = passes active health checks
 (`healthy`), its circuit breaker admits attempts, and it is not draining; only the
 fleet changes those (usability.py).
 """
@@ -19,6 +17,7 @@ from yarl import URL
 
 from policies import Speed
 from router.config import BackendConfig, BreakerConfig
+from router.fleet.backend_load import BackendLoad
 from router.fleet.breaker import Breaker
 from router.fleet.credentials import NO_REACH, Reach
 from router.fleet.shared_load import LoadTable
@@ -27,7 +26,10 @@ from router.fleet.speeds import SpeedLearner
 DEFAULT_BREAKER = BreakerConfig()
 
 
-class Backend:
+class Backend(BackendLoad):
+    """One backend as routing sees it (the module's docstring); its load is
+    `BackendLoad`'s."""
+
     __slots__ = (
         "breaker",
         "check_streak",
@@ -40,19 +42,13 @@ class Backend:
         "inflight_at_scrape",
         "kv_usage",
         "learned_speed",
-        "local_inflight",
-        "local_queued",
         "model_cards",
         "name",
         "pool",
         "prefix",
-        "remote_inflight",
-        "remote_queued",
         "shared_speed",
-        "slot",
         "speed",
         "speed_samples",
-        "table",
         "tls",
         "transitions",
         "url",
@@ -67,6 +63,7 @@ class Backend:
         table: LoadTable | None = None,
         reach: Reach = NO_REACH,
     ) -> None:
+        super().__init__(cfg, table)
         self.name = cfg.key
         self.headers: dict[str, str] = {}
         self.head_lines = ""
@@ -88,16 +85,6 @@ class Backend:
         self.transitions: dict[str, int] = {}
         self.model_cards: list[dict] = []
         self.healthy = True
-        #: this process's requests in flight here, and their queued prompt tokens
-        self.local_inflight = 0
-        self.local_queued = 0
-        #: the other router replicas' requests in flight here and their queued prompt
-        #: tokens (config `cluster`; 0 alone)
-        self.remote_inflight = 0
-        self.remote_queued = 0
-        #: with several workers: the shared table and this backend's slot in it
-        self.slot = None if table is None else table.slot(cfg.key, cfg.url)
-        self.table = None if self.slot is None else table
         #: its speed as learned from its own streams (speeds.py), None until then; the
         #: other router replicas' learned one (config `cluster`), None alone; and
         #: the speed routing reads: its own, else the others', else the fleet's typical
@@ -124,36 +111,6 @@ class Backend:
     def serves(self, model: str) -> bool:
         models = self.models
         return not model or models is None or model in models
-
-    @property
-    def own_inflight(self) -> int:
-        """Requests in flight here, router-wide (every worker's, when there are several)."""
-        table = self.table
-        return self.local_inflight if table is None else table.inflight(self.slot)
-
-    @property
-    def inflight(self) -> int:
-        """Requests in flight here: this router's and its sharing replicas'."""
-        return self.own_inflight + self.remote_inflight
-
-    @property
-    def own_queued_tokens(self) -> int:
-        """This router's prompt tokens sent here, expected uncached, not yet answered."""
-        table = self.table
-        return self.local_queued if table is None else table.queued_tokens(self.slot)
-
-    @property
-    def queued_tokens(self) -> int:
-        """Prompt tokens sent here and expected uncached, not yet answered (KV_AWARE):
-        this router's and its sharing replicas'."""
-        return self.own_queued_tokens + self.remote_queued
-
-    def count(self, requests: int, tokens: int) -> None:
-        """The request path's accounting: attempts begin (+1) and end (-1) here."""
-        self.local_inflight += requests
-        self.local_queued += tokens
-        if self.table is not None:
-            self.table.add(self.slot, requests, tokens)
 
     @property
     def usable(self) -> bool:

@@ -1,5 +1,6 @@
 """`Fleet`: the configured backends, their membership and its updates, and (from its
-bases) the cached per-model views (views.py) and the backends' usability (usability.py).
+bases) each pool's model names and policy (pool_settings.py), the cached per-model
+views (views.py) and the backends' usability (usability.py).
 
 Telemetry loops write here; the request path only reads and counts.
 
@@ -21,19 +22,18 @@ from router.config import (
     BackendCredentials,
     BreakerConfig,
     PoolConfig,
-    pools_in_order,
 )
 from router.fleet.backend import DEFAULT_BREAKER, Backend
 from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
+from router.fleet.pool_settings import PoolSettings
 from router.fleet.shared_load import LoadTable
 from router.fleet.speeds import AnswerLengths, typical_speed
-from router.fleet.usability import Usability
 
 NO_CREDENTIALS = BackendCredentials()
 
 
-class Fleet(Usability):
+class Fleet(PoolSettings):
     """The configured backends and the cached per-model views over them."""
 
     def __init__(
@@ -80,52 +80,6 @@ class Fleet(Usability):
         typical = typical_speed([s for s in known if s is not None])
         for b, speed in zip(self.members, known, strict=True):
             b.speed = speed or typical
-
-    def set_pools(self, pools: Iterable[PoolConfig]) -> None:
-        """The pools, preferred first (a reload may change them; none: a flat fleet)."""
-        self.pools = tuple(pools_in_order(pools))
-        self._model_maps = {p.name: p.model_map for p in self.pools if p.model_map}
-        self._public = {
-            p.name: _inverse(p.model_map)
-            for p in self.pools
-            if p.model_map and not p.expose_backend_model
-        }
-        self._tune(self.policy, self.members)
-        self.changed()
-
-    def policy_of(self, pool: PoolConfig | None) -> Policy:
-        """The policy that picks in `pool`: the fleet's, tuned to the pool's own
-        parameters when it sets some."""
-        if pool is None or not self._pool_policies:
-            return self.policy
-        return self._pool_policies.get(pool.name, self.policy)
-
-    def _tune(self, policy: Policy, members: tuple[Backend, ...]) -> None:
-        """A tuned twin of `policy` for each pool with parameters of its own (checked
-        with the config, so this cannot fail for pools the config holds)."""
-        self._pool_policies = {}
-        for pool in self.pools:
-            if pool.routing:
-                twin = policy.tuned(pool.params(policy.params))
-                self._attach(twin, members)
-                self._pool_policies[pool.name] = twin
-
-    def renamed(self, backend: Backend, model: str | None) -> str | None:
-        """The name `backend`'s pool serves `model` under, when its `model_map` renames
-        it; None: the client's name stands."""
-        if not self._model_maps or backend.pool is None or model is None:
-            return None
-        return self._model_maps.get(backend.pool, {}).get(model)
-
-    def answers_as_asked(self, backend: Backend) -> bool:
-        """Whether an answer `backend` gives under a renamed model is to name the model
-        the client asked for (its pool does not `expose_backend_model`)."""
-        return backend.pool in self._public
-
-    def public_names(self, backend: Backend) -> dict[str, tuple[str, ...]]:
-        """The names clients know `backend`'s models by, for each model its pool's
-        `model_map` renames and does not expose (/v1/models lists these)."""
-        return self._public.get(backend.pool, {}) if backend.pool is not None else {}
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements."""
@@ -201,11 +155,3 @@ class Fleet(Usability):
 
     def find(self, name: str) -> Backend | None:
         return next((b for b in self.members if b.name == name), None)
-
-
-def _inverse(model_map: dict[str, str]) -> dict[str, tuple[str, ...]]:
-    """The client's names of each backend's name a `model_map` gives."""
-    found: dict[str, tuple[str, ...]] = {}
-    for asked, served in model_map.items():
-        found[served] = (*found.get(served, ()), asked)
-    return found

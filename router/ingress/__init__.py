@@ -29,6 +29,8 @@
   grpc_gate.py      before every RPC's servicer: the token gate, the request parsed
                     (INVALID_ARGUMENT, never a logged traceback)
   grpc_reflection.py  server reflection as grpc.reflection.v1 and v1alpha
+  identity.py       who asks: a request's tenant, token class and owner from its
+                    headers, and the token an unrouted path needs with auth on
   auth.py           data-plane bearer tokens (static, signed), the admin token,
                     `kvroute token issue`
   body_budget.py    the worker's share of the router-wide budget for request bodies

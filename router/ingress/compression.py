@@ -17,7 +17,7 @@ gzip window, a 16 KiB zstd window): it lives as long as its stream, thousands of
 at once, and consecutive SSE events repeat each other within a few hundred bytes.
 With the libraries' defaults an open stream held ~190 KiB (gzip) and ~870 KiB (zstd
 level 3), against ~34 KiB and ~100 KiB here, for a stream 1% (zstd) and 3-14% (gzip)
-larger (bench/compression.py).
+larger (bench/studies/compression.py).
 """
 
 from __future__ import annotations

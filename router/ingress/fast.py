@@ -107,7 +107,11 @@ class FastConnections:
 
 
 class FastConnection(FlowProtocol):
-    """One client connection while the fast path holds it: one request at a time."""
+    """One client connection while the fast path holds it: one request at a time.
+
+    Whole past ~150 lines by design: it is asyncio's protocol for the connection, whose
+    callbacks share the request's state (`task`, `_receiving`, `_pending`, `_reply`) on
+    every read (a split would add a call per read)."""
 
     __slots__ = (
         "_closing",

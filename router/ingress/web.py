@@ -7,13 +7,13 @@ JSON whole and SSE chunk by chunk, compressed when `compression` is on and the c
 accepts a coding it offers (compression.py). The read-only routes are status.py's.
 
 Hostile clients are refused before any work: the bearer token is checked before the
-body is read (auth.py, 401); the body must arrive in time and within its limits
-(body.py: 408, 413 (one declared larger is refused before a `100 Continue` invites
-it), 503); aiohttp enforces the header limits (431) and the header timeout
+body is read (auth.py, identity.py: 401); the body must arrive in time and within its
+limits (body.py: 408, 413 (one declared larger is refused before a `100 Continue`
+invites it), 503); aiohttp enforces the header limits (431) and the header timeout
 (`server_limits`). A refusal never reaches dispatch or a backend. With auth on, a path
 or method the router does not serve is a 401 too without a valid token, not a 404 or
-405 (`unrouted`), so a stranger cannot map the routes. Proxied routes forward the path
-in origin-form, dot segments resolved (targets.py).
+405 (identity.py's `unrouted`), so a stranger cannot map the routes. Proxied routes
+forward the path in origin-form, dot segments resolved (targets.py).
 
 Every answer carries X-Request-Id (the client's, else a new one), including the errors
 aiohttp's server makes by itself (`IngressHandler`, `errors_middleware`).
@@ -38,7 +38,7 @@ from aiohttp.web_urldispatcher import _default_expect_handler  # aiohttp's 100 C
 from multidict import CIMultiDict
 
 from router import log
-from router.config import Config, LimitsConfig, TokenClass
+from router.config import Config, LimitsConfig
 from router.dispatch.dispatcher import Call, Dispatcher, passable_request_id
 from router.errors import (
     INTERNAL,
@@ -46,14 +46,14 @@ from router.errors import (
     HeadersTooLarge,
     KvrouteError,
     RequestTimeout,
-    Unauthorized,
 )
 from router.fleet.backends import Fleet
 from router.ingress.auth import AdminToken, Authenticator
 from router.ingress.body import BodyReader
 from router.ingress.compression import Compression
+from router.ingress.identity import Identity
 from router.ingress.jobs_routes import JobRoutes
-from router.ingress.relay import AiohttpReply, EncodedReply, Reply, refuse, refused, relay
+from router.ingress.relay import AiohttpReply, EncodedReply, Reply, refuse, relay
 from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.jobs.runner import JobRunner
@@ -71,8 +71,6 @@ _PROBE_SECONDS = 0.25
 _STILL_THERE = b"HTTP/1.1 100 Continue\r\n\r\n"
 
 #: vLLM OpenAI-surface paths that are proxied but not fingerprinted
-#: the probes' and the scraper's paths: open with auth on
-_OPEN = frozenset({"/health", "/ready", "/metrics"})
 _PROXIED = (
     "/v1/responses",
     "/v1/responses/{tail:.*}",
@@ -109,15 +107,19 @@ class HttpIngress:
     ):
         self._dispatch = dispatcher
         self._metrics = metrics
-        self._tenant_header = config.tenant_header
         self._auth = auth or Authenticator(config.auth)
+        self._who = Identity(self._auth, config.tenant_header, metrics)
+        #: the middleware that asks a token of a request no route serves
+        self.unrouted = self._who.unrouted
         self._serves_metrics = config.metrics.listen == "data"  # else the admin listener's
         self._body = BodyReader(config.limits, workers)
         self._compression = Compression(config.compression) if config.compression.enabled else None
         #: request bodies held at once: this worker's share of the router's budget
         self.bodies = self._body.bodies
+        #: the 408 of a body that did not arrive in time (the fast path's too)
+        self.body_late: Callable[[], RequestTimeout] = self._body.late
         self._status = StatusRoutes(
-            fleet, dispatcher, self._auth, self._tenant, telemetry, admin_token,
+            fleet, dispatcher, self._auth, self._who.tenant, telemetry, admin_token,
             None if jobs is None else jobs.faults,
         )  # fmt: skip
         self._jobs = None
@@ -127,7 +129,7 @@ class HttpIngress:
                 config.jobs,
                 jobs.store,
                 jobs.wake,
-                self._owner,
+                self._who.owner,
                 self._body,
                 limits.body_timeout,
                 metrics,
@@ -190,7 +192,7 @@ class HttpIngress:
         try:
             try:
                 # before the body: no work for strangers
-                tenant, token_class = self._identity(client_headers)
+                tenant, token_class = self._who.of(client_headers)
                 body = await read_body()
                 req = parse(kind, body)
                 call = Call(kind, req, method, path, body, headers, started, arrived, tenant, rid)
@@ -234,44 +236,6 @@ class HttpIngress:
         response = err.to_http({REQUEST_ID: rid})
         response.force_close()
         return response
-
-    def body_late(self) -> RequestTimeout:
-        """The 408 of a body that did not arrive in time (the fast path's too)."""
-        return self._body.late()
-
-    def _tenant(self, headers: Mapping[str, str]) -> str | None:
-        """The request's tenant (`Authenticator.tenant`: with auth on, the token's, the
-        tenant header's only when trusted). Raises Unauthorized for a missing or invalid
-        token."""
-        return self._identity(headers)[0]
-
-    def _identity(self, headers: Mapping[str, str]) -> tuple[str | None, TokenClass | None]:
-        """The request's tenant (`_tenant`) and its static token's class."""
-        claimed = headers.get(self._tenant_header) if self._tenant_header else None
-        tenant, token_class = self._auth.identify(headers.get("Authorization"), claimed)
-        if tenant is not None and self._auth.enabled:
-            self._metrics.tenant_request(tenant, self._auth.tenants)
-        return tenant, token_class
-
-    @web.middleware
-    async def unrouted(self, request: web.Request, handler) -> web.StreamResponse:
-        """With auth on, a request no route serves (404, 405) needs a token as any
-        other does, the probes' paths aside; the routes that serve check it themselves."""
-        if (
-            self._auth.enabled
-            and request.match_info.http_exception is not None
-            and request.path not in _OPEN
-        ):
-            try:
-                self._auth.authenticate(request.headers.get("Authorization"))
-            except Unauthorized as err:
-                return await refused(request, err)
-        return await handler(request)
-
-    def _owner(self, headers: Mapping[str, str]) -> str | None:
-        """Whose jobs, files and batches the request sees (`Authenticator.owner`)."""
-        claimed = headers.get(self._tenant_header) if self._tenant_header else None
-        return self._auth.owner(headers.get("Authorization"), claimed)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return metrics_page(self._metrics)

@@ -21,8 +21,10 @@ routing, on spare capacity only, from a store that survives a restart.
   stores.py   the store the config names
   faults.py   the store's failures: 503s that say why, counted, logged (throttled),
               shown in /ready's body
-  runner.py   each worker's loop: claim a job while there is spare capacity, run it
-              through the dispatcher, record its answer, end its batch if it was last
+  runner.py   each worker's loops: claim a job while there is spare capacity, sweep,
+              deliver the webhooks due
+  execute.py  one claimed job run: through the dispatcher, refusals retried, its lease
+              renewed, its answer recorded, its batch ended if it was last
   wire.py     OpenAI's shapes: batch input lines checked, output files written, the
               file, batch and async job objects
 

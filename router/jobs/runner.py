@@ -1,5 +1,6 @@
-"""A worker's job runner: it claims a job only while the fleet has spare capacity, runs
-it through the dispatcher as an interactive request would go, and records the answer.
+"""A worker's job runner: it claims a job only while the fleet has spare capacity, and
+has it run (execute.py: through the dispatcher as an interactive request would go, its
+answer recorded).
 
 Priority: interactive requests never wait for a job. A job is claimed only while fewer
 than `concurrency` run in this worker and the usable backends' requests in flight (the
@@ -29,21 +30,15 @@ import time
 from collections.abc import Callable
 from typing import cast
 
-from multidict import CIMultiDict
-
-from router import log
 from router.config import JobsConfig
-from router.dispatch.call import Call
 from router.dispatch.dispatcher import Dispatcher
-from router.dispatch.flow import BACKGROUND
-from router.errors import KvrouteError, NoBackendAvailable, Overloaded, StoreUnavailable
+from router.errors import StoreUnavailable
 from router.fleet.backends import Fleet
+from router.jobs.execute import Executor
 from router.jobs.faults import GuardedStore, StoreFaults
-from router.jobs.store import Job, JobStore, runs_as
+from router.jobs.store import Job, JobStore
 from router.jobs.webhooks import Deliveries
-from router.jobs.wire import KINDS, new_id, write_outputs
 from router.metrics import Metrics
-from router.request import parse
 
 #: a worker sweeps (ends the batches whose settle was missed, drops what is past its
 #: TTL) at most this often, and at most once a lease
@@ -65,13 +60,13 @@ class JobRunner:
         now: Callable[[], float] = time.perf_counter,
     ) -> None:
         self._cfg = cfg
-        self._dispatch = dispatcher
         self._fleet = fleet
         self._now = now
         self._owner = f"{socket.gethostname()}-{os.getpid()}-{random.getrandbits(32):08x}"
         #: the store's failures: /ready's body shows them
         self.faults = StoreFaults(metrics)
         self.store = cast(JobStore, GuardedStore(store, self.faults))
+        self._executor = Executor(cfg, self.store, dispatcher, self._owner, metrics, now)
         self._running: set[asyncio.Task] = set()
         self._woken = asyncio.Event()
         self._swept = -math.inf
@@ -139,7 +134,7 @@ class JobRunner:
                 await asyncio.sleep(self._cfg.poll_s)
 
     def _start(self, job: Job) -> None:
-        task = asyncio.create_task(self._run(job), name=f"kvroute-job-{job.id}")
+        task = asyncio.create_task(self._executor.run(job), name=f"kvroute-job-{job.id}")
         self._running.add(task)
         task.add_done_callback(self._ended)
 
@@ -155,13 +150,8 @@ class JobRunner:
             return
         self._swept = self._now()
         for batch_id in await asyncio.to_thread(self.store.unsettled):
-            await self._settle(batch_id)
+            await self._executor.settle(batch_id)
         await asyncio.to_thread(self.store.expire)
-
-    async def _settle(self, batch_id: str) -> None:
-        files = (new_id("file-"), new_id("file-"))
-        ttl = self._cfg.result_ttl_s
-        await asyncio.to_thread(self.store.settle, batch_id, files, write_outputs, ttl)
 
     async def stop(self) -> None:
         """Claim no more, and put the jobs running here back in the queue: they run
@@ -182,77 +172,6 @@ class JobRunner:
         usable = [b for b in self._fleet.members if b.usable]
         capacity = (cap or cfg.backend_capacity) * len(usable)
         return sum(b.inflight for b in usable) < cfg.spare_share * capacity
-
-    async def _run(self, job: Job) -> None:
-        renewing = asyncio.create_task(self._renew(job))
-        try:
-            status, body = await self._answer(job)
-        finally:
-            renewing.cancel()
-        outcome = "succeeded" if status < 400 else "failed"
-        store, ttl = self.store, self._cfg.result_ttl_s
-        try:
-            if not await asyncio.to_thread(
-                store.finish, job.id, self._owner, outcome, status, body, ttl
-            ):
-                return  # its lease ran out and another worker runs it
-            self._metrics.jobs_ended.labels(outcome).inc()
-            if job.batch_id is not None:
-                await self._settle(job.batch_id)
-        except StoreUnavailable:
-            return  # it runs again once its lease runs out; its batch ends at a sweep
-
-    async def _answer(self, job: Job) -> tuple[int, bytes]:
-        """The job's answer, or the router's error. A refusal that passes (admission's
-        429, no backend available: the fleet is full or down for now) is tried again
-        `refused_retries` times, each after twice the wait of the one before, since a
-        job's client is not there to retry it; the job keeps its lease meanwhile."""
-        cfg, tried = self._cfg, 0
-        while True:
-            try:
-                return await self._exchange(job)
-            except (Overloaded, NoBackendAvailable) as err:
-                if tried == cfg.refused_retries:
-                    return err.status, err.http_answer({})[1]
-                self._metrics.job_refusals_retried.inc()
-                await asyncio.sleep(cfg.refused_backoff_s * 2**tried)
-                tried += 1
-            except KvrouteError as err:
-                return err.status, err.http_answer({})[1]
-
-    async def _exchange(self, job: Job) -> tuple[int, bytes]:
-        """The job's request through the dispatcher: the answer's status and body."""
-        kind = KINDS[job.path]
-        headers = CIMultiDict({"Content-Type": "application/json", "X-Request-Id": job.id})
-        started = asyncio.get_running_loop().time()
-        call = Call(
-            kind,
-            parse(kind, job.body),
-            "POST",
-            job.path,
-            job.body,
-            headers,
-            started,
-            self._now(),
-            runs_as(job.tenant),
-            job.id,
-        )
-        call.priority = BACKGROUND  # below every interactive request
-        async with self._dispatch.exchange(call) as upstream:
-            return upstream.status, await upstream.read()
-
-    async def _renew(self, job: Job) -> None:
-        lease = self._cfg.lease_s
-        while True:
-            await asyncio.sleep(lease / 3)
-            try:
-                renewed = await asyncio.to_thread(self.store.renew, job.id, self._owner, lease)
-            except StoreUnavailable:
-                continue  # the next third of the lease may find the store back
-            if not renewed:
-                log.requests_failed.warning("job %s: its lease was lost", job.id)
-                self._metrics.job_leases_lost.inc()
-                return
 
 
 class Backoff:

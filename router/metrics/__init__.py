@@ -3,7 +3,8 @@
   registry.py   `Metrics`: one router's registry, what /metrics renders, and the
                 process-wide choices (no `_created` series)
   requests.py   what each request records: outcomes, routing decisions, latencies,
-                tenants, admission's queue and refusals
+                tenants
+  admission.py  admission's queue (depth, waits) and its refusals by reason
   backends.py   the backends' side: upstream errors, the breakers' refused ejections,
                 panic routing, discovery, and the per-backend gauges read at scrape time
   telemetry.py  the KV-cache prediction checked against the backends, telemetry
@@ -22,10 +23,11 @@ is a model no backend lists (`model_label`).
 May import: router.fleet and everything below it.
 """
 
+from router.metrics.admission import Refusal
 from router.metrics.hot_path import Labelled, Tally
 from router.metrics.process import LAG_INTERVAL
 from router.metrics.registry import CONTENT_TYPE, Metrics
-from router.metrics.requests import OTHER_TENANT, Refusal, model_label
+from router.metrics.requests import OTHER_TENANT, model_label
 from router.metrics.tokens import NO_POOL, NO_TENANT
 
 __all__ = [

@@ -23,6 +23,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics, genera
 
 from router.fleet.backend import Backend
 from router.fleet.pools import PoolState
+from router.metrics.admission import AdmissionMetrics
 from router.metrics.backends import BackendCollector, BackendMetrics, PoolCollector
 from router.metrics.jobs import JobMetrics
 from router.metrics.process import ProcessMetrics, exported
@@ -37,7 +38,13 @@ disable_created_metrics()
 
 
 class Metrics(
-    RequestMetrics, TokenMetrics, BackendMetrics, TelemetryMetrics, JobMetrics, ProcessMetrics
+    RequestMetrics,
+    AdmissionMetrics,
+    TokenMetrics,
+    BackendMetrics,
+    TelemetryMetrics,
+    JobMetrics,
+    ProcessMetrics,
 ):
     """Every metric of one router, declared by group (the bases' modules)."""
 
@@ -88,6 +95,7 @@ class Metrics(
         if self.strategy:  # else no request path in this process (the collector)
             self._prime_requests(backends, self.strategy)
             self._prime_tenants(static)
+            self._prime_flow_tenants(static)
             served = {(m, b.pool) for b in backends for m in b.models or ()}
             self._prime_tokens(served, self._tenants | static)
         self._prime_backends(backends)

@@ -1,5 +1,5 @@
-"""What each request records: how it ended, how it was routed, how long it took, whose
-it was, and whether admission made it wait or refused it.
+"""What each request records: how it ended, how it was routed, how long it took, and
+whose it was (admission.py: whether admission made it wait or refused it).
 
 Latencies are measured with `time.perf_counter()`: the event loop's clock, which the
 deadlines read, ticks in milliseconds on uvloop, too coarse for a router that adds a
@@ -10,20 +10,16 @@ the `endpoint` label is the route's kind (router/request.py).
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Iterable
-from enum import StrEnum
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from policies import SPILL_REASONS, Reason
-from router.config import PRIORITIES
 from router.fleet.backend import Backend
 from router.metrics.backends import UPSTREAM_KINDS
-from router.metrics.tokens import NO_TENANT, OTHER
+from router.metrics.tokens import OTHER
 from router.request import Kind
 
 _DECISION_BUCKETS = (1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 1e-2)
-#: admission queue waits, seconds
-_WAIT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _TTFT_BUCKETS = (
     *(0.0005, 0.001, 0.0025),  # sub-millisecond: the router's own share, a cached prompt
     *(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160),
@@ -49,17 +45,6 @@ _PRIMED_ENDPOINTS = (Kind.CHAT.value, Kind.COMPLETION.value)
 _PRIMED_STATUSES = ("200", "502", "503", "504")
 #: and for requests refused before any backend (overloaded, no backend available)
 _PRIMED_REFUSALS = ("429", "503")
-
-
-class Refusal(StrEnum):
-    """Why admission refused a request: the `reason` of its rejections, and its answer's
-    `x-kvroute-drop-reason`."""
-
-    SATURATED = "saturated"
-    QUEUE_FULL = "queue_full"
-    QUEUE_TIMEOUT = "queue_timeout"
-    TENANT_CAP = "tenant_cap"
-    SHED = "shed"
 
 
 def model_label(model: str | None, known: Container[str]) -> str:
@@ -139,62 +124,6 @@ class RequestMetrics:
         for tenant in (*self._tenants, OTHER_TENANT):
             self._tenant_requests.labels(tenant)
 
-    def _declare_admission(self, r: CollectorRegistry) -> None:
-        self.admission_queue = Gauge(
-            "kvroute_admission_queue_depth",
-            "Requests waiting in admission's queue for a slot now (summed over workers)",
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.admission_rejections = Counter(
-            "kvroute_admission_rejections",
-            "Requests admission refused (503, or 429 for tenant_cap), by reason "
-            "(saturated, queue_full, queue_timeout, tenant_cap, shed)",
-            ["reason"],
-            registry=r,
-        )
-        for refusal in Refusal:
-            self.admission_rejections.labels(refusal)
-        self.flow_queue = Gauge(
-            "kvroute_flow_queue_depth",
-            "Requests waiting in admission's queue now, by priority class (summed over workers)",
-            ["class"],
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.flow_wait = Histogram(
-            "kvroute_flow_queue_wait_seconds",
-            "How long requests that waited in admission's queue waited, by priority class",
-            ["class"],
-            buckets=_WAIT_BUCKETS,
-            registry=r,
-        )
-        for name in PRIORITIES:
-            self.flow_queue.labels(name)
-            self.flow_wait.labels(name)
-        self.flow_tenant_queue = Gauge(
-            "kvroute_flow_tenant_queue_depth",
-            f"Requests waiting in admission's queue now, by tenant ({OTHER_TENANT}: not a "
-            f"known one, {NO_TENANT}: none; summed over workers)",
-            ["tenant"],
-            registry=r,
-            multiprocess_mode="livesum",
-        )
-        self.flow_tenant_wait = Histogram(
-            "kvroute_flow_tenant_queue_wait_seconds",
-            "How long requests that waited in admission's queue waited, by tenant (as "
-            "kvroute_flow_tenant_queue_depth names them)",
-            ["tenant"],
-            buckets=_WAIT_BUCKETS,
-            registry=r,
-        )
-        self._prime_flow_tenants((*self._tenants, OTHER_TENANT, NO_TENANT))
-
-    def _prime_flow_tenants(self, tenants: Iterable[str]) -> None:
-        for tenant in tenants:
-            self.flow_tenant_queue.labels(tenant)
-            self.flow_tenant_wait.labels(tenant)
-
     def _declare_latencies(self, r: CollectorRegistry) -> None:
         labels = ["backend", "endpoint", "model"]
         self.ttft = Histogram(
@@ -243,11 +172,9 @@ class RequestMetrics:
                     histogram.labels(backend, endpoint, model)
 
     def _prime_tenants(self, tenants: Iterable[str]) -> None:
-        """Create at 0 the request counter and flow series of each of `tenants` (the
-        static tokens')."""
+        """Create at 0 the request counter of each of `tenants` (the static tokens')."""
         for tenant in tenants:
             self._tenant_requests.labels(tenant)
-        self._prime_flow_tenants(tenants)
 
     def _prime_outcomes(
         self, backend: str, strategy: str, models: Iterable[str], statuses: Iterable[str]

@@ -1,7 +1,7 @@
 """Each answer's reported cached tokens, into the KV-aware policy's index, in every worker.
 
 The request path hands every answer's `cached_tokens` here with the prediction its pick
-made (router/dispatch/accounting.py). Against a backend without KV events it corrects the
+made (router/dispatch/prediction.py). Against a backend without KV events it corrects the
 index and the backend's learned capacity (hashing/cache_trust.py; a cold answer too: the
 blocks it inserted count), in this process at once and, with several workers, in the
 others through the placements' broadcast

@@ -54,7 +54,11 @@ class Relaying(Protocol):
 
 class Answer:
     """Reads one answer: `head` resolves once the final head is in (1xx skipped), with
-    the body's reader; `should_close` tells whether the connection can be reused."""
+    the body's reader; `should_close` tells whether the connection can be reused.
+
+    Whole past ~150 lines by design: its methods are the parser's and the connection's
+    callbacks on every read of the answer, over the same few fields (a split would add
+    a call per read)."""
 
     __slots__ = (
         "_body",

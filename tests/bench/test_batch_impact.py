@@ -1,4 +1,4 @@
-"""bench.batch_impact end to end, tiny: a real simulator process, kvroute serve with jobs
+"""bench.studies.batch_impact end to end, tiny: a real simulator process, kvroute serve with jobs
 on, the interactive replay alone and beside a batch submitted through the Files and
 Batch API; every interactive request served, and batch lines run meanwhile."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import orjson
 
-from bench import batch_impact
+from bench.studies import batch_impact
 
 
 def test_the_replay_alone_and_beside_a_batch(tmp_path, capsys) -> None:
@@ -29,4 +29,4 @@ def test_the_replay_alone_and_beside_a_batch(tmp_path, capsys) -> None:
 
 def test_a_bad_setting_fails_before_anything_starts(capsys) -> None:
     assert batch_impact.main(["--spare-share=2"]) == 2
-    assert "bench.batch_impact:" in capsys.readouterr().err
+    assert "bench.studies.batch_impact:" in capsys.readouterr().err

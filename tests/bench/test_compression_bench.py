@@ -1,4 +1,4 @@
-"""bench.compression end to end, tiny: a simulated stream's events replayed with
+"""bench.studies.compression end to end, tiny: a simulated stream's events replayed with
 compression off, gzip and zstd, the memory of an open stream, and a real router
 relaying a few streams for each coding."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import gzip
 
-from bench import compression
+from bench.studies import compression
 
 
 def test_a_tiny_run_prints_every_row(capsys) -> None:

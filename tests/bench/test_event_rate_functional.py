@@ -1,11 +1,11 @@
-"""`python -m bench.event_rate` on a small fleet: real fake backends publishing vLLM
+"""`python -m bench.studies.event_rate` on a small fleet: real fake backends publishing vLLM
 event batches over ZMQ, a real `kvroute serve` with a collector and two workers."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import event_rate
+from bench.studies import event_rate
 
 pytestmark = pytest.mark.timeout(240)
 

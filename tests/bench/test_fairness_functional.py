@@ -1,11 +1,11 @@
-"""`python -m bench.fairness` at a small scale: real processes on 127.0.0.1 (the raw
+"""`python -m bench.studies.fairness` at a small scale: real processes on 127.0.0.1 (the raw
 backend, kvroute with one worker, a holder process), the Rust peers left out."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import fairness
+from bench.studies import fairness
 from router.control.supervisor import usable_cores
 
 pytestmark = pytest.mark.timeout(180)

@@ -1,10 +1,10 @@
-"""`python -m bench.flow` at a small scale: simulated backends and routers on 127.0.0.1."""
+"""`python -m bench.studies.flow` at a small scale: simulated backends and routers on 127.0.0.1."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench import flow
+from bench.studies import flow
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -18,9 +18,10 @@ import orjson
 import psutil
 import pytest
 
-from bench import demo, harness
-from bench.loadgen import Outcome
-from bench.report import (
+from bench.harness import compare as harness
+from bench.harness import demo
+from bench.harness.loadgen import Outcome
+from bench.harness.report import (
     BackendDelta,
     Run,
     bucket_quantile,
@@ -29,8 +30,8 @@ from bench.report import (
     seed_means,
     summarize,
 )
+from bench.harness.workloads import WorkloadSpec, generate
 from bench.sim import SimParams, start_fleet
-from bench.workloads import WorkloadSpec, generate
 from router.config import DEFAULT_STRATEGY
 from router.control.supervisor import usable_cores
 from router.control.worker import Router
@@ -505,7 +506,7 @@ def test_a_simulator_killed_mid_replay_fails_the_row_naming_it(tmp_path, capsys,
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_interrupt_stops_the_simulator_and_exits_130(sig):
-    cmd = [sys.executable, "-m", "bench.harness", "--backends=2", "--requests=500"]
+    cmd = [sys.executable, "-m", "bench.harness.compare", "--backends=2", "--requests=500"]
     proc = subprocess.Popen(
         [*cmd, "--time-scale=1", "--calibration=0"],
         cwd=ROOT,

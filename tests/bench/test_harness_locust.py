@@ -10,13 +10,13 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench.harness import router_config
+from bench.harness.compare import router_config
 from bench.sim import SimParams, start_fleet
 from router.control.worker import Router
 
 pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).parents[2]
-LOCUSTFILE = ROOT / "bench" / "locustfile.py"
+LOCUSTFILE = ROOT / "bench" / "micro" / "locustfile.py"
 
 
 def test_without_locust_the_import_error_says_what_to_install():

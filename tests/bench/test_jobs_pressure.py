@@ -1,4 +1,4 @@
-"""bench.jobs_pressure end to end, tiny: a real simulator process, kvroute serve with one
+"""bench.studies.jobs_pressure end to end, tiny: a real simulator process, kvroute serve with one
 worker and jobs on, a streaming probe process; the bad batch file, the uploads and the
 downloads are answered, and the worker's RSS stays within its body budget plus a
 constant while they run (the downloads together are 9 times the budget)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import orjson
 
-from bench import jobs_pressure
+from bench.studies import jobs_pressure
 
 #: the worker's own growth beside the bodies: buffers, SQLite's page cache, allocator slack
 SLACK_MB = 24

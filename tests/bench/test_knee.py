@@ -1,4 +1,4 @@
-"""`kvroute bench --knee`'s ramp and report (bench/knee.py), on made-up step results: the
+"""`kvroute bench --knee`'s ramp and report (bench/harness/knee.py), on made-up step results: the
 ramp stops at a row's first failing step, the knee is the last step that passed, the
 ratio is to the best peer's knee, and every step replays the same seeded workload."""
 
@@ -7,10 +7,10 @@ from collections.abc import Sequence
 
 import msgspec
 
-from bench import knee
-from bench.loadgen import Outcome
-from bench.report import Run
-from bench.workloads import RequestSpec, WorkloadSpec, generate
+from bench.harness import knee
+from bench.harness.loadgen import Outcome
+from bench.harness.report import Run
+from bench.harness.workloads import RequestSpec, WorkloadSpec, generate
 
 WORKLOAD = WorkloadSpec(shape="long-prefix", requests=12, groups=3, prefix_tokens=200, rate=5.0)
 SETTINGS = knee.KneeSettings(start=1.0, factor=1.25, steps=8, slo_ttft=1.0)

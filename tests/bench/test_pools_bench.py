@@ -1,4 +1,4 @@
-"""bench.pools end to end, tiny: a real simulator process, kvroute serve with two pools,
+"""bench.studies.pools end to end, tiny: a real simulator process, kvroute serve with two pools,
 a two-stage ramp; every request served, and what the router counts as spilled is
 exactly what the fallback served."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import orjson
 
-from bench import pools
+from bench.studies import pools
 
 
 def test_a_ramp_over_two_pools_loses_nothing_and_counts_every_spill(tmp_path, capsys) -> None:
@@ -27,4 +27,4 @@ def test_a_ramp_over_two_pools_loses_nothing_and_counts_every_spill(tmp_path, ca
 
 def test_a_bad_setting_fails_before_anything_starts(capsys) -> None:
     assert pools.main(["--strategy=NOPE"]) == 2
-    assert "bench.pools:" in capsys.readouterr().err
+    assert "bench.studies.pools:" in capsys.readouterr().err

@@ -1,5 +1,5 @@
 """`kvroute recommend` on capture files written in the data capture's format (v1) from
-bench.workloads' requests, timed by a virtual-time replay on simulated engines; its
+bench.harness.workloads' requests, timed by a virtual-time replay on simulated engines; its
 measurements on hand-made traffic; bad input; and --validate's two bench rows."""
 
 import gzip
@@ -10,12 +10,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from bench import recommend
-from bench.replay import MODEL, policy_maker, replay
-from bench.report import Summary
+from bench.harness import recommend
+from bench.harness.replay import MODEL, policy_maker, replay
+from bench.harness.report import Summary
+from bench.harness.traffic import Seen, Tokens, Traffic, concurrency, prefixes
+from bench.harness.workloads import WorkloadSpec, generate
 from bench.sim import SimParams
-from bench.traffic import Seen, Tokens, Traffic, concurrency, prefixes
-from bench.workloads import WorkloadSpec, generate
 from router.__main__ import main as kvroute
 from router.access_log import Entry
 from router.capture import Capture, Captured

@@ -1,12 +1,12 @@
-"""bench.replay: the simulator's engines driven in virtual time by policy objects."""
+"""bench.harness.replay: the simulator's engines driven in virtual time by policy objects."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.replay import main, policy_maker, replay
+from bench.harness.replay import main, policy_maker, replay
+from bench.harness.workloads import WorkloadSpec, generate
 from bench.sim.params import SimParams
-from bench.workloads import WorkloadSpec, generate
 
 LONG = WorkloadSpec(shape="long-prefix", requests=48, groups=8, rate=4.0, seed=3)
 

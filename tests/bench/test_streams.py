@@ -1,4 +1,4 @@
-"""bench.streams counts SSE events however the bytes are split across reads."""
+"""bench.studies.streams counts SSE events however the bytes are split across reads."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from bench.streams import Board, Stream
+from bench.studies.streams import Board, Stream
 
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"

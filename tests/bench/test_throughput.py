@@ -1,10 +1,10 @@
-"""bench.throughput's table: n/a cells with their reason, the goal lines."""
+"""bench.studies.throughput's table: n/a cells with their reason, the goal lines."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.throughput import Row, table
+from bench.studies.throughput import Row, table
 
 META = {
     "cores": 2,

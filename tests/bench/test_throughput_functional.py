@@ -1,4 +1,4 @@
-"""`python -m bench.throughput --quick`: every phase runs against real processes on
+"""`python -m bench.studies.throughput --quick`: every phase runs against real processes on
 127.0.0.1 (the raw backend, kvroute with 1 and with N workers). The Rust peers are
 pointed at an empty virtualenv path and never pip-installed, so the run is the same on
 every machine whatever its ~/.cache holds: their rows say why they were not measured."""
@@ -10,7 +10,7 @@ import shutil
 import orjson
 import pytest
 
-from bench import throughput
+from bench.studies import throughput
 
 pytestmark = [
     pytest.mark.timeout(240),

@@ -5,8 +5,8 @@ from collections import Counter
 
 import pytest
 
+from bench.harness.workloads import SHAPES, WorkloadSpec, generate
 from bench.sim import render_chat, tokenize
-from bench.workloads import SHAPES, WorkloadSpec, generate
 from policies.prefix_aware import PrefixAwareParams
 
 BLOCK = 16  # the simulator's (and vLLM's) KV block size in tokens

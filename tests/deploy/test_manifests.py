@@ -32,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 import policies
-from bench.overhead import free_port
+from bench.harness.processes import free_port
 from router.config import CaptureConfig, JobsConfig, ShutdownConfig, UsageConfig, build
 from tests.router.conftest import running
 

@@ -3,7 +3,7 @@
 Three processes on 127.0.0.1: the raw instant backend; the router with two
 workers (each holds a client and a backend socket per stream, so 10,000 streams need two
 processes under a 20,000 descriptor limit); and this test's client, 10,000 bare asyncio
-connections (bench.streams). The backend sends each stream its first event at once and
+connections (bench.studies.streams). The backend sends each stream its first event at once and
 the rest, one per half second like a slow decode loop, only once all 10,000 have opened
 (`--slow-hold`): a router that could not hold them all at once would never see the rest.
 Every stream must get every event and `[DONE]`.
@@ -20,9 +20,9 @@ import orjson
 import pytest
 import yaml
 
-from bench.instant_backend import SLOW_MODEL
-from bench.overhead import free_port, process, wait_ready
-from bench.streams import Board, open_streams
+from bench.harness.processes import free_port, process, wait_ready
+from bench.studies.instant_backend import SLOW_MODEL
+from bench.studies.streams import Board, open_streams
 
 STREAMS = 10_000
 EVENTS = 8  # one at once, the other 7 one per INTERVAL once all streams are open
@@ -54,7 +54,7 @@ def _config(tmp_path, backend: str) -> tuple[str, str]:
 
 async def test_ten_thousand_streams_are_held_open_and_each_gets_every_event(tmp_path) -> None:
     py = sys.executable
-    backend_cmd = [py, "-m", "bench.instant_backend", "--raw", "--port", "0"]
+    backend_cmd = [py, "-m", "bench.studies.instant_backend", "--raw", "--port", "0"]
     body = orjson.dumps(
         {
             "model": SLOW_MODEL,

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 import aiohttp
 import yaml
 
-from bench.overhead import free_port, process, wait_ready
+from bench.harness.processes import free_port, process, wait_ready
 from tests.stub_backend import StubBackend
 
 

@@ -14,10 +14,10 @@ import orjson
 import pytest
 from openai import AsyncOpenAI
 
-from bench import recommend
+from bench.harness import recommend
+from bench.harness.workloads import WorkloadSpec, generate
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
-from bench.workloads import WorkloadSpec, generate
 from router.config import build
 from router.control.worker import Router
 

@@ -25,7 +25,7 @@ import msgspec
 import pytest
 import yaml
 
-from bench.overhead import free_port, process, wait_ready
+from bench.harness.processes import free_port, process, wait_ready
 from router.control.supervisor import RUN_PARENT_ENV
 from router.telemetry.cluster_wire import Load, Placed, Speeds
 from tests.redis_server import redis_server

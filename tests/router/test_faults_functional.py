@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.overhead import free_port
+from bench.harness.processes import free_port
 from router.config import build
 from router.control.worker import Router
 from router.fleet.breaker import BreakerState

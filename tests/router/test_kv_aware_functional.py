@@ -13,8 +13,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
-from bench.overhead import free_port
-from bench.processes import simulator
+from bench.harness.processes import free_port, simulator
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
 from router.config import build
@@ -393,8 +392,9 @@ async def overlapping(router: Router, start: int, n: int) -> None:
 
 async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
     """A backend at full speed and one at half, each a simulator process of its own:
-    streams until both speeds are learned, then each within 15% of the simulator's, in
-    /debug/routing and in the gauges."""
+    streams until both speeds are learned, then the two in the simulators' ratio within
+    15% and each within 25% of its nominal speed (a loaded machine stretches both
+    simulators' real times alike), in /debug/routing and in the gauges."""
     async with contextlib.AsyncExitStack() as stack:
         backends = []
         for name, args in (("fast", []), ("slow", HALF)):
@@ -419,8 +419,11 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
         speeds = {n: b["speed"] for n, b in (await debug_routing(router))["backends"].items()}
         for name, (rate, step) in TRUE.items():
             learned = speeds[name]
-            assert learned["prefill_tokens_per_s"] == pytest.approx(rate, rel=0.15), speeds
-            assert learned["decode_step_s"] == pytest.approx(step, rel=0.15), speeds
+            assert learned["prefill_tokens_per_s"] == pytest.approx(rate, rel=0.25), speeds
+            assert learned["decode_step_s"] == pytest.approx(step, rel=0.25), speeds
+        for i, key in enumerate(("prefill_tokens_per_s", "decode_step_s")):
+            want = TRUE["fast"][i] / TRUE["slow"][i]
+            assert speeds["fast"][key] / speeds["slow"][key] == pytest.approx(want, rel=0.15)
         text = router.metrics.render().decode()
         rate = speeds["slow"]["prefill_tokens_per_s"]
         assert f'kvroute_backend_prefill_tokens_per_second{{backend="slow"}} {rate}' in text

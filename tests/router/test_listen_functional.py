@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.overhead import free_port
+from bench.harness.processes import free_port
 from router.control.supervisor import RUN_PARENT_ENV, RUNDIR_PREFIX
 
 

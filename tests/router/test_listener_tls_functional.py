@@ -24,7 +24,7 @@ import psutil
 import pytest
 import yaml
 
-from bench.overhead import free_port
+from bench.harness.processes import free_port
 from proto.kvroute.v1 import kvroute_pb2 as pb
 from proto.kvroute.v1 import kvroute_pb2_grpc as pb_grpc
 from router.config import ConfigError

@@ -25,7 +25,7 @@ import yaml
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.overhead import free_port, process, wait_ready
+from bench.harness.processes import free_port, process, wait_ready
 from policies import SPILL_REASONS, Reason
 from router.config import DEFAULT_STRATEGY
 from router.metrics import Metrics

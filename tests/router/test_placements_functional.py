@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 
-from bench.overhead import free_port, process, wait_ready
+from bench.harness.processes import free_port, process, wait_ready
 from tests.router.test_workers import CHAT, backends, chat, multi_router, stubs, until
 from tests.stub_backend import Behaviour, StubBackend
 

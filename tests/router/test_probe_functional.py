@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from bench.overhead import free_port, process
+from bench.harness.processes import free_port, process
 from tests.pki import make_pki
 
 

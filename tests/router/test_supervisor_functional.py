@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from bench.overhead import free_port, process
+from bench.harness.processes import free_port, process
 from router.control.supervisor import RUN_PARENT_ENV, RUNDIR_PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]

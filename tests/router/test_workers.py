@@ -39,7 +39,7 @@ import yaml
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.overhead import free_port, process, wait_ready
+from bench.harness.processes import free_port, process, wait_ready
 from bench.sim.fleet import start_fleet
 from bench.sim.params import SimParams
 from proto.kvroute.v1 import kvroute_pb2 as pb

@@ -1,0 +1,222 @@
+"""Flow control past saturation: fair share, priorities and clean refusals, on and off.
+
+Four simulated vLLM backends (bench/sim) with few batch slots each, so capacity is
+small and measured first (closed loop). Then, open loop (Poisson arrivals), each
+scenario runs once alone and twice at 1.5x capacity, flow control on and off, with a
+router in this process:
+
+- **tenants**: a quiet tenant at a quarter of capacity, alone; then beside a noisy one
+  sending five times as much (1.5x capacity together). Measure: the quiet tenant's TTFT
+  P99 against its value alone.
+- **classes**: `critical` at 0.4x capacity, alone; then beside `sheddable` at 1.1x.
+  Measure: critical's TTFT P99 against its value alone, and who absorbs the refusals.
+
+"Off" is today's behaviour: no saturation gate, no classes (`priority_header: null`),
+every request goes to vLLM's FIFO queue. Every request is counted: sent = answered +
+refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's latency is
+checked against its class's `queue_timeout`.
+
+    python -m bench.studies.flow --seconds 20
+
+Reproduces docs/performance.md, "Flow control past saturation".
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench.sim import SimParams, start_fleet
+from router.config import build
+from router.control.worker import Router
+
+PATH = "/v1/chat/completions"
+#: the classes' waits with flow control on, seconds
+QUEUE_TIMEOUT = {"standard": 10.0, "critical": 10.0, "sheddable": 2.0}
+
+
+@dataclass
+class Tally:
+    """What one tenant's requests got."""
+
+    ttfts: list[float] = field(default_factory=list)
+    refused: Counter[str] = field(default_factory=Counter)
+    refused_after: list[float] = field(default_factory=list)
+    sent: int = 0
+    failed: int = 0
+
+    def p99(self) -> float | None:
+        if not self.ttfts:
+            return None
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def router_config(urls: list[str], flow_on: bool) -> dict:
+    classes = {name: {"queue_timeout": t} for name, t in QUEUE_TIMEOUT.items()}
+    flow = (
+        {
+            "tenants": {"crit": {"priority": "critical"}},
+            "classes": classes,
+            "saturation": {"max_waiting": 0},
+        }
+        if flow_on
+        else {"priority_header": None, "saturation": {"enabled": False}}
+    )
+    return {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": u, "name": f"sim{i}"} for i, u in enumerate(urls)],
+        "routing": {"strategy": "LEAST_OUTSTANDING_REQUESTS"},
+        "telemetry": {"scrape_interval": 0.05},
+        "tenant_header": "X-Tenant",
+        "limits": {"queue_size": 4096, "queue_timeout": 10},
+        "flow": flow,
+        "access_log": {"enabled": False},
+    }
+
+
+async def one(http: aiohttp.ClientSession, url: str, tally: Tally, headers: dict) -> None:
+    """One streamed chat request: its TTFT, or its refusal and reason."""
+    body = {
+        "model": "sim-llama-70b",
+        "messages": [{"role": "user", "content": f"q {random.random()}"}],
+        "max_tokens": 16,
+        "stream": True,
+    }
+    tally.sent += 1
+    t0 = time.perf_counter()
+    try:
+        async with http.post(url + PATH, json=body, headers=headers) as resp:
+            if resp.status != 200:
+                await resp.read()
+                reason = resp.headers.get("x-kvroute-drop-reason", f"no reason ({resp.status})")
+                tally.refused[reason] += 1
+                tally.refused_after.append(time.perf_counter() - t0)
+                return
+            first = None
+            async for _ in resp.content.iter_any():
+                if first is None:
+                    first = time.perf_counter() - t0
+            tally.ttfts.append(first or 0.0)
+    except (aiohttp.ClientError, TimeoutError):
+        tally.failed += 1
+
+
+async def offer(url: str, loads: dict[str, tuple[float, dict]], seconds: float) -> dict:
+    """Poisson arrivals at each tenant's rate for `seconds`; every request awaited."""
+    tallies = {name: Tally() for name in loads}
+    timeout = aiohttp.ClientTimeout(total=120)
+    conn = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
+        tasks: list[asyncio.Task] = []
+
+        async def arrivals(name: str, rate: float, headers: dict) -> None:
+            end = time.perf_counter() + seconds
+            while time.perf_counter() < end:
+                tasks.append(asyncio.create_task(one(http, url, tallies[name], headers)))
+                await asyncio.sleep(random.expovariate(rate))
+
+        await asyncio.gather(*(arrivals(n, r, h) for n, (r, h) in loads.items()))
+        await asyncio.gather(*tasks)
+    return tallies
+
+
+async def capacity(url: str, seconds: float) -> float:
+    """Requests per second the fleet completes under a closed loop of many clients."""
+    done = 0
+    end = time.perf_counter() + seconds
+    async with aiohttp.ClientSession() as http:
+
+        async def client() -> None:
+            nonlocal done
+            while time.perf_counter() < end:
+                tally = Tally()
+                await one(http, url, tally, {})
+                done += len(tally.ttfts)
+
+        await asyncio.gather(*(client() for _ in range(64)))
+    return done / seconds
+
+
+async def with_router(urls: list[str], flow_on: bool, loads: dict, seconds: float) -> dict:
+    router = Router(build(router_config(urls, flow_on)))
+    await router.start()
+    try:
+        return await offer(router.url, loads, seconds)
+    finally:
+        await router.stop()
+
+
+def row(label: str, name: str, tally: Tally, alone: float | None) -> str:
+    p99 = tally.p99()
+    ratio = f"{p99 / alone:.2f}x" if p99 is not None and alone else "-"
+    refused = ", ".join(f"{k} {v}" for k, v in sorted(tally.refused.items())) or "0"
+    answered = len(tally.ttfts)
+    counted = "yes" if tally.sent == answered + sum(tally.refused.values()) + tally.failed else "NO"
+    late = max(tally.refused_after, default=0.0)
+    p99s = f"{p99 * 1000:.0f}" if p99 is not None else "-"
+    return (
+        f"| {label} | {name} | {tally.sent} | {answered} | {refused} | {tally.failed} | "
+        f"{counted} | {p99s} | {ratio} | {late:.1f} |"
+    )
+
+
+async def run(args: argparse.Namespace) -> str:
+    params = SimParams(max_num_seqs=args.seqs, time_scale=args.time_scale)
+    fleet = await start_fleet(4, params)
+    try:
+        urls = fleet.urls
+        router = Router(build(router_config(urls, False)))
+        await router.start()
+        try:
+            cap = await capacity(router.url, args.probe_seconds)
+        finally:
+            await router.stop()
+        quiet = {"quiet": (0.25 * cap, {"X-Tenant": "quiet"})}
+        noisy = {**quiet, "noisy": (1.25 * cap, {"X-Tenant": "noisy"})}
+        crit = {"critical": (0.4 * cap, {"X-Tenant": "crit"})}
+        shed = {**crit, "sheddable": (1.1 * cap, {"X-Kvroute-Priority": "sheddable"})}
+        lines = [
+            f"capacity {cap:.1f} req/s (4 backends, max_num_seqs {args.seqs}); "
+            f"{args.seconds:.0f} s per run",
+            "",
+            "| run | tenant/class | sent | answered | refused (reason) | failed | "
+            "sent = answered + refused + failed | TTFT P99 ms | vs alone | "
+            "longest refusal s |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for scenario, alone_load, loaded, probe in (
+            ("tenants", quiet, noisy, "quiet"),
+            ("classes", crit, shed, "critical"),
+        ):
+            alone = await with_router(urls, True, alone_load, args.seconds)
+            base = alone[probe].p99()
+            lines.append(row(f"{scenario}: alone", probe, alone[probe], base))
+            for flow_on in (True, False):
+                got = await with_router(urls, flow_on, loaded, args.seconds)
+                label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
+                lines += [row(label, name, got[name], base) for name in loaded]
+        return "\n".join(lines)
+    finally:
+        await fleet.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=20.0, help="each run's length")
+    parser.add_argument("--probe-seconds", type=float, default=8.0, help="capacity probe")
+    parser.add_argument("--seqs", type=int, default=4, help="max_num_seqs per backend")
+    parser.add_argument("--time-scale", type=float, default=1.0, help="the sim's clock")
+    args = parser.parse_args(argv)
+    print(asyncio.run(run(args)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,79 @@
+"""KV_AWARE's index upkeep: what keeps its prefix index in step with where prompts went.
+
+The index (`index`, hashing/tiered_index.py: the GPU and each offload tier) has three feeds:
+
+- the backends' KV events, applied beside the path by the router's telemetry
+  (router/telemetry/kv_events.py, index_upkeep.py) for the backends that publish them,
+  which it adds to `event_backends`;
+- the answers' cached-token counts, which correct it and bound, per backend, how many of
+  the router's placements it trusts (hashing/cache_trust.py, fed by
+  router/telemetry/cache_feedback.py);
+- the policy's own decisions, here (`learn`): the blocks a pick sends past the cached
+  prefix are inserted speculatively, for `speculative_ttl_s` on a backend that publishes
+  events (until they confirm them) or `approximate_ttl_s` on one that does not (its only
+  source), so a burst of one new prefix stays together.
+
+With several worker processes, each decision is also written to the router's shared
+placements (`share`, router/fleet/placements.py) before the pick returns, and each pick
+first reads there whether another worker just sent this prompt's uncached blocks
+somewhere (`placed_elsewhere`, then `adopt`), the router holding a router-wide lock
+around the pick and its load count: a burst of one new prefix that the kernel spread over
+the workers stays on one backend, as it would in one process. A backend that publishes
+events is forgotten when it leaves the fleet.
+
+Cost: O(new blocks) per pick for the insert (a hit inserts only what it adds), and one
+shared-placement probe per pick.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+from hashing.tiered_index import Tier, TieredIndex
+from policies.base import BackendLike, Placements, RouteRequest
+from policies.kv_aware.params import KvAwareParams
+
+__all__ = ["IndexUpkeep"]
+
+
+class IndexUpkeep:
+    def __init__(self, params: KvAwareParams) -> None:
+        self.params = params
+        tiers = [Tier(m, t.load_s_per_token, t.shared) for m, t in params.tiers.items()]
+        self.index = TieredIndex(params.index_capacity, tiers)
+        #: backends that publish KV events; the others are indexed from our own decisions
+        self.event_backends: set[str] = set()
+        #: the other workers' recent placements (None: one process)
+        self.placements: Placements | None = None
+
+    def keep(self, names: set[str]) -> None:
+        """Forget the backends that publish events and are not in `names` (they left)."""
+        for gone in self.event_backends - names:
+            self.index.forget(gone)
+
+    def learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
+        """Speculative insert: the blocks we send are about to be cached there.
+
+        Only the blocks past the cached prefix are inserted, so a hit costs O(new blocks).
+        """
+        p = self.params
+        new = req.blocks[cached // p.block_size :]
+        if not new:
+            return
+        ttl = p.speculative_ttl_s if backend.name in self.event_backends else p.approximate_ttl_s
+        expires_at = time.monotonic() + ttl
+        self.index.gpu.learn(backend.name, new, expires_at)
+        if self.placements is not None:
+            self.placements.place(backend.name, req.blocks, cached // p.block_size, expires_at)
+
+    def placed_elsewhere(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
+        """(backend, blocks, expires_at): another worker's recent placement of `keys` from
+        `keys[start]` on, if any (`Placements.held`)."""
+        if self.placements is None or start >= len(keys):
+            return None
+        return self.placements.held(keys, start)
+
+    def adopt(self, backend: str, keys: Sequence[int], expires_at: float) -> None:
+        """`backend` holds `keys` (speculatively) as another worker placed them there."""
+        self.index.gpu.learn(backend, keys, expires_at)

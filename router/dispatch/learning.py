@@ -1,0 +1,35 @@
+"""What a whole stream teaches the fleet: its answer's length for its model, and its
+backend's speed (router/fleet/speeds.py) for a policy that weighs speeds."""
+
+from __future__ import annotations
+
+from router.dispatch.attempt import Attempt
+from router.fleet.backends import Fleet
+from router.fleet.speeds import MIN_DECODE_TOKENS, speed_prior
+from router.upstream.usage import Usage
+
+
+def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
+    """Learn from a stream that ended well, `ttft` after it arrived. The tokens are its
+    usage's, else its events (about one a token)."""
+    events, decoding = attempt.upstream.decoding()
+    completion = used.completion or events
+    if completion:
+        fleet.answers.add(attempt.call.req.model or "", completion)
+    prior = speed_prior(fleet.policy.params)
+    if prior is None:
+        return
+    routed, backend = attempt.routed, attempt.backend
+    samples = backend.speed_samples
+    if routed.prompt_tokens:
+        cached = routed.predicted_cached if used.cached is None else used.cached
+        tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
+        samples.prefilled(tokens, ttft, routed.running)
+    if completion > MIN_DECODE_TOKENS:
+        running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
+        beside = samples.prefilled_total() - attempt.prefills_then
+        samples.decoded(running, decoding / (completion - 1), beside / (completion - 1))
+    learned = samples.refreshed(prior, backend.learned_speed)
+    if learned is not backend.learned_speed:
+        backend.learned_speed = learned
+        fleet.lend_speeds()
