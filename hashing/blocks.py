@@ -36,7 +36,10 @@ def root_key(model: str, salt: str | None) -> int:
 
 def chain(parent: int, ids: Sequence[int], block_size: int) -> list[int]:
     """Keys of every full block of `ids`, chained from `parent` (a root or a block key)."""
-    return chain_packed(parent, pack_ids(ids), block_size)
+    packed = pack_ids(ids)
+    if len(ids) == block_size:  # one block, as most stores while decoding are
+        return [xxhash.xxh3_64_intdigest(packed, seed=parent)]
+    return chain_packed(parent, packed, block_size)
 
 
 def chain_packed(parent: int, packed: bytes, block_size: int) -> list[int]:

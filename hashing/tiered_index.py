@@ -67,6 +67,8 @@ class TieredIndex:
         self._indexed = tuple((t, self._media[t.medium]) for t in self.tiers)
         #: events skipped because their medium is not configured, by medium
         self.ignored: dict[str, int] = {}
+        #: per backend, when (its clock) the last event batch applied here was published
+        self.published: dict[str, float] = {}
 
     def index_of(self, medium: Any) -> PrefixIndex | None:
         """The index of an event's medium (none named: the GPU); None, counted, if the
@@ -123,6 +125,7 @@ class TieredIndex:
         for index in self._media.values():
             index.forget(backend)
         self.trust.forget(backend)
+        self.published.pop(backend, None)
 
     def reach(self) -> Reach:
         """The tiers that hold anything, cheapest first (empty, and cheap, when none does):

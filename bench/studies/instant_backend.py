@@ -127,7 +127,7 @@ def _content_length(head: bytes) -> int:
     return int(head[at + 17 : end if end >= 0 else len(head)])
 
 
-class _Pace:
+class Pace:
     """The open streams of one pace: each tick writes the next event of every stream
     that is not paused, as one decode step of a vLLM server would. Ticks keep a fixed
     cadence (a late tick is not made up for by a burst), start once `hold` streams are
@@ -136,11 +136,11 @@ class _Pace:
     def __init__(self, interval: float, hold: int) -> None:
         self.interval = interval
         self.hold = hold
-        self.streams: set[_RawHTTP] = set()
+        self.streams: set[RawHTTP] = set()
         self._timer: asyncio.Handle | None = None
         self._due = 0.0
 
-    def add(self, stream: _RawHTTP) -> None:
+    def add(self, stream: RawHTTP) -> None:
         self.streams.add(stream)
         if self._timer is None and len(self.streams) >= self.hold:
             self._due = asyncio.get_running_loop().time()
@@ -161,13 +161,13 @@ class _Pace:
             self._schedule()
 
 
-class _RawHTTP(asyncio.Protocol):
+class RawHTTP(asyncio.Protocol):
     """HTTP/1.1 keep-alive with just enough parsing for the routes above."""
 
-    def __init__(self, paces: dict[str, _Pace], chunks: int) -> None:
+    def __init__(self, paces: dict[str, Pace], chunks: int) -> None:
         self._paces, self._chunks = paces, chunks
         self._buf = bytearray()
-        self._pace: _Pace | None = None
+        self._pace: Pace | None = None
         self._close = False
         self.left = 0
         self.paused = False
@@ -253,15 +253,15 @@ class _RawHTTP(asyncio.Protocol):
             self.data_received(b"")
 
 
-def stream_counts(paces: dict[str, _Pace]) -> dict[str, int]:
+def stream_counts(paces: dict[str, Pace]) -> dict[str, int]:
     """`GET /debug/streams`: open streams per model (0 once a router let go of them)."""
     return {model: len(pace.streams) for model, pace in paces.items()}
 
 
-async def serve_raw(host: str, port: int, chunks: int, paces: dict[str, _Pace]) -> None:
+async def serve_raw(host: str, port: int, chunks: int, paces: dict[str, Pace]) -> None:
     loop = asyncio.get_running_loop()
     server = await loop.create_server(
-        lambda: _RawHTTP(paces, chunks), host, port, reuse_address=True, backlog=4096
+        lambda: RawHTTP(paces, chunks), host, port, reuse_address=True, backlog=4096
     )
     print(f"http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
     await asyncio.Event().wait()
@@ -290,8 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.raw:
         paces = {
-            MODEL: _Pace(args.interval, args.hold),
-            SLOW_MODEL: _Pace(args.slow_interval, args.slow_hold),
+            MODEL: Pace(args.interval, args.hold),
+            SLOW_MODEL: Pace(args.slow_interval, args.slow_hold),
         }
         uvloop.run(serve_raw(args.host, args.port, args.chunks, paces))
     else:

@@ -92,7 +92,8 @@ class StatusRoutes:
         speed (null: the configured one holds; `speed_learned` false: the fleet's
         typical learned one stands in for its own; `speed_source`: learned, shared by
         the other replicas, typical or null), index (source,
-        GPU and offload-tier sizes) and its last scraped vLLM metrics; with a
+        GPU and offload-tier sizes, and the publish time of the last KV event batch
+        this process applied) and its last scraped vLLM metrics; with a
         KV-aware policy, its offload tiers and the media its events named that it does
         not index; with prefill/decode pools, the last decode picks. Those decisions
         show every tenant's recent requests, so with auth on only the admin token
@@ -116,6 +117,7 @@ class StatusRoutes:
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
                 "tier_keys": index.tier_sizes(b.name) if index is not None else None,
+                "events_published": index.published.get(b.name) if index is not None else None,
                 "learned_cache": _learned(index, b.name),
                 "scraped": self._telemetry.describe(b.name) if self._telemetry else None,
             }

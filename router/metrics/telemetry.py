@@ -13,6 +13,8 @@ from router.fleet.backend import Backend
 _ERROR_BUCKETS = (-8192, -2048, -512, -128, -32, -1, 0, 1, 32, 128, 512, 2048, 8192)
 #: why telemetry fell back (telemetry/scrape.py, index_upkeep.py, tokenize.py)
 FALLBACK_REASONS = ("scrape_failed", "stale_metrics", "event_reset", "tokenize_failed")
+#: the kinds of KV cache event the prefix index applies (telemetry/kv_events.py)
+KV_EVENT_KINDS = ("stored", "removed", "cleared")
 #: what became of a message from the cluster's Redis (telemetry/cluster.py)
 CLUSTER_OUTCOMES = ("applied", "malformed", "foreign")
 
@@ -53,6 +55,14 @@ class TelemetryMetrics:
             ["backend"],
             registry=r,
         )
+        self._kv_events_applied = Counter(
+            "kvroute_kv_events_applied",
+            "KV cache events applied to the prefix index, by kind (stored, removed, "
+            "cleared); counted once for the router, where the subscriptions are",
+            ["kind"],
+            registry=r,
+        )
+        self._kv_events_kinds = tuple(self._kv_events_applied.labels(k) for k in KV_EVENT_KINDS)
         self.learned_cache_blocks = Gauge(
             "kvroute_backend_learned_cache_blocks",
             "KV blocks a backend without KV events proved it keeps: the router's index "
@@ -106,6 +116,13 @@ class TelemetryMetrics:
             for reason in FALLBACK_REASONS:
                 self.telemetry_fallbacks.labels(b.name, reason)
             self.kv_disagreements.labels(b.name)
+
+    def kv_events_applied(self, stored: int, removed: int, cleared: int) -> None:
+        """One batch's applied events (once per batch: a multiprocess counter's write
+        costs a lock and an mmap store)."""
+        for child, n in zip(self._kv_events_kinds, (stored, removed, cleared), strict=True):
+            if n:
+                child.inc(n)
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

@@ -12,7 +12,7 @@ others send comes to the workers as placements (`l`) and load (`r`).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 import zmq
@@ -44,8 +44,13 @@ class _Forwarder:
         self.stats = applier.stats
 
     def apply_payload(self, payload: bytes) -> None:
-        self._publish([b"k", self._name, payload])
-        self._applier.apply_payload(payload)
+        self.apply_payloads((payload,))
+
+    def apply_payloads(self, payloads: Sequence[bytes]) -> None:
+        """Batches in order: one message to the workers, then this index."""
+        if payloads:
+            self._publish([b"k", self._name, *payloads])
+            self._applier.apply_payloads(payloads)
 
 
 class CollectorTelemetry(Telemetry):
@@ -65,7 +70,8 @@ class CollectorTelemetry(Telemetry):
         self._verdicts = verdicts
         self._replay = replay  # the edits that bring a joining worker up to date
         self._verdicts_ready = False  # its first probe round is done
-        self._pub = self._context().socket(zmq.PUB)
+        # a plain socket: sends never wait, so none needs a future (closed in `_close`)
+        self._pub = zmq.Context.shadow(self._context().underlying).socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.setsockopt(zmq.SNDHWM, FEED_HWM)
         self._pub.bind(link.feed)
@@ -77,6 +83,9 @@ class CollectorTelemetry(Telemetry):
         if self._cluster is not None:
             tasks.append(asyncio.create_task(self._cluster.run(), name="kvroute-cluster"))
         return tasks
+
+    def _close(self) -> None:
+        self._pub.close(linger=0)
 
     def _publish(self, frames: list[bytes]) -> None:
         """Never blocks: a worker too slow to keep up loses messages, not the collector."""
@@ -95,7 +104,8 @@ class CollectorTelemetry(Telemetry):
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here and relayed to the workers."""
-        return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, self)
+        fleet, tally = self._fleet, self._metrics.kv_events_applied
+        return subscribe(self._context(), fleet, backend, cfg, index, self._fallback, self, tally)
 
     def publish_verdicts(self) -> None:
         """Send the health verdicts and model lists to every worker."""

@@ -3,8 +3,9 @@
 With several workers (router/control/supervisor.py) the backends are watched once: the
 collector (router/telemetry/collector_feed.py) scrapes and subscribes, and publishes on
 a ZMQ PUB socket (IPC) each snapshot (`s`, backend, msgpack snapshot), each KV batch in
-sequence order after its gap checks and replays (`k`, backend, payload as the backend
-sent it) and each index reset (`c`, backend); every worker
+sequence order after its gap checks and replays (`k`, backend, then one or more
+payloads as the backend sent them: the batches read from its socket at once) and each
+index reset (`c`, backend); every worker
 (router/telemetry/worker_feed.py) follows that feed instead of the backends and applies
 batches to its own index. The collector applies them to an index of its own too.
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import zmq.asyncio
@@ -22,7 +22,7 @@ from router import log
 from router.config import KvEventsConfig
 from router.fleet.backends import Backend, Fleet
 from router.metrics import Metrics
-from router.telemetry.kv_events import EventApplier, EventSubscriber, run_forever
+from router.telemetry.kv_events import EventApplier, EventSubscriber, Tally, run_forever
 from router.telemetry.scrape import VllmSnapshot
 
 Held = asyncio.Task | EventApplier
@@ -32,6 +32,8 @@ Source = Callable[[Backend, KvEventsConfig, TieredIndex], Held]
 
 class Sink(Protocol):
     def apply_payload(self, payload: bytes) -> None: ...
+
+    def apply_payloads(self, payloads: Sequence[bytes]) -> None: ...
 
 
 class Relay(Protocol):
@@ -43,10 +45,12 @@ class Relay(Protocol):
     def cleared(self, backend: str) -> None: ...
 
 
-def applier(backend: Backend, index: TieredIndex, fleet: Fleet) -> EventApplier:
+def applier(
+    backend: Backend, index: TieredIndex, fleet: Fleet, tally: Tally | None = None
+) -> EventApplier:
     """What turns the backend's event batches into index updates."""
     block_size = fleet.policy.params.block_size
-    return EventApplier(backend.name, index, block_size, lambda: _base_model(backend))
+    return EventApplier(backend.name, index, block_size, lambda: _base_model(backend), tally)
 
 
 def subscribe(
@@ -57,9 +61,11 @@ def subscribe(
     index: TieredIndex,
     fallback: Callable[[str, str], None],
     relay: Relay | None,
+    tally: Tally | None = None,
 ) -> asyncio.Task:
-    """A task following the backend's KV events into `index` (and `relay`)."""
-    events = applier(backend, index, fleet)
+    """A task following the backend's KV events into `index` (and `relay`), counted by
+    `tally`."""
+    events = applier(backend, index, fleet, tally)
     sink = events if relay is None else relay.sink(events, backend.name)
 
     def reset(why: str) -> None:

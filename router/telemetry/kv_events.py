@@ -21,6 +21,7 @@ backend's other media hold; on the GPU it carries nothing to index.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,10 @@ _BLOCK_STORED_FIELDS = (
 )
 _REMOVED_FIELDS = ("block_hashes", "medium")
 _REPLAY_TIMEOUT_S = 2.0
+#: messages read from a socket at once before the loop turns to its other work
+_DRAIN = 256
+#: chain roots cached per applier (salts come from requests: bounded, cleared when full)
+_MAX_ROOTS = 256
 
 
 @dataclass
@@ -88,58 +93,208 @@ def _salt(extra_keys: Any, lora_name: str | None) -> str | None:
     return found[-1] if found else None
 
 
+#: counts one batch's applied events: (stored, removed, cleared)
+Tally = Callable[[int, int, int], None]
+_Hash = int | bytes
+
+
+class _Stored(msgspec.Struct, tag="BlockStored", gc=False):
+    """BlockStored as vLLM >=0.24 sends it (a map); every field may be absent."""
+
+    block_hashes: list[_Hash] | None = None
+    parent_block_hash: _Hash | None = None
+    token_ids: list[int] | None = None
+    block_size: int | None = None
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: Any = None
+
+
+class _Removed(msgspec.Struct, tag="BlockRemoved", gc=False):
+    block_hashes: list[_Hash] | None = None
+    medium: str | None = None
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", gc=False):
+    pass
+
+
+class _StoredArray(_Stored, array_like=True, gc=False):
+    """The same as vLLM <=0.23 sends it: `[tag, field1, ...]` (trailing fields optional)."""
+
+
+class _RemovedArray(_Removed, array_like=True, gc=False):
+    pass
+
+
+class _ClearedArray(_Cleared, array_like=True, gc=False):
+    pass
+
+
+class _MapBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_Stored | _Removed | _Cleared]
+
+
+class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StoredArray | _RemovedArray | _ClearedArray]
+
+
+#: typed decoders, one per event form: one pass from bytes to structs
+_DECODERS = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
+
+
 class EventApplier:
-    """Applies decoded batches of one backend to the index (pure, no sockets)."""
+    """Applies decoded batches of one backend to the index (pure, no sockets); `tally`
+    counts each batch's events (where the router counts them: alone, or the collector).
+
+    A batch is decoded into typed structs in one pass, by the decoder of the form the
+    backend sent last (the other next); one neither takes (an unknown tag, a field of an
+    unexpected type) goes the tolerant way: generic msgpack, field by field."""
 
     def __init__(
-        self, backend: str, index: TieredIndex, block_size: int, base_model: Callable[[], str]
+        self,
+        backend: str,
+        index: TieredIndex,
+        block_size: int,
+        base_model: Callable[[], str],
+        tally: Tally | None = None,
     ) -> None:
         self._backend = backend
         self._index = index
         self._block_size = block_size
         self._base_model = base_model
+        self._tally = tally
+        self._decoders = _DECODERS
+        #: chain roots by (model or LoRA, salt): one hash per distinct pair, not per event
+        self._roots: dict[tuple[str, str | None], int] = {}
         self.stats = EventStats()
 
+    def apply_payloads(self, payloads: Sequence[bytes]) -> None:
+        for payload in payloads:
+            self.apply_payload(payload)
+
     def apply_payload(self, payload: bytes) -> None:
+        batch = self._typed(payload)
+        if batch is None:
+            self._apply_generic(payload)
+            return
+        self._heard(batch.ts)
+        stored = removed = cleared = 0
+        backend, index = self._backend, self._index
+        for event in batch.events:
+            kind = event.__class__
+            if kind is _Removed or kind is _RemovedArray:
+                hashes = [as_uint64(h) for h in event.block_hashes or ()]
+                index.removed(backend, event.medium, hashes)
+                removed += 1
+            elif kind is _Stored or kind is _StoredArray:
+                parent = event.parent_block_hash
+                lora = event.lora_name
+                self._stored(
+                    event.token_ids, event.medium, event.block_hashes, event.block_size,
+                    lora, parent, event.extra_keys,
+                )  # fmt: skip
+                stored += 1
+            else:
+                index.cleared(backend)
+                cleared += 1
+        if self._tally is not None:
+            self._tally(stored, removed, cleared)
+
+    def _typed(self, payload: bytes) -> _MapBatch | _ArrayBatch | None:
+        """The batch as structs, by the form that decodes it (tried last first)."""
+        for i, decoder in enumerate(self._decoders):
+            try:
+                batch = decoder.decode(payload)
+            except msgspec.DecodeError:
+                continue
+            if i:
+                self._decoders = self._decoders[::-1]
+            return batch
+        return None
+
+    def _heard(self, ts: Any) -> None:
+        self.stats.batches += 1
+        self._index.trust.heard[self._backend] = time.monotonic()
+        if isinstance(ts, float):
+            self._index.published[self._backend] = ts
+
+    def _apply_generic(self, payload: bytes) -> None:
         try:
             batch = msgspec.msgpack.decode(payload)
             events = batch[1]
         except (msgspec.DecodeError, TypeError, IndexError, KeyError):
             self.stats.skipped += 1
             return
-        self.stats.batches += 1
-        self._index.trust.heard[self._backend] = time.monotonic()
+        self._heard(batch[0])
+        counts = [0, 0, 0]
         for event in events if isinstance(events, list) else ():
-            self._apply(event)
+            kind = self._apply(event)
+            if kind is not None:
+                counts[kind] += 1
+        if self._tally is not None:
+            self._tally(*counts)
 
-    def _apply(self, event: Any) -> None:
+    def _apply(self, event: Any) -> int | None:
+        """Apply one event; its kind (0 stored, 1 removed, 2 cleared), None if unknown."""
         tag = _tag(event)
         if tag == "BlockStored":
-            self._stored(_fields(event, _BLOCK_STORED_FIELDS) or {})
-        elif tag == "BlockRemoved":
+            f = _fields(event, _BLOCK_STORED_FIELDS) or {}
+            self._stored(
+                f.get("token_ids"), f.get("medium"), f.get("block_hashes"), f.get("block_size"),
+                f.get("lora_name"), f.get("parent_block_hash"), f.get("extra_keys"),
+            )  # fmt: skip
+            return 0
+        if tag == "BlockRemoved":
             fields = _fields(event, _REMOVED_FIELDS) or {}
             hashes = [as_uint64(h) for h in fields.get("block_hashes") or ()]
             self._index.removed(self._backend, fields.get("medium"), hashes)
-        elif tag == "AllBlocksCleared":
+            return 1
+        if tag == "AllBlocksCleared":
             self._index.cleared(self._backend)
+            return 2
+        return None
 
-    def _stored(self, f: dict[str, Any]) -> None:
-        tokens, medium = f.get("token_ids") or [], f.get("medium")
-        hashes = [as_uint64(h) for h in f.get("block_hashes") or ()]
+    def _stored(
+        self,
+        tokens: Any,
+        medium: Any,
+        block_hashes: Any,
+        block_size: Any,
+        lora: Any,
+        parent: Any,
+        extra_keys: Any,
+    ) -> None:
+        hashes = [as_uint64(h) for h in block_hashes or ()]
         if not tokens:
             if not self._index.placed(self._backend, medium, hashes):
                 self.stats.skipped += 1  # nothing known to resolve it by
             return
-        if f.get("block_size") != self._block_size:
+        if block_size != self._block_size:
             self.stats.skipped += 1
             return
-        lora = f.get("lora_name")
-        parent = f.get("parent_block_hash")
-        root = root_key(lora or self._base_model(), _salt(f.get("extra_keys"), lora))
+        root = self._root(lora or self._base_model(), _salt(extra_keys, lora))
         parent_engine = None if parent is None else as_uint64(parent)
         bs = self._block_size
-        if not self._index.stored(self._backend, medium, parent_engine, hashes, tokens, bs, root):
+        try:
+            stored = self._index.stored(
+                self._backend, medium, parent_engine, hashes, tokens, bs, root
+            )
+        except ValueError:  # a token id outside uint32: nothing to hash it by
+            stored = False
+        if not stored:
             self.stats.skipped += 1
+
+    def _root(self, model: str, salt: str | None) -> int:
+        root = self._roots.get((model, salt))
+        if root is None:
+            if len(self._roots) >= _MAX_ROOTS:
+                self._roots.clear()
+            root = self._roots[(model, salt)] = root_key(model, salt)
+        return root
 
 
 class EventSubscriber:
@@ -167,22 +322,41 @@ class EventSubscriber:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(self._endpoint)
+        queued = zmq.Socket.shadow(sub.underlying)  # reads what waits, no future per message
         try:
             while True:
-                frames = await sub.recv_multipart()
-                if len(frames) == 3 and len(frames[1]) == 8:
-                    await self._on_batch(int.from_bytes(frames[1], "big"), frames[2])
+                messages = [await sub.recv_multipart(), *drain(queued, _DRAIN)]
+                await self._on_batches(messages)
+                if len(messages) > _DRAIN:  # more may wait: the other backends' turn first
+                    await asyncio.sleep(0)
         finally:
             sub.close()
 
-    async def _on_batch(self, seq: int, payload: bytes) -> None:
+    async def _on_batches(self, messages: Sequence[list[bytes]]) -> None:
+        """Batches in sequence go to the applier together; a restart or a gap (filled
+        from replay, or reset) first applies those before it, so order holds."""
+        run: list[bytes] = []
         last = self.last_seq
-        if last is not None and seq <= last:
-            self._reset("sequence went back (backend restarted)")
-        elif last is not None and seq > last + 1 and not await self._fill(last + 1, seq):
-            self._reset(f"unrecoverable gap {last + 1}..{seq - 1}")
-        self._applier.apply_payload(payload)
-        self.last_seq = seq
+        for frames in messages:
+            if len(frames) != 3 or len(frames[1]) != 8:
+                continue
+            seq = int.from_bytes(frames[1], "big")
+            if last is not None and not last < seq <= last + 1:
+                self._apply_run(run, last)
+                run = []
+                if seq <= last:
+                    self._reset("sequence went back (backend restarted)")
+                elif not await self._fill(last + 1, seq):
+                    self._reset(f"unrecoverable gap {last + 1}..{seq - 1}")
+            run.append(frames[2])
+            last = seq
+        self._apply_run(run, last)
+
+    def _apply_run(self, run: Sequence[bytes], last: int | None) -> None:
+        """Apply batches in sequence, up to `last`: the sequence moves on once they are
+        applied (were one to raise, the restarted subscription replays them)."""
+        self._applier.apply_payloads(run)
+        self.last_seq = last
 
     def _reset(self, why: str) -> None:
         self._applier.stats.resets += 1
@@ -214,6 +388,24 @@ class EventSubscriber:
         if expected >= until:
             self._applier.stats.gaps_replayed += 1
         return expected >= until
+
+
+def kv_context() -> zmq.asyncio.Context:
+    """A ZMQ context for a socket per backend: libzmq's default stops at 1,023 sockets,
+    short of a 1,024-backend fleet; its own limit (65,535) holds (file descriptors too:
+    see `ulimit -n`)."""
+    ctx = zmq.asyncio.Context()
+    ctx.set(zmq.MAX_SOCKETS, ctx.get(zmq.SOCKET_LIMIT))
+    return ctx
+
+
+def drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
+    """Up to `limit` messages already queued on `sock` (a plain socket: no await each)."""
+    found: list[list[bytes]] = []
+    with contextlib.suppress(zmq.Again):
+        while len(found) < limit:
+            found.append(sock.recv_multipart(zmq.NOBLOCK))
+    return found
 
 
 async def run_forever(subscriber: EventSubscriber, name: str) -> None:

@@ -26,6 +26,7 @@ from router.config import KvEventsConfig, TelemetryConfig
 from router.fleet.backends import Backend, Fleet
 from router.metrics import Metrics
 from router.telemetry.index_upkeep import Held, IndexUpkeep, subscribe
+from router.telemetry.kv_events import kv_context
 from router.telemetry.scrape import Scraper, VllmSnapshot, describe
 
 
@@ -98,7 +99,7 @@ class Telemetry:
 
     def _context(self) -> zmq.asyncio.Context:
         if self._zmq is None:
-            self._zmq = zmq.asyncio.Context()
+            self._zmq = kv_context()
         return self._zmq
 
     def _fallback(self, backend: str, reason: str) -> None:
@@ -109,7 +110,8 @@ class Telemetry:
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here."""
-        return subscribe(self._context(), self._fleet, backend, cfg, index, self._fallback, None)
+        fleet, tally = self._fleet, self._metrics.kv_events_applied
+        return subscribe(self._context(), fleet, backend, cfg, index, self._fallback, None, tally)
 
 
 class LocalTelemetry(Telemetry):

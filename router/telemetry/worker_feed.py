@@ -35,8 +35,12 @@ from router.telemetry.feed import (
     worker_topic,
 )
 from router.telemetry.index_upkeep import Held, applier
+from router.telemetry.kv_events import drain
 from router.telemetry.loops import Parts, Telemetry
 from router.telemetry.scrape import VllmSnapshot
+
+#: feed messages applied at once before the loop turns to requests
+_DRAIN = 64
 
 
 class WorkerTelemetry(Telemetry):
@@ -113,11 +117,15 @@ class WorkerTelemetry(Telemetry):
         for topic in (*FOLLOWED, self._topic):
             sub.setsockopt(zmq.SUBSCRIBE, topic)  # not the other workers' welcomes
         sub.connect(self._link.feed)
+        queued = zmq.Socket.shadow(sub.underlying)  # reads what waits, no future per message
         hello = asyncio.create_task(self._hello())
         try:
             while True:
-                kind, name, *rest = await sub.recv_multipart()
-                self._received(kind, name.decode(), rest)
+                messages = [await sub.recv_multipart(), *drain(queued, _DRAIN)]
+                for kind, name, *rest in messages:
+                    self._received(kind, name.decode(), rest)
+                if len(messages) > _DRAIN:  # more may wait: requests get their turn first
+                    await asyncio.sleep(0)
         finally:
             hello.cancel()
             sub.close()
@@ -135,7 +143,7 @@ class WorkerTelemetry(Telemetry):
             if backend is not None:
                 self._scraper.keep(backend, msgspec.msgpack.decode(rest[0], type=VllmSnapshot))
         elif kind == b"k" and name in self._upkeep.held:
-            self._upkeep.held[name][0].apply_payload(rest[0])
+            self._upkeep.held[name][0].apply_payloads(rest)
         elif kind == b"c" and (index := self._upkeep.index) is not None:
             index.cleared(name)
             log.backends.warning("KV index of %s cleared (collector's reset)", name)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import resource
+from collections.abc import Callable
+
 import msgspec
 import pytest
+import zmq
 
 from hashing.blocks import chain, root_key
 from hashing.tiered_index import Tier, TieredIndex
-from router.telemetry.kv_events import EventApplier, as_uint64
+from router.telemetry.kv_events import EventApplier, as_uint64, kv_context
 
 MODEL = "m"
 IDS = list(range(32))
@@ -98,3 +102,66 @@ def test_offload_events_go_to_their_tier_and_unknown_media_are_counted() -> None
     assert index.tier_blocks(KEYS, "pod", 1, index.reach()) == (2,)
     assert index.ignored == {"localdiskbackend": 2}
     assert applier.stats.skipped == 1  # the store on the unknown medium
+
+
+def _appender(into: list[tuple[int, ...]]) -> Callable[..., None]:
+    return lambda *counts: into.append(counts)
+
+
+@pytest.mark.parametrize("form", ["map", "array"])
+def test_typed_and_tolerant_paths_build_the_same_index(form: str) -> None:
+    """The typed one-pass decoder and the generic one (taken for an unknown tag) agree,
+    and each batch's events are counted by kind, with the batch's publish time kept."""
+    stored = stored_map()
+    removed = {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"}
+    if form == "array":
+        stored = ["BlockStored", [1, 2], None, IDS, 16, None, "GPU", None]
+        removed = ["BlockRemoved", [2], "GPU"]
+    unknown = {"type": "BlockTeleported"} if form == "map" else ["BlockTeleported"]
+    results = []
+    for events in ([stored, removed], [stored, removed, unknown]):
+        counted: list[tuple[int, int, int]] = []
+        index = TieredIndex()
+        applier = EventApplier("pod", index, 16, lambda: MODEL, _appender(counted))
+        applier.apply_payload(msgspec.msgpack.encode([12.5, events, 0]))
+        results.append(index.gpu.snapshot("pod"))
+        applier.apply_payload(msgspec.msgpack.encode([13.5, [["AllBlocksCleared"]], 0]))
+        assert counted == [(1, 1, 0), (0, 0, 1)]
+        assert index.published == {"pod": 13.5}
+        assert index.gpu.snapshot("pod") == []
+    assert results[0] == results[1] == [(KEYS[0], 1)]
+
+
+def test_typed_path_holds_what_the_events_say() -> None:
+    """A store then a removal of its second block, through the typed decoder."""
+    index, _ = apply(stored_map(), {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"})
+    assert index.gpu.snapshot("pod") == [(KEYS[0], 1)]
+
+
+def test_a_token_id_outside_uint32_skips_its_store_not_the_batch() -> None:
+    """Such a store cannot be hashed: it is skipped, and the batch's other events apply
+    (it raised out of the applier, so a worker's feed loop stopped on it)."""
+    bad = stored_map(token_ids=[-1] * 16, block_hashes=[9])
+    index, applier = apply(bad, stored_map())
+    assert applier.stats.skipped == 1
+    assert index.gpu.snapshot("pod") == [(KEYS[0], 1), (KEYS[1], 2)]
+
+
+def test_the_telemetry_context_holds_a_socket_per_backend_of_a_large_fleet() -> None:
+    """libzmq's default context refuses its 1,024th socket: a 1,100-backend fleet's
+    subscriptions (and the collector's own sockets) must all open."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2_048:
+        pytest.skip(f"1,100 sockets need more file descriptors than the hard limit {hard}")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 2_048), hard))
+    ctx = kv_context()
+    sockets = []
+    try:
+        for _ in range(1_100):
+            sockets.append(ctx.socket(zmq.SUB))
+    finally:
+        for sock in sockets:
+            sock.close(linger=0)
+        ctx.term()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len(sockets) == 1_100
