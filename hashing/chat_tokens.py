@@ -19,11 +19,17 @@ block, the xxh3 chain), O(checkpoint) past a cached prefix; memory bounded by
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-import numpy as np
 import xxhash
+
+# numpy's OpenBLAS starts a pool of threads at import, before `kvroute serve` holds
+# SIGHUP, and a SIGHUP the kernel hands to one of them ends a router still starting.
+# The ids need no BLAS: one thread is no pool.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+import numpy as np
 
 from hashing.blocks import chain, chain_packed, root_key
 from hashing.canonical import Message, MessagePart
