@@ -45,6 +45,12 @@ class PrefixIndex(PrefixLookup):
             h = self._backends[backend] = Holdings(self._capacity)
         return h
 
+    def reserve(self, backend: str) -> None:
+        """Make `backend`'s holdings now, empty if new: made as the fleet is known at
+        start-up, they are in what `kvroute serve` then freezes out of the garbage
+        collector's passes (hashing/holdings.py)."""
+        self._of(backend)
+
     def set_capacity(self, backend: str, capacity: int) -> None:
         h = self._of(backend)
         h.capacity = capacity

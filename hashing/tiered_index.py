@@ -121,6 +121,11 @@ class TieredIndex:
         for index in self._media.values():
             index.cleared(backend)
 
+    def reserve(self, backend: str) -> None:
+        """`PrefixIndex.reserve` on every medium."""
+        for index in self._media.values():
+            index.reserve(backend)
+
     def forget(self, backend: str) -> None:
         for index in self._media.values():
             index.forget(backend)

@@ -48,9 +48,12 @@ class IndexUpkeep:
         self.placements: Placements | None = None
 
     def keep(self, names: set[str]) -> None:
-        """Forget the backends that publish events and are not in `names` (they left)."""
+        """Forget the backends that publish events and are not in `names` (they left);
+        make the holdings of those in `names` (`PrefixIndex.reserve`)."""
         for gone in self.event_backends - names:
             self.index.forget(gone)
+        for name in names:
+            self.index.reserve(name)
 
     def learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
         """Speculative insert: the blocks we send are about to be cached there.

@@ -33,7 +33,7 @@ writing one slot at once leave one of the two pairs, possibly with the other's e
 an overwritten pair shortens a chain it was part of. The worst case is a wrong guess of
 where a prefix is, which costs a cache miss, never an error.
 
-Cost: `place` two word stores per new block (what the prefix index's own insert costs);
+Cost: `place` two word stores per new block, in two numpy stores;
 `held` one probe per backend plus log2(blocks) probes for the holder, and a clock read;
 the lock two system calls, and a wait while another worker picks.
 2**20 slots of 16 bytes: 16 MB shared per router.
@@ -49,6 +49,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 import msgspec
+import numpy as np
 
 from hashing.cache_trust import Answer
 from hashing.rendezvous import name_hash
@@ -108,6 +109,9 @@ class PlacementTable:
         self._locked = False  # `with table:` took the lock (it never nests: no await)
         self._tags = memoryview(self._map).cast("Q")  # even words; odd ones are expiries
         self._expiries = memoryview(self._map).cast("d")
+        #: the same words as numpy arrays, for `place`'s bulk stores
+        self._words_q = np.frombuffer(self._tags, dtype=np.uint64)
+        self._words_d = np.frombuffer(self._expiries, dtype=np.float64)
         self._worker = worker
         self._send = send
         self._members: dict[str, int] = {}
@@ -143,13 +147,14 @@ class PlacementTable:
         if not placed:
             return
         member = self._members.get(backend) or name_hash(backend)
-        tags, expiries = self._tags, self._expiries
         until = min(expires_at, time.monotonic() + _TABLE_TTL_S)
-        for key in placed:
-            tag = key ^ member
-            slot = (tag & _MASK) * 2
-            expiries[slot + 1] = until
-            tags[slot] = tag
+        # in two numpy stores rather than a Python loop (~0.3 ms for a new 100k-token
+        # prompt's 2,048 blocks): each element still one aligned 8-byte store, and every
+        # expiry is written before the tags that make the pairs visible
+        tags = np.array(placed, dtype=np.uint64) ^ np.uint64(member)
+        slots = (tags & np.uint64(_MASK)).astype(np.intp) * 2
+        self._words_d[slots + 1] = until
+        self._words_q[slots] = tags
         self._flush_soon()
         self._outbox.append((backend, expires_at, placed))
 
@@ -214,6 +219,7 @@ class PlacementTable:
         self._send(encode_learned(self._worker, batch, answers))
 
     def close(self) -> None:
+        del self._words_q, self._words_d  # their buffers' exports, before the releases
         self._tags.release()
         self._expiries.release()
         self._map.close()

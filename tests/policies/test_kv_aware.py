@@ -528,3 +528,12 @@ def test_a_prefix_moves_off_its_backend_once_staying_costs_more() -> None:
     configured = moves_at(None)
     assert configured >= 4  # sticky: a few requests in flight do not move it
     assert moves_at(Speed(10_000.0, 0.025, 0.0006)) < configured
+
+
+def test_fleet_change_reserves_each_members_holdings() -> None:
+    """The fleet known at start-up gets its index holdings then, before `kvroute serve`
+    freezes what start-up built out of the garbage collector's passes."""
+    p = create(KvAwareParams(seed=1, tiers={"cpu": KvTierParams(load_s_per_token=1e-6)}))
+    p.on_fleet_change((B("a"), B("b")))
+    assert p.index.gpu.holdings("a") != ()
+    assert all(index.holdings("b") != () for _, index in p.index._indexed)

@@ -5,6 +5,8 @@ flow control and idle expiry."""
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -464,3 +466,53 @@ async def test_invalid_chunked_framing_breaks_the_relay_and_drops_the_connection
             await upstream.relay(RecordingSink())
         upstream.finish(True)
         assert not upstreams._idle
+
+
+class _Attempt:
+    """Like router/dispatch/attempt.py's: it holds its upstream, whose clock calls back
+    into it when the first chunk comes."""
+
+    def __init__(self) -> None:
+        self.upstream: Upstream | None = None
+        self.firsts = 0
+
+    def prefilled(self) -> None:
+        self.firsts += 1
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
+async def test_an_ended_exchange_goes_without_a_collector_pass(chunked: bool) -> None:
+    """Once the exchange ended nothing ties the attempt to its upstream: its objects go
+    as its last reference does, not in a garbage-collector pass that would free those of
+    hundreds of requests at once on the event loop."""
+    answer = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+        if chunked
+        else ok(b"abc")
+    )
+    upstreams = Upstreams()
+    gc.disable()
+    try:
+        async with backend(answering(answer)) as (url, _):
+            attempt = _Attempt()
+            end = asyncio.get_running_loop().time() + 10
+            attempt.upstream = await open_upstream(
+                upstreams,
+                url,
+                "/v1/x",
+                "POST",
+                b"{}",
+                CIMultiDict(),
+                1.0,
+                5.0,
+                end,
+                _ITL,
+                attempt.prefilled,
+            )
+            assert await body_of(attempt.upstream) == b"abc"
+            gone = weakref.ref(attempt)
+            del attempt
+            assert gone() is None
+    finally:
+        gc.enable()
+        upstreams.close()
