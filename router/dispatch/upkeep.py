@@ -43,10 +43,16 @@ class Upkeep:
         loop.call_soon(self._step, loop)
 
     def _step(self, loop: asyncio.AbstractEventLoop) -> None:
+        """One slice of the first policy's upkeep; the next turn's scheduled while any is
+        left (even if this one raised, so the drain never stalls)."""
         policy = next(iter(self._policies))
-        if not policy.drain():
-            del self._policies[policy]
-        if self._policies:
-            loop.call_soon(self._step, loop)
-        else:
-            self._scheduled = False
+        more = False
+        try:
+            more = policy.drain()
+        finally:
+            if not more:
+                del self._policies[policy]
+            if self._policies:
+                loop.call_soon(self._step, loop)
+            else:
+                self._scheduled = False
