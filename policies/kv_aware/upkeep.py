@@ -28,19 +28,25 @@ rest pending: the router inserts them a slice at a time between requests (`drain
 new 100,000-token prompt's ~2,048 keys (~0.5-2.8 ms) do not hold the event loop in one
 turn. Slices go in prefix order, so a lookup meanwhile sees a shorter prefix, never a
 hole; a later pick that learns the same keys on the same backend takes the pending rest
-over, and a backend that leaves drops its pending slices.
+over, and a backend that leaves drops its pending slices. At most `MAX_PENDING` prompts
+wait: past that a pick inserts the oldest's slices itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from hashing.tiered_index import Tier, TieredIndex
 from policies.base import BackendLike, Placements, RouteRequest
 from policies.kv_aware.params import KvAwareParams
 
-__all__ = ["IndexUpkeep"]
+__all__ = ["MAX_PENDING", "IndexUpkeep"]
+
+#: prompts whose keys may wait for `drain` at once: past it a pick inserts the oldest's
+#: itself (a loop too busy to drain between requests does not let the backlog grow)
+MAX_PENDING = 8
 
 
 class IndexUpkeep:
@@ -55,7 +61,7 @@ class IndexUpkeep:
         #: new keys a pick inserts at once, the rest left to `drain` (None: all at once)
         self.pace: int | None = None
         #: (backend, first key still to insert) -> (keys, its index, expiry), oldest first
-        self.pending: dict[tuple[str, int], tuple[Sequence[int], int, float]] = {}
+        self.pending: OrderedDict[tuple[str, int], tuple[Sequence[int], int, float]] = OrderedDict()
 
     def keep(self, names: set[str]) -> None:
         """Forget the backends that publish events and are not in `names` (they left);
@@ -84,6 +90,8 @@ class IndexUpkeep:
         else:
             self.pending.pop((name, new[0]), None)
             self._insert(name, new, 0, expires_at)
+            while len(self.pending) > MAX_PENDING:
+                self.drain()
         if self.placements is not None:
             self.placements.place(name, req.blocks, cached // p.block_size, expires_at)
 
@@ -95,16 +103,23 @@ class IndexUpkeep:
         held = next(iter(self.pending))
         keys, start, expires_at = self.pending.pop(held)
         if expires_at > time.monotonic():
-            self._insert(held[0], keys, start, expires_at)
+            rest = self._insert(held[0], keys, start, expires_at)
+            if rest is not None:
+                self.pending.move_to_end(rest, last=False)  # the oldest finishes first
         return bool(self.pending)
 
-    def _insert(self, name: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+    def _insert(
+        self, name: str, keys: Sequence[int], start: int, expires_at: float
+    ) -> tuple[str, int] | None:
         """Learn `pace` keys of `keys` from `start`; the rest, if any, pending (keyed by its
         first key, which a later pick of the same prefix there starts its new keys at)."""
         end = start + (self.pace or len(keys))
         self.index.gpu.learn(name, keys[start:end], expires_at)
-        if end < len(keys):
-            self.pending[(name, keys[end])] = (keys, end, expires_at)
+        if end >= len(keys):
+            return None
+        rest = (name, keys[end])
+        self.pending[rest] = (keys, end, expires_at)
+        return rest
 
     def placed_elsewhere(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """(backend, blocks, expires_at): another worker's recent placement of `keys` from

@@ -592,3 +592,16 @@ def test_a_backend_that_leaves_drops_its_pending_slices() -> None:
     first = p.pick(_long_prompt(0), view(members)).backend.name
     p.on_fleet_change(tuple(b for b in members if b.name != first))
     assert not p.deferred and not p.drain()
+
+
+def test_past_max_pending_a_pick_inserts_the_oldest_backlog_itself() -> None:
+    from policies.kv_aware.upkeep import MAX_PENDING
+
+    p = policy()
+    p.pace(256)
+    reqs = [_long_prompt(i * 10**6) for i in range(MAX_PENDING + 3)]
+    for req in reqs:
+        p.pick(req, view([B("a")]))
+    assert len(p._upkeep.pending) == MAX_PENDING
+    assert all(len(_held(p, "a", req)) == 2048 for req in reqs[:3])
+    assert all(_held(p, "a", req) == list(range(256)) for req in reqs[3:])
