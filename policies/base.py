@@ -222,3 +222,16 @@ class Policy(Generic[P]):
 
     def share(self, placements: Placements) -> None:
         """Called, with several worker processes, with their shared recent placements."""
+
+    def pace(self, keys: int) -> None:
+        """Called by a router that drains (`drain`) between requests: a pick may then leave
+        its upkeep past its first `keys` units of work pending (`deferred`)."""
+
+    @property
+    def deferred(self) -> bool:
+        """Whether upkeep is pending, for `drain`."""
+        return False
+
+    def drain(self) -> bool:
+        """Do one slice of pending upkeep; True while some remains."""
+        return False

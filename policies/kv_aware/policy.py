@@ -116,6 +116,16 @@ class KvAwarePolicy(Policy[KvAwareParams]):
     def share(self, placements: Placements) -> None:
         self._upkeep.placements = placements
 
+    def pace(self, keys: int) -> None:
+        self._upkeep.pace = keys
+
+    @property
+    def deferred(self) -> bool:
+        return bool(self._upkeep.pending)
+
+    def drain(self) -> bool:
+        return self._upkeep.drain()
+
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)

@@ -22,19 +22,31 @@ the workers stays on one backend, as it would in one process. A backend that pub
 events is forgotten when it leaves the fleet.
 
 Cost: O(new blocks) per pick for the insert (a hit inserts only what it adds), and one
-shared-placement probe per pick.
+shared-placement probe per pick. Paced (`pace`, which the router sets), a pick inserts
+only its first `pace` new keys, the ones a next request most likely shares, and keeps the
+rest pending: the router inserts them a slice at a time between requests (`drain`), so a
+new 100,000-token prompt's ~2,048 keys (~0.5-2.8 ms) do not hold the event loop in one
+turn. Slices go in prefix order, so a lookup meanwhile sees a shorter prefix, never a
+hole; a later pick that learns the same keys on the same backend takes the pending rest
+over, and a backend that leaves drops its pending slices. At most `MAX_PENDING` prompts
+wait: past that a pick inserts the oldest's slices itself.
 """
 
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from hashing.tiered_index import Tier, TieredIndex
 from policies.base import BackendLike, Placements, RouteRequest
 from policies.kv_aware.params import KvAwareParams
 
-__all__ = ["IndexUpkeep"]
+__all__ = ["MAX_PENDING", "IndexUpkeep"]
+
+#: prompts whose keys may wait for `drain` at once: past it a pick inserts the oldest's
+#: itself (a loop too busy to drain between requests does not let the backlog grow)
+MAX_PENDING = 8
 
 
 class IndexUpkeep:
@@ -46,12 +58,18 @@ class IndexUpkeep:
         self.event_backends: set[str] = set()
         #: the other workers' recent placements (None: one process)
         self.placements: Placements | None = None
+        #: new keys a pick inserts at once, the rest left to `drain` (None: all at once)
+        self.pace: int | None = None
+        #: (backend, first key still to insert) -> (keys, its index, expiry), oldest first
+        self.pending: OrderedDict[tuple[str, int], tuple[Sequence[int], int, float]] = OrderedDict()
 
     def keep(self, names: set[str]) -> None:
         """Forget the backends that publish events and are not in `names` (they left);
         make the holdings of those in `names` (`PrefixIndex.reserve`)."""
         for gone in self.event_backends - names:
             self.index.forget(gone)
+        for held in [held for held in self.pending if held[0] not in names]:
+            del self.pending[held]
         for name in names:
             self.index.reserve(name)
 
@@ -64,11 +82,44 @@ class IndexUpkeep:
         new = req.blocks[cached // p.block_size :]
         if not new:
             return
-        ttl = p.speculative_ttl_s if backend.name in self.event_backends else p.approximate_ttl_s
+        name = backend.name
+        ttl = p.speculative_ttl_s if name in self.event_backends else p.approximate_ttl_s
         expires_at = time.monotonic() + ttl
-        self.index.gpu.learn(backend.name, new, expires_at)
+        if self.pace is None or len(new) <= self.pace:
+            self.index.gpu.learn(name, new, expires_at)
+        else:
+            self.pending.pop((name, new[0]), None)
+            self._insert(name, new, 0, expires_at)
+            while len(self.pending) > MAX_PENDING:
+                self.drain()
         if self.placements is not None:
-            self.placements.place(backend.name, req.blocks, cached // p.block_size, expires_at)
+            self.placements.place(name, req.blocks, cached // p.block_size, expires_at)
+
+    def drain(self) -> bool:
+        """Insert the next slice of the oldest pending learn (`pace` keys); True while
+        some remain. Slices whose expiry passed are dropped, as the index would drop them."""
+        if not self.pending:
+            return False
+        held = next(iter(self.pending))
+        keys, start, expires_at = self.pending.pop(held)
+        if expires_at > time.monotonic():
+            rest = self._insert(held[0], keys, start, expires_at)
+            if rest is not None:
+                self.pending.move_to_end(rest, last=False)  # the oldest finishes first
+        return bool(self.pending)
+
+    def _insert(
+        self, name: str, keys: Sequence[int], start: int, expires_at: float
+    ) -> tuple[str, int] | None:
+        """Learn `pace` keys of `keys` from `start`; the rest, if any, pending (keyed by its
+        first key, which a later pick of the same prefix there starts its new keys at)."""
+        end = start + (self.pace or len(keys))
+        self.index.gpu.learn(name, keys[start:end], expires_at)
+        if end >= len(keys):
+            return None
+        rest = (name, keys[end])
+        self.pending[rest] = (keys, end, expires_at)
+        return rest
 
     def placed_elsewhere(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """(backend, blocks, expires_at): another worker's recent placement of `keys` from

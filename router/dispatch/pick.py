@@ -16,6 +16,7 @@ from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
 from router.dispatch.session import Sessions
+from router.dispatch.upkeep import Upkeep
 from router.errors import NoBackendAvailable
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
@@ -25,7 +26,7 @@ from router.upstream.retry import excluding
 class Picker:
     """The fleet's current policy, asked for a backend (the policy changes on reload)."""
 
-    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "sessions")
+    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "_upkeep", "sessions")
 
     def __init__(
         self, fleet: Fleet, account: Accounting, attempts: Attempts, sessions: Sessions
@@ -34,6 +35,8 @@ class Picker:
         self._account = account
         self._attempts = attempts
         self._rng = random.Random()
+        #: the policies' index inserts left pending by their picks, drained between requests
+        self._upkeep = Upkeep()
         #: session affinity, steering each request's first pick
         self.sessions = sessions
 
@@ -98,10 +101,12 @@ class Picker:
         passed: list[tuple[str, bool]] = []
         saturated: tuple[Pick, FleetView, list[tuple[str, bool]]] | None = None
         for pool, view in fleet.pool_views(route_req.model, role):  # cached
-            choose = self._least_loaded if role == "decode" else fleet.policy_of(pool).pick
+            policy = fleet.policy_of(pool)
+            choose = self._least_loaded if role == "decode" else policy.pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
             if session is not None and pick.backend is not None:
                 pick = self._steered(session, pick, view, choose, route_req)
+            self._upkeep.note(policy)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed
             if pick.backend is not None and saturated is None:

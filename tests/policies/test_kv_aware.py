@@ -537,3 +537,71 @@ def test_fleet_change_reserves_each_members_holdings() -> None:
     p.on_fleet_change((B("a"), B("b")))
     assert p.index.gpu.holdings("a") != ()
     assert all(index.holdings("b") != () for _, index in p.index._indexed)
+
+
+def _long_prompt(first: int, blocks: int = 2048) -> RouteRequest:
+    ids = list(range(first, first + blocks * 16))
+    return RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
+
+
+def _held(p, backend: str, req: RouteRequest) -> list[int]:
+    """The indexes of `req`'s blocks that `backend` holds in the index."""
+    return [i for i, key in enumerate(req.blocks) if key in p.index.gpu.holdings(backend)[1]]
+
+
+def test_a_paced_pick_inserts_its_first_slice_and_drains_the_rest_in_prefix_order() -> None:
+    p = policy()
+    p.pace(256)
+    req = _long_prompt(0)
+    name = p.pick(req, view([B("a")])).backend.name
+    assert _held(p, name, req) == list(range(256)) and p.deferred
+    drained = 256
+    while p.drain():
+        drained += 256
+        assert _held(p, name, req) == list(range(drained))  # a prefix, never a hole
+    assert _held(p, name, req) == list(range(2048)) and not p.deferred
+
+
+def test_unpaced_and_short_picks_insert_everything_at_once() -> None:
+    unpaced, paced = policy(), policy()
+    paced.pace(256)
+    long, short = _long_prompt(0), _long_prompt(10**6, 256)
+    assert len(_held(unpaced, unpaced.pick(long, view([B("a")])).backend.name, long)) == 2048
+    assert len(_held(paced, paced.pick(short, view([B("a")])).backend.name, short)) == 256
+    assert not paced.deferred and not paced.drain()
+
+
+def test_a_repeated_paced_prompt_takes_its_pending_rest_over() -> None:
+    p = policy()
+    p.pace(256)
+    req = _long_prompt(0)
+    p.pick(req, view([B("a")]))
+    p.drain()
+    pick = p.pick(req, view([B("a")]))
+    assert pick.predicted_cached == 512 * 16
+    assert len(p._upkeep.pending) == 1  # the second pick's rest replaced the first's
+    while p.drain():
+        pass
+    assert _held(p, "a", req) == list(range(2048))
+
+
+def test_a_backend_that_leaves_drops_its_pending_slices() -> None:
+    p = policy()
+    p.pace(256)
+    members = [B("a"), B("b")]
+    first = p.pick(_long_prompt(0), view(members)).backend.name
+    p.on_fleet_change(tuple(b for b in members if b.name != first))
+    assert not p.deferred and not p.drain()
+
+
+def test_past_max_pending_a_pick_inserts_the_oldest_backlog_itself() -> None:
+    from policies.kv_aware.upkeep import MAX_PENDING
+
+    p = policy()
+    p.pace(256)
+    reqs = [_long_prompt(i * 10**6) for i in range(MAX_PENDING + 3)]
+    for req in reqs:
+        p.pick(req, view([B("a")]))
+    assert len(p._upkeep.pending) == MAX_PENDING
+    assert all(len(_held(p, "a", req)) == 2048 for req in reqs[:3])
+    assert all(_held(p, "a", req) == list(range(256)) for req in reqs[3:])

@@ -133,6 +133,21 @@ async def test_approximate_mode_without_events_keeps_prefixes_together() -> None
         assert 'kvroute_backend_index_mode{backend="sim0",mode="approximate"} 1.0' in text
 
 
+async def test_a_long_prompts_keys_all_reach_the_index_a_slice_per_loop_turn() -> None:
+    long_doc = "".join(document(i) for i in range(12))  # ~7,000 tokens: past the first slice
+    async with kv_fleet(1, events=False) as (router, _):
+        backend, _ = await ask(router, long_doc, "q")
+        debug = await debug_routing(router)
+        blocks = debug["decisions"][-1]["prompt_tokens"] // 16
+        assert blocks > 256
+        async with asyncio.timeout(10):  # the router drains the rest between requests
+            while (await debug_routing(router))["backends"][backend]["index_keys"][1] < blocks:
+                await asyncio.sleep(0.02)
+        assert (await debug_routing(router))["backends"][backend]["index_keys"][1] == blocks
+        again, cached = await ask(router, long_doc, "another q")
+        assert again == backend and cached >= 256 * 16
+
+
 def sampled(router: Router, family: str, **labels: str) -> float:
     """The sum of `family`'s samples with `labels` in this router's registry."""
     metric = getattr(router.metrics, family)
