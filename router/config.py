@@ -694,10 +694,14 @@ class SaturationConfig(_Strict):
 
     enabled: bool = True
     #: vllm:num_requests_waiting, plus the router's in-flight added there since that
-    #: scrape when it was queueing then, above this
+    #: scrape when it was queueing then, above this; once the backend's batch limit is
+    #: learned, also the router's in-flight there at that limit plus this
     max_waiting: Annotated[float, Meta(ge=0)] = 4.0
     #: vllm:kv_cache_usage_perc (0..1) at or above this
     max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
+    #: the fraction of the fleet's learned batch slots kept for requests whose flow
+    #: (tenant and class) has none waiting, while such requests come
+    reserve: Annotated[float, Meta(ge=0, le=0.5)] = 0.1
 
 
 class SessionAffinityConfig(_Strict):

@@ -1,7 +1,7 @@
 """Admission: a router-wide concurrency limit with a wait queue, and per-tenant caps.
 
 `enter` admits a request at once while fewer than `max_concurrent_requests` are active
-and some backend is not saturated; otherwise it waits in the queue of router/dispatch/
+and the fleet has room (saturation.py); otherwise it waits in the queue of router/dispatch/
 flow.py (classes, fair share between tenants) for up to its class's `queue_timeout`.
 A full queue, a wait that times out, or a waiter shed for a higher class is a 503 with
 `Retry-After` (from the drain rate) and `x-kvroute-drop-reason`, so a burst is smoothed
@@ -21,10 +21,12 @@ shedding, waiting, giving up, its metrics) is waiting.py's; the counts are count
 
 Invariants: `active` counts this worker's admitted requests exactly, as the counts'
 total does. A freed slot is handed straight to the next waiter (so the count does
-not dip and a newcomer cannot barge past the queue); a waiter that gives up (timeout,
-client gone) after its slot was handed over passes it on. `enter` returns what `leave`
-must give back, so a reload that changes the caps in between cannot unbalance the
-per-tenant counts. Cost: O(1) per request, O(queue) only when a waiter gives up.
+not dip and a newcomer cannot barge past the queue, but for one of a tenant under its
+share, flow.py, taking fleet room that other tenants' waiters may not); a waiter that
+gives up (timeout, client gone) after its slot was handed over passes it on. `enter`
+returns what `leave` must give back, so a reload that changes the caps in between
+cannot unbalance the per-tenant counts. Cost: O(1) per request, O(queue) only when a
+waiter gives up.
 
 Metrics (waiting.py): each refusal by its reason, and the queue's depth (total, by
 class and by tenant) and each waiter's wait by class and by tenant, the tenant bounded
@@ -35,15 +37,59 @@ metric here).
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Callable, Hashable
 from functools import partial
+from typing import NamedTuple, Protocol
 
 from router.config import FlowConfig, LimitsConfig
 from router.dispatch.counts import Counts, LocalCounts
 from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, rank_of
 from router.dispatch.shared_admission import TOTAL
+from router.dispatch.shares import Shares
 from router.dispatch.waiting import Waiting
 from router.metrics import Metrics, Refusal
+
+#: how long the reserve holds after a request under its share came beside waiters, s
+RESERVE_SECONDS = 1.0
+
+
+class Held(NamedTuple):
+    """What an admitted request holds, given back by `leave`."""
+
+    tenant: str
+    #: the key its tenant is counted under against `max_concurrent_per_tenant`, if capped
+    key: Hashable | None
+
+
+class Room(Protocol):
+    """The fleet's room for more requests (saturation.py's `FleetRoom`)."""
+
+    def free(self, enough: float = 1) -> float: ...
+
+    def full(self) -> bool: ...
+
+    def reserve(self) -> int: ...
+
+    def slots(self) -> int: ...
+
+
+class Unbounded:
+    """A fleet whose room is never counted (saturation off, or no fleet): only the caps
+    hold requests back."""
+
+    def free(self, enough: float = 1) -> float:
+        return math.inf
+
+    def full(self) -> bool:
+        return False
+
+    def reserve(self) -> int:
+        return 0
+
+    def slots(self) -> int:
+        return 0
 
 
 class Admission:
@@ -55,30 +101,35 @@ class Admission:
         counts: Counts | None = None,
         metrics: Metrics | None = None,
         flow: FlowConfig | None = None,
-        saturated: Callable[[], bool] = lambda: False,
+        room: Room | None = None,
         tenant_label: Callable[[str | None], str] = lambda tenant: tenant or "",
     ) -> None:
-        """`saturated`: whether every backend is full now (flow.py's `all_saturated`),
-        when requests wait here instead of in the backends' queues; `tenant_label`: a
-        tenant's label in the metrics (bounded)."""
+        """`room`: the fleet's room for more requests (saturation.py's `FleetRoom`);
+        `tenant_label`: a tenant's label in the metrics (bounded)."""
         self.limits = limits
         self.active = 0
         self._counts = counts or LocalCounts()
         self._queue = FlowQueue(flow or FlowConfig(), limits)
-        self._saturated = saturated
+        self._room = room or Unbounded()
         self._drain = DrainRate()
         self._waiting = Waiting(
             self._queue,
             self._counts,
             self._drain,
             metrics,
-            saturated,
+            self._room.full,
             tenant_label,
             self._admit_waiters,
             partial(self.leave, None),
         )
-        #: saturation held requests back since the queue was last empty: release paced
+        #: a fleet of unknown bounds held requests back since the queue was last empty:
+        #: release paced
         self._held_back = False
+        #: each tenant's requests here against its fair share (who may take the reserve)
+        self._shares = Shares(self._queue.weight)
+        #: when a request under its share last came while others waited: the reserve
+        #: holds for `RESERVE_SECONDS` after
+        self._wanted_at = -math.inf
 
     @property
     def queued(self) -> int:
@@ -88,53 +139,94 @@ class Admission:
         """New limits (reload); waiters that now fit are admitted."""
         self.limits = limits
         self._queue.configure(flow or self._queue.flow, limits)
+        self._shares.reweigh()
         self._admit_waiters()
 
-    async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Hashable | None:
-        """Take a slot (waiting if need be) or raise Overloaded; returns the tenant key held."""
+    async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Held:
+        """Take a slot (waiting if need be) or raise Overloaded; returns what `leave`
+        gives back."""
         return (await self.enter_timed(tenant, priority))[0]
 
     async def enter_timed(
         self, tenant: str | None, priority: str = DEFAULT_CLASS
-    ) -> tuple[Hashable | None, float]:
-        """`enter`'s tenant key, and the seconds the request waited in the queue (0: it
-        was admitted at once)."""
-        held = self._take_tenant(tenant)
+    ) -> tuple[Held, float]:
+        """`enter`'s holding, and the seconds the request waited in the queue (0: it was
+        admitted at once)."""
+        held = Held(tenant or "", self._take_tenant(tenant))
+        self._shares.arrive(held.tenant)
         try:
-            waited = await self._take_slot(tenant or "", rank_of(priority))
+            waited = await self._take_slot(held.tenant, rank_of(priority))
         except BaseException:
-            self._give_tenant(held)
+            self._shares.depart(held.tenant)
+            self._give_tenant(held.key)
             raise
         return held, waited
 
-    def leave(self, held: Hashable | None) -> None:
-        self._give_tenant(held)
+    def leave(self, held: Held | None) -> None:
+        """An admitted request ended (`held`: what it entered with), or a slot handed to
+        a waiter that gave up comes back (None)."""
+        if held is not None:
+            self._shares.depart(held.tenant)
+            self._give_tenant(held.key)
         self._drain.left()
-        if (
-            not len(self._queue) or self._saturated() or not self._waiting.wake()
-        ):  # else handed over
+        if not len(self._queue) or not self._release():  # else handed over
             self._give_slot()
 
+    def _spare(self, enough: float) -> float:
+        """The fleet's room, less the waiters released whose requests do not yet count
+        on a backend (none: requests are held back, and released paced while the
+        bounds are unknown)."""
+        pending = self._waiting.pending
+        spare = self._room.free(enough + pending) - pending
+        if spare < 1:
+            self._held_back = True
+        return spare
+
+    def _reserved(self) -> int:
+        """The slots kept now for requests under their share (none unless one came
+        lately beside waiters)."""
+        if time.monotonic() - self._wanted_at > RESERVE_SECONDS:
+            return 0
+        return self._room.reserve()
+
+    def _under_share(self, tenant: str) -> bool:
+        return self._shares.under(tenant, self._room.slots())
+
+    def _wake(self, spare: float, reserve: int) -> bool:
+        """Hand a slot to the next waiter: any past the reserve, else one it keeps for."""
+        return self._waiting.wake(None if spare > reserve else self._under_share)
+
+    def _release(self) -> bool:
+        """Hand the slot of a request that left to the next waiter the fleet has room
+        for; False if none may go."""
+        reserve = self._reserved()
+        spare = self._spare(reserve + 1)
+        return spare >= 1 and self._wake(spare, reserve)
+
     def _admit_waiters(self) -> None:
-        """Hand the slots free now to the waiters, in flow order. After the fleet was
-        saturated, one per call (each poll, each reload): a released request counts on
-        its backend only once its task runs, so releasing a whole backlog at once, the
-        moment one backend leaves saturation, would flood that backend's queue."""
+        """Hand the slots free now to the waiters, in flow order. After a fleet of
+        unknown bounds (no batch limit learned) held requests back, one per call (each
+        poll, each reload): a released request counts on its backend only once its task
+        runs, and releasing a whole backlog at once, the moment one backend leaves
+        saturation, would flood that backend's queue. Where the bounds are known, the
+        released ones not yet counted are subtracted from the room instead."""
         queue = self._queue
-        paced = self._held_back
-        while len(queue) and not self._counts.waiting_above(queue.top_rank()) and self._free_slot():
-            if not self._waiting.wake():  # only cancelled ones were left
+        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
+            reserve = self._reserved()
+            spare = self._spare(reserve + 1)
+            if spare < 1:
+                return
+            if not self._take_total():
+                return
+            if not self._wake(spare, reserve):
                 self._give_slot()
                 return
-            if paced:
+            if self._held_back and spare == math.inf:
                 break
         if not len(queue):
             self._held_back = False
 
-    def _free_slot(self) -> bool:
-        if self._saturated():
-            self._held_back = True
-            return False
+    def _take_total(self) -> bool:
         if not self._counts.take(TOTAL, self.limits.max_concurrent_requests):
             return False
         self.active += 1
@@ -145,9 +237,24 @@ class Admission:
         self._counts.give(TOTAL)
 
     async def _take_slot(self, tenant: str, rank: int) -> float:
-        """Take a slot, waiting in the queue if need be; the seconds waited there."""
-        if not len(self._queue) and not self._counts.waiting_above(rank) and self._free_slot():
-            return 0.0
+        """Take a slot, waiting in the queue if need be; the seconds waited there. A
+        request of a flow with none waiting here, and no waiter of a higher class
+        anywhere, goes at once while the fleet has room: room past the reserve, or any
+        when it may take the reserve (flow.py)."""
+        queue = self._queue
+        if (
+            not queue.waits(tenant, rank)
+            and not queue.waits_above(rank)
+            and not self._counts.waiting_above(rank)
+        ):
+            reserve = self._reserved()
+            may = not len(queue) or queue.waits_below(rank) or self._under_share(tenant)
+            if may and len(queue):
+                self._wanted_at = time.monotonic()
+                reserve = self._room.reserve()
+            spare = self._spare(reserve + 1)
+            if (spare > reserve or (may and spare >= 1)) and self._take_total():
+                return 0.0
         return await self._waiting.wait(tenant, rank, self.limits.queue_size)
 
     def _take_tenant(self, tenant: str | None) -> Hashable | None:
@@ -160,6 +267,6 @@ class Admission:
             raise self._waiting.refused(Refusal.TENANT_CAP, message)
         return key
 
-    def _give_tenant(self, held: Hashable | None) -> None:
-        if held is not None:
-            self._counts.give(held)
+    def _give_tenant(self, key: Hashable | None) -> None:
+        if key is not None:
+            self._counts.give(key)

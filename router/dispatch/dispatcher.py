@@ -39,9 +39,10 @@ from router.dispatch.call import Call, Routed
 from router.dispatch.connect import Connector
 from router.dispatch.describe import Describer
 from router.dispatch.disaggregation import Disaggregation
-from router.dispatch.flow import all_saturated, decision, request_class
+from router.dispatch.flow import decision, request_class
 from router.dispatch.pick import Picker
 from router.dispatch.records import Records
+from router.dispatch.saturation import FleetRoom
 from router.dispatch.session import Sessions
 from router.dispatch.shutdown import OpenExchanges, shutting_down
 from router.errors import KvrouteError, NoBackendAvailable, UpstreamTimeout
@@ -113,7 +114,7 @@ class Dispatcher:
             counts,
             metrics,
             config.flow,
-            lambda: all_saturated(fleet.members, self._flow.saturation),
+            FleetRoom(lambda: fleet.members, lambda: self._flow.saturation),
             lambda tenant: metrics.tenant_label(tenant, self._account.tenants()),
         )
         self._tokenizer = RemoteTokenizer(fleet, session, metrics)
@@ -145,6 +146,7 @@ class Dispatcher:
         self._flow = config.flow
         self.admission.configure(config.limits, config.flow)
         self._picker.sessions.configure(config.flow)
+        self._picker.saturation = config.flow.saturation
         self._adapters.configure(config.lora)
         self._pd.configure(config)
 

@@ -17,13 +17,18 @@ Admission (router/dispatch/waiting.py) keeps its waiters here instead of one FIF
   its class, only a `trusted` one (tenant or token) raise it. An
   untrusted tenant naming a higher class is refused (403, not silently lowered, so a
   misconfigured client learns it at once).
-- **Saturation.** A backend is saturated when its scraped `vllm:num_requests_waiting`,
-  plus the requests the router added there since that scrape if it was queueing then,
-  passes `max_waiting`, or
-  its `vllm:kv_cache_usage_perc` reaches `max_kv_cache_usage`. While every usable
-  backend is saturated no waiter is released: requests wait in the router, in the order
-  above, not in vLLM's queue; they are released (then routed as usual, cache-aware) as
-  backends leave saturation.
+- **The reserve.** While requests of a tenant under its fair share come beside other
+  flows' waiters, the fleet's last `saturation.reserve` slots (saturation.py) go only to
+  those: to a tenant with fewer requests here (in flight and waiting) than twice its
+  weight's share of the fleet's learned batch slots (shares.py), or to a class above
+  the lowest one waiting.
+  Such a request also goes at once, past other tenants' waiters, while the fleet has
+  room. A quiet tenant beside a backlogged one therefore rarely waits at all, and a
+  tenant alone is never held back by the reserve (one with a backlog past the fleet's
+  slots is over its share, one with less may take the reserve).
+- **Saturation** (saturation.py): while no usable backend has room, no waiter is
+  released: requests wait in the router, in the order above, not in vLLM's queue; they
+  are released (then routed as usual, cache-aware) as backends gain room.
 
 Scope: the queue is per worker process; the counts the caps check are router-wide
 (shared_admission.py), and so are the numbers of waiters per class: a worker releases
@@ -32,8 +37,8 @@ class order holds router-wide (within a 10 ms poll). Fair share between tenants 
 promotion hold within each worker's queue (a tenant's requests spread over the workers
 share in each). The saturation gate is the same for all (every worker reads the same
 scraped state). Across replicas each keeps its own queue.
-Cost: O(1) per release (amortized over the round-robin ring), O(queue) only for a
-waiter that gives up or is shed.
+Cost: O(1) per release (amortized over the round-robin ring), O(tenants waiting) for
+a release into the reserve, O(queue) only for a waiter that gives up or is shed.
 """
 
 from __future__ import annotations
@@ -42,14 +47,13 @@ import asyncio
 import math
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from multidict import CIMultiDict
 
-from router.config import PRIORITIES, FlowConfig, LimitsConfig, SaturationConfig, TokenClass
+from router.config import PRIORITIES, FlowConfig, LimitsConfig, TokenClass
 from router.errors import KvrouteError
-from router.fleet.backend import Backend
 
 DEFAULT_CLASS = "standard"
 #: async jobs' and batch lines' class, below every interactive one
@@ -162,6 +166,15 @@ class FairQueue:
             ring.rotate(-1)
             self._visiting = None
 
+    def waits(self, tenant: str) -> bool:
+        """Has `tenant` a waiter here?"""
+        return tenant in self._queues
+
+    def first_of(self, chosen: Callable[[str], bool]) -> Waiter | None:
+        """The longest waiting at the head of a `chosen` tenant's FIFO."""
+        heads = (q[0] for tenant, q in self._queues.items() if chosen(tenant))
+        return min(heads, key=_since, default=None)
+
     def oldest(self) -> Waiter | None:
         """The longest waiting (each tenant's FIFO is in arrival order)."""
         return min((q[0] for q in self._queues.values()), key=_since, default=None)
@@ -246,6 +259,34 @@ class FlowQueue:
                 return fair.pop()
         return None
 
+    def pop_reserved(self, under_share: Callable[[str], bool]) -> Waiter | None:
+        """The next to release into the reserve: in the highest class with waiters, its
+        next by fair share when a lower class waits too, else the longest waiting of
+        the tenants `under_share` (None if there is none)."""
+        top = self.top_rank()
+        fair = self._classes[top]
+        if self.waits_below(top):
+            return fair.pop()
+        waiter = fair.first_of(under_share)
+        if waiter is not None:
+            fair.remove(waiter)
+        return waiter
+
+    def weight(self, tenant: str) -> float:
+        return self._classes[0].weight(tenant)
+
+    def waits(self, tenant: str, rank: int) -> bool:
+        """Has the flow of `tenant` in class `rank` a waiter here?"""
+        return self._classes[rank].waits(tenant)
+
+    def waits_above(self, rank: int) -> bool:
+        """Has a class above `rank` a waiter here?"""
+        return any(fair.size for fair in self._classes[:rank])
+
+    def waits_below(self, rank: int) -> bool:
+        """Has a class below `rank` a waiter here?"""
+        return any(fair.size for fair in self._classes[rank + 1 :])
+
     def lower_than(self, rank: int) -> Waiter | None:
         """The newest waiter of the lowest class below `rank`: the one shed for it."""
         for lower in range(len(self._classes) - 1, rank, -1):
@@ -253,30 +294,6 @@ class FlowQueue:
             if newest is not None:
                 return newest
         return None
-
-
-def saturated(backend: Backend, cfg: SaturationConfig) -> bool:
-    """Is `backend` full by its own state: vLLM's queue or KV cache? The requests the
-    router sent it since the last scrape count as waiting only when that scrape found it
-    queueing already (at its batch's limit, a new request waits too); a backend whose
-    queue was empty batches what it is sent, and one whose metrics are unknown or stale
-    (waiting 0) is never judged full by guesswork."""
-    added = max(0, backend.inflight - backend.inflight_at_scrape) if backend.waiting else 0
-    return backend.waiting + added > cfg.max_waiting or backend.kv_usage >= cfg.max_kv_cache_usage
-
-
-def all_saturated(backends: Iterable[Backend], cfg: SaturationConfig) -> bool:
-    """True when every usable backend is saturated (and there is one): then requests
-    wait in the router. With none usable, routing answers (503) instead."""
-    if not cfg.enabled:
-        return False
-    seen = False
-    for backend in backends:
-        if backend.usable:
-            if not saturated(backend, cfg):
-                return False
-            seen = True
-    return seen
 
 
 class DrainRate:

@@ -12,9 +12,11 @@ from collections.abc import Callable, Collection
 
 from policies import FleetView, Pick, Reason, RouteRequest
 from policies.least_outstanding_requests import least_loaded
+from router.config import SaturationConfig
 from router.dispatch.accounting import Accounting
 from router.dispatch.attempt import Attempt, Attempts
 from router.dispatch.call import Call, Routed
+from router.dispatch.saturation import room_at
 from router.dispatch.session import Sessions
 from router.dispatch.upkeep import Upkeep
 from router.errors import NoBackendAvailable
@@ -26,7 +28,7 @@ from router.upstream.retry import excluding
 class Picker:
     """The fleet's current policy, asked for a backend (the policy changes on reload)."""
 
-    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "_upkeep", "sessions")
+    __slots__ = ("_account", "_attempts", "_fleet", "_rng", "_upkeep", "saturation", "sessions")
 
     def __init__(
         self, fleet: Fleet, account: Accounting, attempts: Attempts, sessions: Sessions
@@ -39,6 +41,8 @@ class Picker:
         self._upkeep = Upkeep()
         #: session affinity, steering each request's first pick
         self.sessions = sessions
+        #: flow control's saturation settings now (a reload changes them)
+        self.saturation = SaturationConfig()
 
     def first(
         self, route_req: RouteRequest, t0: float, call: Call, timeout: asyncio.Timeout
@@ -104,6 +108,8 @@ class Picker:
             policy = fleet.policy_of(pool)
             choose = self._least_loaded if role == "decode" else policy.pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
+            if pick.backend is not None and self.saturation.enabled:
+                pick = self._with_room(pick, view, choose, route_req)
             if session is not None and pick.backend is not None:
                 pick = self._steered(session, pick, view, choose, route_req)
             self._upkeep.note(policy)
@@ -114,6 +120,24 @@ class Picker:
             if pool is not None:
                 passed.append((pool.name, pick.backend is not None))
         return saturated if saturated is not None else (pick, view, [])
+
+    def _with_room(
+        self,
+        pick: Pick,
+        view: FleetView,
+        choose: Callable[[RouteRequest, FleetView], Pick],
+        route_req: RouteRequest,
+    ) -> Pick:
+        """The pick again among the candidates with room, when the policy's has none
+        (saturation.py) and another has: a request admitted because the fleet has room
+        must not wait in a full backend's queue. A pick with room costs one check."""
+        cfg = self.saturation
+        if room_at(pick.backend, cfg) > 0:
+            return pick
+        full = [b.name for b in view.candidates if room_at(b, cfg) <= 0]
+        if len(full) == len(view.candidates):
+            return pick
+        return choose(route_req, excluding(view, full))
 
     def _steered(
         self,

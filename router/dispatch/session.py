@@ -34,7 +34,7 @@ from multidict import CIMultiDict
 
 from policies import Pick, Reason
 from router.config import FlowConfig
-from router.dispatch.flow import saturated
+from router.dispatch.saturation import saturated
 from router.fleet.backend import Backend
 
 

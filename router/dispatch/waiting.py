@@ -35,7 +35,7 @@ class Waiting:
         counts: Counts,
         drain: DrainRate,
         metrics: Metrics | None,
-        saturated: Callable[[], bool],
+        full: Callable[[], bool],
         tenant_label: Callable[[str | None], str],
         admit: Callable[[], None],
         pass_on: Callable[[], None],
@@ -44,13 +44,15 @@ class Waiting:
         self._counts = counts
         self._drain = drain
         self._metrics = metrics
-        self._saturated = saturated
+        self._full = full
         self._tenant_label = tenant_label
         self._admit = admit
         self._pass_on = pass_on
         #: this worker's waiters by tenant label
         self._tenant_depth: dict[str, int] = {}
         self._poll: asyncio.TimerHandle | None = None
+        #: waiters handed a slot whose tasks have not yet run on to their backend
+        self.pending = 0
 
     async def wait(self, tenant: str, rank: int, queue_size: int) -> float:
         """Wait in the queue for a slot (`queue_size`: the router's queue's, per worker);
@@ -76,14 +78,16 @@ class Waiting:
         try:
             async with asyncio.timeout(queue.queue_timeout(name)):
                 await waiter.future
+            self.pending -= 1
         except BaseException as exc:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
+                self.pending -= 1
                 self._pass_on()  # handed a slot just as we gave up
             elif queue.remove(waiter):
                 self._changed(waiter, -1)
             if isinstance(exc, TimeoutError):
-                if self._saturated():
+                if self._full():
                     raise self.refused(
                         Refusal.SATURATED, "Every backend is saturated; the wait timed out."
                     ) from None
@@ -99,15 +103,19 @@ class Waiting:
                 self._metrics.flow_tenant_wait.labels(waiter.label).observe(waited)
         return waited
 
-    def wake(self) -> bool:
-        """Hand a slot to the next live waiter; False if there is none, or if another
-        worker has a waiter of a higher class (its poll takes the slot)."""
+    def wake(self, under_share: Callable[[str], bool] | None = None) -> bool:
+        """Hand a slot to the next live waiter (by flow order; or with `under_share`, a
+        slot of the reserve, flow.py's `pop_reserved`); False if there is none, or if
+        another worker has a waiter of a higher class (its poll takes the slot)."""
         queue = self._queue
         while len(queue) and not self._counts.waiting_above(queue.top_rank()):
-            waiter = queue.pop()
+            waiter = queue.pop() if under_share is None else queue.pop_reserved(under_share)
+            if waiter is None:
+                return False
             self._changed(waiter, -1)
             if not waiter.future.done():  # a cancelled one is queued until its task runs
                 waiter.future.set_result(None)
+                self.pending += 1
                 return True
         return False
 

@@ -18,6 +18,7 @@ from yarl import URL
 from policies import Speed
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.backend_load import BackendLoad
+from router.fleet.batch_limit import BatchLimit
 from router.fleet.breaker import Breaker
 from router.fleet.credentials import NO_REACH, Reach
 from router.fleet.shared_load import LoadTable
@@ -31,6 +32,7 @@ class Backend(BackendLoad):
     `BackendLoad`'s."""
 
     __slots__ = (
+        "batch",
         "breaker",
         "check_streak",
         "configured_models",
@@ -102,6 +104,8 @@ class Backend(BackendLoad):
         #: the router's in-flight here when that scrape was taken (saturation counts
         #: the requests added since as waiting)
         self.inflight_at_scrape = 0
+        #: how many requests it runs at once, learned from its scrapes (flow control)
+        self.batch = BatchLimit()
 
     @property
     def models(self) -> frozenset[str] | None:

@@ -165,6 +165,7 @@ class Scraper:
         self.snapshots[backend.name] = snap
         backend.waiting, backend.kv_usage = snap.waiting, snap.kv_usage
         backend.inflight_at_scrape = backend.inflight
+        backend.batch.observe(snap.running, snap.waiting, backend.inflight)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -176,6 +177,7 @@ class Scraper:
                 and (backend.waiting or backend.kv_usage)
             ):
                 backend.waiting = backend.kv_usage = 0.0
+                backend.batch.forget()
                 self._on_fallback(backend.name, "stale_metrics")
                 log.backends.warning("metrics of %s are stale", backend.name)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -73,7 +74,7 @@ async def test_tenant_cap_refuses_at_once_and_is_given_back() -> None:
     with pytest.raises(Overloaded, match="acme"):
         await adm.enter("acme")
     other = await adm.enter("globex")
-    assert (held, other) == ("acme", "globex")
+    assert (held.key, other.key) == ("acme", "globex")
     adm.leave(held)
     adm.leave(await adm.enter("acme"))
     adm.leave(other)
@@ -130,20 +131,105 @@ async def test_each_refusal_is_counted_by_its_reason_and_the_queue_depth_follows
     }  # fmt: skip
 
 
-async def test_a_backlog_held_by_saturation_is_released_one_at_a_time() -> None:
-    """A released request counts on its backend only once its task runs: the backlog
-    must not all go the moment one backend leaves saturation."""
-    full = [True]
-    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), saturated=lambda: full[0])
-    waiters = [asyncio.create_task(adm.enter(None)) for _ in range(3)]
-    await asyncio.sleep(0)
-    assert (adm.active, adm.queued) == (0, 3)
-    full[0] = False
+class _Room:
+    """The fleet's room as admission sees it, set by the test."""
+
+    def __init__(self, free: float = 0, reserve: int = 0, slots: int = 0) -> None:
+        self.room, self.kept, self.count = free, reserve, slots
+
+    def free(self, enough: float = 1) -> float:
+        return self.room
+
+    def full(self) -> bool:
+        return self.room <= 0
+
+    def reserve(self) -> int:
+        return self.kept
+
+    def slots(self) -> int:
+        return self.count
+
+
+async def _queued(adm: Admission, *tenants: str) -> list[asyncio.Task]:
+    """Each of `tenants` enters in turn, and waits."""
+    tasks = []
+    for tenant in tenants:
+        tasks.append(asyncio.create_task(adm.enter(tenant)))
+        await asyncio.sleep(0)
+    assert adm.queued == len(tenants)
+    return tasks
+
+
+async def test_a_backlog_held_by_a_fleet_of_unknown_bounds_is_released_one_at_a_time() -> None:
+    """A released request counts on its backend only once its task runs: where no
+    backend's batch limit is known, the backlog must not all go the moment one backend
+    leaves saturation."""
+    room = _Room()
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
+    waiters = await _queued(adm, "", "", "")
+    assert adm.active == 0
+    room.room = math.inf
     for released in (1, 2, 3):
         adm.configure(adm.limits)  # as each poll does
         assert (adm.active, adm.queued) == (released, 3 - released)
     await asyncio.gather(*waiters)
-    adm.leave(None)
-    adm.leave(None)
-    adm.leave(None)
+    for _ in waiters:
+        adm.leave(None)
     assert adm.active == 0
+
+
+async def test_known_room_releases_as_many_as_fit_counting_the_released() -> None:
+    room = _Room()
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
+    waiters = await _queued(adm, "a", "b", "c")
+    room.room = 2
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (2, 1)  # the released, not yet on a backend, count
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (2, 1)
+    room.room = 3  # a third backend slot frees
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (3, 0)
+    await asyncio.gather(*waiters)
+
+
+async def test_a_tenant_under_its_share_goes_past_a_backlog_into_the_reserve() -> None:
+    """A request of a tenant under its share of the fleet's slots is admitted at once
+    while the fleet has room, and the last `reserve` slots are kept for such requests:
+    the tenant over its share waits."""
+    room = _Room(slots=2)  # two tenants present: one slot each, two with the burst
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
+    noisy = await _queued(adm, "noisy", "noisy", "noisy")
+    room.room, room.kept = 1, 2
+    adm.configure(adm.limits)  # none under its share came yet: no reserve, one goes
+    await noisy[0]
+    assert (adm.active, adm.queued) == (1, 2)
+    quiet = await adm.enter("quiet")  # at once, past noisy's two
+    assert (adm.active, adm.queued) == (2, 2)
+    adm.configure(adm.limits)  # the room left is the reserve's: noisy waits
+    assert adm.queued == 2
+    room.room = 3
+    adm.configure(adm.limits)  # room past the reserve: one more of noisy's goes
+    assert (adm.active, adm.queued) == (3, 1)
+    await noisy[1]
+    room.room = 1
+    second = asyncio.create_task(adm.enter("quiet"))  # noisy waits: queued behind it
+    await asyncio.sleep(0)
+    assert adm.queued == 2
+    adm.leave(quiet)  # its slot goes to quiet's waiter, under its share, not noisy's
+    assert (await second).tenant == "quiet" and adm.queued == 1
+    room.room = math.inf
+    adm.configure(adm.limits)
+    await noisy[2]
+
+
+async def test_a_tenant_alone_is_not_held_back_by_the_reserve() -> None:
+    room = _Room(slots=2)
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
+    waiters = await _queued(adm, "only", "only", "only")
+    room.room, room.kept = 2, 2
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (2, 1)  # the whole room, reserve or not
+    room.room = math.inf
+    adm.configure(adm.limits)
+    await asyncio.gather(*waiters)

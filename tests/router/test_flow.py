@@ -20,10 +20,10 @@ from router.dispatch.flow import (
     FlowQueue,
     PriorityRefused,
     Waiter,
-    all_saturated,
     rank_of,
     request_class,
 )
+from router.dispatch.saturation import FleetRoom
 
 
 def _waiter(tenant: str, priority: str = "standard", since: float = 0.0) -> Waiter:
@@ -99,21 +99,55 @@ def test_request_class(tenant: str | None, header: str | None, expected) -> None
         assert request_class(flow, tenant, headers) == expected
 
 
+class _Batch:
+    def __init__(self, slots: int | None) -> None:
+        self.slots, self.others = slots, 0
+
+
 class _Backend:
-    def __init__(self, waiting: float, kv: float, inflight: int = 0, usable: bool = True):
+    def __init__(
+        self,
+        waiting: float,
+        kv: float,
+        inflight: int = 0,
+        usable: bool = True,
+        slots: int | None = None,
+    ) -> None:
         self.waiting, self.kv_usage, self.usable = waiting, kv, usable
         self.inflight, self.inflight_at_scrape = inflight, 0
+        self.batch = _Batch(slots)
+
+
+def _full(backends: list, cfg: SaturationConfig) -> bool:
+    return FleetRoom(lambda: backends, lambda: cfg).full()
 
 
 def test_saturated_only_when_every_usable_backend_is() -> None:
     cfg = SaturationConfig(max_waiting=2, max_kv_cache_usage=0.9)
     full, kv_full = _Backend(3, 0.1), _Backend(0, 0.9)
-    assert all_saturated([full, kv_full, _Backend(0, 0, usable=False)], cfg)
-    assert not all_saturated([full, _Backend(0, 0.5)], cfg)
-    assert all_saturated([full, _Backend(1, 0.5, inflight=2)], cfg)  # queueing, 2 added
-    assert not all_saturated([full, _Backend(0, 0.5, inflight=30)], cfg)  # it batches them
-    assert not all_saturated([], cfg)  # none usable: routing answers instead
-    assert not all_saturated([full], SaturationConfig(enabled=False))
+    assert _full([full, kv_full, _Backend(0, 0, usable=False)], cfg)
+    assert not _full([full, _Backend(0, 0.5)], cfg)
+    assert _full([full, _Backend(1, 0.5, inflight=2)], cfg)  # queueing, 2 added
+    assert not _full([full, _Backend(0, 0.5, inflight=30)], cfg)  # it batches them
+    assert not _full([], cfg)  # none usable: routing answers instead
+    assert not _full([full], SaturationConfig(enabled=False))
+
+
+def test_a_learned_batch_limit_bounds_the_room_by_the_routers_own_in_flight() -> None:
+    """Once a backend's batch limit is known, its room is that limit plus max_waiting
+    less the router's in flight there, whatever its last scrape said."""
+    cfg = SaturationConfig(max_waiting=1, reserve=0.25)
+    a, b = _Backend(0, 0.1, inflight=4, slots=4), _Backend(0, 0.1, inflight=2, slots=4)
+    room = FleetRoom(lambda: [a, b], lambda: cfg)
+    assert (room.free(100), room.reserve()) == (1 + 3, 2)
+    b.inflight = 6
+    assert room.free(100) == 1 + 0  # b is past its limit: no room, not negative
+    a.inflight = 5
+    assert room.full()
+    a.inflight, a.batch.others = 3, 1  # another client's request there
+    assert room.free(100) == 1
+    a.waiting = 3  # a scrape's queue does not count once the limit is known
+    assert room.free(100) == 1
 
 
 def test_retry_after_follows_the_drain_rate() -> None:

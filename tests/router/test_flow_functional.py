@@ -133,9 +133,9 @@ async def test_a_lower_class_is_shed_for_a_higher_one_when_the_queue_is_full(tmp
     assert len(waited) == 2 and max(e["queue_ms"] for e in waited) > 0  # std waited
 
 
-def _vllm_page(waiting: float, kv: float) -> str:
+def _vllm_page(waiting: float, kv: float, running: int = 4) -> str:
     return (
-        f'vllm:num_requests_running{{model_name="m"}} 4\n'
+        f'vllm:num_requests_running{{model_name="m"}} {running}\n'
         f'vllm:num_requests_waiting{{model_name="m"}} {waiting}\n'
         f'vllm:kv_cache_usage_perc{{model_name="m"}} {kv}\n'
     )
@@ -189,6 +189,40 @@ async def test_backends_that_were_not_queueing_take_more_than_max_waiting_at_onc
         for stub in stubs:
             stub.behaviour.gate.set()
         assert [status for status, _ in await asyncio.gather(*held)] == [200] * 12
+
+
+async def test_a_learned_batch_limit_holds_requests_in_the_router_without_a_queue_scraped() -> None:
+    """A backend seen queueing with two requests running is full at two of the router's
+    requests in flight there (max_waiting 0), whatever its scrapes say since: the fifth
+    request to two such backends waits in the router, not in vLLM's queue, and goes on
+    once one of the four ends."""
+    telemetry = {"scrape_interval": 0.05}
+    flow = {"saturation": {"max_waiting": 0}}
+    least = {"strategy": "LEAST_OUTSTANDING_REQUESTS"}
+    async with (
+        running(2, routing=least, telemetry=telemetry, flow=flow) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        backends = router.fleet.members
+        for stub in stubs:
+            stub.behaviour.metrics = _vllm_page(waiting=1, kv=0.1, running=2)  # scraped twice
+        await until(lambda: all(b.batch.slots == 2 for b in backends))
+        for stub in stubs:
+            stub.behaviour.metrics = _vllm_page(waiting=0, kv=0.1, running=0)
+        await until(lambda: all(b.waiting == 0 for b in backends))
+        for stub in stubs:
+            stub.behaviour.gate = asyncio.Event()
+        sent = []
+        for i in range(4):
+            sent.append(asyncio.create_task(_post(http, router, f"r{i}")))
+            await until(lambda: sum(s.active for s in stubs) == i + 1)  # noqa: B023
+        sent.append(asyncio.create_task(_post(http, router, "r4")))
+        await until(lambda: router.dispatcher.admission.queued == 1)
+        assert [s.active for s in stubs] == [2, 2]
+        stubs[0].behaviour.gate.set()
+        assert (await sent[4])[0] == 200
+        stubs[1].behaviour.gate.set()
+        assert [status for status, _ in await asyncio.gather(*sent)] == [200] * 5
 
 
 async def test_a_static_tokens_class_counts_where_the_tenant_config_sets_none(
