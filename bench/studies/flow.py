@@ -12,9 +12,11 @@ router in this process:
   Measure: critical's TTFT P99 against its value alone, and who absorbs the refusals.
 
 "Off" is today's behaviour: no saturation gate, no classes (`priority_header: null`),
-every request goes to vLLM's FIFO queue. Every request is counted: sent = answered +
-refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's latency is
-checked against its class's `queue_timeout`.
+every request goes to vLLM's FIFO queue. Each run's first `--warmup` seconds of load are
+not counted (a new router learns each backend's batch limit at its first saturation; a
+router in service has long learned it). Every request after is counted: sent =
+answered + refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's
+latency is checked against its class's `queue_timeout`.
 
     python -m bench.studies.flow --seconds 20
 
@@ -108,18 +110,24 @@ async def one(http: aiohttp.ClientSession, url: str, tally: Tally, headers: dict
         tally.failed += 1
 
 
-async def offer(url: str, loads: dict[str, tuple[float, dict]], seconds: float) -> dict:
-    """Poisson arrivals at each tenant's rate for `seconds`; every request awaited."""
+async def offer(
+    url: str, loads: dict[str, tuple[float, dict]], seconds: float, warmup: float = 0.0
+) -> dict:
+    """Poisson arrivals at each tenant's rate for `warmup` then `seconds`; every request
+    awaited, those sent in the warm-up not counted."""
     tallies = {name: Tally() for name in loads}
+    warming = {name: Tally() for name in loads}
     timeout = aiohttp.ClientTimeout(total=120)
     conn = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as http:
         tasks: list[asyncio.Task] = []
 
         async def arrivals(name: str, rate: float, headers: dict) -> None:
-            end = time.perf_counter() + seconds
-            while time.perf_counter() < end:
-                tasks.append(asyncio.create_task(one(http, url, tallies[name], headers)))
+            counted = time.perf_counter() + warmup
+            end = counted + seconds
+            while (now := time.perf_counter()) < end:
+                tally = tallies[name] if now >= counted else warming[name]
+                tasks.append(asyncio.create_task(one(http, url, tally, headers)))
                 await asyncio.sleep(random.expovariate(rate))
 
         await asyncio.gather(*(arrivals(n, r, h) for n, (r, h) in loads.items()))
@@ -144,11 +152,13 @@ async def capacity(url: str, seconds: float) -> float:
     return done / seconds
 
 
-async def with_router(urls: list[str], flow_on: bool, loads: dict, seconds: float) -> dict:
+async def with_router(
+    urls: list[str], flow_on: bool, loads: dict, seconds: float, warmup: float
+) -> dict:
     router = Router(build(router_config(urls, flow_on)))
     await router.start()
     try:
-        return await offer(router.url, loads, seconds)
+        return await offer(router.url, loads, seconds, warmup)
     finally:
         await router.stop()
 
@@ -184,7 +194,7 @@ async def run(args: argparse.Namespace) -> str:
         shed = {**crit, "sheddable": (1.1 * cap, {"X-Kvroute-Priority": "sheddable"})}
         lines = [
             f"capacity {cap:.1f} req/s (4 backends, max_num_seqs {args.seqs}); "
-            f"{args.seconds:.0f} s per run",
+            f"{args.seconds:.0f} s counted per run, after {args.warmup:.0f} s not counted",
             "",
             "| run | tenant/class | sent | answered | refused (reason) | failed | "
             "sent = answered + refused + failed | TTFT P99 ms | vs alone | "
@@ -195,11 +205,11 @@ async def run(args: argparse.Namespace) -> str:
             ("tenants", quiet, noisy, "quiet"),
             ("classes", crit, shed, "critical"),
         ):
-            alone = await with_router(urls, True, alone_load, args.seconds)
+            alone = await with_router(urls, True, alone_load, args.seconds, args.warmup)
             base = alone[probe].p99()
             lines.append(row(f"{scenario}: alone", probe, alone[probe], base))
             for flow_on in (True, False):
-                got = await with_router(urls, flow_on, loaded, args.seconds)
+                got = await with_router(urls, flow_on, loaded, args.seconds, args.warmup)
                 label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
                 lines += [row(label, name, got[name], base) for name in loaded]
         return "\n".join(lines)
@@ -209,7 +219,14 @@ async def run(args: argparse.Namespace) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--seconds", type=float, default=20.0, help="each run's length")
+    parser.add_argument("--seconds", type=float, default=20.0, help="each run's counted length")
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=3.0,
+        help="each run's first seconds of load, not counted: a new router learns each "
+        "backend's batch limit at its first saturation (its requests are awaited)",
+    )
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="capacity probe")
     parser.add_argument("--seqs", type=int, default=4, help="max_num_seqs per backend")
     parser.add_argument("--time-scale", type=float, default=1.0, help="the sim's clock")

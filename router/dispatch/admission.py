@@ -66,7 +66,7 @@ class Held(NamedTuple):
 class Room(Protocol):
     """The fleet's room for more requests (saturation.py's `FleetRoom`)."""
 
-    def free(self, enough: float = 1) -> float: ...
+    def free(self, enough: float = 1, probe: bool = False) -> float: ...
 
     def full(self) -> bool: ...
 
@@ -79,7 +79,7 @@ class Unbounded:
     """A fleet whose room is never counted (saturation off, or no fleet): only the caps
     hold requests back."""
 
-    def free(self, enough: float = 1) -> float:
+    def free(self, enough: float = 1, probe: bool = False) -> float:
         return math.inf
 
     def full(self) -> bool:
@@ -172,12 +172,12 @@ class Admission:
         if not len(self._queue) or not self._release():  # else handed over
             self._give_slot()
 
-    def _spare(self, enough: float) -> float:
+    def _spare(self, enough: float, probe: bool = False) -> float:
         """The fleet's room, less the waiters released whose requests do not yet count
         on a backend (none: requests are held back, and released paced while the
         bounds are unknown)."""
         pending = self._waiting.pending
-        spare = self._room.free(enough + pending) - pending
+        spare = self._room.free(enough + pending, probe) - pending
         if spare < 1:
             self._held_back = True
         return spare
@@ -192,16 +192,25 @@ class Admission:
     def _under_share(self, tenant: str) -> bool:
         return self._shares.under(tenant, self._room.slots())
 
-    def _wake(self, spare: float, reserve: int) -> bool:
-        """Hand a slot to the next waiter: any past the reserve, else one it keeps for."""
-        return self._waiting.wake(None if spare > reserve else self._under_share)
+    def _grant(self) -> tuple[float, bool]:
+        """The fleet's room now, and whether a backlog may take it: past the reserve,
+        or a backend's probe when there is no other room (the reserve is not one)."""
+        reserve = self._reserved()
+        spare = self._spare(reserve + 1)
+        if spare >= 1:
+            return spare, spare > reserve
+        return self._spare(1, probe=True), True
+
+    def _wake(self, backlog: bool) -> bool:
+        """Hand a slot to the next waiter: any for a backlog, else one the reserve
+        keeps for."""
+        return self._waiting.wake(None if backlog else self._under_share)
 
     def _release(self) -> bool:
         """Hand the slot of a request that left to the next waiter the fleet has room
         for; False if none may go."""
-        reserve = self._reserved()
-        spare = self._spare(reserve + 1)
-        return spare >= 1 and self._wake(spare, reserve)
+        spare, backlog = self._grant()
+        return spare >= 1 and self._wake(backlog)
 
     def _admit_waiters(self) -> None:
         """Hand the slots free now to the waiters, in flow order. After a fleet of
@@ -212,13 +221,12 @@ class Admission:
         released ones not yet counted are subtracted from the room instead."""
         queue = self._queue
         while len(queue) and not self._counts.waiting_above(queue.top_rank()):
-            reserve = self._reserved()
-            spare = self._spare(reserve + 1)
+            spare, backlog = self._grant()
             if spare < 1:
                 return
             if not self._take_total():
                 return
-            if not self._wake(spare, reserve):
+            if not self._wake(backlog):
                 self._give_slot()
                 return
             if self._held_back and spare == math.inf:

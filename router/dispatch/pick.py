@@ -132,9 +132,9 @@ class Picker:
         (saturation.py) and another has: a request admitted because the fleet has room
         must not wait in a full backend's queue. A pick with room costs one check."""
         cfg = self.saturation
-        if room_at(pick.backend, cfg) > 0:
+        if room_at(pick.backend, cfg, probe=True) > 0:
             return pick
-        full = [b.name for b in view.candidates if room_at(b, cfg) <= 0]
+        full = [b.name for b in view.candidates if room_at(b, cfg, probe=True) <= 0]
         if len(full) == len(view.candidates):
             return pick
         return choose(route_req, excluding(view, full))

@@ -30,8 +30,10 @@ from router.fleet.backend import Backend
 _RECOUNT_SECONDS = 1.0
 
 
-def room_at(backend: Backend, cfg: SaturationConfig) -> float:
-    """Requests `backend` takes before it is saturated (math.inf: no known bound)."""
+def room_at(backend: Backend, cfg: SaturationConfig, probe: bool = False) -> float:
+    """Requests `backend` takes before it is saturated (math.inf: no known bound);
+    `probe`: with the slots tried past its limit (batch_limit.py), which only a backlog
+    may take."""
     if backend.kv_usage >= cfg.max_kv_cache_usage:
         return 0
     batch = backend.batch
@@ -39,6 +41,7 @@ def room_at(backend: Backend, cfg: SaturationConfig) -> float:
     if slots is None:
         added = max(0, backend.inflight - backend.inflight_at_scrape) if backend.waiting else 0
         return 0 if backend.waiting + added > cfg.max_waiting else math.inf
+    slots += batch.probe if probe else 0
     return max(0, slots + cfg.max_waiting - backend.inflight - batch.others)
 
 
@@ -58,10 +61,11 @@ class FleetRoom:
         self._members, self._cfg = members, cfg
         self._slots, self._counted = 0, -math.inf
 
-    def free(self, enough: float = 1) -> float:
+    def free(self, enough: float = 1, probe: bool = False) -> float:
         """The requests the usable backends take before every one is saturated, counted
         up to `enough` at least (math.inf when saturation is off, or some backend's
-        bound is unknown, or none is usable: routing then answers)."""
+        bound is unknown, or none is usable: routing then answers); `probe`: with
+        the slots tried past the backends' limits."""
         cfg = self._cfg()
         if not cfg.enabled:
             return math.inf
@@ -69,7 +73,7 @@ class FleetRoom:
         for backend in self._members():
             if backend.usable:
                 seen = True
-                total += room_at(backend, cfg)
+                total += room_at(backend, cfg, probe)
                 if total >= enough:
                     return total
         return total if seen else math.inf

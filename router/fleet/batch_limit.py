@@ -14,9 +14,9 @@ limit is that count. One that finds it running at the limit with nothing waiting
 confirms it; held there by the router (`max_waiting` 0 lets nothing more through), the
 limit is raised by a tenth (at least one) every `PROBE_SECONDS` to find room that
 appeared (a limit learned low, or a KV cache that binds less): the requests sent on the
-raise wait in vLLM's queue until the next two scrapes take it back. A limit neither
-confirmed nor relearned for `FORGET_SECONDS` (the backend runs below it) is forgotten:
-the backend is judged by its scrapes alone again.
+raise wait in vLLM's queue until the next two scrapes take it back. A limit is kept
+while the backend runs below it (it binds only at the limit, where it is checked again),
+and forgotten when its metrics go stale (it may have restarted).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from __future__ import annotations
 import math
 import time
 
-#: a limit not confirmed for this long is forgotten, and the peak's window, seconds
-FORGET_SECONDS = 10.0
+#: the peak's window, seconds
+WINDOW_SECONDS = 10.0
 #: a backend held at its limit has it raised this often, seconds
 PROBE_SECONDS = 10.0
 
@@ -35,19 +35,22 @@ class BatchLimit:
 
     __slots__ = (
         "_bucket",
-        "_learned",
         "_others_then",
         "_peak",
         "_peak_before",
         "_queueing_at",
         "_raised",
-        "_seen",
         "others",
+        "probe",
+        "slots",
     )
 
     def __init__(self) -> None:
-        self._learned: int | None = None
-        self._seen = self._raised = -math.inf
+        #: the limit, None while unknown
+        self.slots: int | None = None
+        #: the slots tried past the limit now (see `PROBE_SECONDS`), 0 if none
+        self.probe = 0
+        self._raised = -math.inf
         #: the most running in this window and in the one before it
         self._bucket, self._peak, self._peak_before = 0, 0, 0
         #: the running count of the last scrape if it found requests waiting
@@ -57,12 +60,6 @@ class BatchLimit:
         #: a scrape's counts are up to an engine step older than the router's, so one
         #: alone may count requests that had already ended
         self._others_then = self.others = 0
-
-    @property
-    def slots(self) -> int | None:
-        if self._learned is not None and time.monotonic() - self._seen > FORGET_SECONDS:
-            self._learned = None
-        return self._learned
 
     def observe(self, running: float, waiting: float, inflight: int) -> None:
         """One scrape's counts, and the router's requests in flight there as it came."""
@@ -75,16 +72,16 @@ class BatchLimit:
         if queueing and self._queueing_at is not None and running <= self._queueing_at:
             if learned is None:
                 self._raised = now  # no probe before one interval at the limit
-            self._learned, self._seen = peak, now
-        elif not queueing and learned is not None and running >= learned:
-            if running == learned and now - self._raised >= PROBE_SECONDS:
-                running, self._raised = running + max(1, running // 10), now
-            self._learned, self._seen = running, now
+            self.slots, self.probe = peak, 0
+        elif not queueing and learned is not None and running > learned:
+            self.slots, self.probe = running, 0
+        elif not queueing and running == learned and now - self._raised >= PROBE_SECONDS:
+            self.probe, self._raised = max(1, running // 10), now
         self._queueing_at = running if queueing else None
 
     def _peaked(self, running: int, now: float) -> int:
         """The most running over the last one to two windows, `running` counted."""
-        bucket = int(now / FORGET_SECONDS)
+        bucket = int(now / WINDOW_SECONDS)
         if bucket != self._bucket:
             self._peak_before = self._peak if bucket == self._bucket + 1 else 0
             self._bucket, self._peak = bucket, 0
@@ -93,5 +90,6 @@ class BatchLimit:
 
     def forget(self) -> None:
         """The backend's metrics went stale: nothing is known of its limit."""
-        self._learned = self._queueing_at = None
+        self.slots = self._queueing_at = None
+        self.probe = 0
         self._peak = self._peak_before = self.others = self._others_then = 0

@@ -136,9 +136,10 @@ class _Room:
 
     def __init__(self, free: float = 0, reserve: int = 0, slots: int = 0) -> None:
         self.room, self.kept, self.count = free, reserve, slots
+        self.probing = 0
 
-    def free(self, enough: float = 1) -> float:
-        return self.room
+    def free(self, enough: float = 1, probe: bool = False) -> float:
+        return self.room + (self.probing if probe else 0)
 
     def full(self) -> bool:
         return self.room <= 0
@@ -221,6 +222,23 @@ async def test_a_tenant_under_its_share_goes_past_a_backlog_into_the_reserve() -
     room.room = math.inf
     adm.configure(adm.limits)
     await noisy[2]
+
+
+async def test_a_probe_past_a_limit_goes_to_a_backlog_not_to_the_reserve() -> None:
+    room = _Room(slots=2)
+    adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
+    noisy = await _queued(adm, "noisy", "noisy")
+    room.kept, room.probing = 1, 1
+    quiet = asyncio.create_task(adm.enter("quiet"))  # under its share: wants the reserve
+    await asyncio.sleep(0)
+    assert adm.queued == 3  # the fleet has no room but a probe: it waits
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (1, 2)
+    await noisy[0]  # the backlog's first took the probe
+    assert not quiet.done()
+    room.probing, room.room = 0, math.inf
+    adm.configure(adm.limits)
+    await asyncio.gather(quiet, *noisy)
 
 
 async def test_a_tenant_alone_is_not_held_back_by_the_reserve() -> None:

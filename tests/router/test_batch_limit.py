@@ -28,7 +28,7 @@ def test_two_queueing_scrapes_not_growing_learn_the_most_run_lately(now) -> None
     assert limit.slots is None  # the batch still grows
     limit.observe(running=4, waiting=2, inflight=6)
     assert limit.slots == 5
-    now[0] += 2 * batch_limit.FORGET_SECONDS  # the peak's window passed
+    now[0] += 2 * batch_limit.WINDOW_SECONDS  # the peak's window passed
     limit.observe(running=3, waiting=1, inflight=4)
     limit.observe(running=3, waiting=1, inflight=4)
     assert limit.slots == 3
@@ -44,42 +44,40 @@ def test_more_running_than_the_limit_raises_it_and_less_keeps_it(now) -> None:
     assert limit.slots == 7
 
 
-def test_held_at_its_limit_it_is_raised_by_a_tenth_now_and_then(now) -> None:
+def test_held_at_its_limit_a_tenth_more_is_tried_now_and_then(now) -> None:
     limit = BatchLimit()
     for _ in range(2):
         limit.observe(running=40, waiting=1, inflight=41)
     now[0] += batch_limit.PROBE_SECONDS / 2
     limit.observe(running=40, waiting=0, inflight=40)
-    assert limit.slots == 40  # confirmed, not raised before PROBE_SECONDS at the limit
+    assert (limit.slots, limit.probe) == (40, 0)  # not before PROBE_SECONDS at the limit
     now[0] += batch_limit.PROBE_SECONDS / 2
     limit.observe(running=40, waiting=0, inflight=40)
-    assert limit.slots == 44  # probe for room
+    assert (limit.slots, limit.probe) == (40, 4)  # try for room
     for _ in range(2):
         limit.observe(running=40, waiting=4, inflight=44)
-    assert limit.slots == 40  # none: back
-    limit.observe(running=40, waiting=0, inflight=40)
-    assert limit.slots == 40
+    assert (limit.slots, limit.probe) == (40, 0)  # none
     now[0] += batch_limit.PROBE_SECONDS
+    limit.observe(running=40, waiting=0, inflight=40)
+    assert limit.probe == 4
+    limit.observe(running=43, waiting=0, inflight=43)
+    assert (limit.slots, limit.probe) == (43, 0)  # room found: the limit is theirs
     for small in range(1, 3):  # at least one more
         limit = BatchLimit()
         for _ in range(2):
             limit.observe(running=small, waiting=1, inflight=small + 1)
         now[0] += batch_limit.PROBE_SECONDS
         limit.observe(running=small, waiting=0, inflight=small)
-        assert limit.slots == small + 1
+        assert limit.probe == 1
 
 
-def test_a_limit_not_confirmed_is_forgotten(now) -> None:
+def test_a_limit_is_kept_below_it_and_forgotten_with_stale_metrics(now) -> None:
     limit = BatchLimit()
     for _ in range(2):
         limit.observe(running=4, waiting=1, inflight=5)
-    now[0] += batch_limit.FORGET_SECONDS / 2
+    now[0] += 10 * batch_limit.WINDOW_SECONDS
     limit.observe(running=1, waiting=0, inflight=1)
     assert limit.slots == 4
-    now[0] += batch_limit.FORGET_SECONDS
-    limit.observe(running=1, waiting=0, inflight=1)
-    assert limit.slots is None
-    limit.observe(running=4, waiting=1, inflight=5)
     limit.forget()
     assert limit.slots is None
 

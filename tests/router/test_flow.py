@@ -101,7 +101,7 @@ def test_request_class(tenant: str | None, header: str | None, expected) -> None
 
 class _Batch:
     def __init__(self, slots: int | None) -> None:
-        self.slots, self.others = slots, 0
+        self.slots, self.others, self.probe = slots, 0, 0
 
 
 class _Backend:
@@ -148,6 +148,8 @@ def test_a_learned_batch_limit_bounds_the_room_by_the_routers_own_in_flight() ->
     assert room.free(100) == 1
     a.waiting = 3  # a scrape's queue does not count once the limit is known
     assert room.free(100) == 1
+    a.batch.probe = 2  # tried past the limit: a backlog's room only
+    assert (room.free(100), room.free(100, probe=True)) == (1, 3)
 
 
 def test_retry_after_follows_the_drain_rate() -> None:
