@@ -8,6 +8,14 @@ from router.fleet import batch_limit
 from router.fleet.batch_limit import BatchLimit
 
 
+def _at_limit(running: int) -> BatchLimit:
+    """A limit learned at `running`: two scrapes in a row find requests waiting."""
+    limit = BatchLimit()
+    for _ in range(2):
+        limit.observe(running=running, waiting=1, inflight=running + 1)
+    return limit
+
+
 @pytest.fixture
 def now(monkeypatch) -> list[float]:
     clock = [1000.0]
@@ -35,9 +43,7 @@ def test_two_queueing_scrapes_not_growing_learn_the_most_run_lately(now) -> None
 
 
 def test_more_running_than_the_limit_raises_it_and_less_keeps_it(now) -> None:
-    limit = BatchLimit()
-    for _ in range(2):
-        limit.observe(running=4, waiting=1, inflight=5)
+    limit = _at_limit(4)
     limit.observe(running=7, waiting=0, inflight=7)
     assert limit.slots == 7
     limit.observe(running=2, waiting=0, inflight=2)
@@ -45,9 +51,7 @@ def test_more_running_than_the_limit_raises_it_and_less_keeps_it(now) -> None:
 
 
 def test_held_at_its_limit_a_tenth_more_is_tried_now_and_then(now) -> None:
-    limit = BatchLimit()
-    for _ in range(2):
-        limit.observe(running=40, waiting=1, inflight=41)
+    limit = _at_limit(40)
     now[0] += batch_limit.PROBE_SECONDS / 2
     limit.observe(running=40, waiting=0, inflight=40)
     assert (limit.slots, limit.probe) == (40, 0)  # not before PROBE_SECONDS at the limit
@@ -63,18 +67,14 @@ def test_held_at_its_limit_a_tenth_more_is_tried_now_and_then(now) -> None:
     limit.observe(running=43, waiting=0, inflight=43)
     assert (limit.slots, limit.probe) == (43, 0)  # room found: the limit is theirs
     for small in range(1, 3):  # at least one more
-        limit = BatchLimit()
-        for _ in range(2):
-            limit.observe(running=small, waiting=1, inflight=small + 1)
+        limit = _at_limit(small)
         now[0] += batch_limit.PROBE_SECONDS
         limit.observe(running=small, waiting=0, inflight=small)
         assert limit.probe == 1
 
 
 def test_a_limit_is_kept_below_it_and_forgotten_with_stale_metrics(now) -> None:
-    limit = BatchLimit()
-    for _ in range(2):
-        limit.observe(running=4, waiting=1, inflight=5)
+    limit = _at_limit(4)
     now[0] += 10 * batch_limit.WINDOW_SECONDS
     limit.observe(running=1, waiting=0, inflight=1)
     assert limit.slots == 4
