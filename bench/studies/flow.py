@@ -60,13 +60,15 @@ class Tally:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def router_config(urls: list[str], flow_on: bool) -> dict:
+def router_config(urls: list[str], flow_on: bool, reserve: float | None = None) -> dict:
+    """The router's config; `reserve`: flow.saturation.reserve (None: the default)."""
     classes = {name: {"queue_timeout": t} for name, t in QUEUE_TIMEOUT.items()}
+    saturation = {"max_waiting": 0} | ({} if reserve is None else {"reserve": reserve})
     flow = (
         {
             "tenants": {"crit": {"priority": "critical"}},
             "classes": classes,
-            "saturation": {"max_waiting": 0},
+            "saturation": saturation,
         }
         if flow_on
         else {"priority_header": None, "saturation": {"enabled": False}}
@@ -88,7 +90,7 @@ async def one(http: aiohttp.ClientSession, url: str, tally: Tally, headers: dict
     body = {
         "model": "sim-llama-70b",
         "messages": [{"role": "user", "content": f"q {random.random()}"}],
-        "max_tokens": 16,
+        "max_tokens": random.randint(8, 24),  # answers of one length finish in step
         "stream": True,
     }
     tally.sent += 1
@@ -153,12 +155,12 @@ async def capacity(url: str, seconds: float) -> float:
 
 
 async def with_router(
-    urls: list[str], flow_on: bool, loads: dict, seconds: float, warmup: float
+    urls: list[str], flow_on: bool, loads: dict, args: argparse.Namespace
 ) -> dict:
-    router = Router(build(router_config(urls, flow_on)))
+    router = Router(build(router_config(urls, flow_on, args.reserve)))
     await router.start()
     try:
-        return await offer(router.url, loads, seconds, warmup)
+        return await offer(router.url, loads, args.seconds, args.warmup)
     finally:
         await router.stop()
 
@@ -194,7 +196,8 @@ async def run(args: argparse.Namespace) -> str:
         shed = {**crit, "sheddable": (1.1 * cap, {"X-Kvroute-Priority": "sheddable"})}
         lines = [
             f"capacity {cap:.1f} req/s (4 backends, max_num_seqs {args.seqs}); "
-            f"{args.seconds:.0f} s counted per run, after {args.warmup:.0f} s not counted",
+            f"{args.seconds:.0f} s counted per run, after {args.warmup:.0f} s not counted; "
+            f"saturation.reserve {'default' if args.reserve is None else args.reserve}",
             "",
             "| run | tenant/class | sent | answered | refused (reason) | failed | "
             "sent = answered + refused + failed | TTFT P99 ms | vs alone | "
@@ -205,11 +208,11 @@ async def run(args: argparse.Namespace) -> str:
             ("tenants", quiet, noisy, "quiet"),
             ("classes", crit, shed, "critical"),
         ):
-            alone = await with_router(urls, True, alone_load, args.seconds, args.warmup)
+            alone = await with_router(urls, True, alone_load, args)
             base = alone[probe].p99()
             lines.append(row(f"{scenario}: alone", probe, alone[probe], base))
             for flow_on in (True, False):
-                got = await with_router(urls, flow_on, loaded, args.seconds, args.warmup)
+                got = await with_router(urls, flow_on, loaded, args)
                 label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
                 lines += [row(label, name, got[name], base) for name in loaded]
         return "\n".join(lines)
@@ -229,6 +232,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--probe-seconds", type=float, default=8.0, help="capacity probe")
     parser.add_argument("--seqs", type=int, default=4, help="max_num_seqs per backend")
+    parser.add_argument(
+        "--reserve",
+        type=float,
+        default=None,
+        help="flow.saturation.reserve with flow control on (default: the router's)",
+    )
     parser.add_argument("--time-scale", type=float, default=1.0, help="the sim's clock")
     args = parser.parse_args(argv)
     print(asyncio.run(run(args)))
