@@ -1,9 +1,11 @@
 """Flow control past saturation: fair share, priorities and clean refusals, on and off.
 
-Four simulated vLLM backends (bench/sim) with few batch slots each, so capacity is
-small and measured first (closed loop). Then, open loop (Poisson arrivals), each
-scenario runs once alone and twice at 1.5x capacity, flow control on and off, with a
-router in this process:
+Four simulated vLLM backends (bench/sim, a process of their own) with few batch slots
+each, so capacity is small and measured first (closed loop). Then, open loop (Poisson
+arrivals), each scenario runs once alone and twice at 1.5x capacity, flow control on
+and off, each run through a new `kvroute serve` (its own process, the default workers,
+as users run it; in this process, the load's and the simulator's garbage collection
+paused the router too):
 
 - **tenants**: a quiet tenant at a quarter of capacity, alone; then beside a noisy one
   sending five times as much (1.5x capacity together). Measure: the quiet tenant's TTFT
@@ -18,7 +20,7 @@ router in service has long learned it). Every request after is counted: sent =
 answered + refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's
 latency is checked against its class's `queue_timeout`.
 
-    python -m bench.studies.flow --seconds 20
+    python -m bench.studies.flow --seconds 30
 
 Reproduces docs/performance.md, "Flow control past saturation".
 """
@@ -27,16 +29,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import random
+import tempfile
 import time
 from collections import Counter
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import aiohttp
 
-from bench.sim import SimParams, start_fleet
-from router.config import build
-from router.control.worker import Router
+from bench.harness.processes import free_port, kvroute_serve, logged, simulator, wait_ready
 
 PATH = "/v1/chat/completions"
 #: the classes' waits with flow control on, seconds
@@ -60,7 +65,7 @@ class Tally:
         return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
 
 
-def router_config(urls: list[str], flow_on: bool, reserve: float | None = None) -> dict:
+def router_config(backends: list[dict], flow_on: bool, reserve: float | None = None) -> dict:
     """The router's config; `reserve`: flow.saturation.reserve (None: the default)."""
     classes = {name: {"queue_timeout": t} for name, t in QUEUE_TIMEOUT.items()}
     saturation = {"max_waiting": 0} | ({} if reserve is None else {"reserve": reserve})
@@ -75,7 +80,7 @@ def router_config(urls: list[str], flow_on: bool, reserve: float | None = None) 
     )
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
-        "backends": [{"url": u, "name": f"sim{i}"} for i, u in enumerate(urls)],
+        "backends": backends,
         "routing": {"strategy": "LEAST_OUTSTANDING_REQUESTS"},
         "telemetry": {"scrape_interval": 0.05},
         "tenant_header": "X-Tenant",
@@ -116,7 +121,20 @@ async def offer(
     url: str, loads: dict[str, tuple[float, dict]], seconds: float, warmup: float = 0.0
 ) -> dict:
     """Poisson arrivals at each tenant's rate for `warmup` then `seconds`; every request
-    awaited, those sent in the warm-up not counted."""
+    awaited, those sent in the warm-up not counted. The load's own garbage collector is
+    off meanwhile: its passes over thousands of requests' tasks paused the clients'
+    reading for tens of milliseconds, counted as the router's TTFT."""
+    gc.disable()
+    try:
+        return await _offer(url, loads, seconds, warmup)
+    finally:
+        gc.enable()
+        gc.collect()
+
+
+async def _offer(
+    url: str, loads: dict[str, tuple[float, dict]], seconds: float, warmup: float
+) -> dict:
     tallies = {name: Tally() for name in loads}
     warming = {name: Tally() for name in loads}
     timeout = aiohttp.ClientTimeout(total=120)
@@ -154,15 +172,28 @@ async def capacity(url: str, seconds: float) -> float:
     return done / seconds
 
 
+@contextlib.asynccontextmanager
+async def serving(
+    backends: list[dict], flow_on: bool, reserve: float | None = None
+) -> AsyncIterator[str]:
+    """`kvroute serve` in front of `backends`, as users run it (its own process, the
+    default workers); yields its URL."""
+    port = free_port()
+    config = router_config(backends, flow_on, reserve)
+    config["listen"]["port"] = port
+    with tempfile.TemporaryDirectory() as work:
+        path = Path(work)
+        with logged(kvroute_serve(config, path / "router.yaml"), path / "router.log"):
+            url = f"http://127.0.0.1:{port}"
+            await wait_ready(url)
+            yield url
+
+
 async def with_router(
-    urls: list[str], flow_on: bool, loads: dict, args: argparse.Namespace
+    backends: list[dict], flow_on: bool, loads: dict, args: argparse.Namespace
 ) -> dict:
-    router = Router(build(router_config(urls, flow_on, args.reserve)))
-    await router.start()
-    try:
-        return await offer(router.url, loads, args.seconds, args.warmup)
-    finally:
-        await router.stop()
+    async with serving(backends, flow_on, args.reserve) as url:
+        return await offer(url, loads, args.seconds, args.warmup)
 
 
 def row(label: str, name: str, tally: Tally, alone: float | None) -> str:
@@ -180,16 +211,10 @@ def row(label: str, name: str, tally: Tally, alone: float | None) -> str:
 
 
 async def run(args: argparse.Namespace) -> str:
-    params = SimParams(max_num_seqs=args.seqs, time_scale=args.time_scale)
-    fleet = await start_fleet(4, params)
-    try:
-        urls = fleet.urls
-        router = Router(build(router_config(urls, False)))
-        await router.start()
-        try:
-            cap = await capacity(router.url, args.probe_seconds)
-        finally:
-            await router.stop()
+    sim = ["--max-num-seqs", str(args.seqs)]
+    async with simulator(4, args.time_scale, sim) as (backends, _):
+        async with serving(backends, False) as url:
+            cap = await capacity(url, args.probe_seconds)
         quiet = {"quiet": (0.25 * cap, {"X-Tenant": "quiet"})}
         noisy = {**quiet, "noisy": (1.25 * cap, {"X-Tenant": "noisy"})}
         crit = {"critical": (0.4 * cap, {"X-Tenant": "crit"})}
@@ -208,16 +233,14 @@ async def run(args: argparse.Namespace) -> str:
             ("tenants", quiet, noisy, "quiet"),
             ("classes", crit, shed, "critical"),
         ):
-            alone = await with_router(urls, True, alone_load, args)
+            alone = await with_router(backends, True, alone_load, args)
             base = alone[probe].p99()
             lines.append(row(f"{scenario}: alone", probe, alone[probe], base))
             for flow_on in (True, False):
-                got = await with_router(urls, flow_on, loaded, args)
+                got = await with_router(backends, flow_on, loaded, args)
                 label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
                 lines += [row(label, name, got[name], base) for name in loaded]
         return "\n".join(lines)
-    finally:
-        await fleet.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

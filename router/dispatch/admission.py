@@ -45,7 +45,7 @@ from typing import NamedTuple, Protocol
 
 from router.config import FlowConfig, LimitsConfig
 from router.dispatch.counts import Counts, LocalCounts
-from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, rank_of
+from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, Rate, rank_of, reserve_for
 from router.dispatch.shared_admission import TOTAL
 from router.dispatch.shares import Shares
 from router.dispatch.waiting import Waiting
@@ -127,9 +127,10 @@ class Admission:
         self._held_back = False
         #: each tenant's requests here against its fair share (who may take the reserve)
         self._shares = Shares(self._queue.weight)
-        #: when a request under its share last came while others waited: the reserve
-        #: holds for `RESERVE_SECONDS` after
+        #: when a request under its share last came while others waited (the reserve
+        #: holds for `RESERVE_SECONDS` after), and how often such requests come
         self._wanted_at = -math.inf
+        self._wanted = Rate()
 
     @property
     def queued(self) -> int:
@@ -184,10 +185,13 @@ class Admission:
 
     def _reserved(self) -> int:
         """The slots kept now for requests under their share (none unless one came
-        lately beside waiters)."""
+        lately beside waiters): as many as their rate needs (flow.py), at most the
+        fleet's `reserve`."""
         if time.monotonic() - self._wanted_at > RESERVE_SECONDS:
             return 0
-        return self._room.reserve()
+        return reserve_for(
+            self._wanted.per_second(), self._drain.per_second(), self._room.reserve()
+        )
 
     def _under_share(self, tenant: str) -> bool:
         return self._shares.under(tenant, self._room.slots())
@@ -259,7 +263,8 @@ class Admission:
             may = not len(queue) or queue.waits_below(rank) or self._under_share(tenant)
             if may and len(queue):
                 self._wanted_at = time.monotonic()
-                reserve = self._room.reserve()
+                self._wanted.count()
+                reserve = self._reserved()
             spare = self._spare(reserve + 1)
             if (spare > reserve or (may and spare >= 1)) and self._take_total():
                 return 0.0

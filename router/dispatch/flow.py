@@ -18,14 +18,15 @@ Admission (router/dispatch/waiting.py) keeps its waiters here instead of one FIF
   untrusted tenant naming a higher class is refused (403, not silently lowered, so a
   misconfigured client learns it at once).
 - **The reserve.** While requests of a tenant under its fair share come beside other
-  flows' waiters, the fleet's last `saturation.reserve` slots (saturation.py) go only to
-  those: to a tenant with fewer requests here (in flight and waiting) than twice its
-  weight's share of the fleet's learned batch slots (shares.py), or to a class above
-  the lowest one waiting.
-  Such a request also goes at once, past other tenants' waiters, while the fleet has
-  room. A quiet tenant beside a backlogged one therefore rarely waits at all, and a
-  tenant alone is never held back by the reserve (one with a backlog past the fleet's
-  slots is over its share, one with less may take the reserve).
+  flows' waiters, the fleet's last slots (saturation.py) go only to those: to a tenant
+  with fewer requests here (in flight and waiting) than twice its weight's share of the
+  fleet's learned batch slots (shares.py), or to a class above the lowest one waiting.
+  As many are kept as find one free for 99% of such requests at their arrival rate
+  against the fleet's completion rate (`reserve_for`), at most `saturation.reserve` of
+  the fleet's slots. Such a request also goes at once, past other tenants' waiters,
+  while the fleet has room. A quiet tenant beside a backlogged one therefore rarely
+  waits at all, and a tenant alone is never held back by the reserve (one with a
+  backlog past the fleet's slots is over its share, one with less may take it).
 - **Saturation** (saturation.py): while no usable backend has room, no waiter is
   released: requests wait in the router, in the order above, not in vLLM's queue; they
   are released (then routed as usual, cache-aware) as backends gain room.
@@ -59,6 +60,8 @@ DEFAULT_CLASS = "standard"
 #: async jobs' and batch lines' class, below every interactive one
 BACKGROUND = "background"
 _RANK = {name: rank for rank, name in enumerate(PRIORITIES)}
+#: how often a request that may take the reserve may find it taken
+RESERVE_MISS = 0.01
 
 
 class PriorityRefused(KvrouteError):
@@ -296,9 +299,8 @@ class FlowQueue:
         return None
 
 
-class DrainRate:
-    """Requests leaving per second over the last one to two seconds (two one-second
-    buckets): what Retry-After is computed from."""
+class Rate:
+    """Events per second over the last one to two seconds (two one-second buckets)."""
 
     def __init__(self) -> None:
         self._second = 0  # the bucket `_now` counts
@@ -309,15 +311,39 @@ class DrainRate:
             self._before = self._now if second == self._second + 1 else 0
             self._now, self._second = 0, second
 
-    def left(self) -> None:
+    def count(self) -> None:
         self._roll(int(time.monotonic()))
         self._now += 1
 
-    def retry_after(self, queued: int) -> int:
-        """Seconds until `queued` waiters and one more are likely through, 1..60."""
+    def per_second(self) -> float:
         now = time.monotonic()
         self._roll(int(now))
-        rate = (self._before + self._now) / (1 + now % 1)
+        return (self._before + self._now) / (1 + now % 1)
+
+
+class DrainRate(Rate):
+    """Requests leaving per second: what Retry-After is computed from."""
+
+    def left(self) -> None:
+        self.count()
+
+    def retry_after(self, queued: int) -> int:
+        """Seconds until `queued` waiters and one more are likely through, 1..60."""
+        rate = self.per_second()
         if rate <= 0:
             return 1
         return max(1, min(60, math.ceil((queued + 1) / rate)))
+
+
+def reserve_for(arrivals: float, completions: float, most: int) -> int:
+    """The slots to keep so that requests arriving at `arrivals` a second, each taking a
+    kept slot that the next of `completions` a second gives back, find one free
+    `1 - RESERVE_MISS` of the time: k with (arrivals / completions) ** k below
+    `RESERVE_MISS` (the kept slots taken are a birth-death chain), at least one and at
+    most `most`."""
+    if arrivals <= 0:
+        return min(1, most)
+    if completions <= arrivals:
+        return most
+    k = math.ceil(math.log(RESERVE_MISS) / math.log(arrivals / completions))
+    return max(1, min(most, k))
