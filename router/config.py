@@ -700,8 +700,9 @@ class SaturationConfig(_Strict):
     #: vllm:kv_cache_usage_perc (0..1) at or above this
     max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     #: the most of the fleet's learned batch slots kept for requests of tenants under
-    #: their share (and higher classes) while such requests come; as many are kept as
-    #: their rate needs to find one free 99% of the time
+    #: their share (twice that, at most half, for a class above a waiting one) while
+    #: such requests come; as many are kept as their rate needs to find one free 99%
+    #: of the time
     reserve: Annotated[float, Meta(ge=0, le=0.5)] = 0.25
 
 

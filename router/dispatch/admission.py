@@ -131,6 +131,8 @@ class Admission:
         #: holds for `RESERVE_SECONDS` after), and how often such requests come
         self._wanted_at = -math.inf
         self._wanted = Rate()
+        #: when such a request last came for being of a class above a waiting one
+        self._outranking_at = -math.inf
 
     @property
     def queued(self) -> int:
@@ -186,12 +188,16 @@ class Admission:
     def _reserved(self) -> int:
         """The slots kept now for requests under their share (none unless one came
         lately beside waiters): as many as their rate needs (flow.py), at most the
-        fleet's `reserve`."""
-        if time.monotonic() - self._wanted_at > RESERVE_SECONDS:
+        fleet's `reserve`, or twice that while some came for outranking a waiting class
+        (a lower class is the one to refuse first, and a higher one at a steady rate
+        needs more kept slots than a quiet tenant)."""
+        now = time.monotonic()
+        if now - self._wanted_at > RESERVE_SECONDS:
             return 0
-        return reserve_for(
-            self._wanted.per_second(), self._drain.per_second(), self._room.reserve()
-        )
+        most = self._room.reserve()
+        if now - self._outranking_at <= RESERVE_SECONDS:
+            most = min(2 * most, self._room.slots() // 2)
+        return reserve_for(self._wanted.per_second(), self._drain.per_second(), most)
 
     def _under_share(self, tenant: str) -> bool:
         return self._shares.under(tenant, self._room.slots())
@@ -260,9 +266,12 @@ class Admission:
             and not self._counts.waiting_above(rank)
         ):
             reserve = self._reserved()
-            may = not len(queue) or queue.waits_below(rank) or self._under_share(tenant)
+            outranking = queue.waits_below(rank)
+            may = not len(queue) or outranking or self._under_share(tenant)
             if may and len(queue):
                 self._wanted_at = time.monotonic()
+                if outranking:
+                    self._outranking_at = self._wanted_at
                 self._wanted.count()
                 reserve = self._reserved()
             spare = self._spare(reserve + 1)

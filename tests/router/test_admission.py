@@ -241,6 +241,29 @@ async def test_a_probe_past_a_limit_goes_to_a_backlog_not_to_the_reserve() -> No
     await asyncio.gather(quiet, *noisy)
 
 
+async def test_a_class_above_a_waiting_one_keeps_up_to_twice_the_reserve() -> None:
+    """A higher class at a steady rate needs more kept slots than a quiet tenant, and
+    the lower class waiting is the one to refuse first: up to twice the reserve (at
+    most half the slots) is kept while such requests come."""
+    room = _Room(slots=16)
+    adm = Admission(_limits(max_concurrent_requests=100, queue_size=64), room=room)
+    low = [asyncio.create_task(adm.enter("bulk", "sheddable")) for _ in range(20)]
+    await asyncio.sleep(0)  # twenty waiting: far over its share
+    room.room, room.kept = 6, 3
+    for _ in range(40):  # arrivals at the rate of completions: all it may keep
+        adm._drain.left()
+    for _ in range(40):
+        await adm.enter("chat", "critical")  # each past the sheddable waiters
+    adm.configure(adm.limits)
+    assert adm.queued == 20  # 6 free, 6 kept (twice 3): the sheddable ones wait
+    room.room = 7
+    adm.configure(adm.limits)
+    assert adm.queued == 19
+    room.room = math.inf
+    adm.configure(adm.limits)
+    await asyncio.gather(*low)
+
+
 async def test_a_tenant_alone_is_not_held_back_by_the_reserve() -> None:
     room = _Room(slots=2)
     adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
