@@ -38,21 +38,18 @@ metric here).
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Callable, Hashable
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import NamedTuple
 
 from router.config import FlowConfig, LimitsConfig
 from router.dispatch.counts import Counts, LocalCounts
-from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, Rate, rank_of, reserve_for
+from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, rank_of
+from router.dispatch.reserve import Reserve
+from router.dispatch.saturation import Room, Unbounded
 from router.dispatch.shared_admission import TOTAL
-from router.dispatch.shares import Shares
 from router.dispatch.waiting import Waiting
 from router.metrics import Metrics, Refusal
-
-#: how long the reserve holds after a request under its share came beside waiters, s
-RESERVE_SECONDS = 1.0
 
 
 class Held(NamedTuple):
@@ -61,35 +58,6 @@ class Held(NamedTuple):
     tenant: str
     #: the key its tenant is counted under against `max_concurrent_per_tenant`, if capped
     key: Hashable | None
-
-
-class Room(Protocol):
-    """The fleet's room for more requests (saturation.py's `FleetRoom`)."""
-
-    def free(self, enough: float = 1, probe: bool = False) -> float: ...
-
-    def full(self) -> bool: ...
-
-    def reserve(self) -> int: ...
-
-    def slots(self) -> int: ...
-
-
-class Unbounded:
-    """A fleet whose room is never counted (saturation off, or no fleet): only the caps
-    hold requests back."""
-
-    def free(self, enough: float = 1, probe: bool = False) -> float:
-        return math.inf
-
-    def full(self) -> bool:
-        return False
-
-    def reserve(self) -> int:
-        return 0
-
-    def slots(self) -> int:
-        return 0
 
 
 class Admission:
@@ -125,14 +93,8 @@ class Admission:
         #: a fleet of unknown bounds held requests back since the queue was last empty:
         #: release paced
         self._held_back = False
-        #: each tenant's requests here against its fair share (who may take the reserve)
-        self._shares = Shares(self._queue.weight)
-        #: when a request under its share last came while others waited (the reserve
-        #: holds for `RESERVE_SECONDS` after), and how often such requests come
-        self._wanted_at = -math.inf
-        self._wanted = Rate()
-        #: when such a request last came for being of a class above a waiting one
-        self._outranking_at = -math.inf
+        #: the fleet's room kept for tenants under their share and higher classes
+        self._reserve = Reserve(self._room, self._drain, self._queue.weight)
 
     @property
     def queued(self) -> int:
@@ -142,7 +104,7 @@ class Admission:
         """New limits (reload); waiters that now fit are admitted."""
         self.limits = limits
         self._queue.configure(flow or self._queue.flow, limits)
-        self._shares.reweigh()
+        self._reserve.shares.reweigh()
         self._admit_waiters()
 
     async def enter(self, tenant: str | None, priority: str = DEFAULT_CLASS) -> Held:
@@ -156,11 +118,11 @@ class Admission:
         """`enter`'s holding, and the seconds the request waited in the queue (0: it was
         admitted at once)."""
         held = Held(tenant or "", self._take_tenant(tenant))
-        self._shares.arrive(held.tenant)
+        self._reserve.shares.arrive(held.tenant)
         try:
             waited = await self._take_slot(held.tenant, rank_of(priority))
         except BaseException:
-            self._shares.depart(held.tenant)
+            self._reserve.shares.depart(held.tenant)
             self._give_tenant(held.key)
             raise
         return held, waited
@@ -169,7 +131,7 @@ class Admission:
         """An admitted request ended (`held`: what it entered with), or a slot handed to
         a waiter that gave up comes back (None)."""
         if held is not None:
-            self._shares.depart(held.tenant)
+            self._reserve.shares.depart(held.tenant)
             self._give_tenant(held.key)
         self._drain.left()
         if not len(self._queue) or not self._release():  # else handed over
@@ -185,27 +147,10 @@ class Admission:
             self._held_back = True
         return spare
 
-    def _reserved(self) -> int:
-        """The slots kept now for requests under their share (none unless one came
-        lately beside waiters): as many as their rate needs (flow.py), at most the
-        fleet's `reserve`, or twice that while some came for outranking a waiting class
-        (a lower class is the one to refuse first, and a higher one at a steady rate
-        needs more kept slots than a quiet tenant)."""
-        now = time.monotonic()
-        if now - self._wanted_at > RESERVE_SECONDS:
-            return 0
-        most = self._room.reserve()
-        if now - self._outranking_at <= RESERVE_SECONDS:
-            most = min(2 * most, self._room.slots() // 2)
-        return reserve_for(self._wanted.per_second(), self._drain.per_second(), most)
-
-    def _under_share(self, tenant: str) -> bool:
-        return self._shares.under(tenant, self._room.slots())
-
     def _grant(self) -> tuple[float, bool]:
         """The fleet's room now, and whether a backlog may take it: past the reserve,
         or a backend's probe when there is no other room (the reserve is not one)."""
-        reserve = self._reserved()
+        reserve = self._reserve.size()
         spare = self._spare(reserve + 1)
         if spare >= 1:
             return spare, spare > reserve
@@ -214,7 +159,7 @@ class Admission:
     def _wake(self, backlog: bool) -> bool:
         """Hand a slot to the next waiter: any for a backlog, else one the reserve
         keeps for."""
-        return self._waiting.wake(None if backlog else self._under_share)
+        return self._waiting.wake(None if backlog else self._reserve.under_share)
 
     def _release(self) -> bool:
         """Hand the slot of a request that left to the next waiter the fleet has room
@@ -265,15 +210,11 @@ class Admission:
             and not queue.waits_above(rank)
             and not self._counts.waiting_above(rank)
         ):
-            reserve = self._reserved()
             outranking = queue.waits_below(rank)
-            may = not len(queue) or outranking or self._under_share(tenant)
+            may = not len(queue) or outranking or self._reserve.under_share(tenant)
             if may and len(queue):
-                self._wanted_at = time.monotonic()
-                if outranking:
-                    self._outranking_at = self._wanted_at
-                self._wanted.count()
-                reserve = self._reserved()
+                self._reserve.wanted(outranking)
+            reserve = self._reserve.size()
             spare = self._spare(reserve + 1)
             if (spare > reserve or (may and spare >= 1)) and self._take_total():
                 return 0.0

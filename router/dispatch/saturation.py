@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from router.config import SaturationConfig
 from router.fleet.backend import Backend
@@ -49,6 +50,35 @@ def saturated(backend: Backend, cfg: SaturationConfig) -> bool:
     """Is `backend` full by its own state: vLLM's queue or KV cache, or the router's
     requests in flight there against its learned batch limit?"""
     return room_at(backend, cfg) <= 0
+
+
+class Room(Protocol):
+    """The fleet's room for more requests, as admission asks it (`FleetRoom`)."""
+
+    def free(self, enough: float = 1, probe: bool = False) -> float: ...
+
+    def full(self) -> bool: ...
+
+    def reserve(self) -> int: ...
+
+    def slots(self) -> int: ...
+
+
+class Unbounded:
+    """A fleet whose room is never counted (no fleet, as in admission's own tests):
+    only the caps hold requests back."""
+
+    def free(self, enough: float = 1, probe: bool = False) -> float:
+        return math.inf
+
+    def full(self) -> bool:
+        return False
+
+    def reserve(self) -> int:
+        return 0
+
+    def slots(self) -> int:
+        return 0
 
 
 class FleetRoom:
