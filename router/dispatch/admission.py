@@ -38,11 +38,12 @@ metric here).
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Hashable
 from functools import partial
 from typing import NamedTuple
 
-from router.config import FlowConfig, LimitsConfig
+from router.config import PRIORITIES, FlowConfig, LimitsConfig
 from router.dispatch.counts import Counts, LocalCounts
 from router.dispatch.flow import DEFAULT_CLASS, DrainRate, FlowQueue, rank_of
 from router.dispatch.reserve import Reserve
@@ -56,8 +57,8 @@ class Held(NamedTuple):
     """What an admitted request holds, given back by `leave`."""
 
     tenant: str
-    #: the key its tenant is counted under against `max_concurrent_per_tenant`, if capped
-    key: Hashable | None
+    #: the key its tenant is counted under (against `max_concurrent_per_tenant`, if capped)
+    key: Hashable
 
 
 class Admission:
@@ -79,7 +80,7 @@ class Admission:
         self._counts = counts or LocalCounts()
         self._queue = FlowQueue(flow or FlowConfig(), limits)
         self._room = room or Unbounded()
-        self._drain = DrainRate()
+        self._drain = DrainRate(self._counts.cells)
         self._waiting = Waiting(
             self._queue,
             self._counts,
@@ -94,7 +95,7 @@ class Admission:
         #: release paced
         self._held_back = False
         #: the fleet's room kept for tenants under their share and higher classes
-        self._reserve = Reserve(self._room, self._drain, self._queue.weight)
+        self._reserve = Reserve(self._room, self._counts, self._drain, self._queue.weight)
 
     @property
     def queued(self) -> int:
@@ -203,16 +204,18 @@ class Admission:
         """Take a slot, waiting in the queue if need be; the seconds waited there. A
         request of a flow with none waiting here, and no waiter of a higher class
         anywhere, goes at once while the fleet has room: room past the reserve, or any
-        when it may take the reserve (flow.py)."""
-        queue = self._queue
+        when it may take the reserve (flow.py: no waiter anywhere, or it outranks one,
+        or its tenant is under its share)."""
+        queue, counts = self._queue, self._counts
         if (
             not queue.waits(tenant, rank)
             and not queue.waits_above(rank)
-            and not self._counts.waiting_above(rank)
+            and not counts.waiting_above(rank)
         ):
-            outranking = queue.waits_below(rank)
-            may = not len(queue) or outranking or self._reserve.under_share(tenant)
-            if may and len(queue):
+            waiters = counts.waiting_in(range(len(PRIORITIES)))
+            outranking = counts.waiting_in(range(rank + 1, len(PRIORITIES)))
+            may = not waiters or outranking or self._reserve.under_share(tenant)
+            if may and waiters:
                 self._reserve.wanted(outranking)
             reserve = self._reserve.size()
             spare = self._spare(reserve + 1)
@@ -220,16 +223,17 @@ class Admission:
                 return 0.0
         return await self._waiting.wait(tenant, rank, self.limits.queue_size)
 
-    def _take_tenant(self, tenant: str | None) -> Hashable | None:
+    def _take_tenant(self, tenant: str | None) -> Hashable:
+        """Count the request under its tenant's key (the fair shares read the count),
+        within `max_concurrent_per_tenant` for a named tenant."""
         cap = self.limits.max_concurrent_per_tenant
+        key = self._counts.key(tenant or "")
         if tenant is None or cap is None:
-            return None
-        key = self._counts.key(tenant)
+            cap = sys.maxsize
         if not self._counts.take(key, cap):
             message = f"Tenant `{tenant}` is at its limit of {cap} concurrent requests."
             raise self._waiting.refused(Refusal.TENANT_CAP, message)
         return key
 
-    def _give_tenant(self, key: Hashable | None) -> None:
-        if key is not None:
-            self._counts.give(key)
+    def _give_tenant(self, key: Hashable) -> None:
+        self._counts.give(key)

@@ -1,14 +1,16 @@
 """What admission's caps are checked against: requests counted per key (the total, or a
 tenant's key), this process's own (`LocalCounts`), or with several workers the shared
 admission table (shared_admission.py), which also tells each worker the others'
-waiters by class."""
+waiters by class and their flow signals (signals.py)."""
 
 from __future__ import annotations
 
 from collections.abc import Hashable
 from typing import Protocol
 
+from router.config import PRIORITIES
 from router.dispatch.session import SessionRecords
+from router.dispatch.signals import FlowCells
 
 
 class Counts(Protocol):
@@ -17,6 +19,8 @@ class Counts(Protocol):
     shared: bool  # other processes change the counts too
     #: the session affinity records shared with the other processes, if any
     sessions: SessionRecords | None
+    #: the flow signals every process publishes (signals.py)
+    cells: FlowCells
 
     def key(self, tenant: str) -> Hashable:
         """What `tenant` is counted under."""
@@ -26,11 +30,17 @@ class Counts(Protocol):
 
     def give(self, key: Hashable) -> None: ...
 
+    def count(self, key: Hashable) -> int:
+        """The requests counted under `key` now."""
+
     def set_waiting(self, rank: int, depth: int) -> None:
         """This process's waiters of class `rank` now."""
 
     def waiting_above(self, rank: int) -> bool:
         """Does another process have a waiter of a class above `rank`?"""
+
+    def waiting_in(self, ranks: range) -> bool:
+        """Does any process, this one included, have a waiter of a class in `ranks`?"""
 
 
 class LocalCounts:
@@ -41,6 +51,8 @@ class LocalCounts:
 
     def __init__(self) -> None:
         self._counts: dict[Hashable, int] = {}
+        self.cells = FlowCells.local()
+        self._waiting = [0] * len(PRIORITIES)
 
     def key(self, tenant: str) -> str:
         return tenant
@@ -59,8 +71,14 @@ class LocalCounts:
         else:
             del self._counts[key]  # bounded: only keys with requests in flight
 
+    def count(self, key: Hashable) -> int:
+        return self._counts.get(key, 0)
+
     def set_waiting(self, rank: int, depth: int) -> None:
-        pass  # no other process to tell
+        self._waiting[rank] = depth
 
     def waiting_above(self, rank: int) -> bool:
-        return False
+        return False  # no other process
+
+    def waiting_in(self, ranks: range) -> bool:
+        return any(self._waiting[rank] for rank in ranks)

@@ -34,10 +34,14 @@ Admission (router/dispatch/waiting.py) keeps its waiters here instead of one FIF
 Scope: the queue is per worker process; the counts the caps check are router-wide
 (shared_admission.py), and so are the numbers of waiters per class: a worker releases
 its own best waiter only while no other worker has a waiter of a higher class, so the
-class order holds router-wide (within a 10 ms poll). Fair share between tenants and
-promotion hold within each worker's queue (a tenant's requests spread over the workers
-share in each). The saturation gate is the same for all (every worker reads the same
-scraped state). Across replicas each keeps its own queue.
+class order holds router-wide (within a 10 ms poll). So does the reserve: a tenant's
+share counts its requests in every worker, and the reserve is kept for the requests
+wanting it in any worker, at the router's completion rate (signals.py). The round robin
+between tenants and promotion hold within each worker's queue (a tenant's requests
+spread over the workers take turns in each). The saturation gate is the same for all
+(every worker counts every worker's requests in flight). Across replicas each keeps its
+own queue, shares and reserve: each replica's fair share is of its own traffic, against
+the whole fleet's slots.
 Cost: O(1) per release (amortized over the round-robin ring), O(tenants waiting) for
 a release into the reserve, O(queue) only for a waiter that gives up or is shed.
 """
@@ -54,6 +58,7 @@ from dataclasses import dataclass, field
 from multidict import CIMultiDict
 
 from router.config import PRIORITIES, FlowConfig, LimitsConfig, TokenClass
+from router.dispatch.signals import LEFT, FlowCells, Rate
 from router.errors import KvrouteError
 
 DEFAULT_CLASS = "standard"
@@ -299,30 +304,14 @@ class FlowQueue:
         return None
 
 
-class Rate:
-    """Events per second over the last one to two seconds (two one-second buckets)."""
-
-    def __init__(self) -> None:
-        self._second = 0  # the bucket `_now` counts
-        self._now = self._before = 0
-
-    def _roll(self, second: int) -> None:
-        if second != self._second:
-            self._before = self._now if second == self._second + 1 else 0
-            self._now, self._second = 0, second
-
-    def count(self) -> None:
-        self._roll(int(time.monotonic()))
-        self._now += 1
-
-    def per_second(self) -> float:
-        now = time.monotonic()
-        self._roll(int(now))
-        return (self._before + self._now) / (1 + now % 1)
-
-
 class DrainRate(Rate):
-    """Requests leaving per second: what Retry-After is computed from."""
+    """Requests leaving per second: this worker's is what Retry-After is computed from
+    (its own waiters drain at its own rate), the router's what the reserve is sized by."""
+
+    __slots__ = ()
+
+    def __init__(self, cells: FlowCells | None = None) -> None:
+        super().__init__(cells, LEFT)
 
     def left(self) -> None:
         self.count()

@@ -7,6 +7,7 @@ load table keeps its columns (router/fleet/shared_load.py):
 
     [row 0: requests admitted, w0..wN-1] [row 1..S: one tenant slot's requests, w0..wN-1]
     [row S+1..S+C: requests waiting in each priority class, w0..wN-1]
+    [rows S+C+1..: the flow signals, router/dispatch/signals.py, w0..wN-1]
 
 A worker writes only its own cells; a row's sum is the router's count. Tenants are an
 open set, so a tenant is counted in slot ``1 + xxh3(tenant) mod S`` of a fixed table.
@@ -37,7 +38,8 @@ still checked against the candidates, so at worst one request skips its affinity
 The waiting rows let the class order hold router-wide (router/dispatch/flow.py): a
 worker hands a freed slot to its own best waiter only while no other worker has one of a
 higher class waiting; otherwise it gives the slot back and that worker's poll takes it.
-A worker writes its own class depths whenever its queue changes.
+A worker writes its own class depths whenever its queue changes. The flow signals'
+rows carry what the reserve and the fair shares need from every worker (signals.py).
 
 Cost per request: a hash of the tenant, per row one store and one C-level sum of N
 int64s, and two `flock` calls only near a cap; `give` one store.
@@ -52,6 +54,7 @@ from pathlib import Path
 import xxhash
 
 from router.config import PRIORITIES
+from router.dispatch.signals import ROWS, FlowCells
 from router.fleet.shared_load import lock_within, map_shared
 
 #: the row of requests admitted (per-tenant rows follow)
@@ -74,11 +77,15 @@ class AdmissionTable:
 
     def __init__(self, path: str | Path, workers: int, worker: int | None) -> None:
         self.workers, self.worker = workers, worker
-        self._rows = _WAITING + len(PRIORITIES)
+        signals = _WAITING + len(PRIORITIES)
+        self._rows = signals + ROWS
         counts = self._rows * workers
         self._map = map_shared(path, (counts + 2 * SESSION_SLOTS) * _INT64)
         self._words = memoryview(self._map).cast("q")
         self._sessions = self._words[counts:]
+        self._signals = self._words[signals * workers : counts]
+        #: this worker's flow signals (the supervisor's column: none, never written)
+        self.cells = FlowCells(self._signals, workers, worker or 0)
         self._lock_fd = os.open(path, os.O_RDONLY)  # flock is per open file
 
     def key(self, tenant: str) -> int:
@@ -106,6 +113,10 @@ class AdmissionTable:
     def give(self, row: int) -> None:
         self._words[row * self.workers + self.worker] -= 1
 
+    def count(self, row: int) -> int:
+        start = row * self.workers
+        return sum(self._words[start : start + self.workers])
+
     def set_waiting(self, rank: int, depth: int) -> None:
         """This worker's waiters of class `rank` now."""
         self._words[(_WAITING + rank) * self.workers + self.worker] = depth
@@ -119,6 +130,12 @@ class AdmissionTable:
             if sum(row) - row[own] > 0:
                 return True
         return False
+
+    def waiting_in(self, ranks: range) -> bool:
+        """Does any worker have a waiter of a class in `ranks`?"""
+        words, workers = self._words, self.workers
+        start = (_WAITING + ranks.start) * workers
+        return any(words[start : start + len(ranks) * workers])
 
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended with it."""
@@ -144,6 +161,7 @@ class AdmissionTable:
         self._sessions[slot + 1] = _signed((backend & 0xFFFFFFFF) << 32 | int(at) & 0xFFFFFFFF)
 
     def close(self) -> None:
+        self._signals.release()
         self._sessions.release()
         self._words.release()
         self._map.close()

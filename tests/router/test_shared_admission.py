@@ -5,6 +5,7 @@ over it (several tables on one file stand for the workers)."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import pytest
 
@@ -12,6 +13,7 @@ from router.config import LimitsConfig
 from router.dispatch.admission import Admission
 from router.dispatch.shared_admission import TENANT_SLOTS, TOTAL, AdmissionTable
 from router.errors import Overloaded
+from tests.router.test_admission import _queued, _Room
 
 
 def tables(tmp_path, workers: int = 3) -> list[AdmissionTable]:
@@ -84,3 +86,32 @@ def test_session_records_and_waiters_by_class_are_seen_by_every_worker(tmp_path)
     t2.clear_worker(1)  # it died: its waiters went with it, the sessions stay
     assert not t0.waiting_above(1)
     assert t2.recall(key) == (0xDEADBEEF, 1234.0)
+
+
+async def test_the_reserve_and_the_shares_count_every_workers_requests(tmp_path) -> None:
+    """A quiet tenant's request in worker 1 beside a noisy tenant's backlog in worker 0:
+    worker 0 keeps the fleet's last slots for such requests though none came to it, and
+    worker 1 judges noisy over its share by its requests in every worker."""
+    t0, t1, _ = tables(tmp_path)
+    room = _Room(free=1, reserve=2, slots=4)
+    limits = _limits(max_concurrent_requests=20, queue_size=8)
+    first, second = Admission(limits, t0, room=room), Admission(limits, t1, room=room)
+    held = [await second.enter("noisy")]  # a tenant's connections spread over workers
+    room.room = 0
+    backlog = await _queued(first, "noisy", "noisy", "noisy", "noisy")
+    room.room = 1
+    held.append(await second.enter("quiet"))  # under its share: the reserve's, at once
+    late = asyncio.create_task(second.enter("noisy"))  # over its share router-wide
+    await asyncio.sleep(0)
+    assert second.queued == 1
+    first.configure(limits)  # as a poll does: the one slot is the reserve's
+    assert (first.active, first.queued) == (0, 4)
+    room.room = math.inf
+    for _ in range(5):  # a backlog is released a poll at a time
+        first.configure(limits)
+        second.configure(limits)
+    for one in await asyncio.gather(*backlog):
+        first.leave(one)
+    for one in [*held, await late]:
+        second.leave(one)
+    assert first.active == second.active == 0
