@@ -52,17 +52,16 @@ async def test_success_stream_and_client_mistakes_each_get_a_line(tmp_path, fmt)
     path = tmp_path / "access.log"
     config = {"access_log": {"path": str(path)}, "log_format": fmt}
     async with running(1, **config) as (router, _):
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none")
-        raw = await client.chat.completions.with_raw_response.create(**CHAT)
-        rid = raw.headers["x-request-id"]
-        stream = await client.chat.completions.create(
-            **CHAT, stream=True, stream_options={"include_usage": True}
-        )
-        async for _ in stream:
-            pass
-        with pytest.raises(openai.NotFoundError):
-            await client.chat.completions.create(**{**CHAT, "model": "no-such-model"})
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none") as client:
+            raw = await client.chat.completions.with_raw_response.create(**CHAT)
+            rid = raw.headers["x-request-id"]
+            stream = await client.chat.completions.create(
+                **CHAT, stream=True, stream_options={"include_usage": True}
+            )
+            async for _ in stream:
+                pass
+            with pytest.raises(openai.NotFoundError):
+                await client.chat.completions.create(**{**CHAT, "model": "no-such-model"})
         async with aiohttp.ClientSession() as http:
             sent = {"X-Request-Id": "my-trace-42", "Content-Type": "application/json"}
             url = router.url + "/v1/chat/completions"

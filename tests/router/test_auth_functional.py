@@ -141,12 +141,15 @@ async def test_valid_tokens_pass_and_set_the_tenant(secrets) -> None:
         text = reply.body.decode()
         assert 'kvroute_tenant_requests_total{tenant="acme"} 1.0' in text
         assert 'kvroute_tenant_requests_total{tenant="team-a"} 1.0' in text
-        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key=signed, max_retries=0)
-        answer = await oai.chat.completions.create(model=MODEL, messages=chat()["json"]["messages"])
+        async with AsyncOpenAI(base_url=router.url + "/v1", api_key=signed, max_retries=0) as oai:
+            messages = chat()["json"]["messages"]
+            answer = await oai.chat.completions.create(model=MODEL, messages=messages)
         assert answer.choices[0].message.content
-        stranger = AsyncOpenAI(base_url=router.url + "/v1", api_key="bad", max_retries=0)
-        with pytest.raises(AuthenticationError):
-            await stranger.models.list()
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="bad", max_retries=0
+        ) as stranger:
+            with pytest.raises(AuthenticationError):
+                await stranger.models.list()
         tally.add("sent", 2)
         assert (tally.failed, tally.hung) == (0, 0)
         await settle(router)

@@ -44,12 +44,13 @@ async def test_the_key_reaches_the_backend_as_bearer_and_shows_nowhere(secrets, 
     try:
         with caplog.at_level(logging.DEBUG):
             await router.start()
-            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
-            answer = await client.chat.completions.create(
-                model="stub-model", messages=[{"role": "user", "content": "hi"}]
-            )
-            models = await client.models.list()  # the router's list, from its polls
-            await client.close()
+            async with openai.AsyncOpenAI(
+                base_url=router.url + "/v1", api_key=DATA_TOKEN
+            ) as client:
+                answer = await client.chat.completions.create(
+                    model="stub-model", messages=[{"role": "user", "content": "hi"}]
+                )
+                models = await client.models.list()  # the router's list, from its polls
             async with aiohttp.ClientSession() as http:
                 admin = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
                 pages = []
@@ -86,12 +87,11 @@ async def test_fleet_defaults_apply_and_a_backends_own_key_wins(secrets, monkeyp
     router = Router(build(config))
     await router.start()
     try:
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
-        for _ in range(12):  # RANDOM: both backends answer some
-            await client.chat.completions.create(
-                model="stub-model", messages=[{"role": "user", "content": "hi"}]
-            )
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN) as client:
+            for _ in range(12):  # RANDOM: both backends answer some
+                await client.chat.completions.create(
+                    model="stub-model", messages=[{"role": "user", "content": "hi"}]
+                )
     finally:
         await router.stop()
         await defaulted.stop()
@@ -109,13 +109,12 @@ async def test_a_reload_reads_a_rotated_key_file(secrets, tmp_path) -> None:
     router = Router(build(_config(stub, api_key_file=str(key_file))))
     await router.start()
     try:
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN)
-        chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
-        await client.chat.completions.create(**chat)
-        key_file.write_text("sk-second\n")
-        await router.reloader.apply(build(_config(stub, api_key_file=str(key_file))))
-        await client.chat.completions.create(**chat)
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key=DATA_TOKEN) as client:
+            chat = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}]}
+            await client.chat.completions.create(**chat)
+            key_file.write_text("sk-second\n")
+            await router.reloader.apply(build(_config(stub, api_key_file=str(key_file))))
+            await client.chat.completions.create(**chat)
     finally:
         await router.stop()
         await stub.stop()
@@ -164,11 +163,10 @@ async def test_a_backend_behind_a_path_prefix_gets_every_call_under_it() -> None
         (backend,) = router.fleet.members
         assert backend.healthy and backend.models == frozenset({"stub-model"})
         assert backend.name == f"127.0.0.1:{stub.port}/team/vllm"
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
-        answer = await client.chat.completions.create(
-            model="stub-model", messages=[{"role": "user", "content": "hi"}]
-        )
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused") as client:
+            answer = await client.chat.completions.create(
+                model="stub-model", messages=[{"role": "user", "content": "hi"}]
+            )
     finally:
         await router.stop()
         await stub.stop()
@@ -192,14 +190,13 @@ async def test_a_wrong_backend_key_is_a_warning_and_a_502_not_the_routers_401(
             await router.start()
             await router.poller.poll_once()  # a second round: no second warning
             await router.health.check_once()
-            client = openai.AsyncOpenAI(
+            async with openai.AsyncOpenAI(
                 base_url=router.url + "/v1", api_key=DATA_TOKEN, max_retries=0
-            )
-            with pytest.raises(openai.APIStatusError) as info:
-                await client.chat.completions.create(
-                    model="stub-model", messages=[{"role": "user", "content": "hi"}]
-                )
-            await client.close()
+            ) as client:
+                with pytest.raises(openai.APIStatusError) as info:
+                    await client.chat.completions.create(
+                        model="stub-model", messages=[{"role": "user", "content": "hi"}]
+                    )
     finally:
         await router.stop()
         await stub.stop()

@@ -47,11 +47,10 @@ async def test_an_https_backend_signed_by_the_configured_ca_serves(pki: Path) ->
     await router.start()
     try:
         assert router.fleet.members[0].healthy  # the health check went over TLS too
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused")
-        answer = await client.chat.completions.create(**CHAT)
-        stream = await client.chat.completions.create(**CHAT, stream=True)
-        chunks = [chunk async for chunk in stream]
-        await client.close()
+        async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused") as client:
+            answer = await client.chat.completions.create(**CHAT)
+            stream = await client.chat.completions.create(**CHAT, stream=True)
+            chunks = [chunk async for chunk in stream]
     finally:
         await router.stop()
         await stub.stop()
@@ -65,10 +64,11 @@ async def test_an_untrusted_certificate_is_refused_and_the_log_says_why(pki, cap
     try:
         with caplog.at_level(logging.WARNING, logger="kvroute.backends"):
             await router.start()
-        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
-        with pytest.raises(openai.APIStatusError) as refused:
-            await client.chat.completions.create(**CHAT)
-        await client.close()
+        async with openai.AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="unused", max_retries=0
+        ) as client:
+            with pytest.raises(openai.APIStatusError) as refused:
+                await client.chat.completions.create(**CHAT)
     finally:
         await router.stop()
         await stub.stop()

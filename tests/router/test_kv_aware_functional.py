@@ -84,14 +84,16 @@ async def until_indexed(router: Router, backend: str, keys: int, tier: str | Non
 
 
 async def ask(router: Router, doc: str, question: str) -> tuple[str, int]:
-    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
-    raw = await oai.chat.completions.with_raw_response.create(
-        model=MODEL,
-        messages=[{"role": "system", "content": doc}, {"role": "user", "content": question}],
-        max_tokens=2,
-    )
-    usage = raw.parse().usage
-    return raw.headers["x-kvroute-backend"], usage.prompt_tokens_details.cached_tokens
+    async with AsyncOpenAI(
+        base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
+    ) as oai:
+        raw = await oai.chat.completions.with_raw_response.create(
+            model=MODEL,
+            messages=[{"role": "system", "content": doc}, {"role": "user", "content": question}],
+            max_tokens=2,
+        )
+        usage = raw.parse().usage
+        return raw.headers["x-kvroute-backend"], usage.prompt_tokens_details.cached_tokens
 
 
 @pytest.mark.parametrize("encoding", ["array", "map"])
@@ -246,28 +248,32 @@ async def test_hf_tokenizer_runs_off_the_loop_and_template_errors_are_400(tmp_pa
     tok_dir = build_tokenizer_dir(tmp_path, template="{{ raise_exception('no system') }}")
     routing = {"strategy": "KV_AWARE", "tokenizer": {"kind": "hf", "path": str(tok_dir)}}
     async with running(2, routing) as (router, stubs):
-        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
-        with pytest.raises(openai.BadRequestError, match="no system"):
-            await oai.chat.completions.create(
-                model="stub-model", messages=[{"role": "user", "content": "hi"}]
-            )
-        assert not any(s.received for s in stubs)
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10
+        ) as oai:
+            with pytest.raises(openai.BadRequestError, match="no system"):
+                await oai.chat.completions.create(
+                    model="stub-model", messages=[{"role": "user", "content": "hi"}]
+                )
+            assert not any(s.received for s in stubs)
     tok_dir = build_tokenizer_dir(tmp_path / "ok")
     routing["tokenizer"]["path"] = str(tok_dir)
     async with running(3, routing) as (router, stubs):
-        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
-        homes = set()
-        for q in ("roof", "windows", "doors"):
-            raw = await oai.chat.completions.with_raw_response.create(
-                model="stub-model",
-                messages=[
-                    {"role": "system", "content": "the tenant keeps " * 40},
-                    {"role": "user", "content": q},
-                ],
-            )
-            homes.add(raw.headers["x-kvroute-backend"])
-        assert len(homes) == 1  # approximate mode: the shared system prompt stays together
-        assert router.fleet.policy.recent[-1]["prompt_tokens"] > 40
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10
+        ) as oai:
+            homes = set()
+            for q in ("roof", "windows", "doors"):
+                raw = await oai.chat.completions.with_raw_response.create(
+                    model="stub-model",
+                    messages=[
+                        {"role": "system", "content": "the tenant keeps " * 40},
+                        {"role": "user", "content": q},
+                    ],
+                )
+                homes.add(raw.headers["x-kvroute-backend"])
+            assert len(homes) == 1  # approximate mode: the shared system prompt stays together
+            assert router.fleet.policy.recent[-1]["prompt_tokens"] > 40
 
 
 async def test_a_reload_that_adds_kv_events_starts_the_subscription(tmp_path) -> None:
@@ -381,17 +387,19 @@ HALF = ["--step-base-ms", "50", "--decode-per-seq-ms", "0.3", "--prefill-per-tok
 async def streamed(router: Router, i: int, first: asyncio.Event) -> None:
     """A ~3,000-token prompt of its own, streamed back in 40 tokens with its usage;
     `first` is set when its first token came."""
-    oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20)
-    words = " ".join(f"w{i}x{k}" for k in range(1600))
-    stream = await oai.chat.completions.create(
-        model=MODEL,
-        messages=[{"role": "user", "content": words}],
-        max_tokens=40,
-        stream=True,
-        stream_options={"include_usage": True},
-    )
-    async for _ in stream:
-        first.set()
+    async with AsyncOpenAI(
+        base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
+    ) as oai:
+        words = " ".join(f"w{i}x{k}" for k in range(1600))
+        stream = await oai.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": words}],
+            max_tokens=40,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        async for _ in stream:
+            first.set()
 
 
 async def overlapping(router: Router, start: int, n: int) -> None:

@@ -96,38 +96,40 @@ async def test_the_fallback_takes_the_overflow_exactly_while_the_preferred_pool_
 ) -> None:
     monkeypatch.setenv("KV_ADMIN", ADMIN_TOKEN)
     async with two_pools(admin={"port": 0, "token_env": "KV_ADMIN"}) as (router, main, spare):
-        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
-        assert await ask(oai) == ("preferred", "main")  # room: the preferred pool
-        main.behaviour.hang_after_chunks = 1  # the next stream holds main's one slot
-        body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
-        async with aiohttp.ClientSession() as http:
-            async with http.post(router.url + "/v1/chat/completions", json=body) as held:
-                assert held.headers["x-kvroute-pool"] == "preferred"
-                assert (await held.content.readline()).startswith(b"data: ")
-                assert await ask(oai) == ("fallback", "spare")  # full: the overflow
-                assert await ask(oai, stream=True) == ("fallback", "spare")
-                full = await pools(router, http)  # one in flight: the preferred pool's
-        one = {"backends": 1, "usable": 1}
-        assert full["preferred"] == {
-            **one, "name": "preferred", "priority": 0, "inflight": 1, "saturation": 1.0,
-            "wanted": 1, "removable": 0,
-        }  # fmt: skip
-        assert full["fallback"] == {
-            **one, "name": "fallback", "priority": 1, "inflight": 0, "saturation": 0.0,
-            "wanted": 0, "removable": 1,
-        }  # fmt: skip
-        text = router.metrics.render().decode()
-        assert 'kvroute_pool_removable_backends{pool="fallback"} 1.0' in text
-        async with asyncio.timeout(5):  # the held stream's slot is given back
-            while router.fleet.find("main").inflight:
-                await asyncio.sleep(0.01)
-        main.behaviour.hang_after_chunks = None
-        assert await ask(oai) == ("preferred", "main")  # room again: back home
-        assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 2
-        assert counted(router, "pool_picks", pool="preferred") == 3
-        assert counted(router, "pool_picks", pool="fallback") == 2
-        assert [r["model"] for r in spare.received] == ["stub-model-awq"] * 2
-        assert spare.completed == 2 and main.completed == 2  # nothing lost
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10
+        ) as oai:
+            assert await ask(oai) == ("preferred", "main")  # room: the preferred pool
+            main.behaviour.hang_after_chunks = 1  # the next stream holds main's one slot
+            body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
+            async with aiohttp.ClientSession() as http:
+                async with http.post(router.url + "/v1/chat/completions", json=body) as held:
+                    assert held.headers["x-kvroute-pool"] == "preferred"
+                    assert (await held.content.readline()).startswith(b"data: ")
+                    assert await ask(oai) == ("fallback", "spare")  # full: the overflow
+                    assert await ask(oai, stream=True) == ("fallback", "spare")
+                    full = await pools(router, http)  # one in flight: the preferred pool's
+            one = {"backends": 1, "usable": 1}
+            assert full["preferred"] == {
+                **one, "name": "preferred", "priority": 0, "inflight": 1, "saturation": 1.0,
+                "wanted": 1, "removable": 0,
+            }  # fmt: skip
+            assert full["fallback"] == {
+                **one, "name": "fallback", "priority": 1, "inflight": 0, "saturation": 0.0,
+                "wanted": 0, "removable": 1,
+            }  # fmt: skip
+            text = router.metrics.render().decode()
+            assert 'kvroute_pool_removable_backends{pool="fallback"} 1.0' in text
+            async with asyncio.timeout(5):  # the held stream's slot is given back
+                while router.fleet.find("main").inflight:
+                    await asyncio.sleep(0.01)
+            main.behaviour.hang_after_chunks = None
+            assert await ask(oai) == ("preferred", "main")  # room again: back home
+            assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 2
+            assert counted(router, "pool_picks", pool="preferred") == 3
+            assert counted(router, "pool_picks", pool="fallback") == 2
+            assert [r["model"] for r in spare.received] == ["stub-model-awq"] * 2
+            assert spare.completed == 2 and main.completed == 2  # nothing lost
 
 
 async def test_a_pool_with_its_own_threshold_fills_to_it_before_the_fallback(
@@ -138,20 +140,22 @@ async def test_a_pool_with_its_own_threshold_fills_to_it_before_the_fallback(
     monkeypatch.setenv("KV_ADMIN", ADMIN_TOKEN)
     async with two_pools(admin={"port": 0, "token_env": "KV_ADMIN"}) as (router, main, spare):
         await router.reloader.apply(_with_own_threshold(router.config, 2))
-        oai = AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10)
-        main.behaviour.hang_after_chunks = 1  # streams on main hold their slot
-        body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
-        url = router.url + "/v1/chat/completions"
-        async with aiohttp.ClientSession() as http:
-            async with http.post(url, json=body) as one, http.post(url, json=body) as two:
-                for held in (one, two):
-                    assert held.headers["x-kvroute-pool"] == "preferred"
-                    assert (await held.content.readline()).startswith(b"data: ")
-                assert await ask(oai) == ("fallback", "spare")
-                full = await pools(router, http)
-        assert (full["preferred"]["inflight"], full["preferred"]["saturation"]) == (2, 1.0)
-        assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 1
-        assert spare.completed == 1
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=10
+        ) as oai:
+            main.behaviour.hang_after_chunks = 1  # streams on main hold their slot
+            body = {"model": "stub-model", "messages": MESSAGES, "stream": True}
+            url = router.url + "/v1/chat/completions"
+            async with aiohttp.ClientSession() as http:
+                async with http.post(url, json=body) as one, http.post(url, json=body) as two:
+                    for held in (one, two):
+                        assert held.headers["x-kvroute-pool"] == "preferred"
+                        assert (await held.content.readline()).startswith(b"data: ")
+                    assert await ask(oai) == ("fallback", "spare")
+                    full = await pools(router, http)
+            assert (full["preferred"]["inflight"], full["preferred"]["saturation"]) == (2, 1.0)
+            assert counted(router, "pool_spills", pool="preferred", reason="saturated") == 1
+            assert spare.completed == 1
 
 
 def _with_own_threshold(config: Config, threshold: int) -> Config:

@@ -31,24 +31,24 @@ def client(router) -> AsyncOpenAI:
 
 async def test_chat_and_completions_non_stream_and_stream() -> None:
     async with running(2) as (router, _stubs):
-        oai = client(router)
-        raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
-        assert raw.parse().choices[0].message.content == "tok0 tok1 tok2 "
-        assert raw.headers["x-kvroute-backend"] in {"b0", "b1"}
-        assert raw.headers["x-request-id"]
+        async with client(router) as oai:
+            raw = await oai.chat.completions.with_raw_response.create(model=MODEL, messages=CHAT)
+            assert raw.parse().choices[0].message.content == "tok0 tok1 tok2 "
+            assert raw.headers["x-kvroute-backend"] in {"b0", "b1"}
+            assert raw.headers["x-request-id"]
 
-        stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
-        deltas = [c.choices[0].delta.content async for c in stream]
-        assert deltas == ["tok0 ", "tok1 ", "tok2 "]
+            stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+            deltas = [c.choices[0].delta.content async for c in stream]
+            assert deltas == ["tok0 ", "tok1 ", "tok2 "]
 
-        done = await oai.completions.create(model=MODEL, prompt="once upon")
-        assert done.choices[0].text == "tok0 tok1 tok2 "
-        stream = await oai.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True)
-        assert [c.choices[0].text async for c in stream] == ["tok0 ", "tok1 ", "tok2 "]
+            done = await oai.completions.create(model=MODEL, prompt="once upon")
+            assert done.choices[0].text == "tok0 tok1 tok2 "
+            stream = await oai.completions.create(model=MODEL, prompt=[1, 2, 3], stream=True)
+            assert [c.choices[0].text async for c in stream] == ["tok0 ", "tok1 ", "tok2 "]
 
-        emb = await oai.embeddings.create(model=MODEL, input="vectorize me")
-        assert emb.data[0].embedding == [0.1, 0.2]
-        await settle(router)
+            emb = await oai.embeddings.create(model=MODEL, input="vectorize me")
+            assert emb.data[0].embedding == [0.1, 0.2]
+            await settle(router)
 
 
 async def test_body_and_request_id_are_forwarded_unchanged() -> None:
@@ -184,11 +184,11 @@ async def test_mid_stream_failure_ends_with_error_event_and_done() -> None:
         assert events[3] == b"data: [DONE]"
         await settle(router)
         # the SDK surfaces it as an error instead of hanging
-        oai = client(router)
-        stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
-        with pytest.raises(openai.APIError):
-            async for _ in stream:
-                pass
+        async with client(router) as oai:
+            stream = await oai.chat.completions.create(model=MODEL, messages=CHAT, stream=True)
+            with pytest.raises(openai.APIError):
+                async for _ in stream:
+                    pass
         await settle(router)
 
 
@@ -365,7 +365,8 @@ async def test_models_health_ready_metrics() -> None:
                 assert resp.status == 200
             async with http.get(router.url + "/ready") as resp:
                 assert resp.status == 200
-            await client(router).chat.completions.create(model=MODEL, messages=CHAT)
+            async with client(router) as oai:
+                await oai.chat.completions.create(model=MODEL, messages=CHAT)
             async with http.get(router.url + "/metrics") as resp:
                 text = await resp.text()
         names = {f.name for f in text_string_to_metric_families(text)}
@@ -422,9 +423,8 @@ async def test_unknown_path_is_openai_style_404() -> None:
 async def test_prefix_aware_reads_tools_and_rejects_mixed_prompts() -> None:
     async with running(2, {"strategy": "PREFIX_AWARE"}) as (router, stubs):
         tools = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-        reply = await client(router).chat.completions.create(
-            model=MODEL, messages=CHAT, tools=tools
-        )
+        async with client(router) as oai:
+            reply = await oai.chat.completions.create(model=MODEL, messages=CHAT, tools=tools)
         assert reply.choices[0].message.content
         code, _, body = await _status(
             router.url + "/v1/completions", json={"model": MODEL, "prompt": ["text", 7]}

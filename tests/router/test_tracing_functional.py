@@ -72,10 +72,9 @@ async def test_a_sampled_trace_continues_through_the_router_to_the_backend() -> 
     exporter = InMemorySpanExporter()
     try:
         async with _router(stub, exporter=exporter) as router:
-            client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none")
-            headers = {"traceparent": f"00-{TRACE}-{PARENT}-01", "tracestate": "vendor=1"}
-            await client.chat.completions.create(**CHAT, extra_headers=headers)
-            await client.close()
+            async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="none") as client:
+                headers = {"traceparent": f"00-{TRACE}-{PARENT}-01", "tracestate": "vendor=1"}
+                await client.chat.completions.create(**CHAT, extra_headers=headers)
     finally:
         await stub.stop()
     (sent,) = stub.headers

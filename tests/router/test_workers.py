@@ -119,13 +119,14 @@ class MultiRouter:
         for _ in range(200):
             before = self._mine()
             session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1))
+            self.sessions.append(session)  # so close() closes it if the probe below raises
             async with session.get(self.url + "/health") as resp:
                 await resp.read()
             (client_port,) = self._mine() - before
             owner = await until(lambda p=client_port: self._owner(p), 5, "the connection's owner")
             if owner == pid:
-                self.sessions.append(session)
                 return session
+            self.sessions.remove(session)
             await session.close()
         raise AssertionError(f"no connection reached worker {pid}")
 
