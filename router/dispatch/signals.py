@@ -17,7 +17,10 @@ Rows (`ROWS` of them):
   (milliseconds of the system-wide monotonic clock), and one for outranking a waiting
   class;
 - `WANTED` and `LEFT`: two `Rate`s, requests wanting the reserve and requests leaving,
-  three rows each (the second counted, its count, the count of the second before).
+  three rows each (the second counted, its count, the count of the second before);
+- `PENDING`: the waiters this worker released whose requests do not yet count on a
+  backend (waiting.py): every worker subtracts every worker's from the fleet's room, so
+  two workers never hand out the same free slot.
 
 A row read while another worker writes it may be one event behind: each cell is one
 aligned store, and every use here tolerates that.
@@ -29,8 +32,8 @@ import time
 from array import array
 from collections.abc import Sequence
 
-WEIGHTS, WANTED_AT, OUTRANKING_AT, WANTED, LEFT = 0, 1, 2, 3, 6
-ROWS = 9
+WEIGHTS, WANTED_AT, OUTRANKING_AT, WANTED, LEFT, PENDING = 0, 1, 2, 3, 6, 9
+ROWS = 10
 #: thousandths: weights are kept as int64
 _MILLI = 1000
 
@@ -58,6 +61,13 @@ class FlowCells:
         """Every worker's cell of `row`."""
         start = row * self.workers
         return self._words[start : start + self.workers]
+
+    def add(self, row: int, change: int) -> None:
+        self.set(row, self.own(row) + change)
+
+    def total(self, row: int) -> int:
+        """`row` summed over the workers."""
+        return sum(self.row(row))
 
     def set_weights(self, weights: float) -> None:
         self.set(WEIGHTS, round(weights * _MILLI))
@@ -95,7 +105,7 @@ class Rate:
             cells.set(first + 2, before)
             cells.set(first + 1, 0)
             cells.set(first, second)
-        cells.set(first + 1, cells.own(first + 1) + 1)
+        cells.add(first + 1, 1)
 
     def per_second(self) -> float:
         cells, first = self._cells, self._first

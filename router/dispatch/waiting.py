@@ -18,6 +18,7 @@ from collections.abc import Callable
 from router.config import PRIORITIES
 from router.dispatch.counts import Counts
 from router.dispatch.flow import DrainRate, FlowQueue, Waiter
+from router.dispatch.signals import PENDING
 from router.errors import Overloaded
 from router.metrics import Metrics, Refusal
 
@@ -51,8 +52,9 @@ class Waiting:
         #: this worker's waiters by tenant label
         self._tenant_depth: dict[str, int] = {}
         self._poll: asyncio.TimerHandle | None = None
-        #: waiters handed a slot whose tasks have not yet run on to their backend
-        self.pending = 0
+        #: waiters handed a slot whose tasks have not yet run on to their backend,
+        #: counted in the flow signals, where every worker's are summed
+        self._cells = counts.cells
 
     async def wait(self, tenant: str, rank: int, queue_size: int) -> float:
         """Wait in the queue for a slot (`queue_size`: the router's queue's, per worker);
@@ -78,11 +80,11 @@ class Waiting:
         try:
             async with asyncio.timeout(queue.queue_timeout(name)):
                 await waiter.future
-            self.pending -= 1
+            self._cells.add(PENDING, -1)
         except BaseException as exc:
             future = waiter.future
             if future.done() and not future.cancelled() and future.exception() is None:
-                self.pending -= 1
+                self._cells.add(PENDING, -1)
                 self._pass_on()  # handed a slot just as we gave up
             elif queue.remove(waiter):
                 self._changed(waiter, -1)
@@ -115,9 +117,14 @@ class Waiting:
             self._changed(waiter, -1)
             if not waiter.future.done():  # a cancelled one is queued until its task runs
                 waiter.future.set_result(None)
-                self.pending += 1
+                self._cells.add(PENDING, 1)
                 return True
         return False
+
+    @property
+    def pending(self) -> int:
+        """The router's released waiters whose requests do not yet count on a backend."""
+        return self._cells.total(PENDING)
 
     def refused(self, why: Refusal, message: str) -> Overloaded:
         """The refusal to raise, counted, its Retry-After from the drain rate."""

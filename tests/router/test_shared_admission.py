@@ -115,3 +115,21 @@ async def test_the_reserve_and_the_shares_count_every_workers_requests(tmp_path)
     for one in [*held, await late]:
         second.leave(one)
     assert first.active == second.active == 0
+
+
+async def test_a_slot_released_in_one_worker_is_not_handed_out_again_by_another(tmp_path) -> None:
+    """A waiter released in worker 0 counts on no backend until its task runs: worker 1
+    must not see that slot as free meanwhile."""
+    t0, t1, _ = tables(tmp_path)
+    room = _Room(free=0, slots=4)
+    limits = _limits(max_concurrent_requests=20, queue_size=8)
+    first, second = Admission(limits, t0, room=room), Admission(limits, t1, room=room)
+    (waiter,) = await _queued(first, "a")
+    room.room = 1
+    late = asyncio.create_task(second.enter("b"))  # runs before the released waiter
+    first.configure(limits)  # released: its task has not run yet
+    await asyncio.sleep(0)
+    assert second.queued == 1  # the one free slot was worker 0's waiter's
+    first.leave(await waiter)
+    second.configure(limits)
+    second.leave(await late)
