@@ -293,7 +293,9 @@ def _add_router_options(run: _Group) -> None:
         "--peers",
         action="store_true",
         help="add rows for sglang-router (cache_aware, round_robin) and vllm-router "
-        "(cache_aware) on the same fleet and workload; pip-installed on first use",
+        "(cache_aware) on the same fleet and workload, and on multi-turn (whose requests "
+        "name their conversation as a session) their session modes (sglang-router manual, "
+        "vllm-router consistent_hash); pip-installed on first use",
     )
     run.add_argument(
         "--peers-venv",
@@ -571,7 +573,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     seeds = args.seeds or [args.seed]
     try:
         if args.peers and options.target is None:
-            options = options._replace(peers=find_peers(args.peers_venv, args.install))
+            sessions = workload.shape == "multi-turn"
+            peers = find_peers(args.peers_venv, args.install, sessions)
+            options = options._replace(peers=peers)
         if ramp is not None:
             knees = uvloop.run(_until_signal(_knees(workload, options, ramp)))
             return _print_knees(knees, workload, options, ramp, args.out, argv)

@@ -43,6 +43,8 @@ from router.ingress.relay import BACKEND_HEADER
 __all__ = ["Outcome", "chat_body", "has_content", "replay"]
 
 _HEADERS = {"Content-Type": "application/json"}
+#: the header sglang-router's `manual` policy routes by
+SGLANG_ROUTING_KEY = "x-smg-routing-key"
 _DATA = b"data: "
 _DONE = b"[DONE]"
 _EVENT_END = b"\n\n"
@@ -106,7 +108,8 @@ async def replay(
             try:
                 if spec.turn:
                     await finished[(spec.group, spec.turn - 1)].wait()
-                await _send(http, targets[spec.index], chat_body(spec, model), out, start)
+                body, headers = chat_body(spec, model), request_headers(spec)
+                await _send(http, targets[spec.index], body, headers, out, start)
             finally:
                 finished[(spec.group, spec.turn)].set()
                 on_done(out)
@@ -148,15 +151,29 @@ async def _closed_loop(specs: Sequence[RequestSpec], one: Callable, concurrency:
             tasks.create_task(worker())
 
 
+def request_headers(spec: RequestSpec) -> dict[str, str]:
+    """The headers of `spec`'s request: its session, if it names one, under the names the
+    routers compared read (kvroute's and vllm-router's `X-Session-ID`, sglang-router's
+    routing key)."""
+    if spec.session is None:
+        return _HEADERS
+    return {**_HEADERS, "X-Session-ID": spec.session, SGLANG_ROUTING_KEY: spec.session}
+
+
 async def _send(
-    http: aiohttp.ClientSession, url: str, body: dict, out: Outcome, start: float
+    http: aiohttp.ClientSession,
+    url: str,
+    body: dict,
+    headers: dict[str, str],
+    out: Outcome,
+    start: float,
 ) -> None:
     loop = asyncio.get_running_loop()
     t0 = loop.time()
     out.sent = t0 - start
     try:
         async with http.post(
-            url + "/v1/chat/completions", data=orjson.dumps(body), headers=_HEADERS
+            url + "/v1/chat/completions", data=orjson.dumps(body), headers=headers
         ) as resp:
             out.status = resp.status
             out.backend = resp.headers.get(BACKEND_HEADER)

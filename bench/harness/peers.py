@@ -25,6 +25,12 @@ PEER_ROWS = (
     ("sglang-router", "round_robin"),
     ("vllm-router", "cache_aware"),
 )
+#: and for a workload whose requests name their session: each peer's session mode
+#: (sglang-router's by its routing-key header, vllm-router's by X-Session-ID)
+SESSION_ROWS = (
+    ("sglang-router", "manual"),
+    ("vllm-router", "consistent_hash"),
+)
 
 
 class Peer(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,8 +46,9 @@ class Peer(msgspec.Struct, frozen=True, kw_only=True):
         return f"{self.package}:{self.policy}"
 
 
-def find_peers(venv: Path, install: bool) -> tuple[Peer, ...]:
-    """Each peer row, its package pip-installed into `venv` first unless not `install`."""
+def find_peers(venv: Path, install: bool, sessions: bool = False) -> tuple[Peer, ...]:
+    """Each peer row (with `sessions`, the session modes' too), its package pip-installed
+    into `venv` first unless not `install`."""
     found = ensure_peers(venv, install)
     return tuple(
         Peer(
@@ -50,7 +57,7 @@ def find_peers(venv: Path, install: bool) -> tuple[Peer, ...]:
             python=None if found[package][0] is None else str(found[package][0]),
             version=found[package][1],
         )
-        for package, policy in PEER_ROWS
+        for package, policy in (*PEER_ROWS, *(SESSION_ROWS if sessions else ()))
     )
 
 

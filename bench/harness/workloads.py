@@ -21,7 +21,10 @@ differs a little). G = `groups`, N = `requests`:
                 the whole history (t questions and t `max_tokens`-token replies) plus a new
                 question, so prompts grow by question + reply per turn. Conversations are
                 interleaved at random with their turns kept in order; a client sends turn t
-                only after turn t-1 of the same group has finished.
+                only after turn t-1 of the same group has finished. Each request names its
+                conversation as a session (`RequestSpec.session`, sent as `X-Session-ID`
+                and the header sglang-router's `manual` policy keys by), as chat clients
+                and coding agents do.
   no-sharing    every request a unique prompt of prefix + question tokens (its own group).
 
 Invariants: the same `WorkloadSpec` gives the same requests, byte for byte (every text comes
@@ -107,6 +110,8 @@ class RequestSpec(msgspec.Struct, frozen=True, kw_only=True):
     messages: list[Message]
     max_tokens: int
     arrival: float | None
+    #: the conversation it continues, for session affinity (multi-turn)
+    session: str | None = None
 
 
 def generate(spec: WorkloadSpec) -> list[RequestSpec]:
@@ -115,9 +120,16 @@ def generate(spec: WorkloadSpec) -> list[RequestSpec]:
     prompts = SHAPES[spec.shape](spec, rng)
     arrivals = _arrivals(spec, rng)  # may stop early (duration): so does the workload
     pairs = zip(prompts, arrivals, strict=False)
+    sessions = spec.shape == "multi-turn"
     return [
         RequestSpec(
-            index=i, group=g, turn=t, messages=m, max_tokens=spec.max_tokens, arrival=arrival
+            index=i,
+            group=g,
+            turn=t,
+            messages=m,
+            max_tokens=spec.max_tokens,
+            arrival=arrival,
+            session=f"conversation-{spec.seed}-{g}" if sessions else None,
         )
         for i, ((g, t, m), arrival) in enumerate(pairs)
     ]

@@ -33,7 +33,7 @@ except ImportError as exc:
     ) from exc
 import orjson
 
-from bench.harness.loadgen import chat_body, has_content
+from bench.harness.loadgen import chat_body, has_content, request_headers
 from bench.harness.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 
 _DATA = b"data: "
@@ -130,7 +130,7 @@ class ChatUser(HttpUser):
 
     def _send(self, spec: RequestSpec) -> None:
         body = orjson.dumps(chat_body(spec, _workload.model))
-        headers = {"Content-Type": "application/json"}
+        headers = request_headers(spec)
         t0 = time.perf_counter()
         with self.client.post(
             "/v1/chat/completions", data=body, headers=headers, stream=True, catch_response=True

@@ -17,10 +17,11 @@ from pathlib import Path
 import orjson
 import psutil
 import pytest
+from aiohttp import web
 
 from bench.harness import compare as harness
 from bench.harness import demo
-from bench.harness.loadgen import Outcome
+from bench.harness.loadgen import SGLANG_ROUTING_KEY, Outcome, replay
 from bench.harness.report import (
     BackendDelta,
     Run,
@@ -541,3 +542,45 @@ def _alive(pid: int) -> bool:
         return b"(zombie)" not in Path(f"/proc/{pid}/status").read_bytes()
     except OSError:
         return False
+
+
+async def test_multi_turn_requests_name_their_conversation_as_a_session() -> None:
+    """Each multi-turn request carries its conversation under the headers the routers
+    compared read (X-Session-ID, sglang-router's routing key); other shapes name none."""
+    seen: list[tuple[str | None, str | None]] = []
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        seen.append((request.headers.get("X-Session-ID"), request.headers.get(SGLANG_ROUTING_KEY)))
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        turns = generate(WorkloadSpec(shape="multi-turn", requests=6, groups=2, max_tokens=2))
+        outcomes = await replay([url], "m", turns, concurrency=2, deadline=20)
+        assert all(out.ok for out in outcomes)
+        sessions = sorted((spec.session, spec.session) for spec in turns)
+        assert sorted(seen) == sessions and len(set(sessions)) == 2
+        seen.clear()
+        documents = generate(WorkloadSpec(requests=2, groups=1, prefix_tokens=20, max_tokens=2))
+        await replay([url], "m", documents, concurrency=2, deadline=20)
+        assert seen == [(None, None)] * 2
+    finally:
+        await runner.cleanup()
+
+
+def test_multi_turn_adds_the_peers_session_modes(tmp_path, capsys):
+    venv = tmp_path / "no-peers"
+    argv = [*TINY, "--workload=multi-turn", "--strategies=RANDOM", "--requests=8"]
+    assert harness.main([*argv, "--peers", f"--peers-venv={venv}", "--no-install"]) == 0
+    rows = _rows(capsys.readouterr().out)
+    assert list(rows)[-2:] == ["sglang-router:manual", "vllm-router:consistent_hash"]
