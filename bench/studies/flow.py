@@ -20,7 +20,7 @@ router in service has long learned it). Every request after is counted: sent =
 answered + refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's
 latency is checked against its class's `queue_timeout`.
 
-    python -m bench.studies.flow --seconds 30
+    python -m bench.studies.flow --seconds 60 [--scenarios tenants]
 
 Reproduces docs/performance.md, "Flow control past saturation".
 """
@@ -229,10 +229,13 @@ async def run(args: argparse.Namespace) -> str:
             "longest refusal s |",
             "|---|---|---|---|---|---|---|---|---|---|",
         ]
-        for scenario, alone_load, loaded, probe in (
+        scenarios = (
             ("tenants", quiet, noisy, "quiet"),
             ("classes", crit, shed, "critical"),
-        ):
+        )
+        for scenario, alone_load, loaded, probe in scenarios:
+            if scenario not in args.scenarios:
+                continue
             alone = await with_router(backends, True, alone_load, args)
             base = alone[probe].p99()
             lines.append(row(f"{scenario}: alone", probe, alone[probe], base))
@@ -241,6 +244,17 @@ async def run(args: argparse.Namespace) -> str:
                 label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
                 lines += [row(label, name, got[name], base) for name in loaded]
         return "\n".join(lines)
+
+
+SCENARIOS = ("tenants", "classes")
+
+
+def _scenarios(text: str) -> set[str]:
+    names = set(text.split(","))
+    if unknown := names - set(SCENARIOS):
+        known = ", ".join(SCENARIOS)
+        raise argparse.ArgumentTypeError(f"unknown {sorted(unknown)}; known: {known}")
+    return names
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,6 +276,12 @@ def main(argv: list[str] | None = None) -> int:
         help="flow.saturation.reserve with flow control on (default: the router's)",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="the sim's clock")
+    parser.add_argument(
+        "--scenarios",
+        type=_scenarios,
+        default=set(SCENARIOS),
+        help="which to run, comma-separated: tenants, classes (default: both)",
+    )
     args = parser.parse_args(argv)
     print(asyncio.run(run(args)))
     return 0
