@@ -52,6 +52,10 @@ class Placements(Protocol):
         """(backend, blocks, expires_at): another worker's recent placement of the blocks
         from `keys[start]` on, and how many of them this prompt shares, if any."""
 
+    def withdraw(self, backend: str, keys: Sequence[int], start: int) -> None:
+        """The placement of `keys[start:]` on `backend`, just made in this loop turn, was
+        not followed: out of the table, and out of the batch for the other workers."""
+
 
 class Reason(StrEnum):
     """Why a backend was picked; exported as the `reason` label of decisions."""
@@ -207,6 +211,11 @@ class Policy(Generic[P]):
 
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         raise NotImplementedError
+
+    def retract(self, req: RouteRequest, pick: Pick) -> None:
+        """The router did not follow `pick`, this policy's latest for `req` on that backend
+        (it picked again among other candidates, or for a session): forget what the pick
+        learned, or the policy would believe a backend holds a prompt never sent there."""
 
     def tuned(self, params: P) -> Policy[P]:
         """This policy with a pool's own `params` (from `tuned_params`): a shallow copy,

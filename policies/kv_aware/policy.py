@@ -140,6 +140,10 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         self._decisions.record(req, backend, scored, reach)
         return Pick(backend, _reason(covered, cached), covered)
 
+    def retract(self, req: RouteRequest, pick: Pick) -> None:
+        if pick.backend is not None:
+            self._upkeep.retract(req, pick.backend.name)
+
     def _adopt_placement(
         self, req: RouteRequest, fleet: FleetView, scored: list[Scored], reach: Reach
     ) -> None:

@@ -62,6 +62,9 @@ class IndexUpkeep:
         self.pace: int | None = None
         #: (backend, first key still to insert) -> (keys, its index, expiry), oldest first
         self.pending: OrderedDict[tuple[str, int], tuple[Sequence[int], int, float]] = OrderedDict()
+        #: the request learned last, and where each of its picks began inserting, by
+        #: backend (`retract`)
+        self._learned: tuple[RouteRequest | None, dict[str, int]] = (None, {})
 
     def keep(self, names: set[str]) -> None:
         """Forget the backends that publish events and are not in `names` (they left);
@@ -79,10 +82,14 @@ class IndexUpkeep:
         Only the blocks past the cached prefix are inserted, so a hit costs O(new blocks).
         """
         p = self.params
-        new = req.blocks[cached // p.block_size :]
+        start = cached // p.block_size
+        new = req.blocks[start:]
         if not new:
             return
         name = backend.name
+        if self._learned[0] is not req:
+            self._learned = (req, {})
+        self._learned[1][name] = start
         ttl = p.speculative_ttl_s if name in self.event_backends else p.approximate_ttl_s
         expires_at = time.monotonic() + ttl
         if self.pace is None or len(new) <= self.pace:
@@ -94,6 +101,21 @@ class IndexUpkeep:
                 self.drain()
         if self.placements is not None:
             self.placements.place(name, req.blocks, cached // p.block_size, expires_at)
+
+    def retract(self, req: RouteRequest, name: str) -> None:
+        """Undo `learn`'s insert of `req` on `name` (a pick the router did not follow):
+        the speculative keys, the pending rest, the shared placement. What a pick learned
+        goes only in its own loop turn, before another request could rely on it."""
+        learned, starts = self._learned
+        start = starts.pop(name, None) if learned is req else None
+        if start is None:
+            return
+        new = req.blocks[start:]
+        self.index.gpu.dropped(name, new)
+        if self.pace is not None and len(new) > self.pace:
+            self.pending.pop((name, new[self.pace]), None)
+        if self.placements is not None:
+            self.placements.withdraw(name, req.blocks, start)
 
     def drain(self) -> bool:
         """Insert the next slice of the oldest pending learn (`pace` keys); True while

@@ -108,10 +108,14 @@ class Picker:
             policy = fleet.policy_of(pool)
             choose = self._least_loaded if role == "decode" else policy.pick
             pick = choose(route_req, excluding(view, tried) if tried else view)
+            made = [pick]
             if pick.backend is not None and self.saturation.enabled:
-                pick = self._with_room(pick, view, choose, route_req)
+                pick = self._with_room(pick, view, choose, route_req, made)
             if session is not None and pick.backend is not None:
-                pick = self._steered(session, pick, view, choose, route_req)
+                pick = self._steered(session, pick, view, choose, route_req, made)
+            for other in made:
+                if other.backend is not pick.backend:
+                    policy.retract(route_req, other)
             self._upkeep.note(policy)
             if pick.backend is not None and pick.reason is not Reason.ALL_SATURATED:
                 return pick, view, passed
@@ -127,17 +131,20 @@ class Picker:
         view: FleetView,
         choose: Callable[[RouteRequest, FleetView], Pick],
         route_req: RouteRequest,
+        made: list[Pick],
     ) -> Pick:
         """The pick again among the candidates with room, when the policy's has none
         (saturation.py) and another has: a request admitted because the fleet has room
-        must not wait in a full backend's queue. A pick with room costs one check."""
+        must not wait in a full backend's queue. A pick with room costs one check. Each
+        pick made is added to `made` (those not followed are retracted)."""
         cfg = self.saturation
         if room_at(pick.backend, cfg, probe=True) > 0:
             return pick
         full = [b.name for b in view.candidates if room_at(b, cfg, probe=True) <= 0]
         if len(full) == len(view.candidates):
             return pick
-        return choose(route_req, excluding(view, full))
+        made.append(again := choose(route_req, excluding(view, full)))
+        return again
 
     def _steered(
         self,
@@ -146,12 +153,15 @@ class Picker:
         view: FleetView,
         choose: Callable[[RouteRequest, FleetView], Pick],
         route_req: RouteRequest,
+        made: list[Pick],
     ) -> Pick:
-        """The pick steered to the session's backend (session.py)."""
+        """The pick steered to the session's backend (session.py); each pick made is
+        added to `made`."""
 
         def alone(backend: Backend) -> Pick:
             others = [b.name for b in view.candidates if b is not backend]
-            return choose(route_req, excluding(view, others))
+            made.append(there := choose(route_req, excluding(view, others)))
+            return there
 
         return self.sessions.steer(session, pick, view.candidates, alone)
 

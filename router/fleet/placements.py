@@ -117,6 +117,8 @@ class PlacementTable:
         self._members: dict[str, int] = {}
         self._outbox: list[tuple[str, float, list[int]]] = []
         self._answers: list[Answer] = []
+        #: a flush is due at the end of this loop turn
+        self._armed = False
 
     def lock(self) -> bool:
         """Take the pick lock if it comes within `_LOCK_WAIT_S` (an uncontended flock: two
@@ -169,6 +171,17 @@ class PlacementTable:
             if tags[slot] == tag:
                 expiries[slot + 1] = 0.0
 
+    def withdraw(self, backend: str, keys: Sequence[int], start: int) -> None:
+        """`place`'s record of `keys[start:]` on `backend` in this loop turn goes: from the
+        table, and from the batch not yet sent to the other workers."""
+        placed = list(keys[start:])
+        self.dropped(backend, placed)
+        for at in range(len(self._outbox) - 1, -1, -1):
+            name, _, sent = self._outbox[at]
+            if name == backend and sent == placed:
+                del self._outbox[at]
+                return
+
     def answered(self, answer: Answer) -> None:
         """An answer's cached tokens, for the other workers' indexes (hashing/cache_trust.py),
         in this loop turn's batch."""
@@ -176,7 +189,8 @@ class PlacementTable:
         self._answers.append(answer)
 
     def _flush_soon(self) -> None:
-        if not self._outbox and not self._answers:
+        if not self._armed:
+            self._armed = True
             asyncio.get_running_loop().call_soon(self._flush)
 
     def held(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
@@ -214,6 +228,9 @@ class PlacementTable:
         return expires_at if expires_at > now else None
 
     def _flush(self) -> None:
+        self._armed = False
+        if not self._outbox and not self._answers:
+            return  # all withdrawn
         batch, self._outbox = self._outbox, []
         answers, self._answers = self._answers, []
         self._send(encode_learned(self._worker, batch, answers))

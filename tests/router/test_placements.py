@@ -106,3 +106,19 @@ async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:
     mine.unlock()
     assert theirs.lock()
     theirs.unlock()
+
+
+async def test_a_placement_withdrawn_in_its_turn_reaches_no_worker(pair) -> None:
+    """A pick the router did not follow: its placement leaves the table and the batch."""
+    mine, theirs, sent = pair
+    expires_at = time.monotonic() + 60
+    mine.place("b0", DOC, 10, expires_at)
+    mine.place("b1", DOC, 0, expires_at)
+    mine.withdraw("b0", DOC, 10)
+    assert theirs.held(DOC, 0)[:2] == ("b1", 200)
+    mine.withdraw("b1", DOC, 0)
+    assert theirs.held(DOC, 0) is None
+    mine.place("b2", DOC, 0, expires_at)
+    await asyncio.sleep(0)
+    (batch,) = sent
+    assert decode_learned(batch)[1] == [("b2", expires_at, DOC)]

@@ -108,8 +108,7 @@ async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() ->
         home = members.index(rendezvous(first, members))
         index, reason = await send(first)  # cold everywhere: its session's backend
         assert index == home and reason in {"session", "kv_cold"}
-        # the policy's own first pick keeps its speculative placement too: a session
-        # placed on neither backend shows that the cache outweighs the session
+        # the policy's own picks (its first, and its pick of the session's backend alone)
         guessed = {d["chosen"] for d in router.fleet.policy.recent}
         other = next(
             s for s in sids if rendezvous(s, members).name not in {*guessed, members[home].name}
@@ -118,3 +117,30 @@ async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() ->
         assert reason == "kv_hit" and members[index].name in {*guessed, members[home].name}
         index, reason = await send(first)  # cached on its session's backend too: stays
         assert index == home and reason in {"session", "kv_hit"}
+
+
+async def test_with_kv_aware_a_pick_a_session_overrode_leaves_no_placement() -> None:
+    """A new prompt of a session goes to the session's backend, not to the policy's own
+    first pick: only the backend it went to holds it in the index, or the next request
+    of that prompt would be sent where it never was."""
+    config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members, policy = router.fleet.members, router.fleet.policy
+
+        def placed() -> list[int]:
+            return [policy.index.gpu.size(m.name)[1] for m in members]  # speculative keys
+
+        overridden = 0
+        for i in range(12):
+            held, served, decided = placed(), _served(stubs), len(policy.recent)
+            prompt = f"document {i}: " + "a long new prompt, " * 150
+            body = {**BODY, "messages": [{"role": "user", "content": prompt}]}
+            session = {"X-Session-ID": f"s-{i}"}
+            async with http.post(router.url + PATH, json=body, headers=session) as resp:
+                assert resp.status == 200
+                await resp.read()
+            went = [n > s for n, s in zip(_served(stubs), served, strict=True)]
+            grew = [n > h for n, h in zip(placed(), held, strict=True)]
+            assert grew == went, f"prompt {i}: served {went}, placed {grew}"
+            overridden += len(policy.recent) - decided == 2  # its own pick, then home's
+        assert overridden  # the session overrode the policy's first pick at least once
