@@ -701,9 +701,9 @@ class SaturationConfig(_Strict):
     max_kv_cache_usage: Annotated[float, Meta(gt=0, le=1)] = 0.95
     #: the most of the fleet's learned batch slots kept for requests of tenants under
     #: their share (twice that, at most half, for a class above a waiting one) while
-    #: such requests come; as many are kept as their rate needs to find one free 99%
-    #: of the time
-    reserve: Annotated[float, Meta(ge=0, le=0.5)] = 0.25
+    #: such requests come; as many are kept as their rate needs to find one free 99.8%
+    #: of the time (a P99 of theirs then rarely waits)
+    reserve: Annotated[float, Meta(ge=0, le=0.5)] = 0.3
 
 
 class SessionAffinityConfig(_Strict):

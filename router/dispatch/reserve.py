@@ -3,7 +3,7 @@ slots are kept now.
 
 It is kept while requests that may take it (a tenant under its share, shares.py, or a
 class above a waiting one) came within the last `RESERVE_SECONDS` beside other flows'
-waiters: as many slots as keep one free for 99% of them at their rate against the
+waiters: as many slots as keep one free for 99.8% of them at their rate against the
 fleet's completion rate (flow.py's `reserve_for`), at most `saturation.reserve` of the
 fleet's learned slots, or twice that (at most half) while some came for outranking a
 waiting class: the lower class is the one to refuse first, and a higher one at a steady
