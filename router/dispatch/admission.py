@@ -150,10 +150,12 @@ class Admission:
 
     def _grant(self) -> tuple[float, bool]:
         """The fleet's room now, and whether a backlog may take it: past the reserve,
-        or a backend's probe when there is no other room (the reserve is not one)."""
+        or a backend's probe when there is no other room and no request the reserve is
+        for came lately (a probe's request waits in that backend's own queue and takes
+        the next slot freed there, which those requests would have had)."""
         reserve = self._reserve.size()
         spare = self._spare(reserve + 1)
-        if spare >= 1:
+        if spare >= 1 or reserve:
             return spare, spare > reserve
         return self._spare(1, probe=True), True
 

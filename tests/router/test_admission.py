@@ -224,21 +224,28 @@ async def test_a_tenant_under_its_share_goes_past_a_backlog_into_the_reserve() -
     await noisy[2]
 
 
-async def test_a_probe_past_a_limit_goes_to_a_backlog_not_to_the_reserve() -> None:
+async def test_a_probe_past_a_limit_goes_to_a_backlog_and_not_while_the_reserve_is_wanted() -> None:
+    """A probe's request waits in its backend's own queue and takes the next slot freed
+    there: it goes to a backlog, and none goes while requests the reserve is for come."""
     room = _Room(slots=2)
     adm = Admission(_limits(max_concurrent_requests=10, queue_size=8), room=room)
-    noisy = await _queued(adm, "noisy", "noisy")
+    noisy = await _queued(adm, "noisy", "noisy", "noisy")
     room.kept, room.probing = 1, 1
-    quiet = asyncio.create_task(adm.enter("quiet"))  # under its share: wants the reserve
-    await asyncio.sleep(0)
-    assert adm.queued == 3  # the fleet has no room but a probe: it waits
-    adm.configure(adm.limits)
+    adm.configure(adm.limits)  # no room but a probe, and no one the reserve is for
     assert (adm.active, adm.queued) == (1, 2)
     await noisy[0]  # the backlog's first took the probe
-    assert not quiet.done()
+    quiet = asyncio.create_task(adm.enter("quiet"))  # under its share: wants the reserve
+    await asyncio.sleep(0)
+    adm.configure(adm.limits)
+    assert (adm.active, adm.queued) == (1, 3)  # no probe now: quiet waits for real room
+    room.room = 1
+    adm.configure(adm.limits)
+    await quiet  # the real room goes to the one the reserve is for
+    assert adm.queued == 2
     room.probing, room.room = 0, math.inf
     adm.configure(adm.limits)
-    await asyncio.gather(quiet, *noisy)
+    adm.configure(adm.limits)
+    await asyncio.gather(*noisy)
 
 
 async def test_a_class_above_a_waiting_one_keeps_up_to_twice_the_reserve() -> None:
