@@ -133,3 +133,31 @@ async def test_a_slot_released_in_one_worker_is_not_handed_out_again_by_another(
     first.leave(await waiter)
     second.configure(limits)
     second.leave(await late)
+
+
+async def test_a_higher_class_waiting_in_one_worker_goes_before_a_lower_one_in_another(
+    tmp_path,
+) -> None:
+    """The class order holds across workers: a slot freed while worker 0 has a critical
+    waiter is not taken by worker 1's standard waiters, nor by a standard request
+    arriving there, though worker 1 polls first."""
+    t0, t1, _ = tables(tmp_path)
+    room = _Room(free=0, slots=4)
+    limits = _limits(max_concurrent_requests=20, queue_size=8)
+    first, second = Admission(limits, t0, room=room), Admission(limits, t1, room=room)
+    critical = asyncio.create_task(first.enter("a", "critical"))
+    (standard,) = await _queued(second, "b")
+    assert (first.queued, second.queued) == (1, 1)
+    room.room = 1
+    second.configure(limits)  # worker 1's poll: its waiter is below worker 0's
+    late = asyncio.create_task(second.enter("c"))
+    await asyncio.sleep(0)
+    assert (first.queued, second.queued) == (1, 2)
+    first.configure(limits)
+    held = await asyncio.wait_for(critical, 5)
+    room.room = math.inf
+    second.configure(limits)
+    for one in await asyncio.wait_for(asyncio.gather(standard, late), 5):
+        second.leave(one)
+    first.leave(held)
+    assert first.active == second.active == 0
