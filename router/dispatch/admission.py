@@ -178,7 +178,7 @@ class Admission:
         saturation, would flood that backend's queue. Where the bounds are known, the
         released ones not yet counted are subtracted from the room instead."""
         queue = self._queue
-        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
+        while len(queue) and not self._counts.waiting_above(queue.release_rank()):
             spare, backlog = self._grant()
             if spare < 1:
                 return

@@ -34,11 +34,12 @@ Admission (router/dispatch/waiting.py) keeps its waiters here instead of one FIF
 Scope: the queue is per worker process; the counts the caps check are router-wide
 (shared_admission.py), and so are the numbers of waiters per class: a worker releases
 its own best waiter only while no other worker has a waiter of a higher class, so the
-class order holds router-wide (within a 10 ms poll). So does the reserve: a tenant's
+class order holds router-wide (within a 10 ms poll), and a waiter past its `max_wait`
+goes first whatever waits in other workers. So does the reserve: a tenant's
 share counts its requests in every worker, and the reserve is kept for the requests
 wanting it in any worker, at the router's completion rate (signals.py). The round robin
-between tenants and promotion hold within each worker's queue (a tenant's requests
-spread over the workers take turns in each). The saturation gate is the same for all
+between tenants holds within each worker's queue (a tenant's requests spread over the
+workers take turns in each). The saturation gate is the same for all
 (every worker counts every worker's requests in flight). Across replicas each keeps its
 own queue, shares and reserve: each replica's fair share is of its own traffic, against
 the whole fleet's slots.
@@ -256,16 +257,30 @@ class FlowQueue:
     def pop(self) -> Waiter | None:
         """The next to release: a waiter past its class's `max_wait` (oldest first),
         else the highest class's next by fair share."""
+        overdue = self._overdue()
+        if overdue is not None:
+            self._classes[overdue.rank].remove(overdue)
+            return overdue
+        for fair in self._classes:
+            if fair.size:
+                return fair.pop()
+        return None
+
+    def release_rank(self) -> int:
+        """The class the next release competes as against other workers' waiters: the
+        highest with waiters here, or the top one when a waiter is past its `max_wait`
+        (`pop` releases it first, before any class: so nothing starves behind another
+        worker's higher classes either). The queue is not empty."""
+        return 0 if self._overdue() is not None else self.top_rank()
+
+    def _overdue(self) -> Waiter | None:
+        """The oldest waiter past its class's `max_wait`, of the highest such class."""
         now = time.monotonic()
         for rank in range(1, len(self._classes)):
             max_wait = self._max_wait[rank]
             oldest = self._classes[rank].oldest() if max_wait is not None else None
             if oldest is not None and now - oldest.since >= max_wait:
-                self._classes[rank].remove(oldest)
                 return oldest
-        for fair in self._classes:
-            if fair.size:
-                return fair.pop()
         return None
 
     def pop_reserved(self, under_share: Callable[[str], bool]) -> Waiter | None:

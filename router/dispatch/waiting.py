@@ -108,9 +108,10 @@ class Waiting:
     def wake(self, under_share: Callable[[str], bool] | None = None) -> bool:
         """Hand a slot to the next live waiter (by flow order; or with `under_share`, a
         slot of the reserve, flow.py's `pop_reserved`); False if there is none, or if
-        another worker has a waiter of a higher class (its poll takes the slot)."""
+        another worker has a waiter of a higher class and none here is past its
+        `max_wait` (that worker's poll takes the slot)."""
         queue = self._queue
-        while len(queue) and not self._counts.waiting_above(queue.top_rank()):
+        while len(queue) and not self._counts.waiting_above(queue.release_rank()):
             waiter = queue.pop() if under_share is None else queue.pop_reserved(under_share)
             if waiter is None:
                 return False

@@ -9,7 +9,7 @@ import math
 
 import pytest
 
-from router.config import LimitsConfig
+from router.config import FlowClassConfig, FlowConfig, LimitsConfig
 from router.dispatch.admission import Admission
 from router.dispatch.shared_admission import TENANT_SLOTS, TOTAL, AdmissionTable
 from router.errors import Overloaded
@@ -161,3 +161,25 @@ async def test_a_higher_class_waiting_in_one_worker_goes_before_a_lower_one_in_a
         second.leave(one)
     first.leave(held)
     assert first.active == second.active == 0
+
+
+async def test_a_waiter_past_max_wait_goes_before_another_workers_higher_class(tmp_path) -> None:
+    """Promotion holds across workers: worker 1's standard waiter, past its `max_wait`
+    (0 here), takes the slot freed while worker 0 keeps a critical waiter, as it would
+    in one worker's queue; so nothing starves behind another worker's higher class."""
+    t0, t1, _ = tables(tmp_path)
+    room = _Room(free=0, slots=4)
+    limits = _limits(max_concurrent_requests=20, queue_size=8)
+    flow = FlowConfig(classes={"standard": FlowClassConfig(max_wait=0.0)})
+    first = Admission(limits, t0, room=room, flow=flow)
+    second = Admission(limits, t1, room=room, flow=flow)
+    critical = asyncio.create_task(first.enter("a", "critical"))
+    (standard,) = await _queued(second, "b")
+    room.room = 1
+    second.configure(limits, flow)
+    held = await asyncio.wait_for(standard, 5)
+    assert (first.queued, second.queued, second.active) == (1, 0, 1)
+    room.room = math.inf
+    first.configure(limits, flow)
+    first.leave(await asyncio.wait_for(critical, 5))
+    second.leave(held)
