@@ -19,6 +19,7 @@ is one more binary search: O((1 + holders) * log blocks), whatever the fleet siz
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import islice
 
@@ -48,6 +49,16 @@ class PrefixLookup:
         """When `backend`'s speculative entry for `key` expires (None: it has none)."""
         h = self._backends.get(backend)
         return h.speculative.get(key) if h is not None else None
+
+    def room(self, backend: str) -> float:
+        """Blocks `backend` takes before its entries let others go, where its answers
+        proved how many it keeps (`PrefixIndex.trust`): that bound less the speculative
+        keys it holds. Unbounded while nothing is learned (the cache's size is unknown, or
+        large enough that the engine's own LRU decides)."""
+        h = self._backends.get(backend)
+        if h is None or h.trusted is None:
+            return math.inf
+        return min(h.capacity, h.trusted) - len(h.speculative)
 
     def longest_prefix(self, keys: Sequence[int], backend: str) -> int:
         """How many leading blocks of `keys` the backend holds (binary search, see above)."""

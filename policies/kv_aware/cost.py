@@ -8,7 +8,9 @@ c(b) x r its decode step with r requests in its batch:
                  + waiting_s_per_request * waiting(b)
     decode(b)  = output_tokens * step(b, inflight(b) + 1)
     harm(b)    = inflight(b) * (prefill(b) + output_tokens * c(b) / 2)
+    evict(b)   = max(0, new_blocks(b) - room(b)) * block_size / p(b)
     cost(b)    = ttft(b) + decode(b) + harm(b) + miss_penalty * uncached(b) / p(b)
+                 + eviction_penalty * evict(b)
 
 - uncached(b) = prompt tokens minus the longest prefix b reaches, in blocks, from the
   prefix index (fed by b's KV events, or learned from our own routing when b publishes
@@ -37,6 +39,17 @@ half its decode: they are halfway through theirs, on average).
 The miss penalty is what it costs those that will queue behind its prefill (1.0: a
 backend that would prefill a prompt another holds must save more than the prefill it
 adds).
+
+`evict` is what its new blocks push out of a cache that proved small: new_blocks(b) are
+the prompt's blocks b's GPU does not hold, room(b) the blocks b takes before its entries
+let others go, known only once b's answers showed it keeps fewer blocks than the index
+would (hashing/cache_trust.py: without KV events, or while they stall; unbounded
+before). The
+blocks pushed out are the least recently used there, another prompt's prefix, which a
+request will pay to prefill again if it comes back (1.0: once). An engine that keeps two
+prompts then takes a new document only where it has room for it, or where the others'
+costs outweigh what it evicts; in a cache with room, or one never seen to fall short,
+the term is zero.
 
 `concurrency_threshold` is a hard cap: backends at it are skipped; `max_queue_s` caps a
 backend's estimated queue the same way (the work ahead of a new request, in seconds).
@@ -104,6 +117,9 @@ class CostModel:
         decode = output * (step + per_request * (running + 1))
         harm = running * (prefill + output * per_request / 2)
         cost = ttft + decode + harm + p.miss_penalty * (prompt - covered) / rate
+        evicted = -(-(prompt - cached) // p.block_size) - self._gpu.room(backend.name)
+        if evicted > 0:
+            cost += p.eviction_penalty * evicted * p.block_size / rate
         return cost, covered, backend, cached, tiers, ttft, cost - decode
 
     def under_cap(self, candidates: tuple[BackendLike, ...]) -> list[BackendLike]:

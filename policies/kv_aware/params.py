@@ -58,6 +58,7 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
             "decode_s_per_request",
             "waiting_s_per_request",
             "miss_penalty",
+            "eviction_penalty",
             "tie_fraction",
             "tie_seconds",
             "concurrency_threshold",
@@ -78,6 +79,8 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     output_tokens: Annotated[int, Meta(ge=0)] = 256
     waiting_s_per_request: NonNegative = 0.05
     miss_penalty: NonNegative = 1.0
+    #: the prefill a cache that proved small will redo per block a placement evicts
+    eviction_penalty: NonNegative = 1.0
     tie_fraction: NonNegative = 0.1
     tie_seconds: NonNegative = 0.005
     concurrency_threshold: Annotated[int, Meta(ge=1)] | None = None
