@@ -5,9 +5,12 @@ It is kept while requests that may take it (a tenant under its share, shares.py,
 class above a waiting one) came within the last `RESERVE_SECONDS` beside other flows'
 waiters: as many slots as keep one free for 99.8% of them at their rate against the
 fleet's completion rate (flow.py's `reserve_for`), at most `saturation.reserve` of the
-fleet's learned slots, or twice that (at most half) while some came for outranking a
+fleet's learned slots, or twice that while some came for outranking a
 waiting class: the lower class is the one to refuse first, and a higher one at a steady
-rate needs more kept slots than a quiet tenant. Router-wide: the rates and moments are
+rate needs more kept slots than a quiet tenant (its requests in flight swing by several
+slots while a lower class's request holds the one it took). Each kept slot idles while
+the lower class waits, so `saturation.reserve` trades the higher class's tail against
+the lower one's throughput. Router-wide: the rates and moments are
 every worker's (signals.py). Cost: O(1) per request, O(workers) per size.
 """
 
@@ -55,7 +58,7 @@ class Reserve:
             return 0
         most = self._room.reserve()
         if cells.since(OUTRANKING_AT) <= RESERVE_SECONDS:
-            most = min(2 * most, self._room.slots() // 2)
+            most = min(2 * most, self._room.slots())
         wanted, left = self._wanted.everywhere(), self._completions.everywhere()
         return reserve_for(wanted, left, most)
 

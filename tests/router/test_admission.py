@@ -250,20 +250,20 @@ async def test_a_probe_past_a_limit_goes_to_a_backlog_and_not_while_the_reserve_
 
 async def test_a_class_above_a_waiting_one_keeps_up_to_twice_the_reserve() -> None:
     """A higher class at a steady rate needs more kept slots than a quiet tenant, and
-    the lower class waiting is the one to refuse first: up to twice the reserve (at
-    most half the slots) is kept while such requests come."""
+    the lower class waiting is the one to refuse first: up to twice the reserve (here
+    10 of 16 slots) is kept while such requests come."""
     room = _Room(slots=16)
     adm = Admission(_limits(max_concurrent_requests=100, queue_size=64), room=room)
     low = [asyncio.create_task(adm.enter("bulk", "sheddable")) for _ in range(20)]
     await asyncio.sleep(0)  # twenty waiting: far over its share
-    room.room, room.kept = 6, 3
+    room.room, room.kept = 10, 5
     for _ in range(40):  # arrivals at the rate of completions: all it may keep
         adm._drain.left()
     for _ in range(40):
         await adm.enter("chat", "critical")  # each past the sheddable waiters
     adm.configure(adm.limits)
-    assert adm.queued == 20  # 6 free, 6 kept (twice 3): the sheddable ones wait
-    room.room = 7
+    assert adm.queued == 20  # 10 free, 10 kept (twice 5): the sheddable ones wait
+    room.room = 11
     adm.configure(adm.limits)
     assert adm.queued == 19
     room.room = math.inf
