@@ -14,13 +14,17 @@ paused the router too):
   Measure: critical's TTFT P99 against its value alone, and who absorbs the refusals.
 
 "Off" is today's behaviour: no saturation gate, no classes (`priority_header: null`),
-every request goes to vLLM's FIFO queue. Each run's first `--warmup` seconds of load are
+every request goes to vLLM's FIFO queue. With `--peers`, each scenario's loaded run also
+goes through sglang-router and vllm-router (round_robin) with their flow control set to
+the fleet's batch slots: `--max-concurrent-requests` (4 x `--seqs`), a FIFO queue
+(`--queue-size 4096`, `--queue-timeout-secs 10`); their PyPI builds have no classes and no
+tenants, and refuse without a reason header. Each run's first `--warmup` seconds of load are
 not counted (a new router learns each backend's batch limit at its first saturation; a
 router in service has long learned it). Every request after is counted: sent =
 answered + refused (each refusal's `x-kvroute-drop-reason`) + failed; a refusal's
 latency is checked against its class's `queue_timeout`.
 
-    python -m bench.studies.flow --seconds 60 [--scenarios tenants]
+    python -m bench.studies.flow --seconds 60 [--scenarios tenants] [--peers]
 
 Reproduces docs/performance.md, "Flow control past saturation".
 """
@@ -32,6 +36,7 @@ import asyncio
 import contextlib
 import gc
 import random
+import sys
 import tempfile
 import time
 from collections import Counter
@@ -41,7 +46,15 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.harness.processes import free_port, kvroute_serve, logged, simulator, wait_ready
+from bench.harness.peers import PEERS_VENV, ensure_peers, peer_cmd
+from bench.harness.processes import (
+    free_port,
+    kvroute_serve,
+    logged,
+    simulator,
+    until_200,
+    wait_ready,
+)
 
 PATH = "/v1/chat/completions"
 #: the classes' waits with flow control on, seconds
@@ -196,6 +209,40 @@ async def with_router(
         return await offer(url, loads, args.seconds, args.warmup)
 
 
+@contextlib.asynccontextmanager
+async def peer_serving(
+    python: Path, package: str, backends: list[dict], slots: int
+) -> AsyncIterator[str]:
+    """The peer in front of `backends`, its concurrency cap at the fleet's `slots` and a
+    FIFO queue as long as kvroute's; yields its URL once it answers."""
+    port = free_port()
+    cmd = peer_cmd(python, package, [b["url"] for b in backends], port)
+    cmd += ["--max-concurrent-requests", str(slots), "--queue-size", "4096"]
+    cmd += ["--queue-timeout-secs", f"{QUEUE_TIMEOUT['standard']:.0f}"]
+    with tempfile.TemporaryDirectory() as work:
+        with logged(cmd, Path(work) / "peer.log") as proc:
+            url = f"http://127.0.0.1:{port}"
+            async with aiohttp.ClientSession() as http:
+                code = await until_200(lambda: http.get(url + "/readiness"), proc.poll, 40, 0.2)
+            if code is not None:
+                raise RuntimeError(f"{package} exited with code {code}")
+            yield url
+
+
+def peers(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """The peers to run (with `--peers`): (package, its virtualenv's python); one that
+    cannot run is said and skipped."""
+    if not args.peers:
+        return []
+    found = []
+    for package, (python, why) in ensure_peers(PEERS_VENV, install=True).items():
+        if python is None:
+            print(f"{package}: not measured: {why}", file=sys.stderr)
+        else:
+            found.append((package, python))
+    return found
+
+
 def row(label: str, name: str, tally: Tally, alone: float | None) -> str:
     p99 = tally.p99()
     ratio = f"{p99 / alone:.2f}x" if p99 is not None and alone else "-"
@@ -212,6 +259,7 @@ def row(label: str, name: str, tally: Tally, alone: float | None) -> str:
 
 async def run(args: argparse.Namespace) -> str:
     sim = ["--max-num-seqs", str(args.seqs)]
+    found = peers(args)
     async with simulator(4, args.time_scale, sim) as (backends, _):
         async with serving(backends, False) as url:
             cap = await capacity(url, args.probe_seconds)
@@ -242,6 +290,11 @@ async def run(args: argparse.Namespace) -> str:
             for flow_on in (True, False):
                 got = await with_router(backends, flow_on, loaded, args)
                 label = f"{scenario}: 1.5x, flow {'on' if flow_on else 'off'}"
+                lines += [row(label, name, got[name], base) for name in loaded]
+            for package, python in found:
+                async with peer_serving(python, package, backends, 4 * args.seqs) as url:
+                    got = await offer(url, loaded, args.seconds, args.warmup)
+                label = f"{scenario}: 1.5x, {package}"
                 lines += [row(label, name, got[name], base) for name in loaded]
         return "\n".join(lines)
 
@@ -276,6 +329,12 @@ def main(argv: list[str] | None = None) -> int:
         help="flow.saturation.reserve with flow control on (default: the router's)",
     )
     parser.add_argument("--time-scale", type=float, default=1.0, help="the sim's clock")
+    parser.add_argument(
+        "--peers",
+        action="store_true",
+        help="also sglang-router and vllm-router (round_robin), capped at the fleet's batch "
+        "slots with a FIFO queue",
+    )
     parser.add_argument(
         "--scenarios",
         type=_scenarios,
