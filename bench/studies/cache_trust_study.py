@@ -142,6 +142,8 @@ async def _study(args: argparse.Namespace, backends: list[dict], router: str) ->
                 bench = [sys.executable, "-m", "router", "bench", "--target", url]
                 bench += ["--time-scale", str(args.time_scale), "--calibration", "0"]
                 bench += ["--out", str(work / "out"), *(a for a in args.bench if a != "--")]
+                if "--model" not in bench:  # a peer may not list the servers' models
+                    bench += ["--model", await _model(http, backends[0]["url"])]
                 print(f"\n## {router}", flush=True)
                 code = await (await asyncio.create_subprocess_exec(*bench)).wait()
                 samples = await scrape.metrics(http, url) if not ready else {}
@@ -244,8 +246,9 @@ def _report(samples: scrape.Samples, debug: dict) -> tuple[float, float]:
 
 
 def _table(rows: list[Row]) -> None:
-    """Every router's row: TTFT and E2E in the bench's ms, hit rate, the busiest backend's
-    requests over the mean, and kvroute's kv_hit decisions that fell short."""
+    """Every router's row: TTFT and E2E in ms (of the bench's clock), hit rate, the
+    busiest backend's requests over the mean, and kvroute's kv_hit decisions that fell
+    short."""
     print(
         "\n| router | ok | failed | TTFT p50 | p90 | p99 | E2E p50 | KV hit | spread req "
         "| kv_hit decisions | found < half |"
@@ -269,8 +272,14 @@ def _table(rows: list[Row]) -> None:
         )
 
 
-def _ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.0f}"
+def _ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{1000 * seconds:.0f}"
+
+
+async def _model(http: aiohttp.ClientSession, url: str) -> str:
+    """The first model `url` serves (a llama.cpp server answers to its GGUF's path)."""
+    async with http.get(url + "/v1/models") as resp:
+        return (await resp.json(content_type=None))["data"][0]["id"]
 
 
 if __name__ == "__main__":
