@@ -61,6 +61,7 @@ class PrefixIndex(PrefixLookup):
         least recently used leaving first: what it proved it keeps (hashing/cache_trust.py)."""
         h = self._of(backend)
         h.trusted = blocks
+        self._typical()
         self._left(backend, h, h.trimmed())
 
     def stored(
@@ -117,6 +118,7 @@ class PrefixIndex(PrefixLookup):
         if h is not None:
             for key in h.all_keys():
                 self._holders.release(key, backend)
+            self._typical()
 
     def learn(self, backend: str, keys: Sequence[int], expires_at: float) -> None:
         """Record that the router just sent these blocks to `backend` (speculative)."""

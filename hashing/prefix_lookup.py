@@ -39,6 +39,8 @@ class PrefixLookup:
     def __init__(self) -> None:
         self._backends: dict[str, Holdings] = {}
         self._holders = HolderMap()
+        #: the median of the learned bounds (`Holdings.trusted`), for backends with none
+        self._typical_trust: int | None = None
 
     def key_of(self, backend: str, engine: int) -> int | None:
         """The router key of the block `backend` reported as `engine`, if it holds it."""
@@ -51,14 +53,25 @@ class PrefixLookup:
         return h.speculative.get(key) if h is not None else None
 
     def room(self, backend: str) -> float:
-        """Blocks `backend` takes before its entries let others go, where its answers
-        proved how many it keeps (`PrefixIndex.trust`): that bound less the speculative
-        keys it holds. Unbounded while nothing is learned (the cache's size is unknown, or
-        large enough that the engine's own LRU decides)."""
+        """Blocks `backend` takes before its entries let others go, where answers proved
+        how many a cache keeps (`PrefixIndex.trust`): its bound, or the fleet's typical
+        one until its own is learned (as with the learned speeds: a fleet is mostly of
+        one kind, and one backend's miss then teaches the others' placements), less the
+        speculative keys it holds. Unbounded while no backend's bound is learned (the
+        caches' size is unknown, or large enough that each engine's own LRU decides)."""
         h = self._backends.get(backend)
-        if h is None or h.trusted is None:
+        bound = None if h is None else h.trusted
+        if bound is None:
+            bound = self._typical_trust
+        if h is None or bound is None:
             return math.inf
-        return min(h.capacity, h.trusted) - len(h.speculative)
+        return min(h.capacity, bound) - len(h.speculative)
+
+    def _typical(self) -> None:
+        """Recompute the median learned bound (at each change of one: per answer that
+        moves a capacity, not per pick)."""
+        bounds = sorted(h.trusted for h in self._backends.values() if h.trusted is not None)
+        self._typical_trust = bounds[len(bounds) // 2] if bounds else None
 
     def longest_prefix(self, keys: Sequence[int], backend: str) -> int:
         """How many leading blocks of `keys` the backend holds (binary search, see above)."""

@@ -42,13 +42,14 @@ adds).
 
 `evict` is what its new blocks push out of a cache that proved small: new_blocks(b) are
 the prompt's blocks b's GPU does not hold, room(b) the blocks b takes before its entries
-let others go, known only once b's answers showed it keeps fewer blocks than the index
-would (hashing/cache_trust.py: without KV events, or while they stall; unbounded
-before). The blocks pushed out are the least recently used there, another prompt's
-prefix, which a request will pay to prefill again if it comes back (1.0: once). An
-engine that keeps two prompts then takes a new document only where it has room for it,
-or where the others' costs outweigh what it evicts; in a cache with room, or one never
-seen to fall short, the term is zero.
+let others go, known once answers showed a cache keeps fewer blocks than the index
+would (hashing/cache_trust.py: without KV events, or while they stall): b's own learned
+bound, or the fleet's typical one until b has its own; unbounded before any. The blocks
+pushed out are the least recently used there, another prompt's prefix, which a request
+will pay to prefill again if it comes back (1.0: once). An engine that keeps two prompts
+then takes a new document only where it has room for it, or where the others' costs
+outweigh what it evicts; in a cache with room, or while none was seen to fall short,
+the term is zero.
 
 `concurrency_threshold` is a hard cap: backends at it are skipped; `max_queue_s` caps a
 backend's estimated queue the same way (the work ahead of a new request, in seconds).

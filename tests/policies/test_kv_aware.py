@@ -531,22 +531,23 @@ def test_a_prefix_moves_off_its_backend_once_staying_costs_more() -> None:
 
 
 def test_a_new_prompt_goes_where_a_cache_that_proved_small_has_room() -> None:
-    """Two backends whose answers showed each keeps 100 blocks: "a" holds another
-    prompt's 100, "b" nothing but a little queue. A new prompt of 100 blocks would evict
-    the other prompt on "a", so it goes to "b", the scores saying why; while nothing is
-    learned (the caches' size unknown), or at `eviction_penalty: 0`, it goes to the idler
-    "a"."""
+    """Two backends whose caches keep 100 blocks: "a" holds another prompt's 100, "b"
+    nothing but a little queue. A new prompt of 100 blocks would evict the other prompt
+    on "a", so it goes to "b", once answers proved a cache keeps 100: each backend's own,
+    or for "a", before its own, the fleet's typical bound ("b"'s). While nothing is
+    learned (the caches' size unknown), or at `eviction_penalty: 0`, it goes to the
+    idler "a"."""
     other = chain(ROOT, list(range(10**6, 10**6 + 1600)), 16)
     ids = list(range(1600))
     req = RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
-    for learned, penalty, expected in ((True, 1.0, "b"), (False, 1.0, "a"), (True, 0.0, "a")):
+    cases = [("ab", 1.0, "b"), ("b", 1.0, "b"), ("", 1.0, "a"), ("ab", 0.0, "a")]
+    for learned, penalty, expected in cases:
         p = policy(eviction_penalty=penalty)
         p.index.gpu.learn("a", other, 1e9)
-        if learned:
-            p.index.gpu.trust("a", 100)
-            p.index.gpu.trust("b", 100)
+        for name in learned:
+            p.index.gpu.trust(name, 100)
         pick = p.pick(req, view([B("a"), B("b", queued_tokens=800)]))
-        assert pick.backend.name == expected, p.recent[-1]["scores"]
+        assert pick.backend.name == expected, (learned, penalty, p.recent[-1]["scores"])
 
 
 def test_fleet_change_reserves_each_members_holdings() -> None:
