@@ -33,3 +33,5 @@ def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
     if learned is not backend.learned_speed:
         backend.learned_speed = learned
         fleet.lend_speeds()
+    elif learned is None:
+        fleet.learning()

@@ -28,7 +28,7 @@ from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.pool_settings import PoolSettings
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import AnswerLengths, typical_speed
+from router.fleet.speeds import REFRESH, AnswerLengths, fleet_speed, speed_prior, typical_speed
 
 NO_CREDENTIALS = BackendCredentials()
 #: block keys a KV-aware pick inserts into its index at once (a 4,096-token prefix at
@@ -74,13 +74,27 @@ class Fleet(PoolSettings):
         self.decodes: deque[tuple[float, str, str, str]] = deque(maxlen=64)
         #: each model's answers' median length, for requests that name no max_tokens
         self.answers = AnswerLengths()
+        #: streams ended on backends with no learned speed of their own
+        self._unlearned = 0
         self._attach(policy, self.members)
+
+    def learning(self) -> None:
+        """A stream ended on a backend with no learned speed of its own: every
+        `REFRESH` such streams, lend the speeds again, since the fleet's samples
+        together may show more now."""
+        self._unlearned += 1
+        if self._unlearned % REFRESH == 0:
+            self.lend_speeds()
 
     def lend_speeds(self) -> None:
         """Each backend's speed for routing: its learned one, else the other replicas'
-        learned one, else the median of those (figure by figure; router/fleet/speeds.py)."""
+        learned one, else the median of those (figure by figure), else, while none is
+        known, what every backend's samples show together (router/fleet/speeds.py)."""
         known = [b.learned_speed or b.shared_speed for b in self.members]
         typical = typical_speed([s for s in known if s is not None])
+        prior = speed_prior(self.policy.params)
+        if typical is None and prior is not None:
+            typical = fleet_speed((b.speed_samples for b in self.members), prior)
         for b, speed in zip(self.members, known, strict=True):
             b.speed = speed or typical
 

@@ -28,13 +28,15 @@ samples every `REFRESH` streams of its own there: every worker reads the same sa
 
 Router replicas (config `cluster`) share their learned speeds (router/telemetry/cluster.py):
 a backend this replica has not learned yet takes the others' (`pooled`) before the
-fleet's typical one (backends.py `lend_speeds`).
+fleet's typical one (backends.py `lend_speeds`); while no backend has enough samples of
+its own, every backend's together give the stand-in (`fleet_speed`).
 """
 
 from __future__ import annotations
 
 import statistics
 from array import array
+from collections.abc import Iterable
 from typing import Protocol
 
 from policies import Speed
@@ -157,26 +159,16 @@ class SpeedLearner:
 
     def counted(self) -> int:
         """The samples its figures come from (both kinds, every worker's)."""
-        prefills, gaps = self._samples()
+        prefills, gaps = self.samples()
         return len(prefills) + len(gaps)
 
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of
         them; None while every figure is the prior's."""
-        prefills, gaps = self._samples()
-        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
-            return None
-        # the rate at the prior's step, the step without the prefills beside it at
-        # that rate, then the rate again at that step
-        rate = _rate(prefills, prior[1], prior[2], prior[0])
-        step, per_request = prior[1], prior[2]
-        if len(gaps) >= MIN_SAMPLES:
-            points = [(r, g - beside / rate) for r, g, beside in gaps]
-            step, per_request = _line(points, per_request)
-            rate = _rate(prefills, step, per_request, prior[0])
-        return Speed(rate, step, per_request)
+        return _speed(*self.samples(), prior)
 
-    def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+    def samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
+        """Its prefill and decode samples, every worker's."""
         prefills: list[tuple[float, ...]] = []
         gaps: list[tuple[float, ...]] = []
         table = self._table
@@ -187,6 +179,39 @@ class SpeedLearner:
             flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
             gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
         return prefills, gaps
+
+
+def fleet_speed(learners: Iterable[SpeedLearner], prior: Speed) -> Speed | None:
+    """The speed the backends' samples show together: the stand-in for every backend
+    while none has enough samples of its own (a fleet is mostly of one kind, and an
+    engine far from the prior, e.g. on CPUs, would be routed at the prior's speed for a
+    long while: a backend's own prefill samples need long uncached prompts). None while
+    their samples together are too few too."""
+    prefills: list[tuple[float, ...]] = []
+    gaps: list[tuple[float, ...]] = []
+    for learner in learners:
+        own_prefills, own_gaps = learner.samples()
+        prefills += own_prefills
+        gaps += own_gaps
+    return _speed(prefills, gaps, prior)
+
+
+def _speed(
+    prefills: list[tuple[float, ...]], gaps: list[tuple[float, ...]], prior: Speed
+) -> Speed | None:
+    """The speed `prefills` and `gaps` show, each figure `prior`'s until it has
+    `MIN_SAMPLES` of them; None while every figure is the prior's."""
+    if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
+        return None
+    # the rate at the prior's step, the step without the prefills beside it at that
+    # rate, then the rate again at that step
+    rate = _rate(prefills, prior[1], prior[2], prior[0])
+    step, per_request = prior[1], prior[2]
+    if len(gaps) >= MIN_SAMPLES:
+        points = [(r, g - beside / rate) for r, g, beside in gaps]
+        step, per_request = _line(points, per_request)
+        rate = _rate(prefills, step, per_request, prior[0])
+    return Speed(rate, step, per_request)
 
 
 def _rate(

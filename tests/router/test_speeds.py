@@ -10,7 +10,8 @@ import random
 
 import pytest
 
-from policies import Speed
+from policies import Speed, create
+from policies.kv_aware import KvAwareParams
 from policies.round_robin import RoundRobinParams, RoundRobinPolicy
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.backends import Fleet
@@ -155,3 +156,24 @@ def test_the_replicas_speeds_pool_weighted_by_their_samples() -> None:
     fast, slow = Speed(30_000.0, 0.01, 0.0), Speed(10_000.0, 0.03, 0.0004)
     assert pooled([(fast, 30), (slow, 10)]) == pytest.approx(Speed(25_000.0, 0.015, 0.0001))
     assert pooled([]) is None
+
+
+def test_while_no_backend_has_enough_samples_all_of_them_together_stand_in() -> None:
+    """Three backends of one kind, far from the prior (an engine on CPUs), three streams
+    each: too few for any one's own speed, enough together; every backend routes at
+    that until it has its own. Two backends' six are not enough: the prior holds."""
+    true = Speed(500.0, 0.04, 0.0005)
+    for count, enough in ((3, True), (2, False)):
+        backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(count)]
+        fleet = Fleet(backends, create(KvAwareParams()), BreakerConfig())
+        rng = random.Random(3)
+        for b in fleet.members:
+            observe(b.speed_samples, true, 3, rng)
+            assert b.speed_samples.learned(PRIOR) is None
+        for _ in range(REFRESH):
+            fleet.learning()
+        speeds = [b.speed for b in fleet.members]
+        if enough:
+            assert all(close(s, true, 0.15) for s in speeds), speeds
+        else:
+            assert speeds == [None] * count
