@@ -28,7 +28,7 @@ from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.pool_settings import PoolSettings
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import REFRESH, AnswerLengths, fleet_speed, speed_prior, typical_speed
+from router.fleet.speeds import REFRESH, AnswerLengths, SpeedLearner, speed_prior, typical_speed
 
 NO_CREDENTIALS = BackendCredentials()
 #: block keys a KV-aware pick inserts into its index at once (a 4,096-token prefix at
@@ -74,6 +74,9 @@ class Fleet(PoolSettings):
         self.decodes: deque[tuple[float, str, str, str]] = deque(maxlen=64)
         #: each model's answers' median length, for requests that name no max_tokens
         self.answers = AnswerLengths()
+        #: every backend's streams' speed samples together (this worker's), the stand-in
+        #: while no backend has a learned speed (`lend_speeds`)
+        self.speed_samples = SpeedLearner()
         #: streams ended on backends with no learned speed of their own
         self._unlearned = 0
         self._attach(policy, self.members)
@@ -94,7 +97,7 @@ class Fleet(PoolSettings):
         typical = typical_speed([s for s in known if s is not None])
         prior = speed_prior(self.policy.params)
         if typical is None and prior is not None:
-            typical = fleet_speed((b.speed_samples for b in self.members), prior)
+            typical = self.speed_samples.learned(prior)
         for b, speed in zip(self.members, known, strict=True):
             b.speed = speed or typical
 

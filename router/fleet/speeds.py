@@ -29,14 +29,16 @@ samples every `REFRESH` streams of its own there: every worker reads the same sa
 Router replicas (config `cluster`) share their learned speeds (router/telemetry/cluster.py):
 a backend this replica has not learned yet takes the others' (`pooled`) before the
 fleet's typical one (backends.py `lend_speeds`); while no backend has enough samples of
-its own, every backend's together give the stand-in (`fleet_speed`).
+its own, the samples of every backend's streams together (the fleet's own
+`SpeedLearner`, this worker's streams) give the stand-in: a fleet is mostly of one kind,
+and an engine far from the prior (on CPUs) gets few samples of its own, since a prefill
+sample needs `MIN_PREFILL_TOKENS` uncached tokens.
 """
 
 from __future__ import annotations
 
 import statistics
 from array import array
-from collections.abc import Iterable
 from typing import Protocol
 
 from policies import Speed
@@ -159,16 +161,15 @@ class SpeedLearner:
 
     def counted(self) -> int:
         """The samples its figures come from (both kinds, every worker's)."""
-        prefills, gaps = self.samples()
+        prefills, gaps = self._samples()
         return len(prefills) + len(gaps)
 
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of
         them; None while every figure is the prior's."""
-        return _speed(*self.samples(), prior)
+        return _speed(*self._samples(), prior)
 
-    def samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
-        """Its prefill and decode samples, every worker's."""
+    def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
         prefills: list[tuple[float, ...]] = []
         gaps: list[tuple[float, ...]] = []
         table = self._table
@@ -179,21 +180,6 @@ class SpeedLearner:
             flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
             gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
         return prefills, gaps
-
-
-def fleet_speed(learners: Iterable[SpeedLearner], prior: Speed) -> Speed | None:
-    """The speed the backends' samples show together: the stand-in for every backend
-    while none has enough samples of its own (a fleet is mostly of one kind, and an
-    engine far from the prior, e.g. on CPUs, would be routed at the prior's speed for a
-    long while: a backend's own prefill samples need long uncached prompts). None while
-    their samples together are too few too."""
-    prefills: list[tuple[float, ...]] = []
-    gaps: list[tuple[float, ...]] = []
-    for learner in learners:
-        own_prefills, own_gaps = learner.samples()
-        prefills += own_prefills
-        gaps += own_gaps
-    return _speed(prefills, gaps, prior)
 
 
 def _speed(

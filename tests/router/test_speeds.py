@@ -160,15 +160,16 @@ def test_the_replicas_speeds_pool_weighted_by_their_samples() -> None:
 
 def test_while_no_backend_has_enough_samples_all_of_them_together_stand_in() -> None:
     """Three backends of one kind, far from the prior (an engine on CPUs), three streams
-    each: too few for any one's own speed, enough together; every backend routes at
-    that until it has its own. Two backends' six are not enough: the prior holds."""
+    each: too few for any one's own speed, enough together (the fleet's learner has
+    every stream's samples); every backend routes at that until it has its own. Two
+    backends' six are not enough: the prior holds."""
     true = Speed(500.0, 0.04, 0.0005)
     for count, enough in ((3, True), (2, False)):
         backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(count)]
         fleet = Fleet(backends, create(KvAwareParams()), BreakerConfig())
-        rng = random.Random(3)
-        for b in fleet.members:
-            observe(b.speed_samples, true, 3, rng)
+        for i, b in enumerate(fleet.members):
+            for learner in (b.speed_samples, fleet.speed_samples):
+                observe(learner, true, 3, random.Random(i))
             assert b.speed_samples.learned(PRIOR) is None
         for _ in range(REFRESH):
             fleet.learning()
