@@ -167,7 +167,18 @@ class SpeedLearner:
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of
         them; None while every figure is the prior's."""
-        return _speed(*self._samples(), prior)
+        prefills, gaps = self._samples()
+        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
+            return None
+        # the rate at the prior's step, the step without the prefills beside it at
+        # that rate, then the rate again at that step
+        rate = _rate(prefills, prior[1], prior[2], prior[0])
+        step, per_request = prior[1], prior[2]
+        if len(gaps) >= MIN_SAMPLES:
+            points = [(r, g - beside / rate) for r, g, beside in gaps]
+            step, per_request = _line(points, per_request)
+            rate = _rate(prefills, step, per_request, prior[0])
+        return Speed(rate, step, per_request)
 
     def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
         prefills: list[tuple[float, ...]] = []
@@ -180,24 +191,6 @@ class SpeedLearner:
             flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
             gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
         return prefills, gaps
-
-
-def _speed(
-    prefills: list[tuple[float, ...]], gaps: list[tuple[float, ...]], prior: Speed
-) -> Speed | None:
-    """The speed `prefills` and `gaps` show, each figure `prior`'s until it has
-    `MIN_SAMPLES` of them; None while every figure is the prior's."""
-    if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
-        return None
-    # the rate at the prior's step, the step without the prefills beside it at that
-    # rate, then the rate again at that step
-    rate = _rate(prefills, prior[1], prior[2], prior[0])
-    step, per_request = prior[1], prior[2]
-    if len(gaps) >= MIN_SAMPLES:
-        points = [(r, g - beside / rate) for r, g, beside in gaps]
-        step, per_request = _line(points, per_request)
-        rate = _rate(prefills, step, per_request, prior[0])
-    return Speed(rate, step, per_request)
 
 
 def _rate(
