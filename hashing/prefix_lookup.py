@@ -67,6 +67,16 @@ class PrefixLookup:
             return math.inf
         return min(h.capacity, bound) - len(h.speculative)
 
+    def vacancy(self, backend: str) -> tuple[float, int]:
+        """How empty `backend`'s cache is, larger the emptier: its `room` (where answers
+        proved a bound), then the blocks it does not hold, as the negated count of the keys
+        it holds (confirmed and speculative, a key in both counted twice: a rough measure,
+        for ranking). O(1)."""
+        h = self._backends.get(backend)
+        if h is None:
+            return math.inf, 0
+        return self.room(backend), -len(h.confirmed) - len(h.speculative)
+
     def _typical(self) -> None:
         """Recompute the median learned bound (at each change of one: per answer that
         moves a capacity, not per pick)."""

@@ -9,7 +9,8 @@ A pick, unit by unit (each module of this folder says its part in full):
   offload tier, the first decode step), its decode, the harm it does the batch it joins,
   and a miss penalty per token to prefill; backends at a cap are skipped;
 - ties.py: the minimum wins; candidates close to it tie, the longest prefix wins among
-  them, and equal holders go to the rendezvous winner of the prompt's first new block;
+  them, a prompt cached nowhere goes to the emptiest of their caches, and equal holders
+  go to the rendezvous winner of the prompt's first new block;
 - upkeep.py: the decision feeds the index (the blocks it sends, speculatively) and, with
   several workers, their shared placements, which each pick reads first;
 - decisions.py: the last decisions with their scores, for /debug/routing.
@@ -94,7 +95,7 @@ class KvAwarePolicy(Policy[KvAwareParams]):
         """The units that read the parameters a pool may set for itself."""
         self._cost = CostModel(params, self.index)
         self._scoring = Scoring(params, self._cost, self.index, self._rng)
-        self._ties = TieBreak(params, self._rng)
+        self._ties = TieBreak(params, self.index.gpu, self._rng)
 
     def tuned(self, params: KvAwareParams) -> KvAwarePolicy:
         """As `Policy.tuned`, with its own cost, scoring and ties, and its own placements

@@ -7,13 +7,20 @@ block that none of them holds (hashing/rendezvous.py).
 
 A prompt cached nowhere goes where it costs least, tied only within `tie_seconds` (every
 gap between cold candidates is load, so a wider tie would send it behind another
-prefill), and exact ties to the rendezvous winner of its first block. Every worker sees
-the same load table and placements, so the workers of one router place a new prefix
-alike; replicas place it alike while their estimates tie (an idle or evenly loaded
-fleet) and otherwise each by its own queues. A prompt with no block beyond what the ties
-hold draws among them at random (the policy's seeded generator).
+prefill); among the ties, to the emptiest cache (the most `room` where answers proved a
+cache's bound, else the fewest blocks held: hashing/prefix_lookup.py `vacancy`), and
+exact ties to the rendezvous winner of its first block. On an idle fleet every cold
+prompt ties: by rendezvous alone, new documents fall on the backends unevenly (three of
+six on one of three), and an engine that keeps two prompts then evicts one document for
+another at each turn; the emptiest cache spreads them before any cache's size is known.
+Every worker sees the same load table and placements, so the workers of one router place
+a new prefix alike; replicas place it alike while their estimates tie and their indexes
+agree (an idle or evenly loaded fleet, with `cluster` or KV events) and otherwise each by
+its own view. A prompt with no block beyond what the ties hold draws among them at random
+(the policy's seeded generator).
 
-Cost: one rendezvous rank per tied candidate; the backends' identities are memoised.
+Cost: one vacancy and one rendezvous rank per tied candidate, O(1) each; the backends'
+identities are memoised.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import operator
 import random
 
+from hashing.prefix_lookup import PrefixLookup
 from hashing.rendezvous import name_hash, score
 from policies.base import RouteRequest
 from policies.kv_aware.cost import Scored
@@ -32,8 +40,9 @@ _first = operator.itemgetter(0)
 
 
 class TieBreak:
-    def __init__(self, params: KvAwareParams, rng: random.Random) -> None:
+    def __init__(self, params: KvAwareParams, index: PrefixLookup, rng: random.Random) -> None:
         self.params = params
+        self._gpu = index
         self._rng = rng
         #: each backend's rendezvous identity, by name (memoised: names are few)
         self._hashes: dict[str, int] = {}
@@ -60,8 +69,11 @@ class TieBreak:
         return [s for s in ties if s[1] == most]
 
     def _agreed(self, req: RouteRequest, ties: list[Scored]) -> Scored:
-        """The rendezvous winner of the first block the ties do not hold: the same on
-        every worker and replica; a prompt without such a block draws at random."""
+        """The rendezvous winner of the first block the ties do not hold (of the emptiest
+        caches, for a prompt cached nowhere): the same on every worker and replica; a
+        prompt without such a block draws at random."""
+        if len(ties) > 1 and not ties[0][1]:
+            ties = self._emptiest(ties)
         if len(ties) == 1:
             return ties[0]
         first_new = ties[0][1] // self.params.block_size
@@ -69,6 +81,12 @@ class TieBreak:
             return ties[self._rng.randrange(len(ties))]
         key = req.blocks[first_new]
         return max(ties, key=lambda s: score(key, self._hash(s[2].name), s[2].weight))
+
+    def _emptiest(self, ties: list[Scored]) -> list[Scored]:
+        """The ties whose caches are the emptiest (`vacancy`), all of them if equal."""
+        vacancies = [self._gpu.vacancy(s[2].name) for s in ties]
+        most = max(vacancies)
+        return [s for s, v in zip(ties, vacancies, strict=True) if v == most]
 
     def _hash(self, name: str) -> int:
         found = self._hashes.get(name)

@@ -550,6 +550,23 @@ def test_a_new_prompt_goes_where_a_cache_that_proved_small_has_room() -> None:
         assert pick.backend.name == expected, (learned, penalty, p.recent[-1]["scores"])
 
 
+def test_new_documents_on_an_idle_fleet_fill_the_emptiest_caches() -> None:
+    """Six new documents, one at a time on an idle fleet of three: every one ties, and
+    each goes to the emptiest cache, two per backend (an engine that keeps two prompts
+    then keeps them all), where the rendezvous winner of each one's first block would
+    put four on one backend. Where a cache proved smaller, the room it has decides."""
+    docs = [_new_prompt(i, 1400) for i in range(30, 36)]
+    p = policy()
+    placed = collections.Counter(p.pick(d, view([B(n) for n in "abc"])).backend.name for d in docs)
+    assert sorted(placed.values()) == [2, 2, 2], placed
+    small = policy()
+    small.index.gpu.trust("a", 50)
+    small.index.gpu.trust("b", 200)
+    small.index.gpu.trust("c", 200)
+    first = [small.pick(d, view([B(n) for n in "abc"])).backend.name for d in docs[:2]]
+    assert "a" not in first and len(set(first)) == 2, first
+
+
 def test_fleet_change_reserves_each_members_holdings() -> None:
     """The fleet known at start-up gets its index holdings then, before `kvroute serve`
     freezes what start-up built out of the garbage collector's passes."""
