@@ -31,7 +31,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from bench.harness.report import Run, Summary, counted, fixed_width, percentile, summarize
+from bench.harness.report import Run, Summary, counted, fixed_width, summarize
 from bench.harness.workloads import RequestSpec, WorkloadSpec, generate
 
 __all__ = [
@@ -76,8 +76,6 @@ class KneeStep(msgspec.Struct, kw_only=True):
 
     rate: float
     summary: Summary
-    e2e_p90: float | None
-    e2e_p99: float | None
     passed: bool
     why: str = ""  # why the step failed
     cpu: dict[str, float] = {}  # the run's: process -> share of one core
@@ -232,7 +230,6 @@ async def _ramp(
 def judge(run: Run, rate: float, slo_ttft: float) -> KneeStep:
     """A step passes when every request succeeded and TTFT P90 is under `slo_ttft`."""
     summary = summarize(run)
-    e2e = [o.e2e / run.time_scale for o in run.outcomes if o.ok and o.e2e is not None]
     why = ""
     if summary.failed or not summary.ok:
         why = f"{summary.failed} of {summary.ok + summary.failed} failed{_commonest(run)}"
@@ -242,8 +239,6 @@ def judge(run: Run, rate: float, slo_ttft: float) -> KneeStep:
     return KneeStep(
         rate=rate,
         summary=summary,
-        e2e_p90=percentile(e2e, 0.9),
-        e2e_p99=percentile(e2e, 0.99),
         passed=not why,
         why=why,
         cpu=run.cpu,
@@ -320,8 +315,8 @@ def _line(row: KneeRow, best: KneeRow | None, settings: KneeSettings) -> _Line:
         ttft_p90=s.ttft_p90,
         ttft_p99=s.ttft_p99,
         e2e_p50=s.e2e_p50,
-        e2e_p90=knee.e2e_p90,
-        e2e_p99=knee.e2e_p99,
+        e2e_p90=s.e2e_p90,
+        e2e_p99=s.e2e_p99,
         hit_rate=s.hit_rate,
         ratio=ratio,
         stopped=stopped,

@@ -114,6 +114,8 @@ class Summary(msgspec.Struct, kw_only=True):
     itl_p50: float | None
     itl_p99: float | None
     e2e_p50: float | None
+    e2e_p90: float | None
+    e2e_p99: float | None
     throughput: float | None
     hit_rate: float | None
     hit_rate_source: str
@@ -180,6 +182,8 @@ def summarize(run: Run) -> Summary:
         itl_p50=_scaled(percentile(itl, 0.5), run),
         itl_p99=_scaled(percentile(itl, 0.99), run),
         e2e_p50=_scaled(percentile(e2e, 0.5), run),
+        e2e_p90=_scaled(percentile(e2e, 0.9), run),
+        e2e_p99=_scaled(percentile(e2e, 0.99), run),
         throughput=_throughput(ok, run.time_scale),
         hit_rate=hit_rate,
         hit_rate_source=source,
@@ -247,6 +251,8 @@ _COLUMNS = (
     ("ITL p50", "itl_p50", "ms1"),
     ("p99", "itl_p99", "ms1"),
     ("E2E p50", "e2e_p50", "ms"),
+    ("p90", "e2e_p90", "ms"),
+    ("p99", "e2e_p99", "ms"),
     ("req/s", "throughput", "{:.2f}"),
     ("KV hit", "hit_rate", "pct"),
     ("tier hit", "tier_hit_rate", "pct"),
@@ -262,6 +268,9 @@ _MEAN_COLUMNS = (
     ("TTFT p50", "ttft_p50", "ms"),
     ("p90", "ttft_p90", "ms"),
     ("p99", "ttft_p99", "ms"),
+    ("E2E p50", "e2e_p50", "ms"),
+    ("p90", "e2e_p90", "ms"),
+    ("p99", "e2e_p99", "ms"),
     ("KV hit", "hit_rate", "pct"),
     ("tier hit", "tier_hit_rate", "pct"),
 )
@@ -338,6 +347,9 @@ class SeedMean(msgspec.Struct, kw_only=True):
     ttft_p50: float | None
     ttft_p90: float | None
     ttft_p99: float | None
+    e2e_p50: float | None
+    e2e_p90: float | None
+    e2e_p99: float | None
     hit_rate: float | None
     tier_hit_rate: float | None
 
@@ -354,6 +366,9 @@ def seed_means(summaries: Sequence[Summary]) -> list[SeedMean]:
             ttft_p50=_mean(s.ttft_p50 for s in group),
             ttft_p90=_mean(s.ttft_p90 for s in group),
             ttft_p99=_mean(s.ttft_p99 for s in group),
+            e2e_p50=_mean(s.e2e_p50 for s in group),
+            e2e_p90=_mean(s.e2e_p90 for s in group),
+            e2e_p99=_mean(s.e2e_p99 for s in group),
             hit_rate=_mean(s.hit_rate for s in group),
             tier_hit_rate=_mean(s.tier_hit_rate for s in group),
         )

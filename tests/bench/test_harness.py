@@ -83,7 +83,7 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
     assert set(rows) == {"RANDOM", "PREFIX_AWARE"}
     for cells in rows.values():
         assert cells[1:3] == ["20", "0"]  # ok, failed
-        assert cells[10].endswith("%")  # fleet KV hit rate
+        assert cells[12].endswith("%")  # fleet KV hit rate
     assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
     assert "tier hit" not in _header(out)  # no offload tier, no column
     doc = _results(tmp_path)
@@ -164,8 +164,8 @@ def test_peers_that_cannot_run_are_rows_of_na_with_the_reason(tmp_path, capsys):
     labels = ["sglang-router:cache_aware", "sglang-router:round_robin", "vllm-router:cache_aware"]
     assert list(rows) == ["RANDOM", *labels]
     for label in labels:
-        assert rows[label][1:15] == ["0", "0", *["n/a"] * 12]
-        assert " ".join(rows[label][15:]) == f"not installed in {venv} (--no-install)"
+        assert rows[label][1:17] == ["0", "0", *["n/a"] * 14]
+        assert " ".join(rows[label][17:]) == f"not installed in {venv} (--no-install)"
     assert not venv.exists()  # --no-install: nothing was created
     peers = _results(tmp_path)["summaries"][1:]
     assert {(s["ok"], s["unmeasured"]) for s in peers} == {
@@ -186,7 +186,7 @@ def test_a_peer_that_does_not_start_is_a_row_of_na_with_its_error(tmp_path, caps
     rows = _rows(out)
     assert rows["RANDOM"][1:3] == ["8", "0"]
     note = "did not start: exited with code 3 | no router here"
-    assert " ".join(rows["vllm-router:cache_aware"][15:]) == note
+    assert " ".join(rows["vllm-router:cache_aware"][17:]) == note
     assert "sglang-router 9.9 --policy round_robin with its defaults, 1 replica" in out
 
 
