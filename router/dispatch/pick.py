@@ -135,8 +135,13 @@ class Picker:
     ) -> Pick:
         """The pick again among the candidates with room, when the policy's has none
         (saturation.py) and another has: a request admitted because the fleet has room
-        must not wait in a full backend's queue. A pick with room costs one check. Each
-        pick made is added to `made` (those not followed are retracted)."""
+        must not wait in a full backend's queue, unless the pick there reaches a longer
+        cached prefix than the pick with room: a policy that predicts cached tokens
+        (KV_AWARE) weighed that backend's queue against the prefill a move adds, and a
+        move re-prefills the prefix, loading the backend with room too (on a burst of
+        new long documents every holder queues at once, and moving their next requests
+        spread each document over the fleet). A pick with room costs one check. Each pick
+        made is added to `made` (those not followed are retracted)."""
         cfg = self.saturation
         if room_at(pick.backend, cfg, probe=True) > 0:
             return pick
@@ -144,7 +149,7 @@ class Picker:
         if len(full) == len(view.candidates):
             return pick
         made.append(again := choose(route_req, excluding(view, full)))
-        return again
+        return pick if again.predicted_cached < pick.predicted_cached else again
 
     def _steered(
         self,

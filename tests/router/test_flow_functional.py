@@ -225,6 +225,51 @@ async def test_a_learned_batch_limit_holds_requests_in_the_router_without_a_queu
         assert [status for status, _ in await asyncio.gather(*sent)] == [200] * 5
 
 
+async def test_a_cache_hit_stays_on_its_full_backend_where_a_cold_one_goes_elsewhere() -> None:
+    """KV_AWARE put a long document on one backend; that backend then queues past
+    max_waiting while the other has room. The document's next request stays where it
+    is cached (KV_AWARE weighed the queue against prefilling it again elsewhere), and
+    a new document goes to the backend with room, as any pick on a full backend does."""
+    telemetry = {"scrape_interval": 0.05}
+    flow = {"saturation": {"max_waiting": 2}}
+    async with (
+        running(2, routing={"strategy": "KV_AWARE"}, telemetry=telemetry, flow=flow) as (
+            router,
+            stubs,
+        ),
+        aiohttp.ClientSession() as http,
+    ):
+        for stub in stubs:
+            stub.behaviour.metrics = _vllm_page(waiting=0, kv=0.1)
+        backends = router.fleet.members
+        await until(lambda: all(b.kv_usage == 0.1 for b in backends))
+
+        def document(name: str, question: str) -> dict[str, Any]:
+            text = " ".join(f"{name}{i}" for i in range(6000))
+            return {
+                "model": "stub-model",
+                "messages": [
+                    {"role": "system", "content": text},
+                    {"role": "user", "content": question},
+                ],
+                "max_tokens": 1,
+            }
+
+        async def send(body: dict[str, Any]) -> str:
+            async with http.post(router.url + PATH, json=body) as resp:
+                assert resp.status == 200
+                await resp.read()
+                return resp.headers["x-kvroute-backend"]
+
+        home = await send(document("alpha", "first question"))
+        held, free = sorted(stubs, key=lambda s: not s.received)
+        held.behaviour.metrics = _vllm_page(waiting=5, kv=0.1)  # queueing past max_waiting
+        await until(lambda: {b.waiting for b in backends} == {0, 5})
+        assert await send(document("alpha", "second question")) == home
+        assert await send(document("beta", "a new document")) != home
+        assert len(held.received) == 2 and len(free.received) == 1
+
+
 async def test_a_static_tokens_class_counts_where_the_tenant_config_sets_none(
     monkeypatch,
 ) -> None:
