@@ -129,6 +129,9 @@ class Pick(NamedTuple):
     reason: Reason
     #: prompt tokens the policy expects the backend to find cached (KV-aware policies)
     predicted_cached: int = 0
+    #: the prompt's prefix went to this backend before, by the policy's memory, which
+    #: counts no tokens (PREFIX_AWARE): a cache expected there, of unknown length
+    warm: bool = False
 
 
 def load_cap_per_weight(load_factor: float | None, candidates: Sequence[BackendLike]) -> float:

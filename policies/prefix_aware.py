@@ -26,7 +26,10 @@ that is the whole load (every conversation behind one system prompt longer than
 `prefix_length`) turns through every backend. Walking from the owner instead would
 fill the first backends of its run to the cap and leave the last only what they cannot
 take (with load_factor 1.25 on 4 backends, 4 - 3 x 1.25 = a quarter of the mean).
-A new prefix starts at its owner and takes the first backend that is not full. When
+A pick where the prefix went last is `warm`: flow control's saturation keeps it there
+rather than move it to a backend with room, where it would be a whole uncached prefill
+(the bound above moves it). A new prefix starts at its owner and takes the first backend
+that is not full. When
 every candidate is at `concurrency_threshold` (the relative caps alone always leave
 room), the least loaded wins (ALL_SATURATED, ties at random).
 
@@ -214,7 +217,7 @@ class PrefixAwarePolicy(Policy[PrefixAwareParams]):
                 caps = _Caps(mean if p.load_factor else math.inf, 1, p.concurrency_threshold)
             else:
                 self._keep(backend.name, key, last)
-                return Pick(backend, Reason.AFFINITY)
+                return Pick(backend, Reason.AFFINITY, warm=True)
         for index in self._order(req.fingerprint, at):
             backend = self._members[index]
             if backend.name not in fleet.candidate_names:

@@ -136,9 +136,10 @@ class Picker:
         """The pick again among the candidates with room, when the policy's has none
         (saturation.py) and another has: a request admitted because the fleet has room
         must not wait in a full backend's queue, unless the pick there reaches a longer
-        cached prefix than the pick with room: a policy that predicts cached tokens
-        (KV_AWARE) weighed that backend's queue against the prefill a move adds, and a
-        move re-prefills the prefix, loading the backend with room too (on a burst of
+        cached prefix than the pick with room (more tokens predicted, or `warm` against
+        cold): the policy weighed that backend's load against the prefill a move adds
+        (KV_AWARE's cost, PREFIX_AWARE's bound), and a move re-prefills the prefix,
+        loading the backend with room too (on a burst of
         new long documents every holder queues at once, and moving their next requests
         spread each document over the fleet). A pick with room costs one check. Each pick
         made is added to `made` (those not followed are retracted)."""
@@ -149,7 +150,8 @@ class Picker:
         if len(full) == len(view.candidates):
             return pick
         made.append(again := choose(route_req, excluding(view, full)))
-        return pick if again.predicted_cached < pick.predicted_cached else again
+        cached = (pick.predicted_cached, pick.warm) > (again.predicted_cached, again.warm)
+        return pick if cached else again
 
     def _steered(
         self,

@@ -281,10 +281,10 @@ def test_a_prefix_stays_where_it_went_last_while_under_the_bound() -> None:
     assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.SPILL_THRESHOLD)
     owner.inflight, second.inflight = 0, 3
     for _ in range(3):
-        assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.AFFINITY)
+        assert policy.pick(RouteRequest("m", FP), view) == Pick(second, Reason.AFFINITY, warm=True)
     second.inflight, third.inflight = 8, 3  # the mean counting this request: 11 / 4
     assert policy.pick(RouteRequest("m", FP), view) == Pick(fourth, Reason.SPILL_THRESHOLD)
-    assert policy.pick(RouteRequest("m", FP), view) == Pick(fourth, Reason.AFFINITY)
+    assert policy.pick(RouteRequest("m", FP), view) == Pick(fourth, Reason.AFFINITY, warm=True)
 
 
 @pytest.mark.parametrize(
@@ -362,7 +362,9 @@ async def test_a_prefix_moved_by_one_worker_stays_put_through_another(tmp_path) 
         owner.inflight = 8
         assert first.pick(RouteRequest("m", FP), fleet(members)).backend is after
         owner.inflight = 0
-        assert second.pick(RouteRequest("m", FP), fleet(members)) == Pick(after, Reason.AFFINITY)
+        assert second.pick(RouteRequest("m", FP), fleet(members)) == Pick(
+            after, Reason.AFFINITY, warm=True
+        )
 
 
 @pytest.mark.parametrize(

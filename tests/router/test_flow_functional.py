@@ -225,15 +225,19 @@ async def test_a_learned_batch_limit_holds_requests_in_the_router_without_a_queu
         assert [status for status, _ in await asyncio.gather(*sent)] == [200] * 5
 
 
-async def test_a_cache_hit_stays_on_its_full_backend_where_a_cold_one_goes_elsewhere() -> None:
-    """KV_AWARE put a long document on one backend; that backend then queues past
+@pytest.mark.parametrize("strategy", ["KV_AWARE", "PREFIX_AWARE"])
+async def test_a_cache_hit_stays_on_its_full_backend_where_a_cold_one_goes_elsewhere(
+    strategy: str,
+) -> None:
+    """The policy put a long document on one backend; that backend then queues past
     max_waiting while the other has room. The document's next request stays where it
-    is cached (KV_AWARE weighed the queue against prefilling it again elsewhere), and
-    a new document goes to the backend with room, as any pick on a full backend does."""
+    is cached (the policy weighed that backend's load against prefilling it again
+    elsewhere), and a new document goes to the backend with room, as any pick on a full
+    backend does."""
     telemetry = {"scrape_interval": 0.05}
     flow = {"saturation": {"max_waiting": 2}}
     async with (
-        running(2, routing={"strategy": "KV_AWARE"}, telemetry=telemetry, flow=flow) as (
+        running(2, routing={"strategy": strategy}, telemetry=telemetry, flow=flow) as (
             router,
             stubs,
         ),
