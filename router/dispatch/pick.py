@@ -139,10 +139,10 @@ class Picker:
         cached prefix than the pick with room (more tokens predicted, or `warm` against
         cold): the policy weighed that backend's load against the prefill a move adds
         (KV_AWARE's cost, PREFIX_AWARE's bound), and a move re-prefills the prefix,
-        loading the backend with room too (on a burst of
-        new long documents every holder queues at once, and moving their next requests
-        spread each document over the fleet). A pick with room costs one check. Each pick
-        made is added to `made` (those not followed are retracted)."""
+        loading the backend with room too (on a burst of new long documents every holder
+        queues at once, and moving their next requests spread each document over the
+        fleet). A pick with room costs one check. Each pick made is added to `made`
+        (those not followed are retracted)."""
         cfg = self.saturation
         if room_at(pick.backend, cfg, probe=True) > 0:
             return pick
