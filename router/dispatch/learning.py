@@ -21,16 +21,18 @@ def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
         return
     routed, backend = attempt.routed, attempt.backend
     samples = backend.speed_samples
-    both = (samples, fleet.speed_samples)  # its own, and the fleet's stand-in
+    # its own, and while it has none the fleet's stand-in, which is read only while no
+    # backend has a learned speed (a stream here after it learned one would be wasted)
+    learners = (samples,) if backend.learned_speed else (samples, fleet.speed_samples)
     if routed.prompt_tokens:
         cached = routed.predicted_cached if used.cached is None else used.cached
         tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
-        for learner in both:
+        for learner in learners:
             learner.prefilled(tokens, ttft, routed.running)
     if completion > MIN_DECODE_TOKENS:
         running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
         beside = samples.prefilled_total() - attempt.prefills_then
-        for learner in both:
+        for learner in learners:
             learner.decoded(running, decoding / (completion - 1), beside / (completion - 1))
     learned = samples.refreshed(prior, backend.learned_speed)
     if learned is not backend.learned_speed:
