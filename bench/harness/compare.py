@@ -70,6 +70,7 @@ import yaml
 
 import policies
 from bench.harness import knee, processes, procstat, scrape
+from bench.harness.learned import LearnedSpeed, learned_speeds, speed_lines
 from bench.harness.loadgen import Outcome, replay
 from bench.harness.peers import PEERS_VENV, Peer, find_peers, peer_cmd
 from bench.harness.report import (
@@ -804,7 +805,8 @@ async def _simulated_run(
         trees = [pid for _, root in replicas for pid in procstat.tree(root)]
         pids = {"harness": [os.getpid()], "simulator": [sim_pid], "router": trees}
         setup = msgspec.structs.replace(router.setup, processes=len(trees) // len(replicas))
-        entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup, watch)
+        names = tuple(b["name"] for b in backends)
+        entry = _Entry(label, [url for url, _ in replicas], urls, pids, hop, setup, watch, names)
         if redis is not None and options.redis_outage is not None:
             outage = asyncio.create_task(redis.outage(*options.redis_outage))
             stack.callback(outage.cancel)
@@ -861,6 +863,7 @@ class _Entry(NamedTuple):
     hop: float | None
     setup: Setup | None
     watch: processes.Watch | None = None  # the fleet's processes; None for a target
+    names: tuple[str, ...] = ()  # the simulated backends' names in kvroute's config, as `backends`
 
 
 async def _measured_replay(
@@ -891,6 +894,7 @@ async def _measured_replay(
             )
     wall = time.monotonic() - started
     after = await _snapshot(http, entry.routers, entry.backends)
+    speeds = await _learned(http, entry, after, options.time_scale)
     r0, r1 = scrape.merged(before.routers), scrape.merged(after.routers)
     pairs = zip(before.routers, after.routers, strict=True)
     return Run(
@@ -907,7 +911,18 @@ async def _measured_replay(
         seed=options.seed,
         setup=entry.setup,
         replica_requests=[scrape.delta(a, b, "kvroute_requests_total") for a, b in pairs],
+        speeds=speeds,
     )
+
+
+async def _learned(
+    http: aiohttp.ClientSession, entry: _Entry, after: _Snapshot, time_scale: float
+) -> list[LearnedSpeed]:
+    """A kvroute row's learned speeds on its simulated fleet (its first replica's)."""
+    if not entry.names or entry.setup is None or entry.setup.params is None:
+        return []
+    debug = await scrape.json_of(http, entry.routers[0] + "/debug/routing")
+    return learned_speeds(debug, [stats for _, stats in after.backends], entry.names, time_scale)
 
 
 async def _watched(
@@ -1365,7 +1380,10 @@ def _footer(runs: Sequence[Run], options: Options) -> list[str]:
         "decide µs = routing decision (P50), hop ms = added proxy latency (median of "
         "direct/routed pairs)."
     )
-    return [head, *_machine(runs, options)]
+    lines = [head, *_machine(runs, options)]
+    if options.speeds:
+        lines += speed_lines([(r.strategy, r.seed, r.speeds) for r in runs])
+    return lines
 
 
 def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]:

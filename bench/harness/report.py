@@ -33,6 +33,7 @@ from pathlib import Path
 
 import msgspec
 
+from bench.harness.learned import LearnedSpeed
 from bench.harness.loadgen import Outcome
 from router.log import counted
 
@@ -99,6 +100,7 @@ class Run(msgspec.Struct, kw_only=True):
     setup: Setup | None = None  # None: a --target, started elsewhere
     replica_requests: list[float | None] = []  # each router replica's own request count
     unmeasured: str = ""  # why the row has no outcomes (then every figure is n/a)
+    speeds: list[LearnedSpeed] = []  # a kvroute row's learned speeds at the end (simulated)
 
 
 class Summary(msgspec.Struct, kw_only=True):

@@ -86,6 +86,7 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
         assert cells[12].endswith("%")  # fleet KV hit rate
     assert "PREFIX_AWARE vs RANDOM: P50 TTFT" in out
     assert "tier hit" not in _header(out)  # no offload tier, no column
+    assert "Learned speeds" not in out  # one speed: nothing to tell the fleet apart
     doc = _results(tmp_path)
     assert [s["strategy"] for s in doc["summaries"]] == ["RANDOM", "PREFIX_AWARE"]
     cores = usable_cores()
@@ -254,6 +255,29 @@ def test_pd_runs_each_strategy_disaggregated_beside_the_same_backends_combined(t
     combined, split = _results(tmp_path)["summaries"]
     assert combined["tier_hit_rate"] in (None, 0) and split["tier_hit_rate"] > 0
     assert split["itl_p50"] is not None
+
+
+def test_a_mixed_fleet_shows_what_each_kvroute_row_learned_of_each_backends_speed(tmp_path, capsys):
+    """Beside each backend's true speed from the simulator, in simulated units."""
+    argv = [*TINY, "--strategies=KV_AWARE", "--speeds=1,0.5", "--calibration=0"]
+    assert harness.main([*argv, f"--out={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    (run,) = _results(tmp_path)["runs"]
+    speeds = {s["backend"]: s for s in run["speeds"]}
+    assert sorted(speeds) == ["sim-0", "sim-1"]
+    assert speeds["sim-0"]["true_prefill_tokens_per_s"] == pytest.approx(10_000)
+    assert speeds["sim-1"]["true_prefill_tokens_per_s"] == pytest.approx(5_000)
+    assert speeds["sim-1"]["true_decode_step_ms"] == pytest.approx(50)
+    assert "Learned speeds at the end of each kvroute row" in out
+    line = next(line for line in out.splitlines() if line.startswith("  KV_AWARE, seed 0: "))
+    for name, s in speeds.items():
+        if s["prefill_tokens_per_s"] is None:
+            assert f"{name} prior" in line
+        else:
+            assert (
+                s["prefill_tokens_per_s"] > 0
+                and f"{name} {s['prefill_tokens_per_s']:,.0f} tok/s (" in line
+            )
 
 
 def test_knee_ramps_each_row_on_a_mixed_fleet_and_reports_its_last_step_under_the_slo(
