@@ -241,9 +241,11 @@ def _report(samples: scrape.Samples, debug: dict) -> tuple[float, float]:
     short = scrape.total(samples, "kvroute_kv_hit_shortfalls_total") or 0.0
     print(f"kv_hit decisions: {hits:.0f}; finding less than half the predicted tokens: {short:.0f}")
     for name, state in debug.get("backends", {}).items():
+        speed = state.get("speed")
+        speed = f"{speed} ({state.get('speed_source')})" if speed else "the configured prior"
         print(
             f"  {name}: learned {state.get('learned_cache')}, index keys {state['index_keys']}, "
-            f"speed {state.get('speed')} ({state.get('speed_source')})"
+            f"speed {speed}"
         )
     return hits, short
 

@@ -3,8 +3,12 @@
 The session is named by the first of `flow.session_affinity.headers` the request sends
 (`X-Session-ID`, and the headers coding agents send with each turn). Its backend is the
 one that served it last, else the candidate with the highest rendezvous hash of (session,
-backend name): every worker and every replica computes the same one without sharing
-anything, and a backend leaving moves only its own sessions.
+backend name) among those not loaded past `load_factor` x the mean requests in flight
+(nor past a floor of 4): every worker and every replica computes the same one without
+sharing anything while the fleet is evenly loaded, and a backend leaving moves only its
+own sessions. Sessions last (a conversation's turns follow the first), so the hash alone
+leaves a backend ~1.5x the mean sessions on 80 over 4; the bound passes over the one the
+hash gave too many until the others catch up.
 
 - **soft** (default): the session's backend while it is not saturated (flow.py's
   test on its scraped state); with KV_AWARE it is a strong preference, not an override:
@@ -18,8 +22,8 @@ anything, and a backend leaving moves only its own sessions.
 Records: with several workers, in the shared admission table (shared_admission.py:
 direct-mapped, so every worker sees each spill); with one, an LRU of `max_sessions`.
 A session idle `idle_ttl` is forgotten. With no record the rendezvous hash agrees
-across workers and replicas, so replicas differ only after a spill. Retries are
-routed as usual (away from the failed backend).
+across workers and replicas, so replicas differ only after a spill, or where their loads
+differ across the bound. Retries are routed as usual (away from the failed backend).
 """
 
 from __future__ import annotations
@@ -36,6 +40,9 @@ from policies import Pick, Reason
 from router.config import FlowConfig
 from router.dispatch.saturation import saturated
 from router.fleet.backend import Backend
+
+#: below this many requests in flight a backend takes new sessions whatever the mean
+LOAD_FLOOR = 4
 
 
 def rendezvous(session: str, candidates: Sequence[Backend]) -> Backend | None:
@@ -137,4 +144,13 @@ class Sessions:
             for backend in candidates:
                 if name_hash(backend.name) == record[0]:
                     return backend
-        return rendezvous(session, candidates)
+        return self._new_home(session, candidates)
+
+    def _new_home(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
+        """A new session's backend: the rendezvous winner among the candidates under
+        the load bound (one always is: the least loaded is under any factor over 1)."""
+        factor = self._cfg.load_factor
+        if factor is None or not candidates:
+            return rendezvous(session, candidates)
+        bound = max(LOAD_FLOOR, factor * sum(b.inflight for b in candidates) / len(candidates))
+        return rendezvous(session, [b for b in candidates if b.inflight < bound])

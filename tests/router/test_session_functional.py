@@ -3,6 +3,7 @@ placement, the spill of a saturated session backend, and x-kvroute-reason."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -144,3 +145,37 @@ async def test_with_kv_aware_a_pick_a_session_overrode_leaves_no_placement() -> 
             assert grew == went, f"prompt {i}: served {went}, placed {grew}"
             overridden += len(policy.recent) - decided == 2  # its own pick, then home's
         assert overridden  # the session overrode the policy's first pick at least once
+
+
+@pytest.mark.parametrize("load_factor", [1.25, None])
+async def test_a_new_session_passes_over_a_backend_loaded_past_the_bound(
+    load_factor: float | None,
+) -> None:
+    """Four new sessions the hash gives one backend, held there; a fifth of that
+    backend goes to its runner-up by the hash among the others, where the bound is on
+    (every worker and replica computes the same while loads agree); by the hash alone,
+    there too."""
+    config = _config("soft")
+    config["flow"]["session_affinity"]["load_factor"] = load_factor
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members = router.fleet.members
+        theirs = [f"s-{i}" for i in range(200) if rendezvous(f"s-{i}", members) is members[0]]
+        held, fifth = theirs[:4], theirs[4]
+        stubs[0].behaviour.gate = gate = asyncio.Event()
+        posts = [
+            asyncio.create_task(_send(http, router.url, **{"X-Session-ID": sid})) for sid in held
+        ]
+        try:
+            await until(lambda: stubs[0].active == 4)
+            if load_factor is None:
+                task = asyncio.create_task(_send(http, router.url, **{"X-Session-ID": fifth}))
+                posts.append(task)
+                await until(lambda: stubs[0].active == 5)
+                return
+            reason = await _send(http, router.url, **{"X-Session-ID": fifth})
+            assert reason in {"session", "random"}  # RANDOM may pick it by itself
+            runner_up = members.index(rendezvous(fifth, members[1:]))
+            assert _served(stubs) == [4 if i == 0 else int(i == runner_up) for i in range(4)]
+        finally:
+            gate.set()
+            assert set(await asyncio.gather(*posts)) <= {"session", "random"}
