@@ -28,7 +28,7 @@ def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
         cached = routed.predicted_cached if used.cached is None else used.cached
         tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
         for learner in learners:
-            learner.prefilled(tokens, ttft, routed.running)
+            learner.prefilled(tokens, ttft, routed.running, routed.ahead)
     if completion > MIN_DECODE_TOKENS:
         running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
         beside = samples.prefilled_total() - attempt.prefills_then

@@ -10,7 +10,11 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   computed, so early samples count at the step learned since. The samples within a
   factor `_SPREAD` of their median rate are summed, tokens over seconds (a long
   prefill weighs more than a short one, mostly the step); only answers with at least
-  `MIN_PREFILL_TOKENS` such tokens count;
+  `MIN_PREFILL_TOKENS` such tokens count. Once `MIN_SAMPLES` of them had nothing
+  queued ahead, only those count: a prefill queued ahead was partly done when this
+  request came (the router counts it until its first token), so such a sample takes
+  its tokens for more work than the backend did after (on a long-prefix fleet the rate
+  came out 10-33% high);
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -46,8 +50,8 @@ from policies import Speed
 #: samples kept per backend per worker, of each kind
 RING = 32
 #: words per backend per worker: [prefills seen, decodes seen, tokens prefilled,
-#: (tokens, seconds, running)..., (running, gap, tokens prefilled per gap)...]
-WORDS = 3 + 6 * RING
+#: (tokens, seconds, running, tokens ahead)..., (running, gap, tokens prefilled per gap)...]
+WORDS = 3 + 7 * RING
 MIN_SAMPLES = 8
 #: a worker computes a backend's speed again after this many of its streams there
 REFRESH = 8
@@ -61,7 +65,7 @@ _TRIM = 4.0
 _SPREAD = 3.0
 _PREFILLED = 2
 _PREFILLS = 3
-_GAPS = 3 + 3 * RING
+_GAPS = 3 + 4 * RING
 
 
 def speed_prior(params: object) -> Speed | None:
@@ -127,14 +131,14 @@ class SpeedLearner:
             return self._local
         return self._table.speed_column(self._slot, self._table.worker)
 
-    def prefilled(self, tokens: int, seconds: float, running: float) -> None:
+    def prefilled(self, tokens: int, seconds: float, running: float, ahead: int = 0) -> None:
         """`tokens` were prefilled before a first token that took `seconds`, with
-        `running` other requests there."""
+        `running` other requests there, `ahead` of the tokens queued before it came."""
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             own = self._own()
             seen = int(own[0])
-            i = _PREFILLS + 3 * (seen % RING)
-            own[i], own[i + 1], own[i + 2] = tokens, seconds, running
+            i = _PREFILLS + 4 * (seen % RING)
+            own[i], own[i + 1], own[i + 2], own[i + 3] = tokens, seconds, running, ahead
             own[0] = seen + 1
 
     def decoded(self, running: float, gap: float, beside: float = 0.0) -> None:
@@ -186,8 +190,8 @@ class SpeedLearner:
         table = self._table
         columns = [self._local] if table is None else table.speed_columns(self._slot)
         for column in columns:
-            flat = column[_PREFILLS : _PREFILLS + 3 * min(int(column[0]), RING)]
-            prefills.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
+            flat = column[_PREFILLS : _PREFILLS + 4 * min(int(column[0]), RING)]
+            prefills.extend(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
             flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
             gaps.extend(zip(flat[0::3], flat[1::3], flat[2::3], strict=True))
         return prefills, gaps
@@ -197,15 +201,19 @@ def _rate(
     prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
 ) -> float:
     """The prefills' tokens over their seconds, each wait less the steps it waited
-    for, over the samples within `_SPREAD` of the median rate; `prior` until
-    `MIN_SAMPLES` of them."""
-    timed = []
-    for tokens, seconds, running in prefills:
+    for, over the samples within `_SPREAD` of the median rate: those with nothing
+    queued ahead once `MIN_SAMPLES` of them are, else all; `prior` until `MIN_SAMPLES`."""
+    timed, alone = [], []
+    for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
         if running:  # the step in progress first, half of it on average
             steps += (step + per_request * running) / 2
         if seconds > steps:
             timed.append((tokens, seconds - steps))
+            if not ahead:
+                alone.append(timed[-1])
+    if len(alone) >= MIN_SAMPLES:
+        timed = alone
     if len(timed) < MIN_SAMPLES:
         return prior
     median = statistics.median(t / s for t, s in timed)

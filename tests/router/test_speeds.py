@@ -67,6 +67,28 @@ def test_two_speeds_converge_each_on_its_own() -> None:
         assert close(learner.learned(PRIOR), true, 0.15), (learner.learned(PRIOR), true)
 
 
+def test_prefills_queued_ahead_and_partly_done_do_not_inflate_the_rate() -> None:
+    """A request that came while another's prefill ran waits only for what was left of
+    it, but the router counts the whole of it ahead: such samples read fast. With
+    enough samples that had nothing ahead, those alone give the rate (before, ~34%
+    high here); with too few, every sample counts."""
+    rng = random.Random(5)
+    true = Speed(10_000.0, 0.025, 0.00015)
+    learner = SpeedLearner()
+    for i in range(2 * MIN_SAMPLES):
+        ahead = 8000 if i % 2 else 0
+        done = rng.uniform(0.3, 0.9) * ahead  # of the prefill ahead, when this came
+        own = rng.randrange(1000, 8000)
+        wait = (ahead - done + own) / true.prefill_tokens_per_s
+        learner.prefilled(ahead + own, wait + true.decode_step_s, 0, ahead)
+    learned = learner.learned(PRIOR).prefill_tokens_per_s
+    assert learned == pytest.approx(true.prefill_tokens_per_s, rel=0.02)
+    crowded = SpeedLearner()
+    for _ in range(MIN_SAMPLES):
+        crowded.prefilled(16_000, 1.0 + true.decode_step_s, 0, 8000)
+    assert crowded.learned(PRIOR).prefill_tokens_per_s == pytest.approx(16_000, rel=0.01)
+
+
 def test_one_outlier_cannot_swing_a_figure() -> None:
     rng = random.Random(3)
     true = Speed(20_000.0, 0.0125, 0.000075)
