@@ -10,11 +10,12 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   computed, so early samples count at the step learned since. The samples within a
   factor `_SPREAD` of their median rate are summed, tokens over seconds (a long
   prefill weighs more than a short one, mostly the step); only answers with at least
-  `MIN_PREFILL_TOKENS` such tokens count. Once `MIN_SAMPLES` of them had nothing
+  `MIN_PREFILL_TOKENS` such tokens count. Once `MIN_ALONE` of them had nothing
   queued ahead, only those count: a prefill queued ahead was partly done when this
   request came (the router counts it until its first token), so such a sample takes
-  its tokens for more work than the backend did after (on a long-prefix fleet the rate
-  came out 10-33% high);
+  its tokens for more work than the backend did after (on a long-prefix fleet, where
+  a document's first request is its backend's only long prefill, the rates came out
+  10-33% high);
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -53,6 +54,9 @@ RING = 32
 #: (tokens, seconds, running, tokens ahead)..., (running, gap, tokens prefilled per gap)...]
 WORDS = 3 + 7 * RING
 MIN_SAMPLES = 8
+#: prefill samples with nothing queued ahead that give the rate alone (each is one
+#: prefill of known tokens, timed whole)
+MIN_ALONE = 3
 #: a worker computes a backend's speed again after this many of its streams there
 REFRESH = 8
 MIN_PREFILL_TOKENS = 256
@@ -202,7 +206,7 @@ def _rate(
 ) -> float:
     """The prefills' tokens over their seconds, each wait less the steps it waited
     for, over the samples within `_SPREAD` of the median rate: those with nothing
-    queued ahead once `MIN_SAMPLES` of them are, else all; `prior` until `MIN_SAMPLES`."""
+    queued ahead once `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES`."""
     timed, alone = [], []
     for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
@@ -212,9 +216,9 @@ def _rate(
             timed.append((tokens, seconds - steps))
             if not ahead:
                 alone.append(timed[-1])
-    if len(alone) >= MIN_SAMPLES:
+    if len(alone) >= MIN_ALONE:
         timed = alone
-    if len(timed) < MIN_SAMPLES:
+    elif len(timed) < MIN_SAMPLES:
         return prior
     median = statistics.median(t / s for t, s in timed)
     kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]

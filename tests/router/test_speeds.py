@@ -16,7 +16,7 @@ from policies.round_robin import RoundRobinParams, RoundRobinPolicy
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.backends import Fleet
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner, pooled
+from router.fleet.speeds import MIN_ALONE, MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner, pooled
 
 PRIOR = Speed(10_000.0, 0.025, 0.00015)
 
@@ -70,13 +70,13 @@ def test_two_speeds_converge_each_on_its_own() -> None:
 def test_prefills_queued_ahead_and_partly_done_do_not_inflate_the_rate() -> None:
     """A request that came while another's prefill ran waits only for what was left of
     it, but the router counts the whole of it ahead: such samples read fast. With
-    enough samples that had nothing ahead, those alone give the rate (before, ~34%
-    high here); with too few, every sample counts."""
+    a few samples that had nothing ahead, those alone give the rate (before, ~50%
+    high here); with none, every sample counts."""
     rng = random.Random(5)
     true = Speed(10_000.0, 0.025, 0.00015)
     learner = SpeedLearner()
     for i in range(2 * MIN_SAMPLES):
-        ahead = 8000 if i % 2 else 0
+        ahead = 0 if i < MIN_ALONE else 8000
         done = rng.uniform(0.3, 0.9) * ahead  # of the prefill ahead, when this came
         own = rng.randrange(1000, 8000)
         wait = (ahead - done + own) / true.prefill_tokens_per_s
