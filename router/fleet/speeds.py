@@ -13,9 +13,9 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   `MIN_PREFILL_TOKENS` such tokens count. Once `MIN_ALONE` of them had nothing
   queued ahead, only those count: a prefill queued ahead was partly done when this
   request came (the router counts it until its first token), so such a sample takes
-  its tokens for more work than the backend did after (on a long-prefix fleet the
-  rates came out 10-33% high). Until then every sample counts, with half the tokens
-  queued ahead of it: on average, what was left of the prefill it met;
+  its tokens for more work than the backend did after (on a long-prefix fleet, where
+  a document's first request is its backend's only long prefill, the rates came out
+  10-33% high);
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -206,16 +206,14 @@ def _rate(
 ) -> float:
     """The prefills' tokens over their seconds, each wait less the steps it waited
     for, over the samples within `_SPREAD` of the median rate: those with nothing
-    queued ahead once `MIN_ALONE` of them are, else all, each counting half the tokens
-    queued ahead (a request meets the prefill in progress at a random point of it);
-    `prior` until `MIN_SAMPLES`."""
+    queued ahead once `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES`."""
     timed, alone = [], []
     for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
         if running:  # the step in progress first, half of it on average
             steps += (step + per_request * running) / 2
-        if seconds > steps:  # the prefill ahead was met half done, on average
-            timed.append((tokens - ahead / 2, seconds - steps))
+        if seconds > steps:
+            timed.append((tokens, seconds - steps))
             if not ahead:
                 alone.append(timed[-1])
     if len(alone) >= MIN_ALONE:
