@@ -20,6 +20,7 @@ from policies.base import (
     Reason,
     RouteRequest,
     Speed,
+    Turns,
     load_cap_per_weight,
     tuned_params,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "Reason",
     "RouteRequest",
     "Speed",
+    "Turns",
     "canonical",
     "create",
     "load_cap_per_weight",

@@ -57,6 +57,16 @@ class Placements(Protocol):
         not followed: out of the table, and out of the batch for the other workers."""
 
 
+class Turns(Protocol):
+    """A turn counter every worker process of the router shares (router/fleet/shared_load.py):
+    the picks taken so far by all of them, so that a rotation is the router's, not each
+    process's (two processes with a turn each send two requests that reach them together
+    to the same backend)."""
+
+    def take(self) -> int:
+        """The router's next turn, counted as taken."""
+
+
 class Reason(StrEnum):
     """Why a backend was picked; exported as the `reason` label of decisions."""
 
@@ -116,12 +126,15 @@ class FleetView:
     makes membership checks O(1). The router caches one view per model and rebuilds
     it only when membership or health changes. `panic`: too few were usable, so the
     candidates include backends only their circuit breaker kept out (router/fleet/views.py).
+    `turns`: with several worker processes, their shared turn counter.
     """
 
     members: tuple[BackendLike, ...]
     candidates: tuple[BackendLike, ...]
     candidate_names: frozenset[str]
     panic: bool = False
+    #: with several worker processes, their shared turn counter (None: this process's)
+    turns: Turns | None = None
 
 
 class Pick(NamedTuple):

@@ -1,7 +1,10 @@
 """ROUND_ROBIN: candidates in turn, one shared counter.
 
-Reads FleetView.candidates only. Cost: O(1). With per-model candidate lists the turn is
-shared across models, which keeps each list evenly served on average.
+Reads FleetView.candidates, and FleetView.turns: with several worker processes the turn
+is theirs together (each with its own, two requests reaching two of them at once went to
+the same backend). Cost: O(1) (a sum over the workers' counts with several). With
+per-model candidate lists the turn is shared across models, which keeps each list evenly
+served on average.
 YAML:  routing: {strategy: ROUND_ROBIN}
 """
 
@@ -26,4 +29,5 @@ class RoundRobinPolicy(Policy[RoundRobinParams]):
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)
-        return Pick(fleet.candidates[next(self._turn) % len(fleet.candidates)], Reason.ROUND_ROBIN)
+        turn = next(self._turn) if fleet.turns is None else fleet.turns.take()
+        return Pick(fleet.candidates[turn % len(fleet.candidates)], Reason.ROUND_ROBIN)

@@ -8,7 +8,9 @@ the backend) with one int64 per worker:
     [key_0 .. key_{S-1}] [slot 0: inflight w0..wN-1, tokens w0..wN-1, held w0..wN-1] ...
 
 and after them, per slot and worker, the samples of the backend's speed that worker took
-(`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads.
+(`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads; last, one
+int64 per worker: the turns it took (`take`: ROUND_ROBIN's rotation is the router's,
+the sum of every worker's turns).
 
 A worker only ever writes its own column, so an increment is a plain read-modify-write
 with no lock; readers sum a contiguous run of N int64s (one C-level `sum` over a
@@ -86,10 +88,12 @@ class LoadTable:
         self.path = str(path)
         self.slots, self.workers, self.worker = slots, workers, worker
         counters = slots * _INT64 * (1 + 3 * workers)
-        self._map = map_shared(self.path, counters + slots * workers * SPEED_WORDS * _INT64)
+        turns = counters + slots * workers * SPEED_WORDS * _INT64
+        self._map = map_shared(self.path, turns + workers * _INT64)
         self._words = memoryview(self._map)[:counters].cast("q")
         self._keys = memoryview(self._map)[:counters].cast("Q")[:slots]
-        self._speeds = memoryview(self._map)[counters:].cast("d")
+        self._speeds = memoryview(self._map)[counters:turns].cast("d")
+        self._turns = memoryview(self._map)[turns:].cast("q")
 
     def slot(self, name: str, url: str) -> int | None:
         """The backend's slot, claimed and held by this worker; None when the table is full."""
@@ -173,6 +177,14 @@ class LoadTable:
         start = (slot * self.workers + worker) * SPEED_WORDS
         return self._speeds[start : start + SPEED_WORDS]
 
+    def take(self) -> int:
+        """The router's next turn: every worker's turns so far, this one counted as
+        taken. Two workers taking theirs within the same few µs may get the same one."""
+        turns = self._turns
+        turn = sum(turns)
+        turns[self.worker] += 1
+        return turn
+
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended, its backends went with it."""
         for slot in range(self.slots):
@@ -183,4 +195,5 @@ class LoadTable:
         self._keys.release()
         self._words.release()
         self._speeds.release()
+        self._turns.release()
         self._map.close()

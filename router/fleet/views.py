@@ -15,6 +15,7 @@ from policies import FleetView, Policy
 from router.config import BreakerConfig, PoolConfig
 from router.fleet.backend import Backend
 from router.fleet.placements import PlacementTable
+from router.fleet.shared_load import LoadTable
 
 _MAX_CACHED_VIEWS = 1024
 
@@ -25,6 +26,8 @@ class Views:
     members: tuple[Backend, ...]
     policy: Policy
     placements: PlacementTable | None
+    #: with several workers, their shared load table (whose turn ROUND_ROBIN takes)
+    table: LoadTable | None
     #: the breakers' settings: the ejection cap and the panic threshold are the fleet's
     breaker_cfg: BreakerConfig
     _views: dict[str, FleetView]
@@ -122,7 +125,8 @@ class Views:
         if len(usable) * 100 < self.breaker_cfg.panic_threshold_percent * len(serving):
             candidates = tuple(b for b in serving if _alive(b))
         panic = len(candidates) > len(usable)  # in panic only if it adds a backend
-        return FleetView(self.members, candidates, frozenset(b.name for b in candidates), panic)
+        names = frozenset(b.name for b in candidates)
+        return FleetView(self.members, candidates, names, panic, self.table)
 
 
 def _alive(backend: Backend) -> bool:

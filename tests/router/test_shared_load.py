@@ -112,3 +112,34 @@ def test_backends_prepared_for_a_reload_that_never_happened_are_let_go(tmp_path)
         assert kept is fleet.members[0] and newcomer.table is t0, i
         fleet.let_go([newcomer])
     assert fleet.members[0].table is t0
+
+
+def test_round_robin_takes_the_routers_turn_whichever_worker_picks(tmp_path) -> None:
+    """Two workers' fleets over one table, picking in an order the kernel might deal
+    requests to them: each pick takes the next backend in the router's rotation (with a
+    turn each, the second worker started again from the first backend)."""
+    t0, t1 = tables(tmp_path, workers=2)
+    cfgs = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(4)]
+    fleets = [
+        Fleet(cfgs, RoundRobinPolicy(RoundRobinParams()), BreakerConfig(), table=t)
+        for t in (t0, t1)
+    ]
+    for fleet in fleets:
+        for b in fleet.members:
+            b.healthy = True
+        fleet.changed()
+    order = [0, 1, 1, 0, 1, 1, 1, 0]
+    picked = [fleets[w].policy.pick(None, fleets[w].view("m")).backend.name for w in order]
+    assert picked == [f"b{i % 4}" for i in range(len(order))]
+    alone = Fleet(cfgs, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
+    for b in alone.members:
+        b.healthy = True
+    alone.changed()
+    assert alone.view("m").turns is None  # one worker: its own turn
+    assert [alone.policy.pick(None, alone.view("m")).backend.name for _ in range(5)] == [
+        "b0",
+        "b1",
+        "b2",
+        "b3",
+        "b0",
+    ]
