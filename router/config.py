@@ -722,8 +722,9 @@ class SessionAffinityConfig(_Strict):
     idle_ttl: Seconds = 1800.0
     #: sessions each worker remembers at most (the least recently used go first)
     max_sessions: Annotated[int, Meta(ge=1)] = 100_000
-    #: a new session skips the backends with this many times the mean requests in
-    #: flight (past a floor of 4), then goes by the rendezvous hash; null: the hash alone
+    #: a new session skips the backends with this many times their weight's share of the
+    #: requests in flight (past a floor of 4), then goes by the rendezvous hash; null: the
+    #: hash alone
     load_factor: Annotated[float, Meta(gt=1)] | None = 1.25
 
 

@@ -3,12 +3,12 @@
 The session is named by the first of `flow.session_affinity.headers` the request sends
 (`X-Session-ID`, and the headers coding agents send with each turn). Its backend is the
 one that served it last, else the candidate with the highest rendezvous hash of (session,
-backend name) among those not loaded past `load_factor` x the mean requests in flight
-(nor past a floor of 4): every worker and every replica computes the same one without
-sharing anything while the fleet is evenly loaded, and a backend leaving moves only its
-own sessions. Sessions last (a conversation's turns follow the first), so the hash alone
-leaves a backend ~1.5x the mean sessions on 80 over 4; the bound passes over the one the
-hash gave too many until the others catch up.
+backend name) among those not loaded past `load_factor` x their weight's share of the
+requests in flight (nor past a floor of 4): every worker and every replica computes the
+same one without sharing anything while the fleet is evenly loaded, and a backend
+leaving moves only its own sessions. Sessions last (a conversation's turns follow the
+first), so the hash alone leaves a backend ~1.5x the mean sessions on 80 over 4; the
+bound passes over the one the hash gave too many until the others catch up.
 
 - **soft** (default): the session's backend while it is not saturated (flow.py's
   test on its scraped state); with KV_AWARE it is a strong preference, not an override:
@@ -36,7 +36,7 @@ from typing import Protocol
 import xxhash
 from multidict import CIMultiDict
 
-from policies import Pick, Reason
+from policies import Pick, Reason, load_cap_per_weight
 from router.config import FlowConfig
 from router.dispatch.saturation import saturated
 from router.fleet.backend import Backend
@@ -148,9 +148,12 @@ class Sessions:
 
     def _new_home(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
         """A new session's backend: the rendezvous winner among the candidates under
-        the load bound (one always is: the least loaded is under any factor over 1)."""
-        factor = self._cfg.load_factor
-        if factor is None or not candidates:
-            return rendezvous(session, candidates)
-        bound = max(LOAD_FLOOR, factor * sum(b.inflight for b in candidates) / len(candidates))
-        return rendezvous(session, [b for b in candidates if b.inflight < bound])
+        the bounded load PREFIX_AWARE uses (`load_cap_per_weight`, weights counted; one
+        always is: the least loaded is under any factor over 1)."""
+        if not candidates:
+            return None
+        per_weight = load_cap_per_weight(self._cfg.load_factor, candidates)
+        under = [
+            b for b in candidates if b.inflight < LOAD_FLOOR or b.inflight < per_weight * b.weight
+        ]
+        return rendezvous(session, under)
