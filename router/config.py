@@ -693,8 +693,8 @@ class SaturationConfig(_Strict):
     """When a backend counts as saturated: requests then wait in the router, not in vLLM."""
 
     enabled: bool = True
-    #: vllm:num_requests_waiting, plus the router's in-flight added there since that
-    #: scrape when it was queueing then, above this; once the backend's batch limit is
+    #: vllm:num_requests_waiting, plus the router's requests sent there since that
+    #: scrape whose answer has not begun, above this; once the backend's batch limit is
     #: learned, also the router's in-flight there at that limit plus this
     max_waiting: Annotated[float, Meta(ge=0)] = 4.0
     #: vllm:kv_cache_usage_perc (0..1) at or above this

@@ -61,6 +61,7 @@ class Attempt(Verdict):
         "_itl",
         "_queued",
         "_refused",
+        "_started",
         "_timeout",
         "call",
         "error",
@@ -86,6 +87,8 @@ class Attempt(Verdict):
         self._itl = attempts.itl(backend.name, *self.labels)
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
+        #: its answer has begun (it no longer counts as not begun on the backend)
+        self._started = False
         # the verdict's state (verdict.py), set here: no call of its own per attempt
         self._trial = fleet.attempt_begins(backend)
         self._judged = self._deferred = False
@@ -159,7 +162,8 @@ class Attempt(Verdict):
         """The first token arrived: the prompt's tokens no longer queue on the backend,
         they were prefilled (counted, to tell its decode from the prefills beside it)."""
         backend = self.backend
-        backend.count(0, -self._queued)
+        backend.count(0, -self._queued, -1)
+        self._started = True
         samples = backend.speed_samples
         samples.count_prefilled(self._queued)
         self.prefills_then = samples.prefilled_total()
@@ -169,8 +173,9 @@ class Attempt(Verdict):
         """Give the slots back; a held server error is judged now unless deferred, an
         answer relayed whole (`clean`) not judged yet is a success, and a trial ending
         without a verdict frees the trial slot."""
-        self.backend.count(-1, -self._queued)
+        self.backend.count(-1, -self._queued, 0 if self._started else -1)
         self._queued = 0
+        self._started = True
         if self.server_error:
             if not self._deferred:
                 self.judge(blamed=True)

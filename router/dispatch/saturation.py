@@ -4,11 +4,17 @@ A backend has no room when its `vllm:kv_cache_usage_perc` reaches `max_kv_cache_
 Once its batch's limit is learned (router/fleet/batch_limit.py), its room is that limit
 plus `max_waiting`, less the router's requests in flight there (exact and current) and
 the others its last scrape found there (another replica's, another client's). Before
-that, it has none when its scraped `vllm:num_requests_waiting`, plus the requests the
-router sent it since that scrape when it was queueing then, passes `max_waiting`, and
-room without bound otherwise (a vLLM server batches dozens of sequences, and guessing
-it full would hold requests for nothing). A scrape is up to an interval old, and one
-that catches a request between two engine steps would judge a backend full that is not.
+that, it has none when its queue passes `max_waiting`: the scraped
+`vllm:num_requests_waiting`, plus the router's requests sent there since that scrape
+whose answer has not begun (no first token yet), and room without bound otherwise (a
+vLLM server batches dozens of sequences, and guessing it full would hold requests for
+nothing). A scrape is up to an interval old: counting only the requests sent after it
+onto a queue it found lets every backend that showed none take every pick until the
+next one, which near capacity bursts picks onto the few that showed room; counting them
+until their answer begins tracks the queue between scrapes, and lets a held request go
+as soon as answers begin there. A backend without a fresh scrape has room without
+bound. One scrape that catches a request between two engine steps would judge a
+backend full that is not; the next one clears it.
 
 Admission (admission.py) asks the fleet's room before releasing a waiter, and keeps the
 last `reserve` of the fleet's learned slots for requests of tenants under their share (a
@@ -40,7 +46,10 @@ def room_at(backend: Backend, cfg: SaturationConfig, probe: bool = False) -> flo
     batch = backend.batch
     slots = batch.slots
     if slots is None:
-        added = max(0, backend.inflight - backend.inflight_at_scrape) if backend.waiting else 0
+        since = backend.unstarted_at_scrape
+        if since is None:  # no fresh scrape: nothing is known of its queue
+            return math.inf
+        added = max(0, backend.unstarted - since)
         return 0 if backend.waiting + added > cfg.max_waiting else math.inf
     slots += batch.probe if probe else 0
     return max(0, slots + cfg.max_waiting - backend.inflight - batch.others)

@@ -41,7 +41,6 @@ class Backend(BackendLoad):
         "head_lines",
         "headers",
         "healthy",
-        "inflight_at_scrape",
         "kv_usage",
         "learned_speed",
         "model_cards",
@@ -53,6 +52,7 @@ class Backend(BackendLoad):
         "speed_samples",
         "tls",
         "transitions",
+        "unstarted_at_scrape",
         "url",
         "waiting",
         "weight",
@@ -101,9 +101,10 @@ class Backend(BackendLoad):
         self.waiting = 0.0
         #: scraped vllm:kv_cache_usage_perc (0..1), 0 while unknown or stale
         self.kv_usage = 0.0
-        #: the router's in-flight here when that scrape was taken (saturation counts
-        #: the requests added since as waiting)
-        self.inflight_at_scrape = 0
+        #: the router's requests here whose answer had not begun when that scrape was
+        #: taken (saturation counts those added since as waiting); None without a
+        #: fresh scrape
+        self.unstarted_at_scrape: int | None = None
         #: how many requests it runs at once, learned from its scrapes (flow control)
         self.batch = BatchLimit()
 

@@ -1,7 +1,8 @@
 """A backend's load: the router-wide in-flight count (summed over the workers through
-shared_load.py when there are several; dispatch's accounting keeps it exact) and the
+shared_load.py when there are several; dispatch's accounting keeps it exact), the
 queued prompt tokens, plus the other replicas' when they share their load (config
-`cluster`, router/telemetry/cluster.py).
+`cluster`, router/telemetry/cluster.py), and the router's requests there whose answer
+has not begun (flow control's estimate of the backend's queue between scrapes).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ class BackendLoad:
     __slots__ = (
         "local_inflight",
         "local_queued",
+        "local_unstarted",
         "remote_inflight",
         "remote_queued",
         "slot",
@@ -26,6 +28,8 @@ class BackendLoad:
         #: this process's requests in flight here, and their queued prompt tokens
         self.local_inflight = 0
         self.local_queued = 0
+        #: this process's requests here whose answer has not begun
+        self.local_unstarted = 0
         #: the other router replicas' requests in flight here and their queued prompt
         #: tokens (config `cluster`; 0 alone)
         self.remote_inflight = 0
@@ -57,9 +61,19 @@ class BackendLoad:
         this router's and its sharing replicas'."""
         return self.own_queued_tokens + self.remote_queued
 
-    def count(self, requests: int, tokens: int) -> None:
-        """The request path's accounting: attempts begin (+1) and end (-1) here."""
+    @property
+    def unstarted(self) -> int:
+        """This router's requests sent here whose answer has not begun (no first token
+        of a stream yet, no answer yet otherwise), router-wide."""
+        table = self.table
+        return self.local_unstarted if table is None else table.unstarted(self.slot)
+
+    def count(self, requests: int, tokens: int, unstarted: int | None = None) -> None:
+        """The request path's accounting: attempts begin (+1) and end (-1) here, not
+        begun until `unstarted` says otherwise (default: as `requests`)."""
+        unstarted = requests if unstarted is None else unstarted
         self.local_inflight += requests
         self.local_queued += tokens
+        self.local_unstarted += unstarted
         if self.table is not None:
-            self.table.add(self.slot, requests, tokens)
+            self.table.add(self.slot, requests, tokens, unstarted)

@@ -2,10 +2,10 @@
 
 One file in shared memory (a tmpfs under the supervisor's run directory), mapped by
 every worker. Layout: `slots` backend keys (uint64, 0 = never used), then per slot
-three counters (requests in flight, prompt tokens queued, and whether the worker holds
-the backend) with one int64 per worker:
+four counters (requests in flight, prompt tokens queued, whether the worker holds the
+backend, and requests whose answer has not begun) with one int64 per worker:
 
-    [key_0 .. key_{S-1}] [slot 0: inflight w0..wN-1, tokens w0..wN-1, held w0..wN-1] ...
+    [key_0 .. key_{S-1}] [slot 0: inflight w0.., tokens w0.., held w0.., unstarted w0..] ...
 
 and after them, per slot and worker, the samples of the backend's speed that worker took
 (`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads; last, one
@@ -43,6 +43,8 @@ from router import log
 from router.fleet.speeds import WORDS as SPEED_WORDS
 
 _INT64 = 8
+#: counters per slot, one int64 per worker each
+_COUNTERS = 4
 
 
 def _zeros(n: int) -> memoryview:
@@ -87,7 +89,7 @@ class LoadTable:
     def __init__(self, path: str | Path, slots: int, workers: int, worker: int | None) -> None:
         self.path = str(path)
         self.slots, self.workers, self.worker = slots, workers, worker
-        counters = slots * _INT64 * (1 + 3 * workers)
+        counters = slots * _INT64 * (1 + _COUNTERS * workers)
         turns = counters + slots * workers * SPEED_WORDS * _INT64
         self._map = map_shared(self.path, turns + workers * _INT64)
         self._words = memoryview(self._map)[:counters].cast("q")
@@ -141,7 +143,7 @@ class LoadTable:
                 reusable = slot
         if reusable is not None:
             base = self._base(reusable)
-            self._words[base : base + 3 * self.workers] = _zeros(3 * self.workers)
+            self._words[base : base + _COUNTERS * self.workers] = _zeros(_COUNTERS * self.workers)
             for column in self.speed_columns(reusable):  # another backend's samples
                 column[:] = _zeros(SPEED_WORDS).cast("B").cast("d")
             self._keys[reusable] = key
@@ -149,16 +151,18 @@ class LoadTable:
 
     def _idle(self, slot: int) -> bool:
         base = self._base(slot)
-        return not any(self._words[base : base + 3 * self.workers])
+        return not any(self._words[base : base + _COUNTERS * self.workers])
 
     def _base(self, slot: int) -> int:
-        return self.slots + slot * 3 * self.workers
+        return self.slots + slot * _COUNTERS * self.workers
 
-    def add(self, slot: int, requests: int, tokens: int) -> None:
-        """Count this worker's requests and queued tokens to a backend up or down."""
+    def add(self, slot: int, requests: int, tokens: int, unstarted: int) -> None:
+        """Count this worker's requests, queued tokens and requests whose answer has not
+        begun to a backend up or down."""
         words, i = self._words, self._base(slot) + self.worker
         words[i] += requests
         words[i + self.workers] += tokens
+        words[i + 3 * self.workers] += unstarted
 
     def inflight(self, slot: int) -> int:
         base = self._base(slot)
@@ -166,6 +170,10 @@ class LoadTable:
 
     def queued_tokens(self, slot: int) -> int:
         base = self._base(slot) + self.workers
+        return sum(self._words[base : base + self.workers])
+
+    def unstarted(self, slot: int) -> int:
+        base = self._base(slot) + 3 * self.workers
         return sum(self._words[base : base + self.workers])
 
     def speed_columns(self, slot: int) -> list[memoryview]:
@@ -189,7 +197,7 @@ class LoadTable:
         """Zero a dead worker's column: its requests ended, its backends went with it."""
         for slot in range(self.slots):
             i = self._base(slot) + worker
-            self._words[i : i + 3 * self.workers : self.workers] = _zeros(3)
+            self._words[i : i + _COUNTERS * self.workers : self.workers] = _zeros(_COUNTERS)
 
     def close(self) -> None:
         self._keys.release()

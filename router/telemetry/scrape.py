@@ -164,7 +164,7 @@ class Scraper:
         """A fresh snapshot of `backend`, scraped here or received from the collector."""
         self.snapshots[backend.name] = snap
         backend.waiting, backend.kv_usage = snap.waiting, snap.kv_usage
-        backend.inflight_at_scrape = backend.inflight
+        backend.unstarted_at_scrape = backend.unstarted
         backend.batch.observe(snap.running, snap.waiting, backend.inflight)
 
     def _expire(self) -> None:
@@ -174,9 +174,10 @@ class Scraper:
             if (
                 snap is not None
                 and now - snap.at > self._stale_after
-                and (backend.waiting or backend.kv_usage)
+                and backend.unstarted_at_scrape is not None
             ):
                 backend.waiting = backend.kv_usage = 0.0
+                backend.unstarted_at_scrape = None
                 backend.batch.forget()
                 self._on_fallback(backend.name, "stale_metrics")
                 log.backends.warning("metrics of %s are stale", backend.name)

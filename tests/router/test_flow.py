@@ -113,9 +113,12 @@ class _Backend:
         inflight: int = 0,
         usable: bool = True,
         slots: int | None = None,
+        unstarted: int = 0,
     ) -> None:
+        """`unstarted`: the router's requests there whose answer has not begun, all sent
+        since the last scrape."""
         self.waiting, self.kv_usage, self.usable = waiting, kv, usable
-        self.inflight, self.inflight_at_scrape = inflight, 0
+        self.inflight, self.unstarted, self.unstarted_at_scrape = inflight, unstarted, 0
         self.batch = _Batch(slots)
 
 
@@ -128,8 +131,11 @@ def test_saturated_only_when_every_usable_backend_is() -> None:
     full, kv_full = _Backend(3, 0.1), _Backend(0, 0.9)
     assert _full([full, kv_full, _Backend(0, 0, usable=False)], cfg)
     assert not _full([full, _Backend(0, 0.5)], cfg)
-    assert _full([full, _Backend(1, 0.5, inflight=2)], cfg)  # queueing, 2 added
+    assert _full([full, _Backend(1, 0.5, inflight=2, unstarted=2)], cfg)  # queueing, 2 added
     assert not _full([full, _Backend(0, 0.5, inflight=30)], cfg)  # it batches them
+    assert not _full([full, _Backend(0, 0.5, inflight=30, unstarted=2)], cfg)
+    # three sent since a scrape that found nothing waiting, none answering yet
+    assert _full([full, _Backend(0, 0.5, inflight=30, unstarted=3)], cfg)
     assert not _full([], cfg)  # none usable: routing answers instead
     assert not _full([full], SaturationConfig(enabled=False))
 

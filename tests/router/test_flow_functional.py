@@ -164,23 +164,12 @@ async def test_requests_wait_in_the_router_while_every_backend_is_saturated() ->
         assert _order(stubs[0]) + _order(stubs[1]) == ["waits"]  # then routed as usual
 
 
-@pytest.mark.parametrize("metrics", [True, False], ids=["empty-queue", "no-metrics"])
-async def test_backends_that_were_not_queueing_take_more_than_max_waiting_at_once(
-    metrics: bool,
-) -> None:
-    """Requests sent since the last scrape count as waiting only on a backend that was
-    queueing then: one with an empty queue, or no metrics at all, batches them (a vLLM
-    server runs dozens of sequences at once), and none waits in the router."""
-    telemetry = {"scrape_interval": 2}  # seconds between a backend's scrapes
+async def test_backends_without_metrics_take_more_than_max_waiting_at_once() -> None:
+    """A backend with no metrics gives saturation nothing to judge: it batches every
+    request sent (a vLLM server runs dozens of sequences at once), none waits in the
+    router."""
     flow = {"saturation": {"max_waiting": 2}}
-    async with (
-        running(2, telemetry=telemetry, flow=flow) as (router, stubs),
-        aiohttp.ClientSession() as http,
-    ):
-        if metrics:
-            for stub in stubs:
-                stub.behaviour.metrics = _vllm_page(waiting=0, kv=0.1)
-            await until(lambda: all(b.kv_usage == 0.1 for b in router.fleet.members), 5)
+    async with running(2, flow=flow) as (router, stubs), aiohttp.ClientSession() as http:
         for stub in stubs:
             stub.behaviour.gate = asyncio.Event()
         held = [asyncio.create_task(_post(http, router, f"r{i}")) for i in range(12)]
@@ -189,6 +178,47 @@ async def test_backends_that_were_not_queueing_take_more_than_max_waiting_at_onc
         for stub in stubs:
             stub.behaviour.gate.set()
         assert [status for status, _ in await asyncio.gather(*held)] == [200] * 12
+
+
+async def _stream(http: aiohttp.ClientSession, router: Router, label: str) -> int:
+    body = {**_body(label), "stream": True}
+    async with http.post(router.url + PATH, json=body) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_requests_sent_since_a_scrape_count_as_waiting_until_their_answer_begins() -> None:
+    """Between two scrapes a backend's queue is its scraped one plus the router's
+    requests sent there since whose answer has not begun: past `max_waiting` on every
+    backend the next request waits in the router, even where the scrape found nothing
+    waiting (a burst sent between scrapes queues in vLLM), and it goes on as soon as
+    answers begin there, though they have not ended and no new scrape came."""
+    telemetry = {"scrape_interval": 0.05, "stale_after": 60}
+    flow = {"saturation": {"max_waiting": 2}}
+    async with (
+        running(2, telemetry=telemetry, flow=flow) as (router, stubs),
+        aiohttp.ClientSession() as http,
+    ):
+        for stub in stubs:
+            stub.behaviour.metrics = _vllm_page(waiting=0, kv=0.1)
+        await until(lambda: all(b.kv_usage == 0.1 for b in router.fleet.members), 5)
+        for stub in stubs:
+            stub.behaviour.metrics = None  # scrapes fail from now on: the last one holds
+            stub.behaviour.gate = asyncio.Event()
+            stub.behaviour.chunk_gate = asyncio.Semaphore(0)  # answers begin, never end
+        held = [asyncio.create_task(_stream(http, router, f"r{i}")) for i in range(6)]
+        await until(lambda: sum(s.active for s in stubs) == 6)
+        assert [s.active for s in stubs] == [3, 3]  # 3 added to 0 waiting: past 2
+        last = asyncio.create_task(_stream(http, router, "last"))
+        await until(lambda: router.dispatcher.admission.queued == 1)
+        stubs[1].behaviour.gate.set()  # its three answers begin
+        await until(lambda: stubs[1].active == 4)
+        assert stubs[0].active == 3 and router.dispatcher.admission.queued == 0
+        for stub in stubs:
+            stub.behaviour.gate.set()
+            for _ in range(4 * stub.behaviour.chunks):  # every held stream's other chunks
+                stub.behaviour.chunk_gate.release()
+        assert await asyncio.gather(*held, last) == [200] * 7
 
 
 async def test_a_learned_batch_limit_holds_requests_in_the_router_without_a_queue_scraped() -> None:

@@ -20,21 +20,22 @@ def test_workers_agree_on_slots_and_readers_see_the_sum(tmp_path) -> None:
     slot = t0.slot("b0", "http://a:8000")
     assert t1.slot("b0", "http://a:8000") == slot == t2.slot("b0", "http://a:8000")
     assert t1.slot("b1", "http://b:8000") != slot
-    t0.add(slot, 2, 100)
-    t2.add(slot, 1, 50)
-    assert t1.inflight(slot) == 3 and t1.queued_tokens(slot) == 150
-    t0.add(slot, -1, -100)
-    assert t2.inflight(slot) == 2 and t2.queued_tokens(slot) == 50
+    t0.add(slot, 2, 100, 2)
+    t2.add(slot, 1, 50, 1)
+    assert t1.inflight(slot) == 3 and t1.queued_tokens(slot) == 150 and t1.unstarted(slot) == 3
+    t0.add(slot, 0, -100, -1)  # an answer began
+    t0.add(slot, -1, 0, 0)  # and ended
+    assert t2.inflight(slot) == 2 and t2.queued_tokens(slot) == 50 and t2.unstarted(slot) == 2
 
 
 def test_a_dead_workers_column_is_zeroed(tmp_path) -> None:
     t0, t1, _ = tables(tmp_path)
     supervisor = LoadTable(tmp_path / "load", 16, 3, None)
     slot = t0.slot("b0", "http://a:8000")
-    t0.add(slot, 4, 400)
-    t1.add(slot, 1, 10)
+    t0.add(slot, 4, 400, 4)
+    t1.add(slot, 1, 10, 1)
     supervisor.clear_worker(0)
-    assert t1.inflight(slot) == 1 and t1.queued_tokens(slot) == 10
+    assert t1.inflight(slot) == 1 and t1.queued_tokens(slot) == 10 and t1.unstarted(slot) == 1
 
 
 def test_backends_count_router_wide_and_locally(tmp_path) -> None:
@@ -43,8 +44,10 @@ def test_backends_count_router_wide_and_locally(tmp_path) -> None:
     mine, theirs = Backend(cfg, table=t0), Backend(cfg, table=t1)
     mine.count(1, 300)
     theirs.count(2, 0)
-    assert mine.inflight == theirs.inflight == 3
+    assert mine.inflight == theirs.inflight == 3 == theirs.unstarted
     assert mine.queued_tokens == 300
+    mine.count(0, -300, -1)  # its answer began
+    assert mine.inflight == 3 and mine.queued_tokens == 0 and theirs.unstarted == 2
     assert (mine.local_inflight, theirs.local_inflight) == (1, 2)
 
 
@@ -66,7 +69,7 @@ def test_a_slot_no_worker_holds_is_reused_and_probe_paths_stay_whole(tmp_path) -
     t0.release(b)
     assert t0.slot("d", "http://x:1") is None  # worker 1 still holds b
     t1.release(b)
-    t0.add(a, 1, 10)
+    t0.add(a, 1, 10, 1)
     t0.release(a)
     assert t0.slot("d", "http://x:1") not in (None, a)  # a still has a request in flight
     # every key still found where it was, whichever slots were reused on its path
@@ -78,8 +81,8 @@ def test_a_reused_slot_starts_from_zero_and_a_dead_worker_lets_go(tmp_path) -> N
     t0, t1 = tables(tmp_path, workers=2, slots=1)
     supervisor = LoadTable(tmp_path / "load", 1, 2, None)
     slot = t0.slot("a", "http://x:1")
-    t0.add(slot, 0, 500)  # e.g. a count left behind
-    t0.add(slot, 0, -500)
+    t0.add(slot, 0, 500, 0)  # e.g. a count left behind
+    t0.add(slot, 0, -500, 0)
     supervisor.clear_worker(0)  # worker 0 died holding `a`
     assert t1.slot("b", "http://x:1") == slot
     assert t1.inflight(slot) == 0 and t1.queued_tokens(slot) == 0
