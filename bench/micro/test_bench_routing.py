@@ -79,7 +79,7 @@ def test_route(benchmark, dispatcher: Dispatcher) -> None:
 # backends carry uneven load. `pruned` is the default (sample: 3), `full` scores every
 # candidate (sample: 0), in the same run. Goal: pruned median at most 60 µs at 1,024.
 
-FLEETS = (4, 64, 256, 1024)
+FLEETS = (4, 16, 64, 256, 1024)
 DOC_TOKENS, QUESTION_TOKENS, BLOCK = 7600, 400, 16
 KV_ROUNDS = 300
 

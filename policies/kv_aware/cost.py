@@ -7,7 +7,7 @@ c(b) x r its decode step with r requests in its batch:
     ttft(b)    = queued_tokens(b) / p(b) + prefill(b) + step(b, inflight(b))
                  + waiting_s_per_request * waiting(b)
     decode(b)  = output_tokens * step(b, inflight(b) + 1)
-    harm(b)    = inflight(b) * (prefill(b) + output_tokens * c(b) / 2)
+    harm(b)    = inflight(b) * (harm_weight * prefill(b) + output_tokens * c(b) / 2)
     evict(b)   = max(0, new_blocks(b) - room(b)) * block_size / p(b)
     cost(b)    = ttft(b) + decode(b) + harm(b) + miss_penalty * uncached(b) / p(b)
                  + eviction_penalty * evict(b)
@@ -35,7 +35,15 @@ c(b) x r its decode step with r requests in its batch:
 
 `harm` is what the request costs the requests already decoding there: chunked prefill
 puts its prompt into their steps, and its sequence makes their steps longer (for about
-half its decode: they are halfway through theirs, on average).
+half its decode: they are halfway through theirs, on average). The prefill's delay
+counts at `harm_weight` (0.5): at 1 the cost is the fleet's total latency, indifferent
+between one request's first token coming a prefill later and the same seconds spread as
+one longer step over every stream there, and a new prompt then often queued behind
+another's prefill to spare a backend with one or two more streams (no-sharing on 4
+simulated backends: TTFT P99 1.7x round robin's, for no gain in E2E P99). A first token
+is what a user waits on; one longer step mid-stream is not felt the same. At 0.5 that
+P99 is 1.1x round robin's, and the E2E tails of long-prefix and multi-turn do not move
+(docs/performance.md).
 The miss penalty is what it costs those that will queue behind its prefill (1.0: a
 backend that would prefill a prompt another holds must save more than the prefill it
 adds).
@@ -115,7 +123,7 @@ class CostModel:
             + p.waiting_s_per_request * _attr(backend, "waiting")
         )
         decode = output * (step + per_request * (running + 1))
-        harm = running * (prefill + output * per_request / 2)
+        harm = running * (p.harm_weight * prefill + output * per_request / 2)
         cost = ttft + decode + harm + p.miss_penalty * (prompt - covered) / rate
         evicted = -(-(prompt - cached) // p.block_size) - self._gpu.room(backend.name)
         if evicted > 0:

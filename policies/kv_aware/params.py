@@ -58,6 +58,7 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
             "decode_s_per_request",
             "waiting_s_per_request",
             "miss_penalty",
+            "harm_weight",
             "eviction_penalty",
             "tie_fraction",
             "tie_seconds",
@@ -79,6 +80,9 @@ class KvAwareParams(PolicyParams, tag="KV_AWARE"):
     output_tokens: Annotated[int, Meta(ge=0)] = 256
     waiting_s_per_request: NonNegative = 0.05
     miss_penalty: NonNegative = 1.0
+    #: the weight of the delay a prefill puts into the steps of the requests already on a
+    #: backend, against the request's own latency (cost.py `harm`)
+    harm_weight: NonNegative = 0.5
     #: the prefill a cache that proved small will redo per block a placement evicts
     eviction_penalty: NonNegative = 1.0
     tie_fraction: NonNegative = 0.1

@@ -37,13 +37,14 @@ adds a few float operations per scored candidate to the lookups
 Parameters (defaults; params.py): block_size (16, the backends' KV block size), tokenizer
 ({kind: chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens (32768),
 prefill_tokens_per_s (10000), decode_step_s (0.025), decode_s_per_request (0.00015),
-output_tokens (256), waiting_s_per_request (0.05), miss_penalty (1.0), eviction_penalty
-(1.0), tie_fraction (0.1), tie_seconds (0.005), concurrency_threshold (null),
-max_queue_s (null), speculative_ttl_s (2.0, when the backend publishes events),
-approximate_ttl_s (600, when it does not), index_capacity (1_000_000 keys per backend
-and medium), sample (3; 0 scores every candidate), tiers ({cpu: {load_s_per_token:
-1.6e-6}, storage: {load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true`
-marks a store every backend reads), seed.
+output_tokens (256), waiting_s_per_request (0.05), miss_penalty (1.0), harm_weight
+(0.5), eviction_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005),
+concurrency_threshold (null), max_queue_s (null), speculative_ttl_s (2.0, when the
+backend publishes events), approximate_ttl_s (600, when it does not), index_capacity
+(1_000_000 keys per backend and medium), sample (3; 0 scores every candidate; a fleet of
+up to 16 is scored whole), tiers ({cpu: {load_s_per_token: 1.6e-6}, storage:
+{load_s_per_token: 1.3e-5}}, sources at DEFAULT_TIERS; `shared: true` marks a store
+every backend reads), seed.
 YAML:
   routing: {strategy: KV_AWARE, block_size: 16, prefill_tokens_per_s: 10000, sample: 3}
 """

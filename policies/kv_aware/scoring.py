@@ -8,10 +8,14 @@ candidates ("power of k choices"; each is scored like the holders, so the least 
 them is the cold choice, and one that holds a shorter prefix gets its credit). The draws
 are seeded by the first block no backend holds, so every worker and replica scores the same
 backends for the same prompt and still places a new prefix alike, while different prompts
-spread over the whole fleet. A fleet no larger than the holders plus `sample` is scored
-whole. The pick equals the exhaustive one whenever it goes to a holder; a cold prompt goes
-to the least loaded of its draws instead of the fleet's least loaded. If every scored
-backend is at a cap (cost.py), the draws are made again among those under it.
+spread over the whole fleet. A fleet no larger than the holders plus `sample`, or than
+`WHOLE` (16) candidates, is scored whole: at ~1.6 µs a candidate that costs at most
+~25 µs more than the draws (bench/micro/test_bench_routing.py), and 3 draws of 4 left
+the least loaded backend out of one cold pick in four, a new prompt then queueing
+behind another's prefill. The pick equals the exhaustive one whenever it goes to a
+holder; a cold prompt goes to the least loaded of its draws instead of the fleet's least
+loaded. If every scored backend is at a cap (cost.py), the draws are made again among
+those under it.
 `sample: 0` scores every candidate.
 
 Cost: O((holders + sample) * log blocks) for the lookups, whatever the fleet size
@@ -28,8 +32,10 @@ from policies.base import BackendLike, FleetView, RouteRequest
 from policies.kv_aware.cost import CostModel, Scored
 from policies.kv_aware.params import KvAwareParams
 
-__all__ = ["Scoring"]
+__all__ = ["WHOLE", "Scoring"]
 
+#: a fleet of at most this many candidates is scored whole
+WHOLE = 16
 #: at most this many holders of the longest prefixes are scored (the rest are drawn)
 _HOLDERS = 8
 _MASK = (1 << 64) - 1
@@ -57,7 +63,7 @@ class Scoring:
             held = self._gpu.holders(req.blocks, _HOLDERS)
             if reach:
                 held = self._with_tier_holders(req, held, reach)
-            if len(fleet.candidates) > len(held) + sample:
+            if len(fleet.candidates) > max(len(held) + sample, WHOLE):
                 return self._pruned(req, fleet, held, reach)
         cost = self._cost
         return [cost.score(req, b, reach) for b in cost.under_cap(fleet.candidates)]

@@ -12,6 +12,7 @@ import pytest
 from hashing.blocks import chain, root_key
 from policies import FleetView, Reason, RouteRequest, Speed, create, tuned_params
 from policies.kv_aware import KvAwareParams, KvTierParams
+from policies.kv_aware.scoring import WHOLE
 
 ROOT = root_key("m", None)
 IDS = list(range(8000))
@@ -338,13 +339,21 @@ def test_pruned_draws_again_under_the_cap_when_every_draw_is_full() -> None:
 
 
 def test_a_small_fleet_is_scored_whole() -> None:
-    """A fleet no larger than the holders plus `sample` scores every candidate, as
-    sample 0 does at any size."""
+    """A fleet no larger than the holders plus `sample`, or than `WHOLE` candidates
+    (3 draws of 4 would leave the least loaded out of one cold pick in four), scores
+    every candidate, as sample 0 does at any size; past it, the draws."""
     p = policy()
     members = [B(n) for n in "abcd"]
     hold(p, "a", 100)
     p.pick(request(), view(members))
     assert set(p.recent[-1]["scores"]) == set("abcd")
+    for size, scored in ((WHOLE, WHOLE), (WHOLE + 1, 3)):
+        p = policy()
+        members = _fleet(size, 0)
+        pick = p.pick(request(), view(members))
+        assert len(p.recent[-1]["scores"]) == scored, size
+        if size == WHOLE:  # the exhaustive pick
+            assert pick.backend is policy(sample=0).pick(request(), view(members)).backend
     p = policy(sample=0)
     members = _fleet(256, 1)
     p.pick(request(), view(members))
@@ -391,6 +400,18 @@ def test_pruned_adopts_a_placement_on_a_backend_it_did_not_draw() -> None:
         p.share(Placed(target.name))
         pick = p.pick(request(), view(members))
         assert (pick.backend.name, pick.reason) == (target.name, Reason.KV_HIT)
+
+
+def test_a_new_prompt_does_not_queue_behind_a_prefill_to_spare_a_stream() -> None:
+    """A new 1,100-token prompt, 100 tokens expected: `queued` has another new prompt
+    waiting for its prefill beside 4 streams, `busier` 6 streams and nothing queued. At
+    the fleet's total latency (`harm_weight` 1) sparing one request more a 110 ms step
+    outweighs this prompt waiting 110 ms for its first token; at the default weight it
+    does not."""
+    req = RouteRequest("m", 0, chain(ROOT, list(range(50_000, 51_100)), 16), 1100, 100)
+    members = [B("queued", inflight=5, queued_tokens=1100), B("busier", inflight=6)]
+    assert policy(harm_weight=1.0).pick(req, view(members)).backend.name == "queued"
+    assert policy().pick(req, view(members)).backend.name == "busier"
 
 
 def offload(p, backend: str, blocks: int, medium: str = "cpu") -> None:
