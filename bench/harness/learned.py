@@ -1,7 +1,8 @@
 """What a kvroute row learned of each simulated backend's speed, beside the true speed.
 
 At the end of a replay the harness reads the router's `/debug/routing` (each backend's
-`speed`, as the router routes with it, and where it came from) and the simulator's
+`speed`, as the router routes with it, where it came from, and which of its figures
+its own samples gave) and the simulator's
 `/sim/stats` (`true_speeds`: what there was to learn). Both are put in simulated units:
 the router measures wall time, so its prefill rate is multiplied by `time_scale` and its
 decode step divided by it. On a mixed fleet (`--speeds`) the footer prints each row's
@@ -27,6 +28,8 @@ class LearnedSpeed(msgspec.Struct, kw_only=True):
     true_prefill_tokens_per_s: float | None
     decode_step_ms: float | None
     true_decode_step_ms: float | None
+    #: the figures its samples gave (`Speed`'s field names); the others are the prior's
+    figures: tuple[str, ...] = ()
 
 
 def learned_speeds(
@@ -51,6 +54,7 @@ def learned_speeds(
                 true_prefill_tokens_per_s=true.get("prefill_tokens_per_s"),
                 decode_step_ms=None if step is None else step * 1e3 / time_scale,
                 true_decode_step_ms=true.get("decode_step_base_ms"),
+                figures=tuple(backend.get("speed_learned_figures") or ()),
             )
         )
     return out
@@ -77,8 +81,8 @@ def speed_lines(rows: Sequence[tuple[str, int | None, Sequence[LearnedSpeed]]]) 
 def _cell(s: LearnedSpeed) -> str:
     if s.prefill_tokens_per_s is None:
         return f"{s.backend} prior"
-    prefill = _error(s.prefill_tokens_per_s, s.true_prefill_tokens_per_s)
-    step = _error(s.decode_step_ms, s.true_decode_step_ms)
+    prefill = _error(s, "prefill_tokens_per_s", s.prefill_tokens_per_s, s.true_prefill_tokens_per_s)
+    step = _error(s, "decode_step_s", s.decode_step_ms, s.true_decode_step_ms)
     source = "" if s.source in (None, "learned") else f" ({s.source})"
     return (
         f"{s.backend} {s.prefill_tokens_per_s:,.0f} tok/s {prefill}, "
@@ -86,7 +90,11 @@ def _cell(s: LearnedSpeed) -> str:
     )
 
 
-def _error(learned: float | None, true: float | None) -> str:
+def _error(s: LearnedSpeed, figure: str, learned: float | None, true: float | None) -> str:
+    """The figure's error against the true one, or '(prior)' where its own samples did
+    not give it (a backend that learned its decode step before any long prefill)."""
+    if s.source == "learned" and figure not in s.figures:
+        return "(prior)"
     if learned is None or not true:
         return "(true n/a)"
     return f"({learned / true - 1:+.0%})"

@@ -112,7 +112,7 @@ class SpeedLearner:
     """One backend's samples: this process's own, or every worker's in `table`'s `slot`
     (views taken per use, so that the table can be closed under it)."""
 
-    __slots__ = ("_local", "_since", "_slot", "_table")
+    __slots__ = ("_local", "_since", "_slot", "_table", "figures")
 
     def __init__(self, table: Columns | None = None, slot: int | None = None) -> None:
         self._table = None if slot is None else table
@@ -120,6 +120,9 @@ class SpeedLearner:
         self._local = memoryview(array("d", [0.0] * WORDS))
         #: streams recorded since the speed was last computed
         self._since = 0
+        #: the figures (`Speed`'s field names) its samples gave when it was last
+        #: computed; the others are the prior's
+        self.figures: tuple[str, ...] = ()
 
     def refreshed(self, prior: Speed, current: Speed | None) -> Speed | None:
         """The speed computed again (`learned`) every `REFRESH` streams this worker
@@ -174,18 +177,21 @@ class SpeedLearner:
 
     def learned(self, prior: Speed) -> Speed | None:
         """The speed its samples show, each figure `prior`'s until it has enough of
-        them; None while every figure is the prior's."""
+        them (`figures` names the others); None while every figure is the prior's."""
         prefills, gaps = self._samples()
+        self.figures = ()
         if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
             return None
         # the rate at the prior's step, the step without the prefills beside it at
         # that rate, then the rate again at that step
-        rate = _rate(prefills, prior[1], prior[2], prior[0])
-        step, per_request = prior[1], prior[2]
+        rate, timed = _rate(prefills, prior[1], prior[2], prior[0])
+        step, per_request, sloped = prior[1], prior[2], False
         if len(gaps) >= MIN_SAMPLES:
             points = [(r, g - beside / rate) for r, g, beside in gaps]
-            step, per_request = _line(points, per_request)
-            rate = _rate(prefills, step, per_request, prior[0])
+            step, per_request, sloped = _line(points, per_request)
+            rate, timed = _rate(prefills, step, per_request, prior[0])
+        learned = (timed, len(gaps) >= MIN_SAMPLES, sloped)
+        self.figures = tuple(f for f, yes in zip(Speed._fields, learned, strict=True) if yes)
         return Speed(rate, step, per_request)
 
     def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
@@ -203,10 +209,11 @@ class SpeedLearner:
 
 def _rate(
     prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
-) -> float:
+) -> tuple[float, bool]:
     """The prefills' tokens over their seconds, each wait less the steps it waited
     for, over the samples within `_SPREAD` of the median rate: those with nothing
-    queued ahead once `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES`."""
+    queued ahead once `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES`
+    (then False: not from the samples)."""
     timed, alone = [], []
     for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
@@ -219,23 +226,24 @@ def _rate(
     if len(alone) >= MIN_ALONE:
         timed = alone
     elif len(timed) < MIN_SAMPLES:
-        return prior
+        return prior, False
     median = statistics.median(t / s for t, s in timed)
     kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]
-    return sum(t for t, _ in kept) / sum(s for _, s in kept)
+    return sum(t for t, _ in kept) / sum(s for _, s in kept), True
 
 
-def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float]:
-    """(intercept, slope) of gap against running: least squares over the points within
-    `_TRIM` median misses of a robust first line (through the medians of the smaller and
-    the larger batches), so an outlier cannot pull it; with batches that do not differ
-    by `MIN_SPREAD`, `slope` is kept and the intercept is the median gap less its
-    batch's share. Neither below 0."""
+def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float, bool]:
+    """(intercept, slope, whether the slope is the points') of gap against running:
+    least squares over the points within `_TRIM` median misses of a robust first line
+    (through the medians of the smaller and the larger batches), so an outlier cannot
+    pull it; with batches that do not differ by `MIN_SPREAD`, `slope` is kept and the
+    intercept is the median gap less its batch's share. Neither below 0."""
     points.sort()
     half = len(points) // 2
     low, high = points[:half], points[half:]
     low_r, high_r = statistics.median(r for r, _ in low), statistics.median(r for r, _ in high)
-    if high_r - low_r >= MIN_SPREAD:
+    fitted = high_r - low_r >= MIN_SPREAD
+    if fitted:
         low_g = statistics.median(g for _, g in low)
         rough = (statistics.median(g for _, g in high) - low_g) / (high_r - low_r)
         misses = [abs(g - low_g - rough * (r - low_r)) for r, g in points]
@@ -243,9 +251,9 @@ def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float
         kept = [p for p, miss in zip(points, misses, strict=True) if miss <= bound]
         step, slope = _fit(kept) if kept[-1][0] > kept[0][0] else (low_g, rough)
         if slope >= 0:
-            return max(0.0, step), slope
+            return max(0.0, step), slope, True
         slope = 0.0
-    return max(0.0, statistics.median(g - slope * r for r, g in points)), slope
+    return max(0.0, statistics.median(g - slope * r for r, g in points)), slope, fitted
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:

@@ -91,7 +91,8 @@ class StatusRoutes:
         """The policy's last decisions with their scores, and each backend's state: load,
         speed (null: the configured one holds; `speed_learned` false: the fleet's
         typical learned one stands in for its own; `speed_source`: learned, shared by
-        the other replicas, typical or null), index (source,
+        the other replicas, typical or null; `speed_learned_figures`: the figures of a
+        learned speed its own samples gave, the others the configured ones), index (source,
         GPU and offload-tier sizes, and the publish time of the last KV event batch
         this process applied) and its last scraped vLLM metrics; with a
         KV-aware policy, its offload tiers and the media its events named that it does
@@ -114,6 +115,7 @@ class StatusRoutes:
                 "speed": b.speed._asdict() if b.speed is not None else None,
                 "speed_learned": b.learned_speed is not None,
                 "speed_source": _speed_source(b),
+                "speed_learned_figures": b.speed_samples.figures if b.learned_speed else (),
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
                 "tier_keys": index.tier_sizes(b.name) if index is not None else None,

@@ -274,10 +274,10 @@ def test_a_mixed_fleet_shows_what_each_kvroute_row_learned_of_each_backends_spee
         if s["prefill_tokens_per_s"] is None:
             assert f"{name} prior" in line
         else:
-            assert (
-                s["prefill_tokens_per_s"] > 0
-                and f"{name} {s['prefill_tokens_per_s']:,.0f} tok/s (" in line
-            )
+            rate = f"{name} {s['prefill_tokens_per_s']:,.0f} tok/s ("
+            assert s["prefill_tokens_per_s"] > 0 and rate in line
+            prior = s["source"] == "learned" and "prefill_tokens_per_s" not in s["figures"]
+            assert (rate + "prior)" in line) == prior  # a figure its samples did not give
 
 
 def test_knee_ramps_each_row_on_a_mixed_fleet_and_reports_its_last_step_under_the_slo(

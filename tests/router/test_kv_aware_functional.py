@@ -417,7 +417,8 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
     """A backend at full speed and one at half, each a simulator process of its own:
     streams until both speeds are learned, then the two in the simulators' ratio within
     15% and each within 25% of its nominal speed (a loaded machine stretches both
-    simulators' real times alike), in /debug/routing and in the gauges."""
+    simulators' real times alike), in /debug/routing (each figure from its own samples)
+    and in the gauges."""
     async with contextlib.AsyncExitStack() as stack:
         backends = []
         for name, args in (("fast", []), ("slow", HALF)):
@@ -439,7 +440,10 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
                 await overlapping(router, i, 8)
                 i += 8
             await overlapping(router, i, 16)  # more beside the first samples
-        speeds = {n: b["speed"] for n, b in (await debug_routing(router))["backends"].items()}
+        shown = (await debug_routing(router))["backends"]
+        speeds = {n: b["speed"] for n, b in shown.items()}
+        for b in shown.values():
+            assert {"prefill_tokens_per_s", "decode_step_s"} <= set(b["speed_learned_figures"])
         for name, (rate, step) in TRUE.items():
             learned = speeds[name]
             assert learned["prefill_tokens_per_s"] == pytest.approx(rate, rel=0.25), speeds

@@ -46,6 +46,7 @@ def test_early_prefills_count_at_the_step_learned_since() -> None:
     for _ in range(MIN_SAMPLES):
         learner.decoded(1, 0.005)
     assert learner.learned(PRIOR).prefill_tokens_per_s == pytest.approx(20_000)
+    assert learner.figures == ("prefill_tokens_per_s", "decode_step_s")  # one batch size
 
 
 def test_the_prior_holds_until_enough_samples() -> None:
@@ -65,6 +66,7 @@ def test_two_speeds_converge_each_on_its_own() -> None:
         observe(learner, true, 60, rng)
     for true, learner in learners.items():
         assert close(learner.learned(PRIOR), true, 0.15), (learner.learned(PRIOR), true)
+        assert learner.figures == Speed._fields
 
 
 def test_prefills_queued_ahead_and_partly_done_do_not_inflate_the_rate() -> None:
@@ -109,6 +111,7 @@ def test_without_batches_that_differ_the_slope_is_the_priors() -> None:
     assert learned.decode_s_per_request == PRIOR.decode_s_per_request
     assert learned.decode_step_s == pytest.approx(0.03 - 10 * PRIOR.decode_s_per_request)
     assert learned.prefill_tokens_per_s == PRIOR.prefill_tokens_per_s
+    assert learner.figures == ("decode_step_s",)  # the others are the prior's
 
 
 def test_every_worker_reads_every_workers_samples(tmp_path) -> None:
