@@ -133,7 +133,7 @@ class Accounting:
             if attempt.routed.prompt_tokens:
                 check_prediction(self._metrics, self._feedback, attempt.routed, used)
         if ok and ttft is not None and upstream.streaming:
-            learn(self._fleet, attempt, ttft, used)
+            learn(self._fleet, attempt, used)
         if trace is not None:
             trace.finish(attempt.status, error, used, name, call.attempts - 1)
         if error is not None:

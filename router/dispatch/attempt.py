@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from time import perf_counter
 
+from policies import Speed
 from router.config import TimeoutsConfig
 from router.dispatch.call import Call, Routed
 from router.dispatch.verdict import Verdict
@@ -26,6 +28,7 @@ from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.fleet.credentials import REFUSALS, routers_own
+from router.fleet.speeds import SETTLE, SpeedLearner, speed_prior
 from router.metrics import Labelled, Metrics, model_label
 from router.request import with_fields
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
@@ -63,11 +66,15 @@ class Attempt(Verdict):
         "_refused",
         "_started",
         "_timeout",
+        "began",
         "call",
         "error",
         "labels",
+        "prefilled_after",
+        "prefilled_before",
         "prefills_then",
         "routed",
+        "sent_at",
         "status",
         "upstream",
     )
@@ -100,6 +107,15 @@ class Attempt(Verdict):
         self.error: UpstreamError | None = None
         #: the backend's prefilled tokens counted when this one's first token came
         self.prefills_then = 0.0
+        #: its prefill sample's span (router/fleet/speeds.py): when the request went,
+        #: and the previous first token there if one came after that (the prefill
+        #: began then); the backend's prefilled tokens at its start (None: it came in
+        #: the step of the one before, whose sample counts it) and a moment after its
+        #: own first token
+        self.sent_at = 0.0
+        self.began: float | None = None
+        self.prefilled_before: float | None = None
+        self.prefilled_after: float | None = None
 
     async def open(self, upstreams: Upstreams, t: TimeoutsConfig) -> None:
         """Send the request and wait for the answer's headers (`upstream`), or note
@@ -111,6 +127,8 @@ class Attempt(Verdict):
         if call.trace is not None:
             call.trace.attempt_begins(backend, call.method, call.headers)
         renamed = self._fleet.renamed(backend, call.req.model)
+        self.sent_at = perf_counter()
+        self.prefilled_before = backend.speed_samples.prefilled_total()
         try:
             upstream = await open_upstream(
                 upstreams,
@@ -168,6 +186,23 @@ class Attempt(Verdict):
         samples.count_prefilled(self._queued)
         self.prefills_then = samples.prefilled_total()
         self._queued = 0
+        upstream, prior = self.upstream, speed_prior(self._fleet.policy.params)
+        if prior is not None and upstream is not None and upstream.streaming:
+            self._first_token(samples, backend.speed or prior)
+
+    def _first_token(self, samples: SpeedLearner, speed: Speed) -> None:
+        """Its first token came: note where its prefill sample starts, and count the
+        backend's prefilled tokens once its step's other first tokens have come."""
+        now = perf_counter()
+        previous, settled = samples.first_token(now)
+        if previous > self.sent_at:
+            self.began, self.prefilled_before = previous, settled
+        asyncio.get_running_loop().call_later(
+            SETTLE * speed.decode_step_s, self._settle, samples, now
+        )
+
+    def _settle(self, samples: SpeedLearner, first: float) -> None:
+        self.prefilled_after = samples.settle(first)
 
     def release(self, clean: bool) -> None:
         """Give the slots back; a held server error is judged now unless deferred, an

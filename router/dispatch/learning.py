@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from router.dispatch.attempt import Attempt
 from router.fleet.backends import Fleet
-from router.fleet.speeds import MIN_DECODE_TOKENS, speed_prior
+from router.fleet.speeds import BEHIND, MIN_DECODE_TOKENS, speed_prior
 from router.upstream.usage import Usage
 
 
-def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
-    """Learn from a stream that ended well, `ttft` after it arrived. The tokens are its
+def learn(fleet: Fleet, attempt: Attempt, used: Usage) -> None:
+    """Learn from a stream that ended well (its first chunk came). The tokens are its
     usage's, else its events (about one a token)."""
     events, decoding = attempt.upstream.decoding()
     completion = used.completion or events
@@ -25,10 +25,10 @@ def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
     # backend has a learned speed (a stream here after it learned one would be wasted)
     learners = (samples,) if backend.learned_speed else (samples, fleet.speed_samples)
     if routed.prompt_tokens:
-        cached = routed.predicted_cached if used.cached is None else used.cached
-        tokens = routed.ahead + (used.prompt or routed.prompt_tokens) - cached
-        for learner in learners:
-            learner.prefilled(tokens, ttft, routed.running, routed.ahead)
+        sample = _prefill_sample(attempt, used)
+        if sample is not None:
+            for learner in learners:
+                learner.prefilled(*sample)
     if completion > MIN_DECODE_TOKENS:
         running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
         beside = samples.prefilled_total() - attempt.prefills_then
@@ -40,3 +40,22 @@ def learn(fleet: Fleet, attempt: Attempt, ttft: float, used: Usage) -> None:
         fleet.lend_speeds()
     elif learned is None:
         fleet.learning()
+
+
+def _prefill_sample(attempt: Attempt, used: Usage) -> tuple[float, float, int, int] | None:
+    """Its prefill sample (tokens, seconds, running, ahead: router/fleet/speeds.py says
+    what each span holds), its own tokens by its answer's cached ones; None when it came
+    in the step of the one before (whose sample counts it) or too soon to settle."""
+    routed = attempt.routed
+    cached = routed.predicted_cached if used.cached is None else used.cached
+    own = (used.prompt or routed.prompt_tokens) - cached
+    first = attempt.upstream.first_chunk_at
+    if attempt.began is None and routed.ahead:  # queued behind prefills of unknown progress
+        return routed.ahead + own, first - attempt.sent_at, routed.running, routed.ahead
+    before, after = attempt.prefilled_before, attempt.prefilled_after
+    if before is None or after is None:
+        return None
+    tokens = after - before + own - (routed.prompt_tokens - routed.predicted_cached)
+    if attempt.began is None:
+        return tokens, first - attempt.sent_at, routed.running, 0
+    return tokens, first - attempt.began, routed.running, BEHIND

@@ -2,20 +2,25 @@
 
 A backend's speed (policies' `Speed`) is learned from the requests the router relays:
 
-- its prefill rate: each answer's tokens prefilled before its first token (the uncached
-  prompt tokens the router had queued there ahead of it, plus its own uncached ones, by
-  the answer's `cached_tokens` or else the prediction), over its time to first token
-  less the step it ran in and, when others were running there, half a step more (it
-  waited for the step in progress to end); the steps as learned when the rate is
-  computed, so early samples count at the step learned since. The samples within a
-  factor `_SPREAD` of their median rate are summed, tokens over seconds (a long
-  prefill weighs more than a short one, mostly the step); only answers with at least
-  `MIN_PREFILL_TOKENS` such tokens count. Once `MIN_ALONE` of them had nothing
-  queued ahead, only those count: a prefill queued ahead was partly done when this
-  request came (the router counts it until its first token), so such a sample takes
-  its tokens for more work than the backend did after (on a long-prefix fleet, where
-  a document's first request is its backend's only long prefill, the rates came out
-  10-33% high);
+- its prefill rate: the tokens a backend prefilled over the time it took, less the step
+  they ran in. A sample runs from when its prefill could begin to its first token: from
+  when the request was sent, when nothing was queued there (and then, when others were
+  running there, half a step later on average: it waited for the step in progress), or
+  from the backend's previous first token (every worker's streams'), when one came after
+  it was sent: the backend prefills in turn, so the one before it ended then. It counts
+  the tokens whose first tokens came in that span and within a quarter step after its
+  own (`SETTLE`): the prompts prefilled in the same step as it (vLLM puts several in one
+  step, as its token budget allows) have their first tokens then, and are in the sample
+  of the first of them, not samples of their own. A prompt's own tokens are its
+  uncached ones by its answer's `cached_tokens`, the others' the predicted ones. Where
+  prefills were queued ahead of a request but no first token came since it was sent
+  (they were not streams, or another router's), the sample counts them whole, from its
+  send, and only until `MIN_ALONE` samples of the other kinds exist: they were partly
+  done when it came, so such a sample takes their tokens for more work than the backend
+  did after. The steps are those learned when the rate is computed, so early samples
+  count at the step learned since. The samples within a factor `_SPREAD` of their median
+  rate are summed, tokens over seconds (a long prefill weighs more than a short one,
+  mostly the step); only samples of at least `MIN_PREFILL_TOKENS` tokens count;
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -50,13 +55,18 @@ from policies import Speed
 
 #: samples kept per backend per worker, of each kind
 RING = 32
-#: words per backend per worker: [prefills seen, decodes seen, tokens prefilled,
-#: (tokens, seconds, running, tokens ahead)..., (running, gap, tokens prefilled per gap)...]
-WORDS = 3 + 7 * RING
+#: words per backend per worker: [prefills seen, decodes seen, tokens prefilled, last
+#: first token, tokens prefilled by a moment after it, (tokens, seconds, running, tokens
+#: ahead)..., (running, gap, tokens prefilled per gap)...]
+WORDS = 5 + 7 * RING
 MIN_SAMPLES = 8
-#: prefill samples with nothing queued ahead that give the rate alone (each is one
-#: prefill of known tokens, timed whole)
+#: prefill samples with no prefill of unknown progress ahead that give the rate alone
+#: (each is one span of known tokens, timed whole)
 MIN_ALONE = 3
+#: a sample's tokens ahead when it began as the prefill before it ended
+BEHIND = -1
+#: first tokens this share of a decode step apart came from one engine step
+SETTLE = 0.25
 #: a worker computes a backend's speed again after this many of its streams there
 REFRESH = 8
 MIN_PREFILL_TOKENS = 256
@@ -68,8 +78,12 @@ _TRIM = 4.0
 #: a prefill sample whose rate is off the median by more than this factor is left out
 _SPREAD = 3.0
 _PREFILLED = 2
-_PREFILLS = 3
-_GAPS = 3 + 4 * RING
+_FIRST = 3
+_SETTLED = 4
+_PREFILLS = 5
+_GAPS = 5 + 4 * RING
+#: `_SETTLED` while the moment after the last first token has not come
+_UNSETTLED = -1.0
 
 
 def speed_prior(params: object) -> Speed | None:
@@ -138,9 +152,11 @@ class SpeedLearner:
             return self._local
         return self._table.speed_column(self._slot, self._table.worker)
 
-    def prefilled(self, tokens: int, seconds: float, running: float, ahead: int = 0) -> None:
-        """`tokens` were prefilled before a first token that took `seconds`, with
-        `running` other requests there, `ahead` of the tokens queued before it came."""
+    def prefilled(self, tokens: float, seconds: float, running: float, ahead: int = 0) -> None:
+        """`tokens` were prefilled in the `seconds` to a first token from when the
+        prefill could begin, with `running` other requests there and `ahead` of the
+        tokens of prefills queued before it of unknown progress (`BEHIND`: it began as
+        the one before it ended)."""
         if tokens >= MIN_PREFILL_TOKENS and seconds > 0:
             own = self._own()
             seen = int(own[0])
@@ -157,6 +173,29 @@ class SpeedLearner:
             i = _GAPS + 3 * (seen % RING)
             own[i], own[i + 1], own[i + 2] = running, gap, beside
             own[1] = seen + 1
+
+    def first_token(self, now: float) -> tuple[float, float | None]:
+        """A stream's first token came here at `now` (`time.perf_counter`, one clock for
+        every process): the backend's previous first token, every worker's (0.0 for
+        none), and the tokens prefilled here by its `settle`, None before then (this one
+        came in the same engine step)."""
+        table = self._table
+        columns = [self._local] if table is None else table.speed_columns(self._slot)
+        latest = max(columns, key=_first)
+        previous, settled = latest[_FIRST], latest[_SETTLED]
+        own = self._own()
+        own[_FIRST], own[_SETTLED] = now, _UNSETTLED
+        return previous, None if settled == _UNSETTLED else settled
+
+    def settle(self, first: float) -> float:
+        """A moment after a first token at `first` (its step's others have come): the
+        tokens prefilled here by now, kept as where a prefill after it starts counting
+        unless this worker had a later first token here since (its own moment keeps it)."""
+        own = self._own()
+        total = self.prefilled_total()
+        if own[_FIRST] == first:
+            own[_SETTLED] = total
+        return total
 
     def count_prefilled(self, tokens: int) -> None:
         """A request's `tokens` uncached prompt tokens were prefilled (its first token)."""
@@ -211,17 +250,17 @@ def _rate(
     prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
 ) -> tuple[float, bool]:
     """The prefills' tokens over their seconds, each wait less the steps it waited
-    for, over the samples within `_SPREAD` of the median rate: those with nothing
-    queued ahead once `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES`
-    (then False: not from the samples)."""
+    for, over the samples within `_SPREAD` of the median rate: those with no prefill of
+    unknown progress ahead once `MIN_ALONE` of them are, else all; `prior` until
+    `MIN_SAMPLES` (then False: not from the samples)."""
     timed, alone = [], []
     for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
-        if running:  # the step in progress first, half of it on average
+        if running and not ahead:  # sent mid-step: half the step in progress first
             steps += (step + per_request * running) / 2
         if seconds > steps:
             timed.append((tokens, seconds - steps))
-            if not ahead:
+            if ahead <= 0:
                 alone.append(timed[-1])
     if len(alone) >= MIN_ALONE:
         timed = alone
@@ -230,6 +269,10 @@ def _rate(
     median = statistics.median(t / s for t, s in timed)
     kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]
     return sum(t for t, _ in kept) / sum(s for _, s in kept), True
+
+
+def _first(column: memoryview) -> float:
+    return column[_FIRST]
 
 
 def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float, bool]:

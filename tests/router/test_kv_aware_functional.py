@@ -381,12 +381,14 @@ async def test_tier_blind_scoring_ignores_the_cpu_copy_and_counts_it() -> None:
 #: for a backend at full speed and one at half (prefill and decode)
 SCALE = 0.5
 TRUE = {"fast": (1000 / (0.1 * SCALE), 25 * SCALE / 1000), "slow": (1000 / (0.2 * SCALE), 0.025)}
+#: half of a `streamed` prompt's prefill at full speed (~2,900 tokens at 20,000 a second)
+HALF_PREFILL_S = 0.07
 HALF = ["--step-base-ms", "50", "--decode-per-seq-ms", "0.3", "--prefill-per-token-ms", "0.2"]
 
 
-async def streamed(router: Router, i: int, first: asyncio.Event) -> None:
-    """A ~3,000-token prompt of its own, streamed back in 40 tokens with its usage;
-    `first` is set when its first token came."""
+async def streamed(router: Router, i: int, first: asyncio.Event, tokens: int = 40) -> None:
+    """A ~3,000-token prompt of its own, streamed back in `tokens` tokens with its
+    usage; `first` is set when its first token came."""
     async with AsyncOpenAI(
         base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
     ) as oai:
@@ -394,7 +396,7 @@ async def streamed(router: Router, i: int, first: asyncio.Event) -> None:
         stream = await oai.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": words}],
-            max_tokens=40,
+            max_tokens=tokens,
             stream=True,
             stream_options={"include_usage": True},
         )
@@ -454,3 +456,79 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
         text = router.metrics.render().decode()
         rate = speeds["slow"]["prefill_tokens_per_s"]
         assert f'kvroute_backend_prefill_tokens_per_second{{backend="slow"}} {rate}' in text
+
+
+async def test_a_prefill_queued_behind_one_partly_done_reads_the_true_rate() -> None:
+    """Each stream is sent halfway through the prefill before it, so it always finds
+    one queued ahead, partly done, and almost none find the backend idle. Timed from
+    its send with the one ahead counted whole, it read the backend a third fast; timed
+    from the first token before its own, it reads the true rate (a loaded machine may
+    only stretch the simulator's real times, so not far under either)."""
+    async with contextlib.AsyncExitStack() as stack:
+        found, _ = await stack.enter_async_context(simulator(1, SCALE, []))
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": [{"url": found[0]["url"], "name": "fast"}],
+            "routing": {"strategy": "KV_AWARE", "seed": 3},
+        }
+        router = Router(build(config))
+        await router.start()
+        stack.push_async_callback(router.stop)
+
+        async def shown() -> dict:
+            return (await debug_routing(router))["backends"]["fast"]
+
+        firsts: list[asyncio.Event] = []
+        tasks: list[asyncio.Task] = []
+
+        def send() -> None:
+            firsts.append(asyncio.Event())
+            tasks.append(asyncio.create_task(streamed(router, len(tasks), firsts[-1])))
+
+        async with asyncio.timeout(120):
+            send()
+            send()
+            while "prefill_tokens_per_s" not in (await shown())["speed_learned_figures"]:
+                await firsts[len(tasks) - 2].wait()  # the one before the last begins now
+                await asyncio.sleep(HALF_PREFILL_S)  # the traffic's pace
+                send()
+            await asyncio.gather(*tasks)
+        speed = (await shown())["speed"]
+        rate = speed["prefill_tokens_per_s"]
+        assert 0.75 * TRUE["fast"][0] <= rate <= 1.1 * TRUE["fast"][0], speed
+
+
+async def test_prefills_sharing_an_engine_step_read_the_true_rate() -> None:
+    """Streams sent faster than one backend prefills them, the queue never empty: the
+    engine prefills two or three in one step, as its token budget allows. Timed from
+    the first token before its own with only its own tokens, each read the backend at
+    half its rate (a step held two prompts); the first of a step's prompts counts them
+    all. Not overestimated, nor far under (a loaded machine may only stretch the
+    simulator's real times)."""
+    async with contextlib.AsyncExitStack() as stack:
+        found, _ = await stack.enter_async_context(simulator(1, SCALE, []))
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": [{"url": found[0]["url"], "name": "fast"}],
+            "routing": {"strategy": "KV_AWARE", "seed": 3},
+            "flow": {"saturation": {"enabled": False}},  # the queue stays on the backend
+        }
+        router = Router(build(config))
+        await router.start()
+        stack.push_async_callback(router.stop)
+
+        async def shown() -> dict:
+            return (await debug_routing(router))["backends"]["fast"]
+
+        tasks: list[asyncio.Task] = []
+        async with asyncio.timeout(120):
+            while "prefill_tokens_per_s" not in (await shown())["speed_learned_figures"]:
+                for _ in range(5):
+                    ask = streamed(router, len(tasks), asyncio.Event(), 2)  # ends soon after
+                    tasks.append(asyncio.create_task(ask))
+                    await asyncio.sleep(0.1)  # the traffic's pace: 2/3 of a prefill
+            await asyncio.gather(*tasks)
+        speed = (await shown())["speed"]
+        assert 0.75 * TRUE["fast"][0] <= speed["prefill_tokens_per_s"] <= 1.1 * TRUE["fast"][0], (
+            speed
+        )

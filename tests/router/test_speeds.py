@@ -203,3 +203,25 @@ def test_while_no_backend_has_enough_samples_all_of_them_together_stand_in() -> 
             assert all(close(s, true, 0.15) for s in speeds), speeds
         else:
             assert speeds == [None] * count
+
+
+def test_first_tokens_are_every_workers_and_settle_once_their_step_is_in(tmp_path) -> None:
+    """Where a prefill sample starts: the backend's previous first token, whichever
+    worker relayed it, and the tokens prefilled there by a moment after it (None before
+    then: a first token in the same step belongs to the sample of the step's first)."""
+    tables = [LoadTable(tmp_path / "load", 8, 2, w) for w in range(2)]
+    one, two = (SpeedLearner(t, t.slot("b0", "http://a:8000")) for t in tables)
+    one.count_prefilled(1000)
+    assert one.first_token(10.0)[0] == 0.0  # none before
+    two.count_prefilled(500)
+    assert two.first_token(10.001) == (10.0, None)  # the same step, not settled yet
+    assert one.settle(10.0) == 1500
+    assert two.settle(10.001) == 1500
+    one.count_prefilled(700)
+    assert one.first_token(10.5) == (10.001, 1500)  # the step before, settled
+    two.count_prefilled(300)
+    assert two.first_token(11.0) == (10.5, None)
+    assert one.settle(10.5) == 2500  # every worker's tokens by then
+    assert two.first_token(11.5) == (11.0, None)  # never settled: a later one came first
+    assert two.settle(11.0) == 2500  # counted, not kept for 11.5
+    assert one.first_token(12.0) == (11.5, None)
