@@ -726,6 +726,12 @@ class SessionAffinityConfig(_Strict):
     #: requests in flight (past a floor of 4), then goes by the rendezvous hash; null: the
     #: hash alone
     load_factor: Annotated[float, Meta(gt=1)] | None = 1.25
+    #: where a new session goes: "cost", the policy's pick where the policy weighs each
+    #: backend's cost (KV_AWARE: a slower or busier backend takes fewer sessions);
+    #: "hash" (and any other policy): the load-bounded rendezvous hash, which every
+    #: replica computes alike. Replicas with neither KV events nor `cluster` learn
+    #: nothing of each other's placements: "hash" keeps a session's turns together there
+    new_sessions: Literal["cost", "hash"] = "cost"
 
 
 class FlowConfig(_Strict):

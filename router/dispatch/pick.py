@@ -22,6 +22,7 @@ from router.dispatch.upkeep import Upkeep
 from router.errors import NoBackendAvailable
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
+from router.fleet.speeds import speed_prior
 from router.upstream.retry import excluding
 
 
@@ -112,7 +113,8 @@ class Picker:
             if pick.backend is not None and self.saturation.enabled:
                 pick = self._with_room(pick, view, choose, route_req, made)
             if session is not None and pick.backend is not None:
-                pick = self._steered(session, pick, view, choose, route_req, made)
+                costed = speed_prior(policy.params) is not None
+                pick = self._steered(session, pick, view, choose, route_req, made, costed)
             for other in made:
                 if other.backend is not pick.backend:
                     policy.retract(route_req, other)
@@ -161,16 +163,17 @@ class Picker:
         choose: Callable[[RouteRequest, FleetView], Pick],
         route_req: RouteRequest,
         made: list[Pick],
+        costed: bool,
     ) -> Pick:
         """The pick steered to the session's backend (session.py); each pick made is
-        added to `made`."""
+        added to `made`. `costed`: the policy weighs each backend's cost."""
 
         def alone(backend: Backend) -> Pick:
             others = [b.name for b in view.candidates if b is not backend]
             made.append(there := choose(route_req, excluding(view, others)))
             return there
 
-        return self.sessions.steer(session, pick, view.candidates, alone)
+        return self.sessions.steer(session, pick, view.candidates, alone, costed)
 
     def _least_loaded(self, route_req: RouteRequest, view: FleetView) -> Pick:
         backend = least_loaded(view.candidates, self._rng)

@@ -2,13 +2,16 @@
 
 The session is named by the first of `flow.session_affinity.headers` the request sends
 (`X-Session-ID`, and the headers coding agents send with each turn). Its backend is the
-one that served it last, else the candidate with the highest rendezvous hash of (session,
-backend name) among those not loaded past `load_factor` x their weight's share of the
-requests in flight (nor past a floor of 4): every worker and every replica computes the
-same one without sharing anything while the fleet is evenly loaded, and a backend
-leaving moves only its own sessions. Sessions last (a conversation's turns follow the
-first), so the hash alone leaves a backend ~1.5x the mean sessions on 80 over 4; the
-bound passes over the one the hash gave too many until the others catch up.
+one that served it last. A new session goes where the policy picks when the policy
+weighs each backend's cost (KV_AWARE, `new_sessions: cost`): a conversation's turns
+follow its first, so its first decides where all of them decode, and a slower or busier
+backend should take fewer. Otherwise it goes to the candidate with the highest
+rendezvous hash of (session, backend name) among those not loaded past `load_factor` x
+their weight's share of the requests in flight (nor past a floor of 4): every worker
+and every replica computes the same one without sharing anything while the fleet is
+evenly loaded, and a backend leaving moves only its own sessions. Sessions last, so the
+hash alone leaves a backend ~1.5x the mean sessions on 80 over 4; the bound passes over
+the one the hash gave too many until the others catch up.
 
 - **soft** (default): the session's backend while it is not saturated (flow.py's
   test on its scraped state); with KV_AWARE it is a strong preference, not an override:
@@ -23,7 +26,9 @@ Records: with several workers, in the shared admission table (shared_admission.p
 direct-mapped, so every worker sees each spill); with one, an LRU of `max_sessions`.
 A session idle `idle_ttl` is forgotten. With no record the rendezvous hash agrees
 across workers and replicas, so replicas differ only after a spill, or where their loads
-differ across the bound. Retries are routed as usual (away from the failed backend).
+differ across the bound; a policy's pick agrees where replicas share placements (KV
+events, `cluster`: the next turn's prompt is found cached where the first went).
+Retries are routed as usual (away from the failed backend).
 """
 
 from __future__ import annotations
@@ -115,12 +120,14 @@ class Sessions:
         pick: Pick,
         candidates: Sequence[Backend],
         alone: Callable[[Backend], Pick],
+        costed: bool = False,
     ) -> Pick:
         """The pick for a request of `session`: the policy's `pick`, or the session's
         backend; the one chosen is remembered as the session's. `alone(backend)`: the
         policy's pick among that backend alone (what it expects cached there, and what
-        it learns from its own picks follows the prompt there)."""
-        preferred = self._backend_of(session, candidates)
+        it learns from its own picks follows the prompt there). `costed`: the policy
+        weighs each backend's cost, so its pick places a new session."""
+        preferred = self._backend_of(session, candidates, costed)
         chosen, hard = pick, self._cfg.mode == "hard"
         if (
             preferred is not None
@@ -138,12 +145,18 @@ class Sessions:
             self._records.record(key, name_hash(chosen.backend.name), time.monotonic())
         return chosen
 
-    def _backend_of(self, session: str, candidates: Sequence[Backend]) -> Backend | None:
+    def _backend_of(
+        self, session: str, candidates: Sequence[Backend], costed: bool
+    ) -> Backend | None:
+        """The session's backend: where it went last, else a new one (None: the
+        policy's pick places it)."""
         record = self._records.recall(xxhash.xxh3_64_intdigest(session.encode()))
         if record is not None and time.monotonic() - record[1] < self._cfg.idle_ttl:
             for backend in candidates:
                 if name_hash(backend.name) == record[0]:
                     return backend
+        if costed and self._cfg.new_sessions == "cost":
+            return None
         return self._new_home(session, candidates)
 
     def _new_home(self, session: str, candidates: Sequence[Backend]) -> Backend | None:

@@ -87,8 +87,9 @@ async def test_without_a_session_the_policy_decides_and_the_reason_is_off_by_def
 async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() -> None:
     """The session is a strong preference, not an override: more of the prompt cached
     on another backend wins; cached nowhere, or as much on the session's backend, the
-    session's backend takes it."""
+    session's backend takes it (new sessions placed by the hash)."""
     config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    config["flow"]["session_affinity"]["new_sessions"] = "hash"
     long = "the same long system prompt, " * 200
     body = {**BODY, "messages": [{"role": "user", "content": long}]}
     async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
@@ -123,8 +124,9 @@ async def test_with_kv_aware_a_cache_hit_elsewhere_outweighs_a_soft_session() ->
 async def test_with_kv_aware_a_pick_a_session_overrode_leaves_no_placement() -> None:
     """A new prompt of a session goes to the session's backend, not to the policy's own
     first pick: only the backend it went to holds it in the index, or the next request
-    of that prompt would be sent where it never was."""
+    of that prompt would be sent where it never was (new sessions placed by the hash)."""
     config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    config["flow"]["session_affinity"]["new_sessions"] = "hash"
     async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
         members, policy = router.fleet.members, router.fleet.policy
 
@@ -179,3 +181,26 @@ async def test_a_new_session_passes_over_a_backend_loaded_past_the_bound(
         finally:
             gate.set()
             assert set(await asyncio.gather(*posts)) <= {"session", "random"}
+
+
+@pytest.mark.parametrize("new_sessions", ["cost", "hash"])
+async def test_with_kv_aware_a_new_session_goes_where_its_cost_is_lowest(new_sessions: str) -> None:
+    """A new session whose hash names a backend with requests waiting in its engine:
+    by cost (the default) KV_AWARE's pick places it on another, and its next turns
+    follow; by the hash it goes there, as every replica computes."""
+    config = {**_config("soft"), "routing": {"strategy": "KV_AWARE"}}
+    config["flow"]["session_affinity"]["new_sessions"] = new_sessions
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members = router.fleet.members
+        for stub in stubs:
+            stub.behaviour.metrics = _page(0)
+        stubs[0].behaviour.metrics = _page(1)  # queued work there, under saturation
+        await until(lambda: members[0].waiting == 1)
+        sid = next(f"s-{i}" for i in range(200) if rendezvous(f"s-{i}", members) is members[0])
+        reasons = [await _send(http, router.url, **{"X-Session-ID": sid}) for _ in range(4)]
+        (home,) = [i for i, n in enumerate(_served(stubs)) if n]
+        assert _served(stubs)[home] == 4  # every turn where the first went
+        if new_sessions == "hash":
+            assert home == 0 and reasons[0] == "session"
+        else:
+            assert home != 0 and reasons[0] != "session"
