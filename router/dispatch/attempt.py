@@ -28,7 +28,12 @@ from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.fleet.credentials import REFUSALS, routers_own
-from router.fleet.speeds import SETTLE, SpeedLearner, speed_prior
+from router.fleet.speeds import (
+    EARLY_TOKENS,
+    SETTLE,
+    SpeedLearner,
+    speed_prior,
+)
 from router.metrics import Labelled, Metrics, model_label
 from router.request import with_fields
 from router.upstream.proxy import Upstream, Upstreams, open_upstream
@@ -61,6 +66,7 @@ class Attempt(Verdict):
     """
 
     __slots__ = (
+        "_ended",
         "_itl",
         "_queued",
         "_refused",
@@ -94,8 +100,8 @@ class Attempt(Verdict):
         self._itl = attempts.itl(backend.name, *self.labels)
         self._queued = routed.prompt_tokens - routed.predicted_cached
         backend.count(1, self._queued)
-        #: its answer has begun (it no longer counts as not begun on the backend)
-        self._started = False
+        #: its answer has begun (it no longer counts as not begun on the backend), ended
+        self._started = self._ended = False
         # the verdict's state (verdict.py), set here: no call of its own per attempt
         self._trial = fleet.attempt_begins(backend)
         self._judged = self._deferred = False
@@ -188,21 +194,60 @@ class Attempt(Verdict):
         self._queued = 0
         upstream, prior = self.upstream, speed_prior(self._fleet.policy.params)
         if prior is not None and upstream is not None and upstream.streaming:
-            self._first_token(samples, backend.speed or prior)
+            self._first_token(samples, prior)
 
-    def _first_token(self, samples: SpeedLearner, speed: Speed) -> None:
+    def _first_token(self, samples: SpeedLearner, prior: Speed) -> None:
         """Its first token came: note where its prefill sample starts, and count the
-        backend's prefilled tokens once its step's other first tokens have come."""
+        backend's prefilled tokens once its step's other first tokens have come; while
+        the backend has no speed of its own, take a decode sample of the stream's
+        first `EARLY_TOKENS` too."""
         now = perf_counter()
         previous, settled = samples.first_token(now)
         if previous > self.sent_at:
             self.began, self.prefilled_before = previous, settled
-        asyncio.get_running_loop().call_later(
-            SETTLE * speed.decode_step_s, self._settle, samples, now
-        )
+        step = (self.backend.speed or prior).decode_step_s
+        loop = asyncio.get_running_loop()
+        loop.call_later(SETTLE * step, self._settle, samples, now)
+        if self.backend.learned_speed is None:
+            loop.call_later(EARLY_TOKENS * step, self._decoding, prior)
 
     def _settle(self, samples: SpeedLearner, first: float) -> None:
         self.prefilled_after = samples.settle(first)
+
+    def _decoding(self, prior: Speed, since: tuple[int, float, float] = (0, 0.0, -1.0)) -> None:
+        """A decode sample of the stream's `EARLY_TOKENS` tokens `since` (its gaps,
+        seconds after its first token and the backend's prefilled tokens then), while
+        its backend has no speed of its own: a backend is learned as its first streams
+        decode, not as they end (a slow one's end last, and meanwhile it is judged at
+        the speed the faster ones set). Until it has them it is asked again while the
+        stream runs; a span mostly of other prompts' prefills (their share of a step is
+        taken off a gap at a rate not learned yet) is passed over."""
+        backend, upstream = self.backend, self.upstream
+        if backend.learned_speed is not None or upstream is None or self._ended:
+            return
+        gaps, seconds = upstream.decoding()
+        prefilled = backend.speed_samples.prefilled_total()
+        speed = backend.speed or prior
+        tokens, span = gaps - since[0], seconds - since[1]
+        beside = prefilled - (self.prefills_then if since[2] < 0 else since[2])
+        if beside / speed.prefill_tokens_per_s > span / 2:  # mostly prefills: from here on
+            since = (gaps, seconds, prefilled)
+        elif tokens >= EARLY_TOKENS:
+            for learner in (backend.speed_samples, self._fleet.speed_samples):
+                learner.decoded(*self.decode_sample(tokens, span, beside))
+            self._fleet.relearn(backend, prior)
+            return
+        loop = asyncio.get_running_loop()
+        loop.call_later(EARLY_TOKENS * speed.decode_step_s, self._decoding, prior, since)
+
+    def decode_sample(
+        self, tokens: int, seconds: float, prefilled: float
+    ) -> tuple[float, float, float]:
+        """A decode sample of `tokens` decoded in `seconds` while the backend prefilled
+        `prefilled` tokens: the requests running there (when it was picked and now), the
+        mean gap, and the tokens prefilled per token (speeds.py `decoded`)."""
+        running = (self.routed.running + self.backend.inflight) / 2 + 1
+        return running, seconds / tokens, prefilled / tokens
 
     def release(self, clean: bool) -> None:
         """Give the slots back; a held server error is judged now unless deferred, an
@@ -210,7 +255,7 @@ class Attempt(Verdict):
         without a verdict frees the trial slot."""
         self.backend.count(-1, -self._queued, 0 if self._started else -1)
         self._queued = 0
-        self._started = True
+        self._started = self._ended = True
         if self.server_error:
             if not self._deferred:
                 self.judge(blamed=True)

@@ -30,16 +30,11 @@ def learn(fleet: Fleet, attempt: Attempt, used: Usage) -> None:
             for learner in learners:
                 learner.prefilled(*sample)
     if completion > MIN_DECODE_TOKENS:
-        running = (routed.running + backend.inflight) / 2 + 1  # when picked, at its end
         beside = samples.prefilled_total() - attempt.prefills_then
+        sample = attempt.decode_sample(completion - 1, decoding, beside)
         for learner in learners:
-            learner.decoded(running, decoding / (completion - 1), beside / (completion - 1))
-    learned = samples.refreshed(prior, backend.learned_speed)
-    if learned is not backend.learned_speed:
-        backend.learned_speed = learned
-        fleet.lend_speeds()
-    elif learned is None:
-        fleet.learning()
+            learner.decoded(*sample)
+    fleet.relearn(backend, prior)
 
 
 def _prefill_sample(attempt: Attempt, used: Usage) -> tuple[float, float, int, int] | None:

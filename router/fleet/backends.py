@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from yarl import URL
 
-from policies import FleetView, Policy
+from policies import FleetView, Policy, Speed
 from router.config import (
     BackendConfig,
     BackendCredentials,
@@ -80,6 +80,16 @@ class Fleet(PoolSettings):
         #: streams ended on backends with no learned speed of their own
         self._unlearned = 0
         self._attach(policy, self.members)
+
+    def relearn(self, backend: Backend, prior: Speed) -> None:
+        """`backend`'s samples grew: its speed computed again (each time while it has
+        none, else every `REFRESH` of this worker's streams there) and lent."""
+        learned = backend.speed_samples.refreshed(prior, backend.learned_speed)
+        if learned is not backend.learned_speed:
+            backend.learned_speed = learned
+            self.lend_speeds()
+        elif learned is None:
+            self.learning()
 
     def learning(self) -> None:
         """A stream ended on a backend with no learned speed of its own: every

@@ -26,7 +26,10 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   router counts each request's uncached tokens at its first token; chunked prefill put
   them into this stream's steps) at the learned rate, against the requests running
   there while it decoded (the router's in-flight count when it was picked and when it
-  ended), fitted by least squares without the samples far off a first fit.
+  ended), fitted by least squares without the samples far off a first fit. While a
+  backend has no speed of its own, a stream's first `EARLY_TOKENS` gaps are a sample
+  too (router/dispatch/attempt.py), so a slow backend, whose streams end last, is not
+  judged at the speed the faster ones set for longer than its first tokens take.
 
 Each figure comes from the last `RING` samples per worker (all workers' together): the
 rate is their median, the line is refit without outliers, so one sample cannot move
@@ -73,6 +76,9 @@ MIN_PREFILL_TOKENS = 256
 MIN_SPREAD = 4.0
 #: a decode sample needs this many tokens after the first (a gap's mean, not one gap)
 MIN_DECODE_TOKENS = 8
+#: while a backend has no speed of its own, a stream's decode is sampled this many
+#: steps after its first token too (a slow backend's streams end last)
+EARLY_TOKENS = 16
 #: a decode sample further off the first fit than this many median misses is left out
 _TRIM = 4.0
 #: a prefill sample whose rate is off the median by more than this factor is left out

@@ -532,3 +532,36 @@ async def test_prefills_sharing_an_engine_step_read_the_true_rate() -> None:
         assert 0.75 * TRUE["fast"][0] <= speed["prefill_tokens_per_s"] <= 1.1 * TRUE["fast"][0], (
             speed
         )
+
+
+async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> None:
+    """A half-speed backend's first streams, long ones: its decode step is learned from
+    their first tokens' gaps while every one of them still runs (learning only as
+    streams ended left a slow backend judged at the faster ones' speed the longest)."""
+    async with contextlib.AsyncExitStack() as stack:
+        found, _ = await stack.enter_async_context(simulator(1, SCALE, HALF))
+        config = {
+            "listen": {"host": "127.0.0.1", "port": 0},
+            "backends": [{"url": found[0]["url"], "name": "slow"}],
+            "routing": {"strategy": "KV_AWARE", "seed": 3},
+        }
+        router = Router(build(config))
+        await router.start()
+        stack.push_async_callback(router.stop)
+        # 200 tokens at ~25 ms of wall time each: ~5 s a stream
+        streams = [asyncio.create_task(streamed(router, i, asyncio.Event(), 200)) for i in range(8)]
+        try:
+            async with asyncio.timeout(60):
+                while (
+                    "decode_step_s"
+                    not in (shown := (await debug_routing(router)))["backends"]["slow"][
+                        "speed_learned_figures"
+                    ]
+                ):
+                    assert not any(s.done() for s in streams), "a stream ended first"
+                    await asyncio.sleep(0.05)
+            assert not any(s.done() for s in streams)
+            step = shown["backends"]["slow"]["speed"]["decode_step_s"]
+            assert step == pytest.approx(TRUE["slow"][1], rel=0.25)
+        finally:
+            await asyncio.gather(*streams)
