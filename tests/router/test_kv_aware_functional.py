@@ -458,6 +458,24 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
         assert f'kvroute_backend_prefill_tokens_per_second{{backend="slow"}} {rate}' in text
 
 
+async def one_simulated(
+    stack: contextlib.AsyncExitStack, name: str, args: list[str], **extra: object
+) -> Router:
+    """A router (KV_AWARE, `extra` config sections) in front of one simulator process
+    started with `args` and named `name`; both stopped with `stack`."""
+    found, _ = await stack.enter_async_context(simulator(1, SCALE, args))
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{"url": found[0]["url"], "name": name}],
+        "routing": {"strategy": "KV_AWARE", "seed": 3},
+        **extra,
+    }
+    router = Router(build(config))
+    await router.start()
+    stack.push_async_callback(router.stop)
+    return router
+
+
 async def test_a_prefill_queued_behind_one_partly_done_reads_the_true_rate() -> None:
     """Each stream is sent halfway through the prefill before it, so it always finds
     one queued ahead, partly done, and almost none find the backend idle. Timed from
@@ -465,15 +483,7 @@ async def test_a_prefill_queued_behind_one_partly_done_reads_the_true_rate() -> 
     from the first token before its own, it reads the true rate (a loaded machine may
     only stretch the simulator's real times, so not far under either)."""
     async with contextlib.AsyncExitStack() as stack:
-        found, _ = await stack.enter_async_context(simulator(1, SCALE, []))
-        config = {
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "backends": [{"url": found[0]["url"], "name": "fast"}],
-            "routing": {"strategy": "KV_AWARE", "seed": 3},
-        }
-        router = Router(build(config))
-        await router.start()
-        stack.push_async_callback(router.stop)
+        router = await one_simulated(stack, "fast", [])
 
         async def shown() -> dict:
             return (await debug_routing(router))["backends"]["fast"]
@@ -506,16 +516,8 @@ async def test_prefills_sharing_an_engine_step_read_the_true_rate() -> None:
     all. Not overestimated, nor far under (a loaded machine may only stretch the
     simulator's real times)."""
     async with contextlib.AsyncExitStack() as stack:
-        found, _ = await stack.enter_async_context(simulator(1, SCALE, []))
-        config = {
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "backends": [{"url": found[0]["url"], "name": "fast"}],
-            "routing": {"strategy": "KV_AWARE", "seed": 3},
-            "flow": {"saturation": {"enabled": False}},  # the queue stays on the backend
-        }
-        router = Router(build(config))
-        await router.start()
-        stack.push_async_callback(router.stop)
+        # no saturation: the queue stays on the backend
+        router = await one_simulated(stack, "fast", [], flow={"saturation": {"enabled": False}})
 
         async def shown() -> dict:
             return (await debug_routing(router))["backends"]["fast"]
@@ -539,15 +541,7 @@ async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> No
     their first tokens' gaps while every one of them still runs (learning only as
     streams ended left a slow backend judged at the faster ones' speed the longest)."""
     async with contextlib.AsyncExitStack() as stack:
-        found, _ = await stack.enter_async_context(simulator(1, SCALE, HALF))
-        config = {
-            "listen": {"host": "127.0.0.1", "port": 0},
-            "backends": [{"url": found[0]["url"], "name": "slow"}],
-            "routing": {"strategy": "KV_AWARE", "seed": 3},
-        }
-        router = Router(build(config))
-        await router.start()
-        stack.push_async_callback(router.stop)
+        router = await one_simulated(stack, "slow", HALF)
         # 200 tokens at ~25 ms of wall time each: ~5 s a stream
         streams = [asyncio.create_task(streamed(router, i, asyncio.Event(), 200)) for i in range(8)]
         try:
