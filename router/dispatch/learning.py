@@ -40,7 +40,8 @@ def learn(fleet: Fleet, attempt: Attempt, used: Usage) -> None:
 def _prefill_sample(attempt: Attempt, used: Usage) -> tuple[float, float, int, int] | None:
     """Its prefill sample (tokens, seconds, running, ahead: router/fleet/speeds.py says
     what each span holds), its own tokens by its answer's cached ones; None when it came
-    in the step of the one before (whose sample counts it) or too soon to settle."""
+    in the step of the one before (whose sample counts it). A stream that ended before
+    its step settled (an answer of a token or two) counts what was prefilled by now."""
     routed = attempt.routed
     cached = routed.predicted_cached if used.cached is None else used.cached
     own = (used.prompt or routed.prompt_tokens) - cached
@@ -48,8 +49,10 @@ def _prefill_sample(attempt: Attempt, used: Usage) -> tuple[float, float, int, i
     if attempt.began is None and routed.ahead:  # queued behind prefills of unknown progress
         return routed.ahead + own, first - attempt.sent_at, routed.running, routed.ahead
     before, after = attempt.prefilled_before, attempt.prefilled_after
-    if before is None or after is None:
+    if before is None:
         return None
+    if after is None:
+        after = attempt.backend.speed_samples.prefilled_total()
     tokens = after - before + own - (routed.prompt_tokens - routed.predicted_cached)
     if attempt.began is None:
         return tokens, first - attempt.sent_at, routed.running, 0

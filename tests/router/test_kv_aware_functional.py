@@ -559,3 +559,21 @@ async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> No
             assert step == pytest.approx(TRUE["slow"][1], rel=0.25)
         finally:
             await asyncio.gather(*streams)
+
+
+async def test_answers_of_one_token_teach_the_prefill_rate() -> None:
+    """Streams that end with their first token (classification, a yes or no) end before
+    their engine step's other first tokens are in: each counts what was prefilled by
+    its end, and the rate is learned from them."""
+    async with contextlib.AsyncExitStack() as stack:
+        router = await one_simulated(stack, "fast", [])
+        async with asyncio.timeout(60):
+            i = 0
+            while (
+                "prefill_tokens_per_s"
+                not in (await debug_routing(router))["backends"]["fast"]["speed_learned_figures"]
+            ):
+                await streamed(router, i, asyncio.Event(), 1)
+                i += 1
+        speed = (await debug_routing(router))["backends"]["fast"]["speed"]
+        assert 0.75 * TRUE["fast"][0] <= speed["prefill_tokens_per_s"] <= 1.1 * TRUE["fast"][0]
