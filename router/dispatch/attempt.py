@@ -209,12 +209,14 @@ class Attempt(Verdict):
         loop = asyncio.get_running_loop()
         loop.call_later(SETTLE * step, self._settle, samples, now)
         if self.backend.learned_speed is None:
-            loop.call_later(EARLY_TOKENS * step, self._decoding, prior)
+            loop.call_later(
+                EARLY_TOKENS * step, self._decoding, prior, (0, 0.0, self.prefills_then)
+            )
 
     def _settle(self, samples: SpeedLearner, first: float) -> None:
         self.prefilled_after = samples.settle(first)
 
-    def _decoding(self, prior: Speed, since: tuple[int, float, float] = (0, 0.0, -1.0)) -> None:
+    def _decoding(self, prior: Speed, since: tuple[int, float, float]) -> None:
         """A decode sample of the stream's `EARLY_TOKENS` tokens `since` (its gaps,
         seconds after its first token and the backend's prefilled tokens then), while
         its backend has no speed of its own: a backend is learned as its first streams
@@ -229,7 +231,7 @@ class Attempt(Verdict):
         prefilled = backend.speed_samples.prefilled_total()
         speed = backend.speed or prior
         tokens, span = gaps - since[0], seconds - since[1]
-        beside = prefilled - (self.prefills_then if since[2] < 0 else since[2])
+        beside = prefilled - since[2]
         if beside / speed.prefill_tokens_per_s > span / 2:  # mostly prefills: from here on
             since = (gaps, seconds, prefilled)
         elif tokens >= EARLY_TOKENS:
