@@ -235,7 +235,7 @@ class Attempt(Verdict):
         if beside / speed.prefill_tokens_per_s > span / 2:  # mostly prefills: from here on
             since = (gaps, seconds, prefilled)
         elif tokens >= EARLY_TOKENS:
-            for learner in (backend.speed_samples, self._fleet.speed_samples):
+            for learner in self._fleet.learners(backend):
                 learner.decoded(*self.decode_sample(tokens, span, beside))
             self._fleet.relearn(backend, prior)
             return

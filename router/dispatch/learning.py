@@ -21,9 +21,7 @@ def learn(fleet: Fleet, attempt: Attempt, used: Usage) -> None:
         return
     routed, backend = attempt.routed, attempt.backend
     samples = backend.speed_samples
-    # its own, and while it has none the fleet's stand-in, which is read only while no
-    # backend has a learned speed (a stream here after it learned one would be wasted)
-    learners = (samples,) if backend.learned_speed else (samples, fleet.speed_samples)
+    learners = fleet.learners(backend)
     if routed.prompt_tokens:
         sample = _prefill_sample(attempt, used)
         if sample is not None:

@@ -81,6 +81,28 @@ class Fleet(PoolSettings):
         self._unlearned = 0
         self._attach(policy, self.members)
 
+    def learners(self, backend: Backend) -> tuple[SpeedLearner, ...]:
+        """Where a sample of `backend`'s speed goes: its own samples, and while it has
+        no learned speed the fleet's stand-in too (read only while no backend has one,
+        so a sample there after its backend learned one would be wasted)."""
+        own = backend.speed_samples
+        return (own,) if backend.learned_speed else (own, self.speed_samples)
+
+    def scraped_decode(
+        self, backend: Backend, sample: tuple[float, float, float], record: bool
+    ) -> None:
+        """A decode sample from `backend`'s own /metrics (telemetry/scrape.py
+        `decoded_between`), which counts the streams of other routers and clients too:
+        kept where `record` (one process of the router, as every worker gets the same
+        snapshots), and the speed computed again."""
+        prior = speed_prior(self.policy.params)
+        if prior is None:
+            return
+        if record:
+            for learner in self.learners(backend):
+                learner.decoded(*sample)
+        self.relearn(backend, prior)
+
     def relearn(self, backend: Backend, prior: Speed) -> None:
         """`backend`'s samples grew: its speed computed again (each time while it has
         none, else every `REFRESH` of this worker's streams there) and lent."""

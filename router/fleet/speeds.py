@@ -29,7 +29,10 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   ended), fitted by least squares without the samples far off a first fit. While a
   backend has no speed of its own, a stream's first `EARLY_TOKENS` gaps are a sample
   too (router/dispatch/attempt.py), so a slow backend, whose streams end last, is not
-  judged at the speed the faster ones set for longer than its first tokens take.
+  judged at the speed the faster ones set for longer than its first tokens take. Two
+  scrapes of the backend's /metrics in a row are a sample as well
+  (router/telemetry/scrape.py `decoded_between`): every stream's tokens there, the
+  router's or not, against the mean batch between the scrapes.
 
 Each figure comes from the last `RING` samples per worker (all workers' together): the
 rate is their median, the line is refit without outliers, so one sample cannot move

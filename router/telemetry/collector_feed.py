@@ -94,6 +94,9 @@ class CollectorTelemetry(Telemetry):
     def _scraped(self, backend: str, snap: VllmSnapshot) -> None:
         self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
 
+    def _decoded(self, backend: Backend, sample: tuple[float, float, float]) -> None:
+        """Speeds are the workers' to learn (the snapshot goes to them)."""
+
     def sink(self, applier: EventApplier, backend: str) -> Sink:
         """A subscription's batches: to the workers, then to this index."""
         return _Forwarder(applier, backend, self._publish)

@@ -63,6 +63,7 @@ class Telemetry:
             config.stale_after,
             self._fallback,
             self._scraped,
+            self._decoded,
         )
         upkeep = (fleet, parts.metrics, parts.kv_events, self._scraper.snapshots, self._source)
         self._upkeep = IndexUpkeep(*upkeep)
@@ -107,6 +108,10 @@ class Telemetry:
 
     def _scraped(self, backend: str, snap: VllmSnapshot) -> None:
         """A fresh snapshot scraped here (the collector publishes it)."""
+
+    def _decoded(self, backend: Backend, sample: tuple[float, float, float]) -> None:
+        """A decode sample of two scrapes in a row: learned from here."""
+        self._fleet.scraped_decode(backend, sample, record=True)
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here."""

@@ -3,10 +3,15 @@
 `Scraper` runs one scrape loop per backend (a slow or dead backend never delays the
 others), jittered around `scrape_interval`. It reads only the vLLM series routing needs
 (vllm-telemetry.md §1): running and waiting requests summed over the `engine` label,
-KV usage maxed over it, prefix-cache counters, and `cache_config_info` for the block
-size and block count (the index capacity). Old names (`gpu_cache_usage_perc`,
-`gpu_prefix_cache_*`) are accepted. Data older than `stale_after` counts as absent: the
-backend's `waiting` drops to 0 and a labelled fallback counter says why.
+KV usage maxed over it, prefix-cache and prompt-token counters, the inter-token latency
+histogram's sum and count, and `cache_config_info` for the block size and block count
+(the index capacity). Old names (`gpu_cache_usage_perc`, `gpu_prefix_cache_*`,
+`time_per_output_token_seconds`) are accepted. Data older than `stale_after` counts as
+absent: the backend's `waiting` drops to 0 and a labelled fallback counter says why.
+
+Two scrapes in a row give a decode sample (`decoded_between`): the backend's own count
+of every stream's tokens, the router's or not, for its learned speed
+(router/fleet/speeds.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import aiohttp
 
 from router import log
 from router.fleet.backends import Backend, Fleet
+from router.fleet.speeds import MIN_DECODE_TOKENS
 
 _SUMMED = {
     "vllm:num_requests_running": "running",
@@ -29,6 +35,15 @@ _SUMMED = {
     "vllm:prefix_cache_hits_total": "prefix_hits",
     "vllm:gpu_prefix_cache_queries_total": "prefix_queries",
     "vllm:gpu_prefix_cache_hits_total": "prefix_hits",
+    "vllm:external_prefix_cache_hits_total": "external_hits",
+    "vllm:prompt_tokens_total": "prompt_tokens",
+    "vllm:inter_token_latency_seconds_sum": "itl_sum",
+    "vllm:inter_token_latency_seconds_count": "itl_count",
+}
+#: the inter-token histogram's name before vLLM 0.11, read where the new one is absent
+_LEGACY_ITL = {
+    "vllm:time_per_output_token_seconds_sum": 0,
+    "vllm:time_per_output_token_seconds_count": 1,
 }
 _MAXED = {"vllm:kv_cache_usage_perc": "kv_usage", "vllm:gpu_cache_usage_perc": "kv_usage"}
 _CACHE_INFO = "vllm:cache_config_info"
@@ -43,6 +58,12 @@ class VllmSnapshot:
     kv_usage: float = 0.0
     prefix_queries: float = 0.0
     prefix_hits: float = 0.0
+    external_hits: float = 0.0
+    #: every prompt token, cached or not
+    prompt_tokens: float = 0.0
+    #: the seconds between a stream's tokens, summed, and their count
+    itl_sum: float = 0.0
+    itl_count: float = 0.0
     block_size: int | None = None
     num_gpu_blocks: int | None = None
     at: float = field(default_factory=time.monotonic)
@@ -51,6 +72,7 @@ class VllmSnapshot:
 def parse_vllm_metrics(text: str) -> VllmSnapshot:
     """Parse the routing series of a Prometheus text page; other lines are skipped fast."""
     snap = VllmSnapshot()
+    legacy = [0.0, 0.0]
     for line in text.splitlines():
         if not line.startswith("vllm:"):
             continue
@@ -65,11 +87,36 @@ def parse_vllm_metrics(text: str) -> VllmSnapshot:
             setattr(snap, attr, getattr(snap, attr) + _number(value))
         elif name in _MAXED:
             snap.kv_usage = max(snap.kv_usage, _number(value))
+        elif name in _LEGACY_ITL:
+            legacy[_LEGACY_ITL[name]] += _number(value)
         elif name == _CACHE_INFO:
             info = _labels(labels)
             snap.block_size = _int(info.get("block_size"))
             snap.num_gpu_blocks = _int(info.get("num_gpu_blocks"))
+    if not snap.itl_count:
+        snap.itl_sum, snap.itl_count = legacy
     return snap
+
+
+def decoded_between(before: VllmSnapshot, after: VllmSnapshot) -> tuple[float, float, float] | None:
+    """A decode sample of the span between two scrapes (speeds.py `decoded`): the
+    requests decoding there on average, the mean gap between a stream's tokens, and
+    the uncached prompt tokens prefilled per engine step. The summed gaps over the span
+    are the time integral of the requests decoding, so over its length they are their
+    mean. None when too few tokens came, the backend was idle at either end (its mean
+    would count idle time), or a counter went back (a restart)."""
+    seconds = after.at - before.at
+    tokens = after.itl_count - before.itl_count
+    gaps = after.itl_sum - before.itl_sum
+    computed = (after.prompt_tokens - after.prefix_hits - after.external_hits) - (
+        before.prompt_tokens - before.prefix_hits - before.external_hits
+    )
+    if tokens < MIN_DECODE_TOKENS or gaps <= 0 or seconds <= 0 or computed < 0:
+        return None
+    if not (before.running and after.running):
+        return None
+    running = gaps / seconds
+    return running, gaps / tokens, computed * running / tokens
 
 
 def _number(value: str) -> float:
@@ -105,6 +152,7 @@ class Scraper:
         stale_after: float,
         on_fallback: Callable[[str, str], None],
         on_snapshot: Callable[[str, VllmSnapshot], None] | None = None,
+        on_decoded: Callable[[Backend, tuple[float, float, float]], None] | None = None,
     ) -> None:
         self._fleet = fleet
         self._session = session
@@ -112,6 +160,7 @@ class Scraper:
         self._stale_after = stale_after
         self._on_fallback = on_fallback
         self._on_snapshot = on_snapshot
+        self._on_decoded = on_decoded
         self.snapshots: dict[str, VllmSnapshot] = {}
 
     async def run(self, scrape: bool = True) -> None:
@@ -162,10 +211,15 @@ class Scraper:
 
     def keep(self, backend: Backend, snap: VllmSnapshot) -> None:
         """A fresh snapshot of `backend`, scraped here or received from the collector."""
+        before = self.snapshots.get(backend.name)
         self.snapshots[backend.name] = snap
         backend.waiting, backend.kv_usage = snap.waiting, snap.kv_usage
         backend.unstarted_at_scrape = backend.unstarted
         backend.batch.observe(snap.running, snap.waiting, backend.inflight)
+        if before is not None and self._on_decoded is not None:
+            sample = decoded_between(before, snap)
+            if sample is not None:
+                self._on_decoded(backend, sample)
 
     def _expire(self) -> None:
         now = time.monotonic()

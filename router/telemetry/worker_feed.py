@@ -62,6 +62,8 @@ class WorkerTelemetry(Telemetry):
         self._joined = asyncio.Event()  # the feed delivers (see `joined`)
         self._feedback = CacheFeedback(self._fleet, self._metrics)
         self._me = str(link.index).encode()
+        #: the worker that keeps the samples of the scrapes every worker is sent
+        self._records = link.index == 0
         self._topic = worker_topic(self._me)
 
     def _role_tasks(self) -> list[asyncio.Task]:
@@ -74,6 +76,11 @@ class WorkerTelemetry(Telemetry):
 
     def _fallback(self, backend: str, reason: str) -> None:
         """Not counted here: the collector counts the router's downgrades once."""
+
+    def _decoded(self, backend: Backend, sample: tuple[float, float, float]) -> None:
+        """Every worker gets the same snapshots: the first keeps their samples in the
+        shared table, and each computes the speed again from it."""
+        self._fleet.scraped_decode(backend, sample, record=self._records)
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The applier of the batches the collector forwards for `backend`."""

@@ -386,12 +386,11 @@ HALF_PREFILL_S = 0.07
 HALF = ["--step-base-ms", "50", "--decode-per-seq-ms", "0.3", "--prefill-per-token-ms", "0.2"]
 
 
-async def streamed(router: Router, i: int, first: asyncio.Event, tokens: int = 40) -> None:
-    """A ~3,000-token prompt of its own, streamed back in `tokens` tokens with its
-    usage; `first` is set when its first token came."""
-    async with AsyncOpenAI(
-        base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
-    ) as oai:
+async def streamed(url: str, i: int, first: asyncio.Event, tokens: int = 40) -> None:
+    """A ~3,000-token prompt of its own, streamed back from `url` (a router's or a
+    backend's) in `tokens` tokens with its usage; `first` is set when its first token
+    came."""
+    async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20) as oai:
         words = " ".join(f"w{i}x{k}" for k in range(1600))
         stream = await oai.chat.completions.create(
             model=MODEL,
@@ -410,7 +409,7 @@ async def overlapping(router: Router, start: int, n: int) -> None:
     tasks = []
     for i in range(start, start + n):
         first = asyncio.Event()
-        tasks.append(asyncio.create_task(streamed(router, i, first)))
+        tasks.append(asyncio.create_task(streamed(router.url, i, first)))
         await first.wait()
     await asyncio.gather(*tasks)
 
@@ -493,7 +492,7 @@ async def test_a_prefill_queued_behind_one_partly_done_reads_the_true_rate() -> 
 
         def send() -> None:
             firsts.append(asyncio.Event())
-            tasks.append(asyncio.create_task(streamed(router, len(tasks), firsts[-1])))
+            tasks.append(asyncio.create_task(streamed(router.url, len(tasks), firsts[-1])))
 
         async with asyncio.timeout(120):
             send()
@@ -526,7 +525,7 @@ async def test_prefills_sharing_an_engine_step_read_the_true_rate() -> None:
         async with asyncio.timeout(120):
             while "prefill_tokens_per_s" not in (await shown())["speed_learned_figures"]:
                 for _ in range(5):
-                    ask = streamed(router, len(tasks), asyncio.Event(), 2)  # ends soon after
+                    ask = streamed(router.url, len(tasks), asyncio.Event(), 2)  # ends soon after
                     tasks.append(asyncio.create_task(ask))
                     await asyncio.sleep(0.1)  # the traffic's pace: 2/3 of a prefill
             await asyncio.gather(*tasks)
@@ -543,7 +542,9 @@ async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> No
     async with contextlib.AsyncExitStack() as stack:
         router = await one_simulated(stack, "slow", HALF)
         # 200 tokens at ~25 ms of wall time each: ~5 s a stream
-        streams = [asyncio.create_task(streamed(router, i, asyncio.Event(), 200)) for i in range(8)]
+        streams = [
+            asyncio.create_task(streamed(router.url, i, asyncio.Event(), 200)) for i in range(8)
+        ]
         try:
             async with asyncio.timeout(60):
                 while (
@@ -561,6 +562,35 @@ async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> No
             await asyncio.gather(*streams)
 
 
+async def test_a_backend_is_learned_from_its_metrics_when_no_stream_passes_the_router() -> None:
+    """Streams sent straight to a half-speed backend, none through the router (another
+    router's or client's traffic): its decode step is learned from its /metrics, the
+    inter-token histogram between two scrapes, with nothing relayed."""
+    async with contextlib.AsyncExitStack() as stack:
+        telemetry = {"scrape_interval": 0.2}
+        router = await one_simulated(stack, "slow", HALF, telemetry=telemetry)
+        backend = str(router.config.backends[0].url).rstrip("/")
+        streams = [
+            asyncio.create_task(streamed(backend, i, asyncio.Event(), 200)) for i in range(6)
+        ]
+        try:
+            async with asyncio.timeout(60):
+                while (
+                    "decode_step_s"
+                    not in (shown := await debug_routing(router))["backends"]["slow"][
+                        "speed_learned_figures"
+                    ]
+                ):
+                    assert not all(s.done() for s in streams), "every stream ended first"
+                    await asyncio.sleep(0.05)
+            speed = shown["backends"]["slow"]["speed"]
+            # the step of the six streams' batch (HALF: 0.3 ms a request) within 25%
+            at_six = speed["decode_step_s"] + 6 * speed["decode_s_per_request"]
+            assert at_six == pytest.approx(TRUE["slow"][1] + 6 * 0.3e-3 * SCALE, rel=0.25), speed
+        finally:
+            await asyncio.gather(*streams)
+
+
 async def test_answers_of_one_token_teach_the_prefill_rate() -> None:
     """Streams that end with their first token (classification, a yes or no) end before
     their engine step's other first tokens are in: each counts what was prefilled by
@@ -573,7 +603,7 @@ async def test_answers_of_one_token_teach_the_prefill_rate() -> None:
                 "prefill_tokens_per_s"
                 not in (await debug_routing(router))["backends"]["fast"]["speed_learned_figures"]
             ):
-                await streamed(router, i, asyncio.Event(), 1)
+                await streamed(router.url, i, asyncio.Event(), 1)
                 i += 1
         speed = (await debug_routing(router))["backends"]["fast"]["speed"]
         assert 0.75 * TRUE["fast"][0] <= speed["prefill_tokens_per_s"] <= 1.1 * TRUE["fast"][0]

@@ -674,6 +674,52 @@ async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_pa
         await fleet.stop()
 
 
+async def test_every_worker_learns_a_decode_step_from_the_scraped_metrics(tmp_path) -> None:
+    """Streams straight to a half-speed simulated backend, none through the router: the
+    collector's scrapes reach both workers, one keeps each decode sample of two scrapes
+    in the shared table, and each worker's learned step (at the streams' batch) is the
+    backend's within 25%."""
+    params = SimParams(time_scale=0.5, speed=0.5)
+    fleet = await start_fleet(1, params)
+    (sim,) = fleet.backends
+    config = {
+        "backends": [{"url": sim.url, "name": "sim0"}],
+        "routing": {"strategy": "KV_AWARE"},
+        "telemetry": {"scrape_interval": 0.2},
+    }
+    # 25 ms and 0.15 ms a request at full speed, times the time scale, over the speed
+    step, per_request = (ms * params.time_scale / params.speed / 1000 for ms in (25, 0.15))
+    streams: list[asyncio.Task] = []
+
+    async def stream(direct: aiohttp.ClientSession, i: int) -> None:
+        body = chat(f"stream {i} " * 200, stream=True, model="sim-llama-70b") | {"max_tokens": 300}
+        async with direct.post(sim.url + CHAT, json=body) as resp:
+            assert resp.status == 200
+            await resp.read()
+
+    try:
+        async with multi_router(tmp_path, config) as r, aiohttp.ClientSession() as direct:
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            streams.extend(asyncio.create_task(stream(direct, i)) for i in range(6))
+
+            async def learned(session: aiohttp.ClientSession) -> dict | None:
+                assert not all(s.done() for s in streams), "every stream ended first"
+                async with session.get(r.url + "/debug/routing") as resp:
+                    shown = (await resp.json())["backends"]["sim0"]
+                return shown["speed"] if "decode_step_s" in shown["speed_learned_figures"] else None
+
+            for session in sessions:
+                speed = await until(lambda s=session: learned(s), 30, "the learned decode step")
+                at_six = speed["decode_step_s"] + 6 * speed["decode_s_per_request"]
+                assert at_six == pytest.approx(step + 6 * per_request, rel=0.25), speed
+            await asyncio.gather(*streams)
+    finally:
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await fleet.stop()
+
+
 async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> None:
     servers = await stubs(3)
     try:
