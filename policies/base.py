@@ -145,6 +145,9 @@ class Pick(NamedTuple):
     #: the prompt's prefix went to this backend before, by the policy's memory, which
     #: counts no tokens (PREFIX_AWARE): a cache expected there, of unknown length
     warm: bool = False
+    #: what the policy expects the request to cost the fleet there, in seconds (a
+    #: policy that weighs costs: KV_AWARE), None for the others
+    cost: float | None = None
 
 
 def load_cap_per_weight(load_factor: float | None, candidates: Sequence[BackendLike]) -> float:

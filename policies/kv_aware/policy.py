@@ -137,10 +137,10 @@ class KvAwarePolicy(Policy[KvAwareParams]):
             return Pick(least_loaded(fleet.candidates, self._rng), Reason.ALL_SATURATED)
         if self._upkeep.placements is not None:
             self._adopt_placement(req, fleet, scored, reach)
-        _, covered, backend, cached, *_ = self._ties.winner(req, scored)
+        cost, covered, backend, cached, *_ = self._ties.winner(req, scored)
         self._upkeep.learn(req, backend, cached)
         self._decisions.record(req, backend, scored, reach)
-        return Pick(backend, _reason(covered, cached), covered)
+        return Pick(backend, _reason(covered, cached), covered, cost=cost)
 
     def retract(self, req: RouteRequest, pick: Pick) -> None:
         if pick.backend is not None:

@@ -16,10 +16,15 @@ the one the hash gave too many until the others catch up.
 - **soft** (default): the session's backend while it is not saturated (flow.py's
   test on its scraped state); with KV_AWARE it is a strong preference, not an override:
   when the policy expects more of the prompt cached on another backend (`kv_hit`) than
-  on the session's, that pick stands. A saturated session backend spills to the
-  policy's pick, which becomes the session's backend. Asking the policy about the
-  session's backend alone teaches KV_AWARE's index where the prompt goes; its first
-  pick, when overruled, stays in the index as a guess until that guess expires.
+  on the session's, or, where its cost places new sessions (`new_sessions: cost`), the
+  request to cost the fleet under `MOVE_SHARE` of what it costs there (a backend found
+  slow or overloaded since the session began: the cost counts the prefill of what the
+  other backend lacks), that pick stands. By the hash a session stays put otherwise,
+  so replicas that share nothing keep finding it where the hash put it. A saturated
+  session backend spills to the policy's pick, which becomes the session's backend.
+  Asking the policy about the session's backend alone teaches KV_AWARE's index where
+  the prompt goes; its first pick, when overruled, stays in the index as a guess until
+  that guess expires.
 - **hard**: always the session's backend while it is a usable candidate.
 
 Records: with several workers, in the shared admission table (shared_admission.py:
@@ -48,6 +53,11 @@ from router.fleet.backend import Backend
 
 #: below this many requests in flight a backend takes new sessions whatever the mean
 LOAD_FLOOR = 4
+#: a session moves where the policy expects its request to cost under this share of
+#: what it costs on the session's backend: well past the estimates' own noise and
+#: load's ups and downs (a few streams more on a backend of the same speed cost a few
+#: percent), so only a slower or overloaded backend loses its sessions
+MOVE_SHARE = 0.8
 
 
 def rendezvous(session: str, candidates: Sequence[Backend]) -> Backend | None:
@@ -84,6 +94,17 @@ class LocalRecords:
         records.move_to_end(key)
         while len(records) > self.limit:
             records.popitem(last=False)  # the least recently used
+
+
+def _moves(pick: Pick, there: Pick, by_cost: bool) -> bool:
+    """Soft affinity: the policy's `pick` wins over the session's backend (`there`, the
+    policy's pick among it alone) with a bigger cache found elsewhere, or `by_cost` with
+    a cost well under staying's."""
+    if pick.reason is Reason.KV_HIT and pick.predicted_cached > there.predicted_cached:
+        return True
+    if not by_cost or pick.cost is None or there.cost is None:
+        return False
+    return pick.cost < MOVE_SHARE * there.cost
 
 
 def name_hash(name: str) -> int:
@@ -127,7 +148,8 @@ class Sessions:
         policy's pick among that backend alone (what it expects cached there, and what
         it learns from its own picks follows the prompt there). `costed`: the policy
         weighs each backend's cost, so its pick places a new session."""
-        preferred = self._backend_of(session, candidates, costed)
+        by_cost = costed and self._cfg.new_sessions == "cost"
+        preferred = self._backend_of(session, candidates, by_cost)
         chosen, hard = pick, self._cfg.mode == "hard"
         if (
             preferred is not None
@@ -135,10 +157,7 @@ class Sessions:
             and (hard or not saturated(preferred, self._flow.saturation))
         ):
             there = alone(preferred)
-            # soft: a cache found elsewhere wins only if bigger than the session's
-            if hard or not (
-                pick.reason is Reason.KV_HIT and pick.predicted_cached > there.predicted_cached
-            ):
+            if hard or not _moves(pick, there, by_cost):
                 chosen = Pick(preferred, Reason.SESSION, there.predicted_cached)
         if chosen.backend is not None:
             key = xxhash.xxh3_64_intdigest(session.encode())
@@ -146,16 +165,16 @@ class Sessions:
         return chosen
 
     def _backend_of(
-        self, session: str, candidates: Sequence[Backend], costed: bool
+        self, session: str, candidates: Sequence[Backend], by_cost: bool
     ) -> Backend | None:
         """The session's backend: where it went last, else a new one (None: the
-        policy's pick places it)."""
+        policy's pick places it, `by_cost`)."""
         record = self._records.recall(xxhash.xxh3_64_intdigest(session.encode()))
         if record is not None and time.monotonic() - record[1] < self._cfg.idle_ttl:
             for backend in candidates:
                 if name_hash(backend.name) == record[0]:
                     return backend
-        if costed and self._cfg.new_sessions == "cost":
+        if by_cost:
             return None
         return self._new_home(session, candidates)
 

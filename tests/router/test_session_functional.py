@@ -204,3 +204,28 @@ async def test_with_kv_aware_a_new_session_goes_where_its_cost_is_lowest(new_ses
             assert home == 0 and reasons[0] == "session"
         else:
             assert home != 0 and reasons[0] != "session"
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+async def test_with_kv_aware_a_session_leaves_a_backend_where_it_costs_far_more(mode: str) -> None:
+    """A session placed by KV_AWARE's cost on an idle fleet; then a request waits in its
+    backend's engine (under saturation): a one-token answer there costs the fleet twice
+    what it costs elsewhere, its short prompt cached nowhere that matters. Soft, its
+    next turn goes elsewhere and the turn after follows; hard, it stays."""
+    config = {**_config(mode), "routing": {"strategy": "KV_AWARE"}}
+    async with running(4, **config) as (router, stubs), aiohttp.ClientSession() as http:
+        members = router.fleet.members
+        for stub in stubs:
+            stub.behaviour.metrics = _page(0)
+        await _send(http, router.url, **{"X-Session-ID": "s-1"})
+        (home,) = [i for i, n in enumerate(_served(stubs)) if n]
+        stubs[home].behaviour.metrics = _page(1)
+        await until(lambda: members[home].waiting == 1)
+        reasons = [await _send(http, router.url, **{"X-Session-ID": "s-1"}) for _ in range(2)]
+        served = _served(stubs)
+        if mode == "hard":
+            assert served[home] == 3 and reasons == ["session", "session"]
+        else:
+            # the second turn moved by the policy's pick, the third followed it there
+            assert served[home] == 1 and sorted(served)[-1] == 2, served
+            assert reasons[0] != "session"
