@@ -89,10 +89,10 @@ class Backend(BackendLoad):
         self.healthy = True
         #: its speed as learned from its own streams (speeds.py), None until then; the
         #: other router replicas' learned one (config `cluster`), None alone; and
-        #: the speed routing reads: its own, else the others', else the fastest the
-        #: fleet learned (a backend judged by the configured speed, or a median, beside
-        #: faster learned ones would get no streams to learn from), else None (the
-        #: policy's configured speed holds)
+        #: the speed routing reads: its own, else the others', else the fleet's typical
+        #: learned one (a backend judged by the configured speed beside faster learned
+        #: ones would get no streams to learn from), else None (the policy's configured
+        #: speed holds)
         self.speed_samples = SpeedLearner(self.table, self.slot)
         self.learned_speed: Speed | None = None
         self.shared_speed: Speed | None = None

@@ -36,20 +36,19 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
 
 Each figure comes from the last `RING` samples per worker (all workers' together): the
 rate is their median, the line is refit without outliers, so one sample cannot move
-either; until `MIN_SAMPLES` prefill samples (`MIN_ALONE` that met nothing ahead) or
-`MIN_DECODE_SAMPLES` decode samples exist the configured speed (the prior) stands, and a
-slope needs batches that differ by `MIN_SPREAD` requests. With
+either; until `MIN_SAMPLES` exist the configured speed (the prior) stands, and a slope
+needs batches that differ by `MIN_SPREAD` requests. With
 several workers the samples live in the shared load table (shared_load.py), each worker
 writing its own column, and a worker recomputes a backend's speed from every worker's
 samples every `REFRESH` streams of its own there: every worker reads the same samples.
 
 Router replicas (config `cluster`) share their learned speeds (router/telemetry/cluster.py):
 a backend this replica has not learned yet takes the others' (`pooled`) before the
-fastest the fleet learned (backends.py `lend_speeds`, `fastest_speed`); while no
-backend has enough samples of its own, the samples of every backend's streams together
-(the fleet's own `SpeedLearner`, this worker's streams) give the stand-in: a fleet is
-mostly of one kind, and an engine far from the prior (on CPUs) gets few samples of its
-own, since a prefill sample needs `MIN_PREFILL_TOKENS` uncached tokens.
+fleet's typical one (backends.py `lend_speeds`); while no backend has enough samples of
+its own, the samples of every backend's streams together (the fleet's own
+`SpeedLearner`, this worker's streams) give the stand-in: a fleet is mostly of one kind,
+and an engine far from the prior (on CPUs) gets few samples of its own, since a prefill
+sample needs `MIN_PREFILL_TOKENS` uncached tokens.
 """
 
 from __future__ import annotations
@@ -67,9 +66,6 @@ RING = 32
 #: ahead)..., (running, gap, tokens prefilled per gap)...]
 WORDS = 5 + 7 * RING
 MIN_SAMPLES = 8
-#: decode samples that give the decode step (each a mean over many tokens, and the
-#: line's fit trims the far ones): a slow backend is known from its first streams
-MIN_DECODE_SAMPLES = 3
 #: prefill samples with no prefill of unknown progress ahead that give the rate alone
 #: (each is one span of known tokens, timed whole)
 MIN_ALONE = 3
@@ -118,15 +114,11 @@ def pooled(figures: list[tuple[Speed, int]]) -> Speed | None:
     return Speed(*(sum(s[i] * n for s, n in figures) / total for i in range(len(Speed._fields))))
 
 
-def fastest_speed(speeds: list[Speed]) -> Speed | None:
-    """The fastest of `speeds`, figure by figure (None for none): what a backend not
-    learned yet is judged at, so that it takes requests and is learned. Judged at the
-    fleet's median, a fast backend among slow ones learned before it took none and
-    never was (a mixed fleet: one of four idle for a whole run)."""
+def typical_speed(speeds: list[Speed]) -> Speed | None:
+    """The median of `speeds`, figure by figure (None for none)."""
     if not speeds:
         return None
-    rates, steps, per_request = zip(*speeds, strict=True)
-    return Speed(max(rates), min(steps), min(per_request))
+    return Speed(*(statistics.median(figures) for figures in zip(*speeds, strict=True)))
 
 
 class Columns(Protocol):
@@ -236,17 +228,17 @@ class SpeedLearner:
         them (`figures` names the others); None while every figure is the prior's."""
         prefills, gaps = self._samples()
         self.figures = ()
-        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_DECODE_SAMPLES:
+        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
             return None
         # the rate at the prior's step, the step without the prefills beside it at
         # that rate, then the rate again at that step
         rate, timed = _rate(prefills, prior[1], prior[2], prior[0])
         step, per_request, sloped = prior[1], prior[2], False
-        if len(gaps) >= MIN_DECODE_SAMPLES:
+        if len(gaps) >= MIN_SAMPLES:
             points = [(r, g - beside / rate) for r, g, beside in gaps]
             step, per_request, sloped = _line(points, per_request)
             rate, timed = _rate(prefills, step, per_request, prior[0])
-        learned = (timed, len(gaps) >= MIN_DECODE_SAMPLES, sloped)
+        learned = (timed, len(gaps) >= MIN_SAMPLES, sloped)
         self.figures = tuple(f for f, yes in zip(Speed._fields, learned, strict=True) if yes)
         return Speed(rate, step, per_request)
 

@@ -89,9 +89,9 @@ class StatusRoutes:
 
     async def debug_routing(self, request: web.Request) -> web.StreamResponse:
         """The policy's last decisions with their scores, and each backend's state: load,
-        speed (null: the configured one holds; `speed_learned` false: the fastest the
-        fleet learned stands in for its own; `speed_source`: learned, shared by the
-        other replicas, fastest or null; `speed_learned_figures`: the figures of a
+        speed (null: the configured one holds; `speed_learned` false: the fleet's
+        typical learned one stands in for its own; `speed_source`: learned, shared by
+        the other replicas, typical or null; `speed_learned_figures`: the figures of a
         learned speed its own samples gave, the others the configured ones), index (source,
         GPU and offload-tier sizes, and the publish time of the last KV event batch
         this process applied) and its last scraped vLLM metrics; with a
@@ -168,7 +168,7 @@ def _speed_source(b: Backend) -> str | None:
         return "learned"
     if b.shared_speed is not None:
         return "shared"
-    return None if b.speed is None else "fastest"
+    return None if b.speed is None else "typical"
 
 
 def _learned(index: TieredIndex | None, backend: str) -> dict[str, int | None] | None:

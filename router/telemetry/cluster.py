@@ -16,7 +16,7 @@ Redis server every replica hears the others':
   samples behind it (router/fleet/speeds.py), every `SPEEDS_INTERVAL_S` (they change
   slowly); the others' are pooled per backend, weighted by samples, and sent to the
   workers (feed topic `v`), where a backend this replica has not learned yet takes them
-  before the fastest the fleet learned. A replica's own learned figure stands whole: it
+  before the fleet's typical speed. A replica's own learned figure stands whole: it
   comes from enough samples already, timed on this replica's own path to the backend,
   and mixing in the others' would need no more than the cold start does. A replica
   silent for `SPEEDS_TTL_S` drops out of them.
