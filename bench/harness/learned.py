@@ -23,7 +23,7 @@ class LearnedSpeed(msgspec.Struct, kw_only=True):
     (None: the router routes at its configured prior, or the simulator did not say)."""
 
     backend: str
-    source: str | None  # /debug/routing's speed_source: learned, shared, typical or None
+    source: str | None  # /debug/routing's speed_source: learned, shared, typical, fastest or None
     prefill_tokens_per_s: float | None
     true_prefill_tokens_per_s: float | None
     decode_step_ms: float | None

@@ -28,7 +28,14 @@ from router.fleet.credentials import Reach, reach_all
 from router.fleet.placements import PlacementTable
 from router.fleet.pool_settings import PoolSettings
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import REFRESH, AnswerLengths, SpeedLearner, speed_prior, typical_speed
+from router.fleet.speeds import (
+    REFRESH,
+    AnswerLengths,
+    SpeedLearner,
+    fastest_speed,
+    speed_prior,
+    typical_speed,
+)
 
 NO_CREDENTIALS = BackendCredentials()
 #: block keys a KV-aware pick inserts into its index at once (a 4,096-token prefix at
@@ -123,15 +130,21 @@ class Fleet(PoolSettings):
 
     def lend_speeds(self) -> None:
         """Each backend's speed for routing: its learned one, else the other replicas'
-        learned one, else the median of those (figure by figure), else, while none is
-        known, what every backend's samples show together (router/fleet/speeds.py)."""
+        learned one, else the median of those (figure by figure), or the fastest for a
+        backend no stream has been sampled on yet (untried: at the median of slower
+        backends learned before it, a fast one took no request for a whole run), else,
+        while none is known, what every backend's samples show together
+        (router/fleet/speeds.py)."""
         known = [b.learned_speed or b.shared_speed for b in self.members]
-        typical = typical_speed([s for s in known if s is not None])
+        learned = [s for s in known if s is not None]
+        typical, fastest = typical_speed(learned), fastest_speed(learned)
         prior = speed_prior(self.policy.params)
         if typical is None and prior is not None:
-            typical = self.speed_samples.learned(prior)
+            typical = fastest = self.speed_samples.learned(prior)
         for b, speed in zip(self.members, known, strict=True):
-            b.speed = speed or typical
+            if speed is None:
+                speed = typical if b.speed_samples.sampled() else fastest
+            b.speed = speed
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements;

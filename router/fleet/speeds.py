@@ -44,11 +44,11 @@ samples every `REFRESH` streams of its own there: every worker reads the same sa
 
 Router replicas (config `cluster`) share their learned speeds (router/telemetry/cluster.py):
 a backend this replica has not learned yet takes the others' (`pooled`) before the
-fleet's typical one (backends.py `lend_speeds`); while no backend has enough samples of
-its own, the samples of every backend's streams together (the fleet's own
-`SpeedLearner`, this worker's streams) give the stand-in: a fleet is mostly of one kind,
-and an engine far from the prior (on CPUs) gets few samples of its own, since a prefill
-sample needs `MIN_PREFILL_TOKENS` uncached tokens.
+fleet's typical one, or the fastest while it is untried (backends.py `lend_speeds`);
+while no backend has enough samples of its own, the samples of every backend's streams
+together (the fleet's own `SpeedLearner`, this worker's streams) give the stand-in: a
+fleet is mostly of one kind, and an engine far from the prior (on CPUs) gets few
+samples of its own, since a prefill sample needs `MIN_PREFILL_TOKENS` uncached tokens.
 """
 
 from __future__ import annotations
@@ -119,6 +119,14 @@ def typical_speed(speeds: list[Speed]) -> Speed | None:
     if not speeds:
         return None
     return Speed(*(statistics.median(figures) for figures in zip(*speeds, strict=True)))
+
+
+def fastest_speed(speeds: list[Speed]) -> Speed | None:
+    """The fastest of `speeds`, figure by figure (None for none)."""
+    if not speeds:
+        return None
+    rates, steps, per_request = zip(*speeds, strict=True)
+    return Speed(max(rates), min(steps), min(per_request))
 
 
 class Columns(Protocol):
@@ -217,6 +225,12 @@ class SpeedLearner:
         if table is None:
             return self._local[_PREFILLED]
         return sum(column[_PREFILLED] for column in table.speed_columns(self._slot))
+
+    def sampled(self) -> bool:
+        """Whether any worker has taken a sample here yet (either kind)."""
+        table = self._table
+        columns = [self._local] if table is None else table.speed_columns(self._slot)
+        return any(column[0] or column[1] for column in columns)
 
     def counted(self) -> int:
         """The samples its figures come from (both kinds, every worker's)."""

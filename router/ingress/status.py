@@ -91,11 +91,11 @@ class StatusRoutes:
         """The policy's last decisions with their scores, and each backend's state: load,
         speed (null: the configured one holds; `speed_learned` false: the fleet's
         typical learned one stands in for its own; `speed_source`: learned, shared by
-        the other replicas, typical or null; `speed_learned_figures`: the figures of a
-        learned speed its own samples gave, the others the configured ones), index (source,
-        GPU and offload-tier sizes, and the publish time of the last KV event batch
-        this process applied) and its last scraped vLLM metrics; with a
-        KV-aware policy, its offload tiers and the media its events named that it does
+        the other replicas, typical, fastest (untried) or null; `speed_learned_figures`:
+        the figures of a learned speed its own samples gave, the others the configured
+        ones), index (source, GPU and offload-tier sizes, and the publish time of the
+        last KV event batch this process applied) and its last scraped vLLM metrics;
+        with a KV-aware policy, its offload tiers and the media its events named that it does
         not index; with prefill/decode pools, the last decode picks. Those decisions
         show every tenant's recent requests, so with auth on only the admin token
         opens it."""
@@ -168,7 +168,9 @@ def _speed_source(b: Backend) -> str | None:
         return "learned"
     if b.shared_speed is not None:
         return "shared"
-    return None if b.speed is None else "typical"
+    if b.speed is None:
+        return None
+    return "typical" if b.speed_samples.sampled() else "fastest"
 
 
 def _learned(index: TieredIndex | None, backend: str) -> dict[str, int | None] | None:

@@ -151,15 +151,35 @@ def test_a_learned_speed_is_computed_again_every_few_streams() -> None:
 
 def test_a_backend_not_learned_yet_routes_at_the_fleets_typical_speed() -> None:
     """At the configured speed beside faster learned ones it would get no streams to
-    learn from: it borrows the median of the learned speeds until it has its own."""
+    learn from: once tried, it borrows the median of the learned speeds until it has
+    its own."""
     backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(4)]
     fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
     learned = [Speed(20_000.0, 0.012, 0.0001), Speed(18_000.0, 0.013, 0.0002), None, None]
     for b, speed in zip(fleet.members, learned, strict=True):
         b.learned_speed = speed
+        b.speed_samples.decoded(4, 0.0125)  # tried
     fleet.lend_speeds()
     typical = Speed(19_000.0, 0.0125, 0.00015)
     assert [b.speed for b in fleet.members] == learned[:2] + [pytest.approx(typical)] * 2
+
+
+def test_an_untried_backend_routes_at_the_fastest_learned_speed_until_a_sample() -> None:
+    """Slow backends learned first make the median slow: a fast backend no stream was
+    sampled on yet would be judged slow and never tried (a mixed fleet's run left one
+    idle throughout). Untried, it borrows the fastest learned figures; once sampled,
+    the median until its own speed is learned."""
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(4)]
+    fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
+    fast, slow = Speed(20_000.0, 0.0125, 0.0001), Speed(10_000.0, 0.025, 0.0002)
+    learned = [fast, slow, slow, None]
+    for b, speed in zip(fleet.members, learned, strict=True):
+        b.learned_speed = speed
+    fleet.lend_speeds()
+    assert fleet.members[3].speed == fast
+    fleet.members[3].speed_samples.decoded(4, 0.0125)
+    fleet.lend_speeds()
+    assert fleet.members[3].speed == slow
 
 
 def test_the_other_replicas_speed_stands_in_until_this_one_learns_its_own() -> None:
@@ -167,6 +187,7 @@ def test_the_other_replicas_speed_stands_in_until_this_one_learns_its_own() -> N
     backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(3)]
     fleet = Fleet(backends, RoundRobinPolicy(RoundRobinParams()), BreakerConfig())
     own, other = Speed(20_000.0, 0.012, 0.0001), Speed(10_000.0, 0.02, 0.0003)
+    fleet.members[2].speed_samples.decoded(4, 0.0125)  # tried, not learned
     fleet.members[0].learned_speed = own
     fleet.members[0].shared_speed = fleet.members[1].shared_speed = other
     fleet.lend_speeds()
