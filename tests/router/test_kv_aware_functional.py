@@ -449,9 +449,12 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
             learned = speeds[name]
             assert learned["prefill_tokens_per_s"] == pytest.approx(rate, rel=0.25), speeds
             assert learned["decode_step_s"] == pytest.approx(step, rel=0.25), speeds
-        for i, key in enumerate(("prefill_tokens_per_s", "decode_step_s")):
+        # each simulated step also takes the simulator's own Python work in wall time,
+        # a larger share of the fast backend's 12.5 ms step than of the slow one's 25 ms:
+        # on a loaded machine the decode steps' ratio reads above 0.5 (0.576 seen in CI)
+        for i, (key, within) in enumerate((("prefill_tokens_per_s", 0.15), ("decode_step_s", 0.2))):
             want = TRUE["fast"][i] / TRUE["slow"][i]
-            assert speeds["fast"][key] / speeds["slow"][key] == pytest.approx(want, rel=0.15)
+            assert speeds["fast"][key] / speeds["slow"][key] == pytest.approx(want, rel=within)
         text = router.metrics.render().decode()
         rate = speeds["slow"]["prefill_tokens_per_s"]
         assert f'kvroute_backend_prefill_tokens_per_second{{backend="slow"}} {rate}' in text
