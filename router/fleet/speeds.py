@@ -164,6 +164,11 @@ class SpeedLearner:
         self._since = 0
         return self.learned(prior)
 
+    def _columns(self) -> list[memoryview]:
+        """Every worker's samples here (this process's own, alone)."""
+        table = self._table
+        return [self._local] if table is None else table.speed_columns(self._slot)
+
     def _own(self) -> memoryview:
         if self._table is None:
             return self._local
@@ -196,9 +201,7 @@ class SpeedLearner:
         every process): the backend's previous first token, every worker's (0.0 for
         none), and the tokens prefilled here by its `settle`, None before then (this one
         came in the same engine step)."""
-        table = self._table
-        columns = [self._local] if table is None else table.speed_columns(self._slot)
-        latest = max(columns, key=_first)
+        latest = max(self._columns(), key=_first)
         previous, settled = latest[_FIRST], latest[_SETTLED]
         own = self._own()
         own[_FIRST], own[_SETTLED] = now, _UNSETTLED
@@ -221,16 +224,11 @@ class SpeedLearner:
 
     def prefilled_total(self) -> float:
         """Every worker's prefilled tokens here so far."""
-        table = self._table
-        if table is None:
-            return self._local[_PREFILLED]
-        return sum(column[_PREFILLED] for column in table.speed_columns(self._slot))
+        return sum(column[_PREFILLED] for column in self._columns())
 
     def sampled(self) -> bool:
         """Whether any worker has taken a sample here yet (either kind)."""
-        table = self._table
-        columns = [self._local] if table is None else table.speed_columns(self._slot)
-        return any(column[0] or column[1] for column in columns)
+        return any(column[0] or column[1] for column in self._columns())
 
     def counted(self) -> int:
         """The samples its figures come from (both kinds, every worker's)."""
@@ -259,9 +257,7 @@ class SpeedLearner:
     def _samples(self) -> tuple[list[tuple[float, ...]], list[tuple[float, ...]]]:
         prefills: list[tuple[float, ...]] = []
         gaps: list[tuple[float, ...]] = []
-        table = self._table
-        columns = [self._local] if table is None else table.speed_columns(self._slot)
-        for column in columns:
+        for column in self._columns():
             flat = column[_PREFILLS : _PREFILLS + 4 * min(int(column[0]), RING)]
             prefills.extend(zip(flat[0::4], flat[1::4], flat[2::4], flat[3::4], strict=True))
             flat = column[_GAPS : _GAPS + 3 * min(int(column[1]), RING)]
