@@ -51,6 +51,7 @@ class Picker:
         """The pick for `call` (towards its session's backend, if it names one) and
         its attempt, begun while the pick lock is held."""
         session = self.sessions.session_of(call.headers) if call.role != "decode" else None
+        self._fleet.catch_up()
         with self._fleet.picking():
             routed = self.pick(route_req, t0, (), call.role, session)
             if call.role == "decode":

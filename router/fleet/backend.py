@@ -43,15 +43,16 @@ class Backend(BackendLoad):
         "healthy",
         "kv_usage",
         "learned_speed",
+        "lent_speed",
         "model_cards",
         "name",
         "pool",
         "prefix",
         "shared_speed",
-        "speed",
         "speed_samples",
         "tls",
         "transitions",
+        "trying_speed",
         "unstarted_at_scrape",
         "url",
         "waiting",
@@ -88,15 +89,16 @@ class Backend(BackendLoad):
         self.model_cards: list[dict] = []
         self.healthy = True
         #: its speed as learned from its own streams (speeds.py), None until then; the
-        #: other router replicas' learned one (config `cluster`), None alone; and
-        #: the speed routing reads: its own, else the others', else the fleet's typical
-        #: learned one (a backend judged by the configured speed beside faster learned
-        #: ones would get no streams to learn from), else None (the policy's configured
-        #: speed holds)
+        #: other router replicas' learned one (config `cluster`), None alone; the
+        #: speed lent to it (Fleet.lend_speeds: its own, else the others', else one of
+        #: the fleet's, else None: the policy's configured speed holds); and, while it
+        #: has none of its own, the one it is judged at with requests in flight there
+        #: (`speed`)
         self.speed_samples = SpeedLearner(self.table, self.slot)
         self.learned_speed: Speed | None = None
         self.shared_speed: Speed | None = None
-        self.speed: Speed | None = None
+        self.lent_speed: Speed | None = None
+        self.trying_speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0
         #: scraped vllm:kv_cache_usage_perc (0..1), 0 while unknown or stale
@@ -107,6 +109,18 @@ class Backend(BackendLoad):
         self.unstarted_at_scrape: int | None = None
         #: how many requests it runs at once, learned from its scrapes (flow control)
         self.batch = BatchLimit()
+
+    @property
+    def speed(self) -> Speed | None:
+        """The speed routing reads. A backend with no speed of its own is lent a
+        fleet's one, but while requests are in flight there its first answers have not
+        shown it yet, and it is judged at `trying_speed` (the slowest learned): lent the
+        fastest, an empty slow backend took every new conversation of the first moments
+        until its first sample."""
+        trying = self.trying_speed
+        if trying is not None and self.inflight:
+            return trying
+        return self.lent_speed
 
     @property
     def models(self) -> frozenset[str] | None:

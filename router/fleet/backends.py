@@ -33,6 +33,7 @@ from router.fleet.speeds import (
     AnswerLengths,
     SpeedLearner,
     fastest_speed,
+    slowest_speed,
     speed_prior,
     typical_speed,
 )
@@ -86,6 +87,8 @@ class Fleet(PoolSettings):
         self.speed_samples = SpeedLearner()
         #: streams ended on backends with no learned speed of their own
         self._unlearned = 0
+        #: the workers' first learned speeds when this worker last took theirs
+        self._learned_seen = 0
         self._attach(policy, self.members)
 
     def learners(self, backend: Backend) -> tuple[SpeedLearner, ...]:
@@ -115,10 +118,32 @@ class Fleet(PoolSettings):
         none, else every `REFRESH` of this worker's streams there) and lent."""
         learned = backend.speed_samples.refreshed(prior, backend.learned_speed)
         if learned is not backend.learned_speed:
+            if backend.learned_speed is None and self.table is not None:
+                self.table.count_learned()
             backend.learned_speed = learned
             self.lend_speeds()
         elif learned is None:
             self.learning()
+
+    def catch_up(self) -> None:
+        """Before a pick: if another worker learned a backend's first speed, this one
+        takes it from the same shared samples now, not at its own next stream there
+        (until then it would send more requests there at a lent speed: a slow backend's
+        first ones are the slowest answers of a warm-up). One sum over the workers when
+        nothing changed."""
+        table = self.table
+        if table is None or (seen := table.learned()) == self._learned_seen:
+            return
+        self._learned_seen = seen
+        prior = speed_prior(self.policy.params)
+        if prior is None:
+            return
+        caught = False
+        for b in self.members:
+            if b.learned_speed is None and (speed := b.speed_samples.learned(prior)) is not None:
+                b.learned_speed, caught = speed, True
+        if caught:
+            self.lend_speeds()
 
     def learning(self) -> None:
         """A stream ended on a backend with no learned speed of its own: every
@@ -134,17 +159,21 @@ class Fleet(PoolSettings):
         backend no stream has been sampled on yet (untried: at the median of slower
         backends learned before it, a fast one took no request for a whole run), else,
         while none is known, what every backend's samples show together
-        (router/fleet/speeds.py)."""
+        (router/fleet/speeds.py). One with none of its own is judged at the slowest
+        learned while requests are in flight there (`Backend.speed`): one at a time
+        until its first answer shows its speed."""
         known = [b.learned_speed or b.shared_speed for b in self.members]
         learned = [s for s in known if s is not None]
-        typical, fastest = typical_speed(learned), fastest_speed(learned)
         prior = speed_prior(self.policy.params)
+        typical, slowest = typical_speed(learned), slowest_speed(learned)
+        fastest = fastest_speed([*learned, prior] if prior is not None else learned)
         if typical is None and prior is not None:
             typical = fastest = self.speed_samples.learned(prior)
         for b, speed in zip(self.members, known, strict=True):
+            b.trying_speed = None if speed is not None else slowest
             if speed is None:
                 speed = typical if b.speed_samples.sampled() else fastest
-            b.speed = speed
+            b.lent_speed = speed
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements;

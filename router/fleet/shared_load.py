@@ -8,9 +8,10 @@ backend, and requests whose answer has not begun) with one int64 per worker:
     [key_0 .. key_{S-1}] [slot 0: inflight w0.., tokens w0.., held w0.., unstarted w0..] ...
 
 and after them, per slot and worker, the samples of the backend's speed that worker took
-(`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads; last, one
+(`SPEED_WORDS` float64s, router/fleet/speeds.py), which every worker reads; then one
 int64 per worker: the turns it took (`take`: ROUND_ROBIN's rotation is the router's,
-the sum of every worker's turns).
+the sum of every worker's turns); last, one int64 per worker: the backends whose first
+speed it learned (`count_learned`: the others then learn them from the same samples).
 
 A worker only ever writes its own column, so an increment is a plain read-modify-write
 with no lock; readers sum a contiguous run of N int64s (one C-level `sum` over a
@@ -91,11 +92,13 @@ class LoadTable:
         self.slots, self.workers, self.worker = slots, workers, worker
         counters = slots * _INT64 * (1 + _COUNTERS * workers)
         turns = counters + slots * workers * SPEED_WORDS * _INT64
-        self._map = map_shared(self.path, turns + workers * _INT64)
+        learned = turns + workers * _INT64
+        self._map = map_shared(self.path, learned + workers * _INT64)
         self._words = memoryview(self._map)[:counters].cast("q")
         self._keys = memoryview(self._map)[:counters].cast("Q")[:slots]
         self._speeds = memoryview(self._map)[counters:turns].cast("d")
-        self._turns = memoryview(self._map)[turns:].cast("q")
+        self._turns = memoryview(self._map)[turns:learned].cast("q")
+        self._learned = memoryview(self._map)[learned:].cast("q")
 
     def slot(self, name: str, url: str) -> int | None:
         """The backend's slot, claimed and held by this worker; None when the table is full."""
@@ -193,6 +196,15 @@ class LoadTable:
         turns[self.worker] += 1
         return turn
 
+    def count_learned(self) -> None:
+        """This worker just learned a backend's first speed from the shared samples."""
+        self._learned[self.worker] += 1
+
+    def learned(self) -> int:
+        """The first speeds every worker learned so far: when it grew, another worker's
+        samples may have given a backend this one has not learned yet its speed."""
+        return sum(self._learned)
+
     def clear_worker(self, worker: int) -> None:
         """Zero a dead worker's column: its requests ended, its backends went with it."""
         for slot in range(self.slots):
@@ -204,4 +216,5 @@ class LoadTable:
         self._words.release()
         self._speeds.release()
         self._turns.release()
+        self._learned.release()
         self._map.close()

@@ -36,8 +36,9 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
 
 Each figure comes from the last `RING` samples per worker (all workers' together): the
 rate is their median, the line is refit without outliers, so one sample cannot move
-either; until `MIN_SAMPLES` exist the configured speed (the prior) stands, and a slope
-needs batches that differ by `MIN_SPREAD` requests. With
+either; until `MIN_SAMPLES` exist the configured speed (the prior) stands, but for the
+decode step (`MIN_DECODE_SAMPLES`: a mean over many gaps already), and a slope
+needs `MIN_SAMPLES` at batches that differ by `MIN_SPREAD` requests. With
 several workers the samples live in the shared load table (shared_load.py), each worker
 writing its own column, and a worker recomputes a backend's speed from every worker's
 samples every `REFRESH` streams of its own there: every worker reads the same samples.
@@ -55,10 +56,13 @@ from __future__ import annotations
 
 import statistics
 from array import array
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from policies import Speed
 
+#: `max` or `min` over one figure of several speeds
+Pick = Callable[[Iterable[float]], float]
 #: samples kept per backend per worker, of each kind
 RING = 32
 #: words per backend per worker: [prefills seen, decodes seen, tokens prefilled, last
@@ -66,6 +70,10 @@ RING = 32
 #: ahead)..., (running, gap, tokens prefilled per gap)...]
 WORDS = 5 + 7 * RING
 MIN_SAMPLES = 8
+#: decode samples that give the step (at the prior's slope until `MIN_SAMPLES` give a
+#: slope too): each is a stream's mean gap over many tokens, and a slow backend judged
+#: at the others' step takes a request every time it is emptiest
+MIN_DECODE_SAMPLES = 1
 #: prefill samples with no prefill of unknown progress ahead that give the rate alone
 #: (each is one span of known tokens, timed whole)
 MIN_ALONE = 3
@@ -123,10 +131,19 @@ def typical_speed(speeds: list[Speed]) -> Speed | None:
 
 def fastest_speed(speeds: list[Speed]) -> Speed | None:
     """The fastest of `speeds`, figure by figure (None for none)."""
+    return _extreme(speeds, max, min)
+
+
+def slowest_speed(speeds: list[Speed]) -> Speed | None:
+    """The slowest of `speeds`, figure by figure (None for none)."""
+    return _extreme(speeds, min, max)
+
+
+def _extreme(speeds: list[Speed], rate: Pick, time: Pick) -> Speed | None:
     if not speeds:
         return None
     rates, steps, per_request = zip(*speeds, strict=True)
-    return Speed(max(rates), min(steps), min(per_request))
+    return Speed(rate(rates), time(steps), time(per_request))
 
 
 class Columns(Protocol):
@@ -240,17 +257,19 @@ class SpeedLearner:
         them (`figures` names the others); None while every figure is the prior's."""
         prefills, gaps = self._samples()
         self.figures = ()
-        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_SAMPLES:
-            return None
         # the rate at the prior's step, the step without the prefills beside it at
         # that rate, then the rate again at that step
         rate, timed = _rate(prefills, prior[1], prior[2], prior[0])
+        if len(gaps) < MIN_SAMPLES:  # too few to trim: only spans mostly of decoding
+            gaps = [(r, g, beside) for r, g, beside in gaps if beside / rate <= g / 2]
+        if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_DECODE_SAMPLES:
+            return None
         step, per_request, sloped = prior[1], prior[2], False
-        if len(gaps) >= MIN_SAMPLES:
+        if len(gaps) >= MIN_DECODE_SAMPLES:
             points = [(r, g - beside / rate) for r, g, beside in gaps]
             step, per_request, sloped = _line(points, per_request)
             rate, timed = _rate(prefills, step, per_request, prior[0])
-        learned = (timed, len(gaps) >= MIN_SAMPLES, sloped)
+        learned = (timed, len(gaps) >= MIN_DECODE_SAMPLES, sloped)
         self.figures = tuple(f for f, yes in zip(Speed._fields, learned, strict=True) if yes)
         return Speed(rate, step, per_request)
 
@@ -301,6 +320,8 @@ def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float
     pull it; with batches that do not differ by `MIN_SPREAD`, `slope` is kept and the
     intercept is the median gap less its batch's share. Neither below 0."""
     points.sort()
+    if len(points) < MIN_SAMPLES:
+        return max(0.0, statistics.median(g - slope * r for r, g in points)), slope, False
     half = len(points) // 2
     low, high = points[:half], points[half:]
     low_r, high_r = statistics.median(r for r, _ in low), statistics.median(r for r, _ in high)

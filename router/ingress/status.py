@@ -91,7 +91,8 @@ class StatusRoutes:
         """The policy's last decisions with their scores, and each backend's state: load,
         speed (null: the configured one holds; `speed_learned` false: the fleet's
         typical learned one stands in for its own; `speed_source`: learned, shared by
-        the other replicas, typical, fastest (untried) or null; `speed_learned_figures`:
+        the other replicas, typical, fastest (untried), slowest (no speed of its own and
+        requests in flight) or null; `speed_learned_figures`:
         the figures of a learned speed its own samples gave, the others the configured
         ones), index (source, GPU and offload-tier sizes, and the publish time of the
         last KV event batch this process applied) and its last scraped vLLM metrics;
@@ -168,8 +169,11 @@ def _speed_source(b: Backend) -> str | None:
         return "learned"
     if b.shared_speed is not None:
         return "shared"
-    if b.speed is None:
+    speed = b.speed
+    if speed is None:
         return None
+    if speed is not b.lent_speed:
+        return "slowest"
     return "typical" if b.speed_samples.sampled() else "fastest"
 
 

@@ -386,10 +386,12 @@ HALF_PREFILL_S = 0.07
 HALF = ["--step-base-ms", "50", "--decode-per-seq-ms", "0.3", "--prefill-per-token-ms", "0.2"]
 
 
-async def streamed(url: str, i: int, first: asyncio.Event, tokens: int = 40) -> None:
+async def streamed(
+    url: str, i: int, first: asyncio.Event, tokens: int = 40, session: str | None = None
+) -> None:
     """A ~3,000-token prompt of its own, streamed back from `url` (a router's or a
-    backend's) in `tokens` tokens with its usage; `first` is set when its first token
-    came."""
+    backend's) in `tokens` tokens with its usage, in `session` if given; `first` is set
+    when its first token came."""
     async with AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=20) as oai:
         words = " ".join(f"w{i}x{k}" for k in range(1600))
         stream = await oai.chat.completions.create(
@@ -398,6 +400,7 @@ async def streamed(url: str, i: int, first: asyncio.Event, tokens: int = 40) -> 
             max_tokens=tokens,
             stream=True,
             stream_options={"include_usage": True},
+            extra_headers={"X-Session-ID": session} if session else None,
         )
         async for _ in stream:
             first.set()
@@ -405,11 +408,12 @@ async def streamed(url: str, i: int, first: asyncio.Event, tokens: int = 40) -> 
 
 async def overlapping(router: Router, start: int, n: int) -> None:
     """`n` streams, each sent once the one before has its first token: their prefills
-    apart (each is timed alone), their decodes overlapping (the batches grow)."""
+    apart (each is timed alone), their decodes overlapping (the batches grow); each a
+    session of its own."""
     tasks = []
     for i in range(start, start + n):
         first = asyncio.Event()
-        tasks.append(asyncio.create_task(streamed(router.url, i, first)))
+        tasks.append(asyncio.create_task(streamed(router.url, i, first, session=f"s{i}")))
         await first.wait()
     await asyncio.gather(*tasks)
 
@@ -418,8 +422,10 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
     """A backend at full speed and one at half, each a simulator process of its own:
     streams until both speeds are learned, then the two in the simulators' ratio within
     15% and each within 25% of its nominal speed (a loaded machine stretches both
-    simulators' real times alike), in /debug/routing (each figure from its own samples)
-    and in the gauges."""
+    simulators' real times alike), in /debug/routing (each figure from its own samples:
+    the decode step is learned first) and in the gauges. Each stream is a session placed
+    by its hash: KV_AWARE sends few requests to a backend it learned is slow, and both
+    must take enough for every figure."""
     async with contextlib.AsyncExitStack() as stack:
         backends = []
         for name, args in (("fast", []), ("slow", HALF)):
@@ -429,6 +435,7 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
             "listen": {"host": "127.0.0.1", "port": 0},
             "backends": backends,
             "routing": {"strategy": "KV_AWARE", "seed": 3},
+            "flow": {"session_affinity": {"mode": "hard", "new_sessions": "hash"}},
         }
         router = Router(build(config))
         await router.start()
@@ -436,7 +443,8 @@ async def test_learned_speeds_converge_on_a_fleet_with_two_speeds() -> None:
         async with asyncio.timeout(120):
             i = 0
             while not all(
-                b["speed_learned"] for b in (await debug_routing(router))["backends"].values()
+                {"prefill_tokens_per_s", "decode_step_s"} <= set(b["speed_learned_figures"])
+                for b in (await debug_routing(router))["backends"].values()
             ):
                 await overlapping(router, i, 8)
                 i += 8

@@ -50,12 +50,25 @@ def test_early_prefills_count_at_the_step_learned_since() -> None:
 
 
 def test_the_prior_holds_until_enough_samples() -> None:
+    """Prefills alone need `MIN_SAMPLES`; one stream's decode gives the step at once
+    (a slow backend is known by its first stream), at the prior's slope until samples
+    at batches far enough apart give one, and then prefills that had nothing queued
+    ahead give the rate from `MIN_ALONE`. A span mostly of other prompts' prefills is
+    no sample while there are too few to trim (what is left of its gap is small)."""
     learner = SpeedLearner()
     assert learner.learned(PRIOR) is None
-    observe(learner, Speed(5_000.0, 0.05, 0.0005), MIN_SAMPLES - 1, random.Random(1))
-    assert learner.learned(PRIOR) is None
+    for _ in range(MIN_SAMPLES - 1):
+        learner.prefilled(1000, 0.3, 0)
     learner.prefilled(100, 1.0, 1)  # a short prefill is mostly the step: not a sample
     assert learner.learned(PRIOR) is None
+    learner.decoded(3, 0.08, 0.06 * PRIOR.prefill_tokens_per_s)  # mostly others' prefills
+    assert learner.learned(PRIOR) is None
+    learner.decoded(3, 0.05 + 3 * PRIOR.decode_s_per_request)
+    learned = learner.learned(PRIOR)
+    assert learned.decode_step_s == pytest.approx(0.05)
+    assert learned.decode_s_per_request == PRIOR.decode_s_per_request
+    assert learned.prefill_tokens_per_s == pytest.approx(1000 / (0.3 - 0.05 - PRIOR[2]))
+    assert learner.figures == ("prefill_tokens_per_s", "decode_step_s")
 
 
 def test_two_speeds_converge_each_on_its_own() -> None:
@@ -182,6 +195,47 @@ def test_an_untried_backend_routes_at_the_fastest_learned_speed_until_a_sample()
     assert fleet.members[3].speed == slow
 
 
+def test_a_backend_with_no_speed_of_its_own_is_judged_slowest_while_it_has_requests() -> None:
+    """Idle and untried, a backend borrows the fastest figures (the configured speed's
+    where faster: it is tried); with a request in flight there, the slowest learned
+    ones, so that it takes a second request only where it would at that speed: an
+    empty slow backend took every new conversation of a warm-up until its first
+    stream's sample."""
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(3)]
+    fleet = Fleet(backends, create(KvAwareParams()), BreakerConfig())
+    slow, slower = Speed(5_000.0, 0.05, 0.0003), Speed(4_000.0, 0.06, 0.0002)
+    fleet.members[0].learned_speed, fleet.members[1].learned_speed = slow, slower
+    fleet.lend_speeds()
+    untried = fleet.members[2]
+    assert untried.speed == PRIOR
+    untried.count(1, 500)
+    assert untried.speed == Speed(4_000.0, 0.06, 0.0003)
+    untried.count(-1, -500)
+    assert untried.speed == PRIOR
+    fleet.members[0].count(1, 500)
+    assert fleet.members[0].speed == slow  # its own, in flight or not
+
+
+def test_a_speed_another_worker_learned_is_taken_before_the_next_pick(tmp_path) -> None:
+    """Every worker reads the same samples, but learns a backend's speed at its own next
+    stream there; until then it would route there at a lent speed. A worker that learns
+    a backend's first speed says so in the shared table, and the others take it from
+    the same samples before their next pick."""
+    tables = [LoadTable(tmp_path / "load", 8, 2, w) for w in range(2)]
+    backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(2)]
+    one, two = (Fleet(backends, create(KvAwareParams()), BreakerConfig(), t) for t in tables)
+    two.catch_up()
+    assert [b.learned_speed for b in two.members] == [None, None]
+    one.members[0].speed_samples.decoded(3, 0.05)
+    one.relearn(one.members[0], PRIOR)
+    learned = one.members[0].learned_speed
+    assert learned is not None and learned.decode_step_s < 0.05
+    two.catch_up()
+    assert [b.learned_speed for b in two.members] == [learned, None]
+    for t in tables:
+        t.close()
+
+
 def test_the_other_replicas_speed_stands_in_until_this_one_learns_its_own() -> None:
     """Own learned first, then the others' (pooled by samples), then the typical one."""
     backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(3)]
@@ -205,23 +259,25 @@ def test_the_replicas_speeds_pool_weighted_by_their_samples() -> None:
 
 
 def test_while_no_backend_has_enough_samples_all_of_them_together_stand_in() -> None:
-    """Three backends of one kind, far from the prior (an engine on CPUs), three streams
-    each: too few for any one's own speed, enough together (the fleet's learner has
-    every stream's samples); every backend routes at that until it has its own. Two
-    backends' six are not enough: the prior holds."""
-    true = Speed(500.0, 0.04, 0.0005)
+    """Three backends of one kind, far from the prior (an engine on CPUs), three
+    one-token answers each (prefill samples, no decode): too few for any one's own
+    rate, enough together (the fleet's learner has every stream's samples); every
+    backend routes at that until it has its own. Two backends' six are not enough: the
+    prior holds."""
+    rate = 500.0
     for count, enough in ((3, True), (2, False)):
         backends = [BackendConfig(url=f"http://b{i}:8000", name=f"b{i}") for i in range(count)]
         fleet = Fleet(backends, create(KvAwareParams()), BreakerConfig())
-        for i, b in enumerate(fleet.members):
+        for b in fleet.members:
             for learner in (b.speed_samples, fleet.speed_samples):
-                observe(learner, true, 3, random.Random(i))
+                for _ in range(3):
+                    learner.prefilled(1000, 1000 / rate + PRIOR.decode_step_s + PRIOR[2], 0)
             assert b.speed_samples.learned(PRIOR) is None
         for _ in range(REFRESH):
             fleet.learning()
         speeds = [b.speed for b in fleet.members]
         if enough:
-            assert all(close(s, true, 0.15) for s in speeds), speeds
+            assert all(s.prefill_tokens_per_s == pytest.approx(rate) for s in speeds), speeds
         else:
             assert speeds == [None] * count
 
