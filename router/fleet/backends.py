@@ -155,9 +155,10 @@ class Fleet(PoolSettings):
 
     def lend_speeds(self) -> None:
         """Each backend's speed for routing: its learned one, else the other replicas'
-        learned one, else the median of those (figure by figure), or the fastest for a
-        backend no stream has been sampled on yet (untried: at the median of slower
-        backends learned before it, a fast one took no request for a whole run), else,
+        learned one, else the median of those (figure by figure), or the fastest of
+        those and the configured one for a backend no stream has been sampled on yet
+        (untried: at the median of slower backends learned before it, a fast one took
+        no request for a whole run), else,
         while none is known, what every backend's samples show together
         (router/fleet/speeds.py). One with none of its own is judged at the slowest
         learned while requests are in flight there (`Backend.speed`): one at a time

@@ -317,15 +317,17 @@ def _line(points: list[tuple[float, float]], slope: float) -> tuple[float, float
     """(intercept, slope, whether the slope is the points') of gap against running:
     least squares over the points within `_TRIM` median misses of a robust first line
     (through the medians of the smaller and the larger batches), so an outlier cannot
-    pull it; with batches that do not differ by `MIN_SPREAD`, `slope` is kept and the
-    intercept is the median gap less its batch's share. Neither below 0."""
+    pull it; with fewer than `MIN_SAMPLES` points or batches that do not differ by
+    `MIN_SPREAD`, `slope` is kept and the intercept is the median gap less its batch's
+    share. Neither below 0."""
     points.sort()
-    if len(points) < MIN_SAMPLES:
-        return max(0.0, statistics.median(g - slope * r for r, g in points)), slope, False
     half = len(points) // 2
     low, high = points[:half], points[half:]
-    low_r, high_r = statistics.median(r for r, _ in low), statistics.median(r for r, _ in high)
-    fitted = high_r - low_r >= MIN_SPREAD
+    fitted = len(points) >= MIN_SAMPLES
+    if fitted:
+        low_r = statistics.median(r for r, _ in low)
+        high_r = statistics.median(r for r, _ in high)
+        fitted = high_r - low_r >= MIN_SPREAD
     if fitted:
         low_g = statistics.median(g for _, g in low)
         rough = (statistics.median(g for _, g in high) - low_g) / (high_r - low_r)
