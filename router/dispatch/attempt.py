@@ -30,6 +30,7 @@ from router.fleet.breaker import Outcome, outcome
 from router.fleet.credentials import REFUSALS, routers_own
 from router.fleet.speeds import (
     EARLY_TOKENS,
+    PREFILL_SHARE,
     SETTLE,
     SpeedLearner,
     speed_prior,
@@ -222,8 +223,8 @@ class Attempt(Verdict):
         its backend has no speed of its own: a backend is learned as its first streams
         decode, not as they end (a slow one's end last, and meanwhile it is judged at
         the speed the faster ones set). Until it has them it is asked again while the
-        stream runs; a span mostly of other prompts' prefills (their share of a step is
-        taken off a gap at a rate not learned yet) is passed over."""
+        stream runs; a span more than `PREFILL_SHARE` other prompts' prefills (their
+        share of a step is taken off a gap at a rate not learned yet) is passed over."""
         backend, upstream = self.backend, self.upstream
         if backend.learned_speed is not None or upstream is None or self._ended:
             return
@@ -232,7 +233,7 @@ class Attempt(Verdict):
         speed = backend.speed or prior
         tokens, span = gaps - since[0], seconds - since[1]
         beside = prefilled - since[2]
-        if beside / speed.prefill_tokens_per_s > span / 2:  # mostly prefills: from here on
+        if beside / speed.prefill_tokens_per_s > span * PREFILL_SHARE:  # from here on
             since = (gaps, seconds, prefilled)
         elif tokens >= EARLY_TOKENS:
             for learner in self._fleet.learners(backend):

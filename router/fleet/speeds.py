@@ -74,6 +74,10 @@ MIN_SAMPLES = 8
 #: slope too): each is a stream's mean gap over many tokens, and a slow backend judged
 #: at the others' step takes a request every time it is emptiest
 MIN_DECODE_SAMPLES = 1
+#: while a backend has fewer than `MIN_SAMPLES` decode samples, one whose gaps were more
+#: than this share other prompts' prefills (at the rate known then) is no sample: what
+#: is left of its gap is the difference of two estimates, and one sample is not trimmed
+PREFILL_SHARE = 0.25
 #: prefill samples with no prefill of unknown progress ahead that give the rate alone
 #: (each is one span of known tokens, timed whole)
 MIN_ALONE = 3
@@ -261,7 +265,7 @@ class SpeedLearner:
         # that rate, then the rate again at that step
         rate, timed = _rate(prefills, prior[1], prior[2], prior[0])
         if len(gaps) < MIN_SAMPLES:  # too few to trim: only spans mostly of decoding
-            gaps = [(r, g, beside) for r, g, beside in gaps if beside / rate <= g / 2]
+            gaps = [(r, g, b) for r, g, b in gaps if b / rate <= g * PREFILL_SHARE]
         if len(prefills) < MIN_SAMPLES and len(gaps) < MIN_DECODE_SAMPLES:
             return None
         step, per_request, sloped = prior[1], prior[2], False
