@@ -206,7 +206,9 @@ class Attempt(Verdict):
         previous, settled = samples.first_token(now)
         if previous > self.sent_at:
             self.began, self.prefilled_before = previous, settled
-        step = (self.backend.speed or prior).decode_step_s
+        # the speed lent, not the slowest one a backend with no speed of its own is
+        # judged at while it has requests (it always has this one): when to look
+        step = (self.backend.lent_speed or prior).decode_step_s
         loop = asyncio.get_running_loop()
         loop.call_later(SETTLE * step, self._settle, samples, now)
         if self.backend.learned_speed is None:
@@ -230,7 +232,7 @@ class Attempt(Verdict):
             return
         gaps, seconds = upstream.decoding()
         prefilled = backend.speed_samples.prefilled_total()
-        speed = backend.speed or prior
+        speed = backend.lent_speed or prior
         tokens, span = gaps - since[0], seconds - since[1]
         beside = prefilled - since[2]
         if beside / speed.prefill_tokens_per_s > span * PREFILL_SHARE:  # from here on
