@@ -14,18 +14,18 @@ and for KV-aware routing:
     hf_chat       vLLM's ids from a HuggingFace tokenizer dir (chat template + encode)
     blocks        token ids → chained xxh3 block keys, rooted in (model, cache_salt)
     prefix_index  which backend holds which block keys (KV events + speculative inserts),
-                  from its three parts:
-    holdings      one backend's keys, least recently used first, within its bounds
-    holder_map    the reverse map: each key's holders, kept compact
-    prefix_lookup the lookups over both: longest prefix per backend, longest holders
+                  each backend's bounds, over `_block_table` (C: flat arrays, per
+                  backend in LRU order, per key its holders)
+    prefix_lookup its reads: longest prefix per backend, longest holders
     tiered_index  the same per cache medium: GPU, offload tiers (CPU, storage, shared)
     cache_trust   the answers' cached tokens correct the index and bound, per backend,
                   how many of its placements it trusts (a learned capacity)
     rendezvous    weighted highest-random-weight ranks: where a prefix no one holds goes
 
 Rules: imports no other project package and none of asyncio, aiohttp, grpc or
-prometheus_client (stdlib, msgspec, xxhash and numpy only; ``tokenizers`` when an HF tokenizer is
-built). Nothing depends on ``hash()``, so every process and replica computes the same values.
+prometheus_client (stdlib, msgspec, xxhash, numpy and its own C table `_block_table` only;
+``tokenizers`` when an HF tokenizer is built). Nothing depends on ``hash()``, so every
+process and replica computes the same values.
 The public surface is the modules: ``from hashing.ring import HashRing``.
 """
 
@@ -36,8 +36,6 @@ from hashing import (
     chat_tokens,
     fingerprint,
     hf_chat,
-    holder_map,
-    holdings,
     prefix_index,
     prefix_lookup,
     rendezvous,
@@ -53,8 +51,6 @@ __all__ = [
     "chat_tokens",
     "fingerprint",
     "hf_chat",
-    "holder_map",
-    "holdings",
     "prefix_index",
     "prefix_lookup",
     "rendezvous",

@@ -27,7 +27,7 @@ event loop owns it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -121,11 +121,6 @@ class TieredIndex:
         for index in self._media.values():
             index.cleared(backend)
 
-    def reserve(self, backend: str) -> None:
-        """`PrefixIndex.reserve` on every medium."""
-        for index in self._media.values():
-            index.reserve(backend)
-
     def forget(self, backend: str) -> None:
         for index in self._media.values():
             index.forget(backend)
@@ -146,10 +141,13 @@ class TieredIndex:
         Each tier alone need not hold a prefix: a victim cache holds the tail blocks the GPU
         evicted first. The union of the GPU and the tiers up to each is taken to be
         prefix-closed instead, so each figure is one binary search over that union."""
-        maps = list(self.gpu.holdings(backend))
+        gpu = self.gpu.held(backend)
+        maps = [] if gpu is None else [gpu]
         found, lo = [], gpu_blocks
         for tier, index in reach:
-            maps.extend((index.anywhere(),) if tier.shared else index.holdings(backend))
+            held = index.anywhere() if tier.shared else index.held(backend)
+            if held is not None:
+                maps.append(held)
             lo = _run(keys, maps, lo, len(keys))
             found.append(lo)
         return tuple(found)
@@ -185,7 +183,7 @@ class TieredIndex:
         return None
 
 
-def _run(keys: Sequence[int], maps: Sequence[Mapping[int, object]], lo: int, hi: int) -> int:
+def _run(keys: Sequence[int], maps: Sequence[Container[int]], lo: int, hi: int) -> int:
     """The largest n in [lo, hi] with keys[n - 1] in one of `maps` (keys[:lo] are), by
     binary search over their prefix-closed union."""
     while lo < hi:

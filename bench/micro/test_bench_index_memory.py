@@ -1,12 +1,13 @@
 """Memory of the prefix index per block key per backend, and the bound its LRU sets.
 
 Run: .venv/bin/pytest bench/micro/test_bench_index_memory.py -s   (prints the figures)
-Measured with tracemalloc: every byte Python allocates while an index is filled (the key
-and engine-hash ints, each backend's LRU maps, the reverse map and its holder sets),
-divided by the (key, backend) pairs it then holds. Keys come as vLLM's BlockStored
-events leave them (confirmed, with a 64-bit engine hash each) or from the router's own
-decisions (speculative, a backend without KV events); each 8,192-token document is held
-by one backend, or by two (its keys then share a holder set in the reverse map).
+Measured with tracemalloc: every byte allocated while an index is filled (the table's
+arrays, hashing/_block_table.c, which allocates through Python's raw allocator, and
+each backend's bounds), divided by the (key, backend) pairs it then holds. Keys come as
+vLLM's BlockStored events leave them (confirmed, with a 64-bit engine hash each) or
+from the router's own decisions (speculative, a backend without KV events); each
+8,192-token document is held by one backend, or by two (its keys then share one key
+record).
 
 Per backend the index keeps at most `capacity` confirmed keys and as many speculative
 ones (LRU; the backend's `num_gpu_blocks` once scraped, KvAwareParams.index_capacity
@@ -87,8 +88,9 @@ def test_bytes_per_key_per_backend(how: str, copies: int) -> None:
 
 def test_the_lru_bounds_memory() -> None:
     """Three and six times a backend's capacity stored: it keeps `capacity` keys, and
-    overfilling stops growing the index once its tables reach their size for capacity
-    keys (dicts keep their peak table, so that is up to about 1.5 times the exact fill)."""
+    overfilling stops growing the index once its arrays reach their size for capacity
+    keys (they grow by doubling and keep their peak, so that is up to twice the exact
+    fill)."""
     capacity = 4 * DOC_BLOCKS
 
     def filled(docs_each: int) -> PrefixIndex:
@@ -101,7 +103,7 @@ def test_the_lru_bounds_memory() -> None:
         index, sizes[docs_each] = _traced(lambda n=docs_each: filled(n))
         assert _pairs(index, 8) == 8 * capacity
     print(", ".join(f"{n // 4}x capacity: {b / 2**20:.1f} MiB" for n, b in sizes.items()))
-    assert sizes[24] < 1.05 * sizes[12] < 1.6 * sizes[4]
+    assert sizes[24] < 1.05 * sizes[12] < 2 * sizes[4]
 
 
 def test_a_fleet_of_1024() -> None:

@@ -67,14 +67,11 @@ class IndexUpkeep:
         self._learned: tuple[RouteRequest | None, dict[str, int]] = (None, {})
 
     def keep(self, names: set[str]) -> None:
-        """Forget the backends that publish events and are not in `names` (they left);
-        make the holdings of those in `names` (`PrefixIndex.reserve`)."""
+        """Forget the backends that publish events and are not in `names` (they left)."""
         for gone in self.event_backends - names:
             self.index.forget(gone)
         for held in [held for held in self.pending if held[0] not in names]:
             del self.pending[held]
-        for name in names:
-            self.index.reserve(name)
 
     def learn(self, req: RouteRequest, backend: BackendLike, cached: int) -> None:
         """Speculative insert: the blocks we send are about to be cached there.

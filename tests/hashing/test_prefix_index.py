@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import random
+from collections import OrderedDict
 
 import msgspec
 import pytest
@@ -181,72 +182,142 @@ def test_holders_that_tie_on_the_longest_prefix_are_cut_to_the_limit() -> None:
     assert {name for name, _ in found} <= set("abcdef")
 
 
-def _reverse_map(index: PrefixIndex) -> dict[int, set[str]]:
-    return {
-        key: {held} if isinstance(held, str) else set(held) for key, held in index._holders.items()
-    }
+class _Model:
+    """The index's semantics in plain Python dicts, one backend at a time: what the table
+    (hashing/_block_table.c) must agree with after every operation."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.confirmed: dict[str, OrderedDict[int, int]] = {}
+        self.speculative: dict[str, OrderedDict[int, float]] = {}
+
+    def _of(self, b: str) -> tuple[OrderedDict[int, int], OrderedDict[int, float]]:
+        return self.confirmed.setdefault(b, OrderedDict()), self.speculative.setdefault(
+            b, OrderedDict()
+        )
+
+    def _trim(self, b: str) -> None:
+        for held in self._of(b):
+            while len(held) > self.capacity:
+                held.popitem(last=False)
+
+    def stored(self, b: str, keys: list[int], engines: list[int]) -> None:
+        conf, _ = self._of(b)
+        for key, engine in zip(keys, engines, strict=False):
+            conf[key] = engine
+            conf.move_to_end(key)
+        self._trim(b)
+
+    def learn(self, b: str, keys: list[int], at: float) -> None:
+        _, spec = self._of(b)
+        for key in keys:
+            spec[key] = at
+            spec.move_to_end(key)
+        self._trim(b)
+
+    def touched(self, b: str, keys: list[int], at: float) -> None:
+        _, spec = self._of(b)
+        for key in reversed(keys):
+            if key in spec:
+                spec[key] = at
+                spec.move_to_end(key)
+
+    def removed(self, b: str, engines: list[int]) -> None:
+        conf, spec = self._of(b)
+        for key in [k for k, e in conf.items() if e in engines]:
+            del conf[key]
+            spec.pop(key, None)
+
+    def dropped(self, b: str, keys: list[int], confirmed: bool) -> None:
+        conf, spec = self._of(b)
+        for key in keys:
+            spec.pop(key, None)
+            if confirmed:
+                conf.pop(key, None)
+
+    def expire(self, now: float) -> None:
+        for spec in self.speculative.values():
+            while spec and next(iter(spec.values())) <= now:
+                spec.popitem(last=False)
+
+    def holders(self, key: int) -> set[str]:
+        return {b for b in self.confirmed if key in self.confirmed[b] or key in self.speculative[b]}
 
 
-def _asked_each(index: PrefixIndex) -> dict[int, set[str]]:
-    found: dict[int, set[str]] = {}
-    for backend, h in index._backends.items():
-        for key in {*h.confirmed, *h.speculative}:
-            found.setdefault(key, set()).add(backend)
-    return found
+def _speculative(index: PrefixIndex, backend: str) -> list[tuple[int, float]]:
+    """`backend`'s speculative (key, expiry) pairs, least recently used first."""
+    held = index.held(backend)
+    return [] if held is None else index._table.snapshot(held.member, 1)
 
 
-def test_the_reverse_map_follows_every_change() -> None:
-    """A seeded run of every operation: after each one, the reverse map names for every
-    key exactly the backends whose holdings have it, and no key that none has."""
+def test_the_table_follows_every_change() -> None:
+    """A seeded run of every operation against `_Model`: after each one, each backend
+    holds exactly the model's keys of each kind, in its LRU order, with its engine
+    hashes and expiries, and each key names exactly its holders."""
     rng = random.Random(7)
-    index = PrefixIndex(capacity=40)  # twelve backends: a key's holders are one, a few or many
+    backends = [f"b{i}" for i in range(12)]  # a key's holders are one, a few or many
+    index, model = PrefixIndex(capacity=40), _Model(40)
     docs = [list(range(d * 1000, d * 1000 + 16 * 12)) for d in range(4)]
     chains = [chain(ROOT, ids, 16) for ids in docs]
+    universe = {key for keys in chains for key in keys}
     engines = iter(range(10**6))
-    for step in range(1000):
-        backend, d = f"b{rng.randrange(12)}", rng.randrange(4)
-        n = rng.randrange(1, 13)
-        op = rng.choice(["stored", "learn", "removed", "cleared", "expire", "forget", "restore"])
+    ops = ["stored", "learn", "touched", "removed", "dropped", "cleared", "expire", "forget"]
+    for step in range(1500):
+        b, d, n = rng.choice(backends), rng.randrange(4), rng.randrange(1, 13)
+        op = rng.choice([*ops, "restore"])
+        keys = chains[d][:n]
         if op == "stored":
-            index.stored(
-                backend, None, [next(engines) for _ in range(n)], docs[d][: n * 16], 16, ROOT
-            )
-        elif op == "learn":
-            index.learn(backend, chains[d][:n], expires_at=float(step + rng.randrange(20)))
+            made = [next(engines) for _ in range(n)]
+            index.stored(b, None, made, docs[d][: n * 16], 16, ROOT)
+            model.stored(b, keys, made)
+        elif op in ("learn", "touched"):
+            at = float(step + rng.randrange(20))
+            getattr(index, op)(b, keys, at)
+            getattr(model, op)(b, keys, at)
         elif op == "removed":  # the tail of what it holds, as vLLM evicts
-            pairs = index.snapshot(backend)
-            index.removed(backend, [engine for _, engine in pairs[-rng.randrange(1, 4) :]])
-        elif op == "cleared":
-            index.cleared(backend)
+            gone = [engine for _, engine in index.snapshot(b)[-rng.randrange(1, 4) :]]
+            index.removed(b, gone)
+            model.removed(b, gone)
+        elif op == "dropped":
+            confirmed = rng.random() < 0.5
+            index.dropped(b, keys[n // 2 :], confirmed)
+            model.dropped(b, keys[n // 2 :], confirmed)
+        elif op in ("cleared", "forget"):
+            getattr(index, op)(b)
+            model.confirmed.pop(b, None)
+            if op == "forget":
+                model.speculative.pop(b, None)
         elif op == "expire":
             index.expire(now=float(step))
-        elif op == "forget":
-            index.forget(backend)
+            model.expire(float(step))
         else:
-            index.restore(backend, index.snapshot(f"b{rng.randrange(12)}"))
-        assert _reverse_map(index) == _asked_each(index), (step, op)
-    assert index.holder_keys() == len(_asked_each(index)) > 0
+            other = rng.choice(backends)
+            index.restore(b, index.snapshot(other))
+            model.confirmed[b] = OrderedDict(model.confirmed.get(other, {}))
+            model._of(b)
+        for name in backends:
+            conf, spec = model._of(name)
+            assert index.snapshot(name) == list(conf.items()), (step, op, name)
+            assert index.size(name) == (len(conf), len(spec)), (step, op, name)
+            assert _speculative(index, name) == list(spec.items()), (step, op, name)
+            assert [index.expiry(name, k) for k in spec] == list(spec.values())
+            assert all(index.key_of(name, e) == k for k, e in conf.items())
+        for key in universe:
+            assert {name for name, _ in index.holders([key], 12)} == model.holders(key), step
+    assert index.holder_keys() == sum(1 for key in universe if model.holders(key)) > 0
 
 
-def test_holdings_frozen_at_start_up_stay_out_of_the_collector() -> None:
-    """A backend's containers, reserved before `gc.freeze` (as `kvroute serve` does once
-    started), are never young again: not as they fill, not after a clear or a restore.
-    A young OrderedDict of a million keys costs a collector pass tens of milliseconds."""
-    index = PrefixIndex(capacity=64)
-    index.reserve("a")
-    h = index._backends["a"]
-    containers = {id(h.confirmed), id(h.speculative), id(h.by_engine)}
+def test_a_full_index_adds_nothing_the_garbage_collector_walks() -> None:
+    """A hundred thousand keys on 64 backends are flat arrays in the table, not Python
+    containers: the objects the cyclic collector tracks do not grow with them (a million
+    keys in OrderedDicts cost a collector pass tens of milliseconds on the event loop)."""
+    index = PrefixIndex(capacity=4096)
     gc.collect()
-    gc.freeze()
-    try:
-        keys = chain(ROOT, list(range(16 * 8)), 16)
-        index.learn("a", keys, 1e12)
-        index.stored("a", None, list(range(100, 108)), list(range(16 * 8)), 16, ROOT)
-        index.cleared("a")
-        index.restore("a", [(k, e) for e, k in enumerate(keys)])
-        young = {id(o) for o in gc.get_objects()}
-        assert h is index._backends["a"]
-        assert not containers & young
-        assert {id(h.confirmed), id(h.speculative), id(h.by_engine)} == containers
-    finally:
-        gc.unfreeze()
+    before = len(gc.get_objects())
+    for b in range(64):
+        ids = list(range(b * 100_000, b * 100_000 + 16 * 1600))
+        index.learn(f"b{b}", chain(ROOT, ids, 16), 1e12)
+        index.stored(f"b{b}", None, list(range(b * 10_000, b * 10_000 + 1600)), ids, 16, ROOT)
+    gc.collect()
+    assert index.size("b63") == (1600, 1600)
+    assert len(gc.get_objects()) - before < 100

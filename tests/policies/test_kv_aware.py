@@ -588,15 +588,6 @@ def test_new_documents_on_an_idle_fleet_fill_the_emptiest_caches() -> None:
     assert "a" not in first and len(set(first)) == 2, first
 
 
-def test_fleet_change_reserves_each_members_holdings() -> None:
-    """The fleet known at start-up gets its index holdings then, before `kvroute serve`
-    freezes what start-up built out of the garbage collector's passes."""
-    p = create(KvAwareParams(seed=1, tiers={"cpu": KvTierParams(load_s_per_token=1e-6)}))
-    p.on_fleet_change((B("a"), B("b")))
-    assert p.index.gpu.holdings("a") != ()
-    assert all(index.holdings("b") != () for _, index in p.index._indexed)
-
-
 def _long_prompt(first: int, blocks: int = 2048) -> RouteRequest:
     ids = list(range(first, first + blocks * 16))
     return RouteRequest("m", 0, chain(ROOT, ids, 16), len(ids))
@@ -604,7 +595,8 @@ def _long_prompt(first: int, blocks: int = 2048) -> RouteRequest:
 
 def _held(p, backend: str, req: RouteRequest) -> list[int]:
     """The indexes of `req`'s blocks that `backend` holds in the index."""
-    return [i for i, key in enumerate(req.blocks) if key in p.index.gpu.holdings(backend)[1]]
+    gpu = p.index.gpu
+    return [i for i, key in enumerate(req.blocks) if gpu.expiry(backend, key) is not None]
 
 
 def test_a_paced_pick_inserts_its_first_slice_and_drains_the_rest_in_prefix_order() -> None:

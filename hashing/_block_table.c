@@ -1,0 +1,835 @@
+/* Which backend holds which block keys, for every backend of one cache medium, in flat
+ * arrays: the prefix index's storage (hashing/prefix_index.py keeps the policy around it).
+ *
+ * One *entry* per (key, backend, kind), kind being confirmed (from the backend's KV
+ * events, with its engine hash) or speculative (from the router's own decisions, with an
+ * expiry). An entry is 27 bytes in parallel arrays: its key record (u32), its value (the
+ * engine hash or the expiry, 8), its neighbours in its backend's LRU list of that kind
+ * (u32 x 2), the next holder of the same key (u32), its backend (u16) and kind (u8).
+ * One *key record* per key held anywhere: the key (u64), the first of its holders' entries
+ * (u32) and how many backends hold it (u32). Three open-addressing tables of u32 ids
+ * (linear probing, backward-shift deletion, so no tombstones) find an entry by (key,
+ * backend, kind), a confirmed entry by (backend, engine hash), and a key record by key.
+ * About 40 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
+ * here is a Python object: the garbage collector never walks it.
+ *
+ * Holdership is taken to be prefix-closed per backend (a backend holding block i of a
+ * chain holds the blocks before it), so the lookups are binary searches over a prompt's
+ * key chain (`longest`, `holders`); hashing/prefix_lookup.py says why that holds.
+ * Not thread-safe: one event loop owns a table. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#define NIL UINT32_MAX
+#define CONF 0
+#define SPEC 1
+#define MAX_BACKENDS 65535
+
+typedef struct {
+    uint32_t head, tail, len;
+} lru_t;
+
+typedef struct {
+    uint32_t *slot;
+    uint32_t mask, used;
+} itab_t;
+
+typedef struct {
+    PyObject_HEAD
+    /* entries */
+    uint32_t *e_key;
+    uint64_t *e_val;
+    uint32_t *e_prev, *e_next, *e_hnext;
+    uint16_t *e_backend;
+    uint8_t *e_kind;
+    uint32_t e_cap, e_top, e_free, e_live;
+    /* key records */
+    uint64_t *k_key;
+    uint32_t *k_head, *k_count;
+    uint32_t k_cap, k_top, k_free, k_live;
+    /* per backend: an LRU list per kind */
+    lru_t *lru;
+    uint32_t n_backends;
+    itab_t etab, gtab, ktab;
+} Table;
+
+static inline uint64_t mix(uint64_t x) {
+    x ^= x >> 30;
+    x *= 0xbf58476d1ce4e5b9ULL;
+    x ^= x >> 27;
+    x *= 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
+}
+
+static inline uint64_t entry_hash(uint64_t key, uint32_t backend, uint32_t kind) {
+    return mix(key ^ ((uint64_t)(backend * 2 + kind + 1) * 0x9e3779b97f4a7c15ULL));
+}
+
+static inline uint64_t engine_hash(uint64_t engine, uint32_t backend) {
+    return mix(engine ^ ((uint64_t)(backend + 1) * 0xc2b2ae3d27d4eb4fULL));
+}
+
+/* the hash an id in each table was placed by */
+static inline uint64_t etab_home(Table *t, uint32_t e) {
+    return entry_hash(t->k_key[t->e_key[e]], t->e_backend[e], t->e_kind[e]);
+}
+static inline uint64_t gtab_home(Table *t, uint32_t e) {
+    return engine_hash(t->e_val[e], t->e_backend[e]);
+}
+static inline uint64_t ktab_home(Table *t, uint32_t k) { return mix(t->k_key[k]); }
+
+enum { ETAB, GTAB, KTAB };
+
+static inline uint64_t home(Table *t, int which, uint32_t id) {
+    return which == ETAB ? etab_home(t, id) : which == GTAB ? gtab_home(t, id) : ktab_home(t, id);
+}
+
+static int itab_init(itab_t *it, uint32_t size) {
+    it->slot = PyMem_RawMalloc(sizeof(uint32_t) * size);
+    if (it->slot == NULL) return -1;
+    memset(it->slot, 0xff, sizeof(uint32_t) * size);
+    it->mask = size - 1;
+    it->used = 0;
+    return 0;
+}
+
+static int itab_grow(Table *t, int which, itab_t *it) {
+    uint32_t old_size = it->mask + 1, *old = it->slot;
+    if (old_size >= (1u << 31)) return -1;
+    if (itab_init(it, old_size * 2) < 0) {
+        it->slot = old;
+        it->mask = old_size - 1;
+        return -1;
+    }
+    for (uint32_t i = 0; i < old_size; i++) {
+        uint32_t id = old[i];
+        if (id == NIL) continue;
+        uint32_t j = (uint32_t)home(t, which, id) & it->mask;
+        while (it->slot[j] != NIL) j = (j + 1) & it->mask;
+        it->slot[j] = id;
+        it->used++;
+    }
+    PyMem_RawFree(old);
+    return 0;
+}
+
+/* place `id`, known to be absent, hashed by `h` */
+static int itab_put(Table *t, int which, itab_t *it, uint32_t id, uint64_t h) {
+    if ((uint64_t)(it->used + 1) * 4 > (uint64_t)(it->mask + 1) * 3 && itab_grow(t, which, it) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    uint32_t j = (uint32_t)h & it->mask;
+    while (it->slot[j] != NIL) j = (j + 1) & it->mask;
+    it->slot[j] = id;
+    it->used++;
+    return 0;
+}
+
+/* take `id` out of the table, `h` being the hash it was placed by */
+static void itab_del(Table *t, int which, itab_t *it, uint32_t id, uint64_t h) {
+    uint32_t mask = it->mask, i = (uint32_t)h & mask;
+    while (it->slot[i] != id) {
+        if (it->slot[i] == NIL) return;
+        i = (i + 1) & mask;
+    }
+    it->slot[i] = NIL;
+    it->used--;
+    for (uint32_t j = (i + 1) & mask; it->slot[j] != NIL; j = (j + 1) & mask) {
+        uint32_t at = (uint32_t)home(t, which, it->slot[j]) & mask;
+        if (((j - at) & mask) >= ((j - i) & mask)) {
+            it->slot[i] = it->slot[j];
+            it->slot[j] = NIL;
+            i = j;
+        }
+    }
+}
+
+static uint32_t key_find(Table *t, uint64_t key) {
+    itab_t *it = &t->ktab;
+    for (uint32_t j = (uint32_t)mix(key) & it->mask;; j = (j + 1) & it->mask) {
+        uint32_t k = it->slot[j];
+        if (k == NIL || t->k_key[k] == key) return k;
+    }
+}
+
+static uint32_t entry_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+    itab_t *it = &t->etab;
+    for (uint32_t j = (uint32_t)entry_hash(key, backend, kind) & it->mask;; j = (j + 1) & it->mask) {
+        uint32_t e = it->slot[j];
+        if (e == NIL) return NIL;
+        if (t->e_backend[e] == backend && t->e_kind[e] == kind && t->k_key[t->e_key[e]] == key)
+            return e;
+    }
+}
+
+static uint32_t engine_find(Table *t, uint64_t engine, uint32_t backend) {
+    itab_t *it = &t->gtab;
+    for (uint32_t j = (uint32_t)engine_hash(engine, backend) & it->mask;; j = (j + 1) & it->mask) {
+        uint32_t e = it->slot[j];
+        if (e == NIL) return NIL;
+        if (t->e_backend[e] == backend && t->e_val[e] == engine) return e;
+    }
+}
+
+static inline int held(Table *t, uint64_t key, uint32_t backend) {
+    return entry_find(t, key, backend, CONF) != NIL || entry_find(t, key, backend, SPEC) != NIL;
+}
+
+#define GROW(arr, cap) \
+    do { \
+        void *p_ = PyMem_RawRealloc((arr), sizeof(*(arr)) * (size_t)(cap)); \
+        if (p_ == NULL) return -1; \
+        (arr) = p_; \
+    } while (0)
+
+static int entries_grow(Table *t) {
+    uint64_t cap = t->e_cap ? (uint64_t)t->e_cap * 2 : 1024;
+    if (cap >= NIL) return -1;
+    GROW(t->e_key, cap);
+    GROW(t->e_val, cap);
+    GROW(t->e_prev, cap);
+    GROW(t->e_next, cap);
+    GROW(t->e_hnext, cap);
+    GROW(t->e_backend, cap);
+    GROW(t->e_kind, cap);
+    t->e_cap = (uint32_t)cap;
+    return 0;
+}
+
+static int keys_grow(Table *t) {
+    uint64_t cap = t->k_cap ? (uint64_t)t->k_cap * 2 : 1024;
+    if (cap >= NIL) return -1;
+    GROW(t->k_key, cap);
+    GROW(t->k_head, cap);
+    GROW(t->k_count, cap);
+    t->k_cap = (uint32_t)cap;
+    return 0;
+}
+
+static int backends_grow(Table *t, uint32_t backend) {
+    if (backend < t->n_backends) return 0;
+    uint32_t n = t->n_backends ? t->n_backends : 16;
+    while (n <= backend) n *= 2;
+    GROW(t->lru, (size_t)n * 2);
+    for (uint32_t i = t->n_backends * 2; i < n * 2; i++) t->lru[i] = (lru_t){NIL, NIL, 0};
+    t->n_backends = n;
+    return 0;
+}
+
+static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
+    return &t->lru[backend * 2 + kind];
+}
+
+static void lru_unlink(Table *t, lru_t *l, uint32_t e) {
+    uint32_t p = t->e_prev[e], n = t->e_next[e];
+    if (p == NIL) l->head = n; else t->e_next[p] = n;
+    if (n == NIL) l->tail = p; else t->e_prev[n] = p;
+    l->len--;
+}
+
+static void lru_append(Table *t, lru_t *l, uint32_t e) {
+    t->e_prev[e] = l->tail;
+    t->e_next[e] = NIL;
+    if (l->tail == NIL) l->head = e; else t->e_next[l->tail] = e;
+    l->tail = e;
+    l->len++;
+}
+
+/* the key record of `key`, made if new; NIL when out of memory */
+static uint32_t key_get(Table *t, uint64_t key) {
+    uint32_t k = key_find(t, key);
+    if (k != NIL) return k;
+    if (t->k_free != NIL) {
+        k = t->k_free;
+        t->k_free = t->k_head[k];
+    } else {
+        if (t->k_top == t->k_cap && keys_grow(t) < 0) {
+            PyErr_NoMemory();
+            return NIL;
+        }
+        k = t->k_top++;
+    }
+    t->k_key[k] = key;
+    t->k_head[k] = NIL;
+    t->k_count[k] = 0;
+    if (itab_put(t, KTAB, &t->ktab, k, mix(key)) < 0) {
+        t->k_head[k] = t->k_free;
+        t->k_free = k;
+        return NIL;
+    }
+    t->k_live++;
+    return k;
+}
+
+/* a key record with no holders left goes */
+static void key_release(Table *t, uint32_t k) {
+    itab_del(t, KTAB, &t->ktab, k, mix(t->k_key[k]));
+    t->k_head[k] = t->k_free;
+    t->k_free = k;
+    t->k_live--;
+}
+
+/* a new entry for (key, backend, kind), known to be absent; NIL when out of memory */
+static uint32_t entry_new(Table *t, uint64_t key, uint32_t backend, uint32_t kind, uint64_t val) {
+    if (t->e_free == NIL && t->e_top == t->e_cap && entries_grow(t) < 0) {
+        PyErr_NoMemory();
+        return NIL;
+    }
+    uint32_t k = key_get(t, key);
+    if (k == NIL) return NIL;
+    uint32_t e;
+    if (t->e_free != NIL) {
+        e = t->e_free;
+        t->e_free = t->e_next[e];
+    } else {
+        e = t->e_top++;
+    }
+    t->e_key[e] = k;
+    t->e_val[e] = val;
+    t->e_backend[e] = (uint16_t)backend;
+    t->e_kind[e] = (uint8_t)kind;
+    if (itab_put(t, ETAB, &t->etab, e, entry_hash(key, backend, kind)) < 0) {
+        t->e_next[e] = t->e_free;
+        t->e_free = e;
+        if (t->k_head[k] == NIL) key_release(t, k);
+        return NIL;
+    }
+    if (entry_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]++;
+    t->e_hnext[e] = t->k_head[k];
+    t->k_head[k] = e;
+    lru_append(t, list_of(t, backend, kind), e);
+    t->e_live++;
+    return e;
+}
+
+static void entry_free(Table *t, uint32_t e) {
+    uint32_t k = t->e_key[e], backend = t->e_backend[e], kind = t->e_kind[e];
+    uint64_t key = t->k_key[k];
+    lru_unlink(t, list_of(t, backend, kind), e);
+    if (kind == CONF && engine_find(t, t->e_val[e], backend) == e)
+        itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
+    itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
+    if (entry_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]--;
+    uint32_t *link = &t->k_head[k];
+    while (*link != e) link = &t->e_hnext[*link];
+    *link = t->e_hnext[e];
+    if (t->k_head[k] == NIL) key_release(t, k);
+    t->e_next[e] = t->e_free;
+    t->e_free = e;
+    t->e_live--;
+}
+
+/* ---- argument helpers ---- */
+
+static int as_backend(PyObject *o, uint32_t *out) {
+    unsigned long v = PyLong_AsUnsignedLong(o);
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    if (v >= MAX_BACKENDS) {
+        PyErr_SetString(PyExc_ValueError, "backend id out of range");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
+static inline int as_u64(PyObject *o, uint64_t *out) {
+    *out = PyLong_AsUnsignedLongLong(o);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int check_args(Py_ssize_t n, Py_ssize_t want, const char *name) {
+    if (n == want) return 0;
+    PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, n);
+    return -1;
+}
+
+/* ---- writes ---- */
+
+/* speculate(backend, keys, expires_at): each key the most recently used, until expires_at */
+static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 3, "speculate") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    double expires = PyFloat_AsDouble(args[2]);
+    if (expires == -1.0 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL || backends_grow(t, b) < 0) {
+        Py_XDECREF(seq);
+        return seq == NULL ? NULL : PyErr_NoMemory();
+    }
+    uint64_t val;
+    memcpy(&val, &expires, sizeof val);
+    lru_t *l = list_of(t, b, SPEC);
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        uint64_t key;
+        if (as_u64(items[i], &key) < 0) goto fail;
+        uint32_t e = entry_find(t, key, b, SPEC);
+        if (e == NIL) {
+            if (entry_new(t, key, b, SPEC, val) == NIL) goto fail;
+        } else {
+            t->e_val[e] = val;
+            lru_unlink(t, l, e);
+            lru_append(t, l, e);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(seq);
+    return NULL;
+}
+
+/* touch(backend, keys, expires_at): the speculative ones among keys become the most
+ * recently used, the first of them last (so a chain's head leaves last) */
+static PyObject *Table_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 3, "touch") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    double expires = PyFloat_AsDouble(args[2]);
+    if (expires == -1.0 && PyErr_Occurred()) return NULL;
+    if (b >= t->n_backends) Py_RETURN_NONE;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    uint64_t val;
+    memcpy(&val, &expires, sizeof val);
+    lru_t *l = list_of(t, b, SPEC);
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(seq) - 1; i >= 0; i--) {
+        uint64_t key;
+        if (as_u64(items[i], &key) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        uint32_t e = entry_find(t, key, b, SPEC);
+        if (e != NIL) {
+            t->e_val[e] = val;
+            lru_unlink(t, l, e);
+            lru_append(t, l, e);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* confirm(backend, keys, engines): (key, engine hash) pairs, the most recently stored */
+static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 3, "confirm") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL) return NULL;
+    PyObject *engines = PySequence_Fast(args[2], "engines must be a sequence");
+    if (engines == NULL || backends_grow(t, b) < 0) goto fail;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(keys);
+    if (PySequence_Fast_GET_SIZE(engines) < len) len = PySequence_Fast_GET_SIZE(engines);
+    lru_t *l = list_of(t, b, CONF);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        uint64_t key, engine;
+        if (as_u64(PySequence_Fast_GET_ITEM(keys, i), &key) < 0 ||
+            as_u64(PySequence_Fast_GET_ITEM(engines, i), &engine) < 0)
+            goto fail;
+        uint32_t e = entry_find(t, key, b, CONF);
+        if (e != NIL) {
+            if (engine_find(t, t->e_val[e], b) == e)
+                itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
+            t->e_val[e] = engine;
+            lru_unlink(t, l, e);
+            lru_append(t, l, e);
+        } else if ((e = entry_new(t, key, b, CONF, engine)) == NIL) {
+            goto fail;
+        }
+        uint32_t old = engine_find(t, engine, b);
+        if (old != e) {
+            if (old != NIL) itab_del(t, GTAB, &t->gtab, old, engine_hash(engine, b));
+            if (itab_put(t, GTAB, &t->gtab, e, engine_hash(engine, b)) < 0) goto fail;
+        }
+    }
+    Py_DECREF(keys);
+    Py_DECREF(engines);
+    Py_RETURN_NONE;
+fail:
+    if (!PyErr_Occurred()) PyErr_NoMemory();
+    Py_DECREF(keys);
+    Py_XDECREF(engines);
+    return NULL;
+}
+
+/* trim(backend, confirmed, speculative): the least recently used keys of each kind past
+ * those bounds go; returns how many */
+static PyObject *Table_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 3, "trim") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    Py_ssize_t bound[2] = {PyLong_AsSsize_t(args[1]), PyLong_AsSsize_t(args[2])};
+    if (PyErr_Occurred()) return NULL;
+    long gone = 0;
+    for (uint32_t kind = 0; b < t->n_backends && kind < 2; kind++) {
+        lru_t *l = list_of(t, b, kind);
+        while ((Py_ssize_t)l->len > (bound[kind] < 0 ? 0 : bound[kind])) {
+            entry_free(t, l->head);
+            gone++;
+        }
+    }
+    return PyLong_FromLong(gone);
+}
+
+/* removed(backend, engines): a BlockRemoved; a block's speculative entry goes too */
+static PyObject *Table_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 2, "removed") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "engines must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
+        uint64_t engine;
+        if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &engine) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        uint32_t e = engine_find(t, engine, b);
+        if (e == NIL) continue;
+        uint32_t spec = entry_find(t, t->k_key[t->e_key[e]], b, SPEC);
+        entry_free(t, e);
+        if (spec != NIL) entry_free(t, spec);
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* clear(backend, kind): every entry of that kind goes (None: both) */
+static PyObject *Table_clear(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 2, "clear") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    long first = CONF, last = SPEC;
+    if (args[1] != Py_None) {
+        first = last = PyLong_AsLong(args[1]);
+        if (first == -1 && PyErr_Occurred()) return NULL;
+        if (first != CONF && first != SPEC) {
+            PyErr_SetString(PyExc_ValueError, "kind must be 0, 1 or None");
+            return NULL;
+        }
+    }
+    for (long kind = first; b < t->n_backends && kind <= last; kind++) {
+        lru_t *l = list_of(t, b, (uint32_t)kind);
+        while (l->head != NIL) entry_free(t, l->head);
+    }
+    Py_RETURN_NONE;
+}
+
+/* dropped(backend, keys, confirmed): the speculative entries of keys go, and with
+ * confirmed the confirmed ones too */
+static PyObject *Table_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 3, "dropped") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    int confirmed = PyObject_IsTrue(args[2]);
+    if (confirmed < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
+        uint64_t key;
+        if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &key) < 0) {
+            Py_DECREF(seq);
+            return NULL;
+        }
+        for (uint32_t kind = confirmed ? CONF : SPEC; kind <= SPEC; kind++) {
+            uint32_t e = entry_find(t, key, b, kind);
+            if (e != NIL) entry_free(t, e);
+        }
+    }
+    Py_DECREF(seq);
+    Py_RETURN_NONE;
+}
+
+/* expire(now): every backend's speculative entries whose expiry passed go, oldest first
+ * (each list is in expiry order while TTLs are equal); returns how many */
+static PyObject *Table_expire(Table *t, PyObject *now_obj) {
+    double now = PyFloat_AsDouble(now_obj);
+    if (now == -1.0 && PyErr_Occurred()) return NULL;
+    long gone = 0;
+    for (uint32_t b = 0; b < t->n_backends; b++) {
+        lru_t *l = list_of(t, b, SPEC);
+        while (l->head != NIL) {
+            double at;
+            memcpy(&at, &t->e_val[l->head], sizeof at);
+            if (at > now) break;
+            entry_free(t, l->head);
+            gone++;
+        }
+    }
+    return PyLong_FromLong(gone);
+}
+
+/* ---- reads ---- */
+
+/* the largest m in [lo, hi] with keys[m - 1] held by backend (keys[:lo] are) */
+static Py_ssize_t run(Table *t, PyObject **keys, uint32_t b, Py_ssize_t lo, Py_ssize_t hi) {
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi + 1) / 2;
+        uint64_t key;
+        if (as_u64(keys[mid - 1], &key) < 0) return -1;
+        if (held(t, key, b)) lo = mid; else hi = mid - 1;
+    }
+    return lo;
+}
+
+static inline int key_at(PyObject **keys, Py_ssize_t i, uint64_t *out) { return as_u64(keys[i], out); }
+
+/* longest(keys, backend): how many leading blocks of keys the backend holds */
+static PyObject *Table_longest(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 2, "longest") < 0 || as_backend(args[1], &b) < 0) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq), found = 0;
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    uint64_t first;
+    if (len && b < t->n_backends) {
+        if (key_at(keys, 0, &first) < 0) found = -1;
+        else if (held(t, first, b)) found = run(t, keys, b, 1, len);
+    }
+    Py_DECREF(seq);
+    return found < 0 ? NULL : PyLong_FromSsize_t(found);
+}
+
+static inline uint32_t holder_count(Table *t, uint64_t key) {
+    uint32_t k = key_find(t, key);
+    return k == NIL ? 0 : t->k_count[k];
+}
+
+/* holders(keys, limit): [(backend, blocks held)] for the backends holding the longest
+ * prefixes of keys: every holder of keys[0] when they are at most limit, else those
+ * holding more blocks than the deepest level held by over limit (or limit of the holders
+ * of the longest prefix, when that many tie on it), earliest holders first */
+static PyObject *Table_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
+    if (check_args(n, 2, "holders") < 0) return NULL;
+    Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
+    if (limit == -1 && PyErr_Occurred()) return NULL;
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL) return NULL;
+    PyObject *out = PyList_New(0), **keys = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    uint32_t *names = NULL;
+    uint64_t key;
+    if (out == NULL || len == 0 || limit <= 0) goto done;
+    if (key_at(keys, 0, &key) < 0) goto fail;
+    if (key_find(t, key) == NIL) goto done;
+    Py_ssize_t lo = 1, hi = len; /* the deepest level some backend holds */
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi + 1) / 2;
+        if (key_at(keys, mid - 1, &key) < 0) goto fail;
+        if (key_find(t, key) != NIL) lo = mid; else hi = mid - 1;
+    }
+    Py_ssize_t deepest = lo;
+    lo = 0;
+    hi = deepest - 1; /* the first level held by at most limit backends */
+    if (key_at(keys, 0, &key) < 0) goto fail;
+    if (holder_count(t, key) <= (uint64_t)limit) hi = 0;
+    while (lo < hi) {
+        Py_ssize_t mid = (lo + hi) / 2;
+        if (key_at(keys, mid, &key) < 0) goto fail;
+        if (holder_count(t, key) <= (uint64_t)limit) hi = mid; else lo = mid + 1;
+    }
+    if (key_at(keys, lo, &key) < 0) goto fail;
+    uint32_t k = key_find(t, key), count = t->k_count[k], got = 0;
+    names = PyMem_Malloc(sizeof(uint32_t) * (count ? count : 1));
+    if (names == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    /* the chain is newest first: a speculative entry beside a confirmed one of the same
+     * backend is skipped, so each backend is named once */
+    for (uint32_t e = t->k_head[k]; e != NIL && got < count; e = t->e_hnext[e]) {
+        uint32_t b = t->e_backend[e];
+        if (t->e_kind[e] == SPEC && entry_find(t, key, b, CONF) != NIL) continue;
+        names[got++] = b;
+    }
+    Py_ssize_t take = got < (uint64_t)limit ? got : limit;
+    for (Py_ssize_t i = 0; i < take; i++) {
+        uint32_t b = names[got - 1 - i];
+        Py_ssize_t blocks = deepest;
+        if (key_at(keys, deepest - 1, &key) < 0) goto fail;
+        if (!held(t, key, b) && (blocks = run(t, keys, b, lo + 1, deepest - 1)) < 0) goto fail;
+        PyObject *pair = Py_BuildValue("(In)", b, blocks);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            goto fail;
+        }
+        Py_DECREF(pair);
+    }
+done:
+    PyMem_Free(names);
+    Py_DECREF(seq);
+    return out;
+fail:
+    PyMem_Free(names);
+    Py_DECREF(seq);
+    Py_XDECREF(out);
+    return NULL;
+}
+
+/* has(backend, key): the backend holds key, of either kind */
+static PyObject *Table_has(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    uint64_t key;
+    if (check_args(n, 2, "has") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
+        return NULL;
+    return PyBool_FromLong(b < t->n_backends && held(t, key, b));
+}
+
+/* anywhere(key): some backend holds key */
+static PyObject *Table_anywhere(Table *t, PyObject *key_obj) {
+    uint64_t key;
+    if (as_u64(key_obj, &key) < 0) return NULL;
+    return PyBool_FromLong(key_find(t, key) != NIL);
+}
+
+/* expiry(backend, key): when the backend's speculative entry for key expires, or None */
+static PyObject *Table_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    uint64_t key;
+    if (check_args(n, 2, "expiry") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
+        return NULL;
+    uint32_t e = b < t->n_backends ? entry_find(t, key, b, SPEC) : NIL;
+    if (e == NIL) Py_RETURN_NONE;
+    double at;
+    memcpy(&at, &t->e_val[e], sizeof at);
+    return PyFloat_FromDouble(at);
+}
+
+/* key_of(backend, engine): the key of the block the backend reported as engine, or None */
+static PyObject *Table_key_of(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    uint64_t engine;
+    if (check_args(n, 2, "key_of") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &engine) < 0)
+        return NULL;
+    uint32_t e = b < t->n_backends ? engine_find(t, engine, b) : NIL;
+    if (e == NIL) Py_RETURN_NONE;
+    return PyLong_FromUnsignedLongLong(t->k_key[t->e_key[e]]);
+}
+
+/* size(backend): (confirmed, speculative) entries */
+static PyObject *Table_size(Table *t, PyObject *b_obj) {
+    uint32_t b;
+    if (as_backend(b_obj, &b) < 0) return NULL;
+    if (b >= t->n_backends) return Py_BuildValue("(ii)", 0, 0);
+    return Py_BuildValue("(II)", list_of(t, b, CONF)->len, list_of(t, b, SPEC)->len);
+}
+
+/* snapshot(backend, kind): its (key, engine hash) pairs if confirmed, (key, expiry) if
+ * speculative, least recently used first */
+static PyObject *Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    if (check_args(n, 2, "snapshot") < 0 || as_backend(args[0], &b) < 0) return NULL;
+    long kind = PyLong_AsLong(args[1]);
+    if (kind == -1 && PyErr_Occurred()) return NULL;
+    if (kind != CONF && kind != SPEC) {
+        PyErr_SetString(PyExc_ValueError, "kind must be 0 or 1");
+        return NULL;
+    }
+    PyObject *out = PyList_New(0);
+    if (out == NULL || b >= t->n_backends) return out;
+    for (uint32_t e = list_of(t, b, (uint32_t)kind)->head; e != NIL; e = t->e_next[e]) {
+        double at;
+        memcpy(&at, &t->e_val[e], sizeof at);
+        uint64_t key = t->k_key[t->e_key[e]];
+        PyObject *pair = kind == CONF ? Py_BuildValue("(KK)", key, t->e_val[e])
+                                      : Py_BuildValue("(Kd)", key, at);
+        if (pair == NULL || PyList_Append(out, pair) < 0) {
+            Py_XDECREF(pair);
+            Py_DECREF(out);
+            return NULL;
+        }
+        Py_DECREF(pair);
+    }
+    return out;
+}
+
+static Py_ssize_t Table_len(Table *t) { return t->k_live; }
+
+static PyObject *Table_get_entries(Table *t, void *closure) { return PyLong_FromUnsignedLong(t->e_live); }
+
+/* bytes allocated for the arrays and tables */
+static PyObject *Table_get_nbytes(Table *t, void *closure) {
+    size_t per_entry = 4 + 8 + 4 + 4 + 4 + 2 + 1, per_key = 8 + 4 + 4;
+    size_t bytes = per_entry * t->e_cap + per_key * t->k_cap + sizeof(lru_t) * 2 * t->n_backends +
+                   4 * ((size_t)t->etab.mask + 1 + t->gtab.mask + 1 + t->ktab.mask + 1);
+    return PyLong_FromSize_t(bytes);
+}
+
+static int Table_init(Table *t, PyObject *args, PyObject *kwds) {
+    if ((args != NULL && PyTuple_GET_SIZE(args)) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
+        PyErr_SetString(PyExc_TypeError, "BlockTable() takes no arguments");
+        return -1;
+    }
+    if (t->etab.slot != NULL) return 0;
+    t->e_free = t->k_free = NIL;
+    if (itab_init(&t->etab, 1024) < 0 || itab_init(&t->gtab, 1024) < 0 || itab_init(&t->ktab, 1024) < 0) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+static void Table_dealloc(Table *t) {
+    void *arrays[] = {t->e_key, t->e_val, t->e_prev, t->e_next, t->e_hnext, t->e_backend, t->e_kind,
+                      t->k_key, t->k_head, t->k_count, t->lru, t->etab.slot, t->gtab.slot, t->ktab.slot};
+    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_RawFree(arrays[i]);
+    Py_TYPE(t)->tp_free((PyObject *)t);
+}
+
+static PyMethodDef Table_methods[] = {
+    {"speculate", (PyCFunction)(void (*)(void))Table_speculate, METH_FASTCALL, NULL},
+    {"touch", (PyCFunction)(void (*)(void))Table_touch, METH_FASTCALL, NULL},
+    {"confirm", (PyCFunction)(void (*)(void))Table_confirm, METH_FASTCALL, NULL},
+    {"trim", (PyCFunction)(void (*)(void))Table_trim, METH_FASTCALL, NULL},
+    {"removed", (PyCFunction)(void (*)(void))Table_removed, METH_FASTCALL, NULL},
+    {"clear", (PyCFunction)(void (*)(void))Table_clear, METH_FASTCALL, NULL},
+    {"dropped", (PyCFunction)(void (*)(void))Table_dropped, METH_FASTCALL, NULL},
+    {"expire", (PyCFunction)Table_expire, METH_O, NULL},
+    {"longest", (PyCFunction)(void (*)(void))Table_longest, METH_FASTCALL, NULL},
+    {"holders", (PyCFunction)(void (*)(void))Table_holders, METH_FASTCALL, NULL},
+    {"has", (PyCFunction)(void (*)(void))Table_has, METH_FASTCALL, NULL},
+    {"anywhere", (PyCFunction)Table_anywhere, METH_O, NULL},
+    {"expiry", (PyCFunction)(void (*)(void))Table_expiry, METH_FASTCALL, NULL},
+    {"key_of", (PyCFunction)(void (*)(void))Table_key_of, METH_FASTCALL, NULL},
+    {"size", (PyCFunction)Table_size, METH_O, NULL},
+    {"snapshot", (PyCFunction)(void (*)(void))Table_snapshot, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef Table_getset[] = {
+    {"entries", (getter)Table_get_entries, NULL, "(key, backend, kind) entries held", NULL},
+    {"nbytes", (getter)Table_get_nbytes, NULL, "bytes allocated for the table", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PySequenceMethods Table_as_sequence = {.sq_length = (lenfunc)Table_len};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hashing._block_table.BlockTable",
+    .tp_basicsize = sizeof(Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Every backend's block keys on one cache medium, in flat arrays.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)Table_init,
+    .tp_dealloc = (destructor)Table_dealloc,
+    .tp_methods = Table_methods,
+    .tp_getset = Table_getset,
+    .tp_as_sequence = &Table_as_sequence,
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_table", NULL, -1, NULL};
+
+PyMODINIT_FUNC PyInit__block_table(void) {
+    if (PyType_Ready(&TableType) < 0) return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    if (PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&TableType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
