@@ -18,9 +18,12 @@ A backend's speed (policies' `Speed`) is learned from the requests the router re
   send, and only until `MIN_ALONE` samples of the other kinds exist: they were partly
   done when it came, so such a sample takes their tokens for more work than the backend
   did after. The steps are those learned when the rate is computed, so early samples
-  count at the step learned since. The samples within a factor `_SPREAD` of their median
-  rate are summed, tokens over seconds (a long prefill weighs more than a short one,
-  mostly the step); only samples of at least `MIN_PREFILL_TOKENS` tokens count;
+  count at the step learned since. Until `MIN_SAMPLES` the rate is the samples' median
+  (one span that miscounted, e.g. two prompts prefilled in chunks together counted over
+  half their time, would sway a sum of few); then the samples within a factor `_SPREAD`
+  of their median rate are summed, tokens over seconds (a long prefill weighs more than
+  a short one, mostly the step); only samples of at least `MIN_PREFILL_TOKENS` tokens
+  count;
 - its decode step, `decode_step_s + decode_s_per_request * running`: each stream's mean
   inter-token gap, less its share of the prefills the backend finished meanwhile (the
   router counts each request's uncached tokens at its first token; chunked prefill put
@@ -292,9 +295,10 @@ def _rate(
     prefills: list[tuple[float, ...]], step: float, per_request: float, prior: float
 ) -> tuple[float, bool]:
     """The prefills' tokens over their seconds, each wait less the steps it waited
-    for, over the samples within `_SPREAD` of the median rate: those with no prefill of
-    unknown progress ahead once `MIN_ALONE` of them are, else all; `prior` until
-    `MIN_SAMPLES` (then False: not from the samples)."""
+    for, over the samples within `_SPREAD` of the median rate (their median while fewer
+    than `MIN_SAMPLES`): those with no prefill of unknown progress ahead once
+    `MIN_ALONE` of them are, else all; `prior` until `MIN_SAMPLES` (then False: not from
+    the samples)."""
     timed, alone = [], []
     for tokens, seconds, running, ahead in prefills:
         steps = step + per_request * (running + 1)
@@ -309,6 +313,8 @@ def _rate(
     elif len(timed) < MIN_SAMPLES:
         return prior, False
     median = statistics.median(t / s for t, s in timed)
+    if len(timed) < MIN_SAMPLES:  # too few for one span's miscount to weigh little
+        return median, True
     kept = [(t, s) for t, s in timed if median / _SPREAD <= t / s <= median * _SPREAD]
     return sum(t for t, _ in kept) / sum(s for _, s in kept), True
 

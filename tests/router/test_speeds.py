@@ -105,6 +105,23 @@ def test_prefills_queued_ahead_and_partly_done_do_not_inflate_the_rate() -> None
     assert crowded.learned(PRIOR).prefill_tokens_per_s == pytest.approx(16_000, rel=0.01)
 
 
+def test_a_span_that_counted_another_prompt_twice_does_not_move_a_rate_of_few_samples() -> None:
+    """Seen on a slow simulated backend: a span that began at the backend's previous
+    first token while two prompts were prefilled in chunks together counted both
+    prompts' tokens over half their time, a rate twice the true one. Among five samples
+    it read the backend 20-30% fast (the tokens-weighted sum of the samples within 3x of
+    the median); until `MIN_SAMPLES` the rate is the samples' median."""
+    true = Speed(5_000.0, 0.05, 0.0003)
+    learner = SpeedLearner()
+    step = true.decode_step_s + true.decode_s_per_request  # the step it ran in
+    learner.prefilled(16_240, 8_120 / true.prefill_tokens_per_s + step, 0)
+    for tokens in (840, 8_120, 8_120, 8_240):
+        learner.prefilled(tokens, tokens / true.prefill_tokens_per_s + step, 0)
+    learner.decoded(0, true.decode_step_s)  # the step known: the rate is computed at it
+    learned = learner.learned(Speed(10_000.0, 0.05, 0.0003)).prefill_tokens_per_s
+    assert learned == pytest.approx(true.prefill_tokens_per_s, rel=0.02)
+
+
 def test_one_outlier_cannot_swing_a_figure() -> None:
     rng = random.Random(3)
     true = Speed(20_000.0, 0.0125, 0.000075)
