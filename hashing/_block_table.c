@@ -310,7 +310,7 @@ static void entry_free(Table *t, uint32_t e) {
     uint32_t k = t->e_key[e], backend = t->e_backend[e], kind = t->e_kind[e];
     uint64_t key = t->k_key[k];
     lru_unlink(t, list_of(t, backend, kind), e);
-    if (kind == CONF && engine_find(t, t->e_val[e], backend) == e)
+    if (kind == CONF) /* gone already when its engine hash went to another key */
         itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
     itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
     if (entry_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]--;
@@ -433,8 +433,7 @@ static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
             goto fail;
         uint32_t e = entry_find(t, key, b, CONF);
         if (e != NIL) {
-            if (engine_find(t, t->e_val[e], b) == e)
-                itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
+            itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
             t->e_val[e] = engine;
             lru_unlink(t, l, e);
             lru_append(t, l, e);
