@@ -162,6 +162,10 @@ class TieredIndex:
             for name, _ in index.holders(keys, limit)
         }
 
+    def nbytes(self) -> dict[str, int]:
+        """The bytes each medium's table takes."""
+        return {medium: index.nbytes for medium, index in self._media.items()}
+
     def tier_sizes(self, backend: str) -> dict[str, int]:
         """The keys `backend` holds on each offload tier."""
         return {t.medium: index.size(backend)[0] for t, index in self._indexed}

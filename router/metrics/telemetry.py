@@ -4,7 +4,7 @@ backend's prefix index."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -78,6 +78,14 @@ class TelemetryMetrics:
             ["backend", "reason"],
             registry=r,
         )
+        self._index_bytes = Gauge(
+            "kvroute_prefix_index_bytes",
+            "Bytes KV_AWARE's prefix index takes, by cache medium, over every process of "
+            "the router (each worker and the collector holds one)",
+            ["medium"],
+            registry=r,
+            multiprocess_mode="livesum",
+        )
         self._index_mode = Gauge(
             "kvroute_backend_index_mode",
             "1 for the prefix-index source each backend is in: events or approximate",
@@ -123,6 +131,10 @@ class TelemetryMetrics:
         for child, n in zip(self._kv_events_kinds, (stored, removed, cleared), strict=True):
             if n:
                 child.inc(n)
+
+    def index_bytes(self, media: Mapping[str, int]) -> None:
+        for medium, size in media.items():
+            self._index_bytes.labels(medium).set(size)
 
     def index_mode(self, backend: str, events: bool) -> None:
         self._index_mode.labels(backend, "events").set(1 if events else 0)

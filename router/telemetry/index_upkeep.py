@@ -106,12 +106,14 @@ class IndexUpkeep:
         self.index: TieredIndex | None = None
 
     async def run(self) -> None:
-        """Once a second: sources follow membership, the index ages and resizes."""
+        """Once a second: sources follow membership, the index ages and resizes, and
+        its memory is shown."""
         while True:
             index = getattr(self._fleet.policy, "index", None)
             if index is not None:
                 self._sync(index)
                 index.gpu.expire(time.monotonic())
+                self._metrics.index_bytes(index.nbytes())
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:
                         index.gpu.set_capacity(name, snap.num_gpu_blocks)

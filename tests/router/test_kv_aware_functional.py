@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -18,6 +19,7 @@ from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
 from router.config import build
 from router.control.worker import Router
+from tests.router.chaos import until
 
 MODEL = "sim-llama-70b"
 
@@ -133,6 +135,16 @@ async def test_approximate_mode_without_events_keeps_prefixes_together() -> None
         assert all(cached > 600 for _, cached in again)
         text = router.metrics.render().decode()
         assert 'kvroute_backend_index_mode{backend="sim0",mode="approximate"} 1.0' in text
+        # the GPU's table holds the documents' keys; the CPU tier's is empty but for its
+        # id tables (shown once a second)
+        await until(lambda: _index_bytes(router, "gpu") > _index_bytes(router, "cpu") > 0)
+
+
+def _index_bytes(router, medium: str) -> float:
+    """`kvroute_prefix_index_bytes` for `medium` (0 while not yet shown)."""
+    text = router.metrics.render().decode()
+    found = re.search(rf'kvroute_prefix_index_bytes{{medium="{medium}"}} (\S+)', text)
+    return float(found[1]) if found else 0.0
 
 
 async def test_a_long_prompts_keys_all_reach_the_index_a_slice_per_loop_turn() -> None:
