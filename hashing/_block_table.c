@@ -175,8 +175,18 @@ static uint32_t engine_find(Table *t, uint64_t engine, uint32_t backend) {
     }
 }
 
+static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
+    return &t->lru[backend * 2 + kind];
+}
+
+/* the backend's entry of `kind` for key, if any: none to look for while it has no entries
+ * of that kind (a backend without KV events has no confirmed ones) */
+static inline uint32_t kind_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+    return list_of(t, backend, kind)->len ? entry_find(t, key, backend, kind) : NIL;
+}
+
 static inline int held(Table *t, uint64_t key, uint32_t backend) {
-    return entry_find(t, key, backend, CONF) != NIL || entry_find(t, key, backend, SPEC) != NIL;
+    return kind_find(t, key, backend, CONF) != NIL || kind_find(t, key, backend, SPEC) != NIL;
 }
 
 #define GROW(arr, cap) \
@@ -220,10 +230,6 @@ static int backends_grow(Table *t, uint32_t backend) {
     return 0;
 }
 
-static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
-    return &t->lru[backend * 2 + kind];
-}
-
 static void lru_unlink(Table *t, lru_t *l, uint32_t e) {
     uint32_t p = t->e_prev[e], n = t->e_next[e];
     if (p == NIL) l->head = n; else t->e_next[p] = n;
@@ -239,9 +245,9 @@ static void lru_append(Table *t, lru_t *l, uint32_t e) {
     l->len++;
 }
 
-/* the key record of `key`, made if new; NIL when out of memory */
-static uint32_t key_get(Table *t, uint64_t key) {
-    uint32_t k = key_find(t, key);
+/* the key record of `key`: `k` if found already (not NIL), else made; NIL when out of
+ * memory */
+static uint32_t key_get(Table *t, uint64_t key, uint32_t k) {
     if (k != NIL) return k;
     if (t->k_free != NIL) {
         k = t->k_free;
@@ -273,14 +279,15 @@ static void key_release(Table *t, uint32_t k) {
     t->k_live--;
 }
 
-/* a new entry for (key, backend, kind), known to be absent; NIL when out of memory */
-static uint32_t entry_new(Table *t, uint64_t key, uint32_t backend, uint32_t kind, uint64_t val) {
+/* a new entry for (key, backend, kind), known to be absent, `k` being the key's record
+ * (NIL: the key is held nowhere); NIL when out of memory */
+static uint32_t entry_new(Table *t, uint64_t key, uint32_t k, uint32_t backend, uint32_t kind,
+                          uint64_t val) {
     if (t->e_free == NIL && t->e_top == t->e_cap && entries_grow(t) < 0) {
         PyErr_NoMemory();
         return NIL;
     }
-    uint32_t k = key_get(t, key);
-    if (k == NIL) return NIL;
+    if ((k = key_get(t, key, k)) == NIL) return NIL;
     uint32_t e;
     if (t->e_free != NIL) {
         e = t->e_free;
@@ -298,7 +305,7 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t backend, uint32_t kin
         if (t->k_head[k] == NIL) key_release(t, k);
         return NIL;
     }
-    if (entry_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]++;
+    if (kind_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]++;
     t->e_hnext[e] = t->k_head[k];
     t->k_head[k] = e;
     lru_append(t, list_of(t, backend, kind), e);
@@ -313,7 +320,7 @@ static void entry_free(Table *t, uint32_t e) {
     if (kind == CONF) /* gone already when its engine hash went to another key */
         itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
     itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
-    if (entry_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]--;
+    if (kind_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]--;
     uint32_t *link = &t->k_head[k];
     while (*link != e) link = &t->e_hnext[*link];
     *link = t->e_hnext[e];
@@ -368,9 +375,10 @@ static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) 
     for (Py_ssize_t i = 0; i < len; i++) {
         uint64_t key;
         if (as_u64(items[i], &key) < 0) goto fail;
-        uint32_t e = entry_find(t, key, b, SPEC);
+        uint32_t k = key_find(t, key); /* most keys of a new prompt are held nowhere */
+        uint32_t e = k == NIL ? NIL : kind_find(t, key, b, SPEC);
         if (e == NIL) {
-            if (entry_new(t, key, b, SPEC, val) == NIL) goto fail;
+            if (entry_new(t, key, k, b, SPEC, val) == NIL) goto fail;
         } else {
             t->e_val[e] = val;
             lru_unlink(t, l, e);
@@ -404,7 +412,7 @@ static PyObject *Table_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
             Py_DECREF(seq);
             return NULL;
         }
-        uint32_t e = entry_find(t, key, b, SPEC);
+        uint32_t e = kind_find(t, key, b, SPEC);
         if (e != NIL) {
             t->e_val[e] = val;
             lru_unlink(t, l, e);
@@ -431,13 +439,14 @@ static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
         if (as_u64(PySequence_Fast_GET_ITEM(keys, i), &key) < 0 ||
             as_u64(PySequence_Fast_GET_ITEM(engines, i), &engine) < 0)
             goto fail;
-        uint32_t e = entry_find(t, key, b, CONF);
+        uint32_t k = key_find(t, key);
+        uint32_t e = k == NIL ? NIL : kind_find(t, key, b, CONF);
         if (e != NIL) {
             itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
             t->e_val[e] = engine;
             lru_unlink(t, l, e);
             lru_append(t, l, e);
-        } else if ((e = entry_new(t, key, b, CONF, engine)) == NIL) {
+        } else if ((e = entry_new(t, key, k, b, CONF, engine)) == NIL) {
             goto fail;
         }
         uint32_t old = engine_find(t, engine, b);
@@ -489,7 +498,7 @@ static PyObject *Table_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
         }
         uint32_t e = engine_find(t, engine, b);
         if (e == NIL) continue;
-        uint32_t spec = entry_find(t, t->k_key[t->e_key[e]], b, SPEC);
+        uint32_t spec = kind_find(t, t->k_key[t->e_key[e]], b, SPEC);
         entry_free(t, e);
         if (spec != NIL) entry_free(t, spec);
     }
@@ -534,7 +543,7 @@ static PyObject *Table_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
             return NULL;
         }
         for (uint32_t kind = confirmed ? CONF : SPEC; kind <= SPEC; kind++) {
-            uint32_t e = entry_find(t, key, b, kind);
+            uint32_t e = kind_find(t, key, b, kind);
             if (e != NIL) entry_free(t, e);
         }
     }
@@ -642,7 +651,7 @@ static PyObject *Table_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
      * backend is skipped, so each backend is named once */
     for (uint32_t e = t->k_head[k]; e != NIL && got < count; e = t->e_hnext[e]) {
         uint32_t b = t->e_backend[e];
-        if (t->e_kind[e] == SPEC && entry_find(t, key, b, CONF) != NIL) continue;
+        if (t->e_kind[e] == SPEC && kind_find(t, key, b, CONF) != NIL) continue;
         names[got++] = b;
     }
     Py_ssize_t take = got < (uint64_t)limit ? got : limit;
@@ -691,7 +700,7 @@ static PyObject *Table_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint64_t key;
     if (check_args(n, 2, "expiry") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
         return NULL;
-    uint32_t e = b < t->n_backends ? entry_find(t, key, b, SPEC) : NIL;
+    uint32_t e = b < t->n_backends ? kind_find(t, key, b, SPEC) : NIL;
     if (e == NIL) Py_RETURN_NONE;
     double at;
     memcpy(&at, &t->e_val[e], sizeof at);
