@@ -43,6 +43,7 @@ class Backend(BackendLoad):
         "healthy",
         "kv_usage",
         "learned_speed",
+        "lent_source",
         "lent_speed",
         "model_cards",
         "name",
@@ -98,6 +99,10 @@ class Backend(BackendLoad):
         self.learned_speed: Speed | None = None
         self.shared_speed: Speed | None = None
         self.lent_speed: Speed | None = None
+        #: where `lent_speed` came from: learned, shared, typical (the median of the
+        #: learned ones), fastest (of those and the configured one), fleet (every
+        #: backend's samples together); None: the configured speed holds
+        self.lent_source: str | None = None
         self.trying_speed: Speed | None = None
         #: scraped vllm:num_requests_waiting, 0 while unknown or stale
         self.waiting = 0.0

@@ -168,13 +168,18 @@ class Fleet(PoolSettings):
         prior = speed_prior(self.policy.params)
         typical, slowest = typical_speed(learned), slowest_speed(learned)
         fastest = fastest_speed([*learned, prior] if prior is not None else learned)
+        lent = {True: "typical", False: "fastest"}
         if typical is None and prior is not None:
             typical = fastest = self.speed_samples.learned(prior)
+            lent = {True: "fleet", False: "fleet"}
         for b, speed in zip(self.members, known, strict=True):
             b.trying_speed = None if speed is not None else slowest
-            if speed is None:
-                speed = typical if b.speed_samples.sampled() else fastest
-            b.lent_speed = speed
+            if speed is not None:
+                source = "learned" if b.learned_speed is not None else "shared"
+            else:
+                sampled = b.speed_samples.sampled()
+                speed, source = typical if sampled else fastest, lent[sampled]
+            b.lent_speed, b.lent_source = speed, source if speed is not None else None
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
         """Tell `policy` its members and, with several workers, their shared placements;

@@ -91,7 +91,8 @@ class StatusRoutes:
         """The policy's last decisions with their scores, and each backend's state: load,
         speed (null: the configured one holds; `speed_learned` false: the fleet's
         typical learned one stands in for its own; `speed_source`: learned, shared by
-        the other replicas, typical, fastest (untried), slowest (no speed of its own and
+        the other replicas, typical, fastest (untried), fleet (every backend's samples
+        together, while none has a speed of its own), slowest (no speed of its own and
         requests in flight) or null; `speed_learned_figures`:
         the figures of a learned speed its own samples gave, the others the configured
         ones), index (source, GPU and offload-tier sizes, and the publish time of the
@@ -115,7 +116,7 @@ class StatusRoutes:
                 "waiting": b.waiting,
                 "speed": b.speed._asdict() if b.speed is not None else None,
                 "speed_learned": b.learned_speed is not None,
-                "speed_source": _speed_source(b),
+                "speed_source": speed_source(b),
                 "speed_learned_figures": b.speed_samples.figures if b.learned_speed else (),
                 "index_mode": "events" if b.name in events else "approximate",
                 "index_keys": index.gpu.size(b.name) if index is not None else None,
@@ -163,18 +164,13 @@ def _card(model: str) -> dict:
     return {"id": model, "object": "model", "created": int(time.time()), "owned_by": "kvroute"}
 
 
-def _speed_source(b: Backend) -> str | None:
-    """Where the speed routing reads for `b` comes from (Fleet.lend_speeds)."""
-    if b.learned_speed is not None:
-        return "learned"
-    if b.shared_speed is not None:
-        return "shared"
+def speed_source(b: Backend) -> str | None:
+    """Where the speed routing reads for `b` comes from (Fleet.lend_speeds), or slowest
+    while it is judged at the slowest learned one (`Backend.speed`)."""
     speed = b.speed
-    if speed is None:
-        return None
-    if speed is not b.lent_speed:
+    if speed is not None and speed is not b.lent_speed:
         return "slowest"
-    return "typical" if b.speed_samples.sampled() else "fastest"
+    return b.lent_source
 
 
 def _learned(index: TieredIndex | None, backend: str) -> dict[str, int | None] | None:

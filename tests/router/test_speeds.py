@@ -16,7 +16,16 @@ from policies.round_robin import RoundRobinParams, RoundRobinPolicy
 from router.config import BackendConfig, BreakerConfig
 from router.fleet.backends import Fleet
 from router.fleet.shared_load import LoadTable
-from router.fleet.speeds import MIN_ALONE, MIN_SAMPLES, REFRESH, AnswerLengths, SpeedLearner, pooled
+from router.fleet.speeds import (
+    MIN_ALONE,
+    MIN_SAMPLES,
+    REFRESH,
+    AnswerLengths,
+    SpeedLearner,
+    pooled,
+    typical_speed,
+)
+from router.ingress.status import speed_source
 
 PRIOR = Speed(10_000.0, 0.025, 0.00015)
 
@@ -225,13 +234,18 @@ def test_a_backend_with_no_speed_of_its_own_is_judged_slowest_while_it_has_reque
     fleet.members[0].learned_speed, fleet.members[1].learned_speed = slow, slower
     fleet.lend_speeds()
     untried = fleet.members[2]
-    assert untried.speed == PRIOR
+    assert (untried.speed, speed_source(untried)) == (PRIOR, "fastest")
     untried.count(1, 500)
     assert untried.speed == Speed(4_000.0, 0.06, 0.0003)
+    assert speed_source(untried) == "slowest"  # as /debug/routing shows it
     untried.count(-1, -500)
-    assert untried.speed == PRIOR
+    assert (untried.speed, speed_source(untried)) == (PRIOR, "fastest")
     fleet.members[0].count(1, 500)
     assert fleet.members[0].speed == slow  # its own, in flight or not
+    assert speed_source(fleet.members[0]) == "learned"
+    untried.speed_samples.prefilled(1_000, 0.2, 0)  # sampled, not learned: the median
+    fleet.lend_speeds()
+    assert (untried.speed, speed_source(untried)) == (typical_speed([slow, slower]), "typical")
 
 
 def test_a_speed_another_worker_learned_is_taken_before_the_next_pick(tmp_path) -> None:
