@@ -196,9 +196,15 @@ static inline int held(Table *t, uint64_t key, uint32_t backend) {
         (arr) = p_; \
     } while (0)
 
+/* the next capacity of an array of ids after `cap` (0: none yet); 0 past the ids' range */
+static inline uint32_t next_cap(uint32_t cap) {
+    uint64_t next = cap ? (uint64_t)cap * 2 : 1024;
+    return next >= NIL ? 0 : (uint32_t)next;
+}
+
 static int entries_grow(Table *t) {
-    uint64_t cap = t->e_cap ? (uint64_t)t->e_cap * 2 : 1024;
-    if (cap >= NIL) return -1;
+    uint32_t cap = next_cap(t->e_cap);
+    if (cap == 0) return -1;
     GROW(t->e_key, cap);
     GROW(t->e_val, cap);
     GROW(t->e_prev, cap);
@@ -206,17 +212,17 @@ static int entries_grow(Table *t) {
     GROW(t->e_hnext, cap);
     GROW(t->e_backend, cap);
     GROW(t->e_kind, cap);
-    t->e_cap = (uint32_t)cap;
+    t->e_cap = cap;
     return 0;
 }
 
 static int keys_grow(Table *t) {
-    uint64_t cap = t->k_cap ? (uint64_t)t->k_cap * 2 : 1024;
-    if (cap >= NIL) return -1;
+    uint32_t cap = next_cap(t->k_cap);
+    if (cap == 0) return -1;
     GROW(t->k_key, cap);
     GROW(t->k_head, cap);
     GROW(t->k_count, cap);
-    t->k_cap = (uint32_t)cap;
+    t->k_cap = cap;
     return 0;
 }
 
@@ -356,113 +362,123 @@ static int check_args(Py_ssize_t n, Py_ssize_t want, const char *name) {
 
 /* ---- writes ---- */
 
-/* speculate(backend, keys, expires_at): each key the most recently used, until expires_at */
-static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
-    uint32_t b;
-    if (check_args(n, 3, "speculate") < 0 || as_backend(args[0], &b) < 0) return NULL;
-    double expires = PyFloat_AsDouble(args[2]);
-    if (expires == -1.0 && PyErr_Occurred()) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
-    if (seq == NULL || backends_grow(t, b) < 0) {
-        Py_XDECREF(seq);
-        return seq == NULL ? NULL : PyErr_NoMemory();
-    }
-    uint64_t val;
-    memcpy(&val, &expires, sizeof val);
-    lru_t *l = list_of(t, b, SPEC);
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+/* the ints of a sequence as u64s, in a buffer the caller frees with PyMem_Free (`len`
+ * of them); NULL with an exception set */
+static uint64_t *u64s(PyObject *obj, Py_ssize_t *len) {
+    PyObject *seq = PySequence_Fast(obj, "expected a sequence of ints");
+    if (seq == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    uint64_t *out = PyMem_Malloc(sizeof(uint64_t) * (n ? n : 1));
     PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < len; i++) {
-        uint64_t key;
-        if (as_u64(items[i], &key) < 0) goto fail;
-        uint32_t k = key_find(t, key); /* most keys of a new prompt are held nowhere */
-        uint32_t e = k == NIL ? NIL : kind_find(t, key, b, SPEC);
-        if (e == NIL) {
-            if (entry_new(t, key, k, b, SPEC, val) == NIL) goto fail;
-        } else {
-            t->e_val[e] = val;
-            lru_unlink(t, l, e);
-            lru_append(t, l, e);
+    for (Py_ssize_t i = 0; out != NULL && i < n; i++) {
+        if (as_u64(items[i], &out[i]) < 0) {
+            PyMem_Free(out);
+            out = NULL;
         }
     }
     Py_DECREF(seq);
+    if (out == NULL && !PyErr_Occurred()) PyErr_NoMemory();
+    *len = n;
+    return out;
+}
+
+/* an expiry argument (a float) as the 8 bytes an entry keeps */
+static int as_expiry(PyObject *o, uint64_t *out) {
+    double at = PyFloat_AsDouble(o);
+    if (at == -1.0 && PyErr_Occurred()) return -1;
+    memcpy(out, &at, sizeof at);
+    return 0;
+}
+
+/* entry e of list l takes value val and becomes its most recently used */
+static inline void renew(Table *t, lru_t *l, uint32_t e, uint64_t val) {
+    t->e_val[e] = val;
+    lru_unlink(t, l, e);
+    lru_append(t, l, e);
+}
+
+/* the (backend, keys, expires_at) arguments of speculate and touch; -1 with an exception
+ * set, else `keys` is the caller's to free */
+static int keys_until(PyObject *const *args, Py_ssize_t n, const char *name, uint32_t *b,
+                      uint64_t **keys, Py_ssize_t *len, uint64_t *val) {
+    if (check_args(n, 3, name) < 0 || as_backend(args[0], b) < 0 || as_expiry(args[2], val) < 0)
+        return -1;
+    return (*keys = u64s(args[1], len)) == NULL ? -1 : 0;
+}
+
+/* speculate(backend, keys, expires_at): each key the most recently used, until expires_at */
+static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    uint64_t val, *keys;
+    Py_ssize_t len;
+    if (keys_until(args, n, "speculate", &b, &keys, &len, &val) < 0) return NULL;
+    if (backends_grow(t, b) < 0) {
+        PyMem_Free(keys);
+        return PyErr_NoMemory();
+    }
+    lru_t *l = list_of(t, b, SPEC);
+    Py_ssize_t i = 0;
+    for (; i < len; i++) {
+        uint32_t k = key_find(t, keys[i]); /* most keys of a new prompt are held nowhere */
+        uint32_t e = k == NIL ? NIL : kind_find(t, keys[i], b, SPEC);
+        if (e != NIL) renew(t, l, e, val);
+        else if (entry_new(t, keys[i], k, b, SPEC, val) == NIL) break;
+    }
+    PyMem_Free(keys);
+    if (i < len) return NULL;
     Py_RETURN_NONE;
-fail:
-    Py_DECREF(seq);
-    return NULL;
 }
 
 /* touch(backend, keys, expires_at): the speculative ones among keys become the most
  * recently used, the first of them last (so a chain's head leaves last) */
 static PyObject *Table_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
-    if (check_args(n, 3, "touch") < 0 || as_backend(args[0], &b) < 0) return NULL;
-    double expires = PyFloat_AsDouble(args[2]);
-    if (expires == -1.0 && PyErr_Occurred()) return NULL;
-    if (b >= t->n_backends) Py_RETURN_NONE;
-    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    uint64_t val;
-    memcpy(&val, &expires, sizeof val);
-    lru_t *l = list_of(t, b, SPEC);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(seq) - 1; i >= 0; i--) {
-        uint64_t key;
-        if (as_u64(items[i], &key) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        uint32_t e = kind_find(t, key, b, SPEC);
-        if (e != NIL) {
-            t->e_val[e] = val;
-            lru_unlink(t, l, e);
-            lru_append(t, l, e);
-        }
+    uint64_t val, *keys;
+    Py_ssize_t len;
+    if (keys_until(args, n, "touch", &b, &keys, &len, &val) < 0) return NULL;
+    lru_t *l = b < t->n_backends ? list_of(t, b, SPEC) : NULL;
+    for (Py_ssize_t i = len - 1; i >= 0 && l != NULL; i--) {
+        uint32_t e = kind_find(t, keys[i], b, SPEC);
+        if (e != NIL) renew(t, l, e, val);
     }
-    Py_DECREF(seq);
+    PyMem_Free(keys);
     Py_RETURN_NONE;
 }
 
 /* confirm(backend, keys, engines): (key, engine hash) pairs, the most recently stored */
 static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
+    uint64_t *keys, *engines;
+    Py_ssize_t len, engines_len;
     if (check_args(n, 3, "confirm") < 0 || as_backend(args[0], &b) < 0) return NULL;
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
-    if (keys == NULL) return NULL;
-    PyObject *engines = PySequence_Fast(args[2], "engines must be a sequence");
-    if (engines == NULL || backends_grow(t, b) < 0) goto fail;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(keys);
-    if (PySequence_Fast_GET_SIZE(engines) < len) len = PySequence_Fast_GET_SIZE(engines);
+    if (backends_grow(t, b) < 0) return PyErr_NoMemory();
+    if ((keys = u64s(args[1], &len)) == NULL) return NULL;
+    if ((engines = u64s(args[2], &engines_len)) == NULL) {
+        PyMem_Free(keys);
+        return NULL;
+    }
+    if (engines_len < len) len = engines_len;
     lru_t *l = list_of(t, b, CONF);
-    for (Py_ssize_t i = 0; i < len; i++) {
-        uint64_t key, engine;
-        if (as_u64(PySequence_Fast_GET_ITEM(keys, i), &key) < 0 ||
-            as_u64(PySequence_Fast_GET_ITEM(engines, i), &engine) < 0)
-            goto fail;
+    Py_ssize_t i = 0;
+    for (; i < len; i++) {
+        uint64_t key = keys[i], engine = engines[i];
         uint32_t k = key_find(t, key);
         uint32_t e = k == NIL ? NIL : kind_find(t, key, b, CONF);
         if (e != NIL) {
             itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
-            t->e_val[e] = engine;
-            lru_unlink(t, l, e);
-            lru_append(t, l, e);
+            renew(t, l, e, engine);
         } else if ((e = entry_new(t, key, k, b, CONF, engine)) == NIL) {
-            goto fail;
+            break;
         }
         uint32_t old = engine_find(t, engine, b);
-        if (old != e) {
-            if (old != NIL) itab_del(t, GTAB, &t->gtab, old, engine_hash(engine, b));
-            if (itab_put(t, GTAB, &t->gtab, e, engine_hash(engine, b)) < 0) goto fail;
-        }
+        if (old == e) continue;
+        if (old != NIL) itab_del(t, GTAB, &t->gtab, old, engine_hash(engine, b));
+        if (itab_put(t, GTAB, &t->gtab, e, engine_hash(engine, b)) < 0) break;
     }
-    Py_DECREF(keys);
-    Py_DECREF(engines);
+    PyMem_Free(keys);
+    PyMem_Free(engines);
+    if (i < len) return NULL;
     Py_RETURN_NONE;
-fail:
-    if (!PyErr_Occurred()) PyErr_NoMemory();
-    Py_DECREF(keys);
-    Py_XDECREF(engines);
-    return NULL;
 }
 
 /* trim(backend, confirmed, speculative): the least recently used keys of each kind past
@@ -486,23 +502,18 @@ static PyObject *Table_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
 /* removed(backend, engines): a BlockRemoved; a block's speculative entry goes too */
 static PyObject *Table_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
+    uint64_t *engines;
+    Py_ssize_t len;
     if (check_args(n, 2, "removed") < 0 || as_backend(args[0], &b) < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "engines must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if ((engines = u64s(args[1], &len)) == NULL) return NULL;
     for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
-        uint64_t engine;
-        if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &engine) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
-        uint32_t e = engine_find(t, engine, b);
+        uint32_t e = engine_find(t, engines[i], b);
         if (e == NIL) continue;
         uint32_t spec = kind_find(t, t->k_key[t->e_key[e]], b, SPEC);
         entry_free(t, e);
         if (spec != NIL) entry_free(t, spec);
     }
-    Py_DECREF(seq);
+    PyMem_Free(engines);
     Py_RETURN_NONE;
 }
 
@@ -530,24 +541,18 @@ static PyObject *Table_clear(Table *t, PyObject *const *args, Py_ssize_t n) {
  * confirmed the confirmed ones too */
 static PyObject *Table_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
+    uint64_t *keys;
+    Py_ssize_t len;
     if (check_args(n, 3, "dropped") < 0 || as_backend(args[0], &b) < 0) return NULL;
     int confirmed = PyObject_IsTrue(args[2]);
-    if (confirmed < 0) return NULL;
-    PyObject *seq = PySequence_Fast(args[1], "keys must be a sequence");
-    if (seq == NULL) return NULL;
-    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if (confirmed < 0 || (keys = u64s(args[1], &len)) == NULL) return NULL;
     for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
-        uint64_t key;
-        if (as_u64(PySequence_Fast_GET_ITEM(seq, i), &key) < 0) {
-            Py_DECREF(seq);
-            return NULL;
-        }
         for (uint32_t kind = confirmed ? CONF : SPEC; kind <= SPEC; kind++) {
-            uint32_t e = kind_find(t, key, b, kind);
+            uint32_t e = kind_find(t, keys[i], b, kind);
             if (e != NIL) entry_free(t, e);
         }
     }
-    Py_DECREF(seq);
+    PyMem_Free(keys);
     Py_RETURN_NONE;
 }
 
