@@ -10,7 +10,7 @@
  * (u32) and how many backends hold it (u32). Three open-addressing tables of u32 ids
  * (linear probing, backward-shift deletion, so no tombstones) find an entry by (key,
  * backend, kind), a confirmed entry by (backend, engine hash), and a key record by key.
- * About 40 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
+ * About 50-70 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
  * here is a Python object: the garbage collector never walks it.
  *
  * Holdership is taken to be prefix-closed per backend (a backend holding block i of a

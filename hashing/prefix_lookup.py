@@ -1,7 +1,7 @@
 """The prefix index's lookups: how long a prefix of a prompt's blocks each backend holds.
 
 `PrefixIndex` (hashing/prefix_index.py) keeps every backend's keys, confirmed and
-speculative, in one `BlockTable` (hashing/_block_table.c: flat arrays, ~40 bytes a (key,
+speculative, in one `BlockTable` (hashing/_block_table.c: flat arrays, 50-70 bytes a (key,
 backend) pair); this is their read side, which runs per candidate of every pick, each
 lookup one call into the table.
 
