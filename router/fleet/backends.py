@@ -168,17 +168,17 @@ class Fleet(PoolSettings):
         prior = speed_prior(self.policy.params)
         typical, slowest = typical_speed(learned), slowest_speed(learned)
         fastest = fastest_speed([*learned, prior] if prior is not None else learned)
-        lent = {True: "typical", False: "fastest"}
-        if typical is None and prior is not None:
+        fleet_wide = typical is None and prior is not None
+        if fleet_wide:
             typical = fastest = self.speed_samples.learned(prior)
-            lent = {True: "fleet", False: "fleet"}
         for b, speed in zip(self.members, known, strict=True):
             b.trying_speed = None if speed is not None else slowest
             if speed is not None:
                 source = "learned" if b.learned_speed is not None else "shared"
+            elif b.speed_samples.sampled():
+                speed, source = typical, "fleet" if fleet_wide else "typical"
             else:
-                sampled = b.speed_samples.sampled()
-                speed, source = typical if sampled else fastest, lent[sampled]
+                speed, source = fastest, "fleet" if fleet_wide else "fastest"
             b.lent_speed, b.lent_source = speed, source if speed is not None else None
 
     def _attach(self, policy: Policy, members: tuple[Backend, ...]) -> None:
