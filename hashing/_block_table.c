@@ -11,22 +11,51 @@
  * (linear probing, backward-shift deletion, so no tombstones) find an entry by (key,
  * backend, kind), a confirmed entry by (backend, engine hash), and a key record by key.
  * About 50-70 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
- * here is a Python object: the garbage collector never walks it.
+ * here is a Python object: the garbage collector never walks it. A backend's id comes
+ * from `member` (a hash of its name): the same in every process sharing the table.
  *
  * Holdership is taken to be prefix-closed per backend (a backend holding block i of a
  * chain holds the blocks before it), so the lookups are binary searches over a prompt's
  * key chain (`longest`, `holders`); hashing/prefix_lookup.py says why that holds.
- * Not thread-safe: one event loop owns a table. */
+ *
+ * `BlockTable()` keeps its arrays in the process's memory: one event loop owns it, no
+ * lock. `BlockTable(path)` keeps them in a file every process of a router host maps
+ * (a tmpfs one: the run directory in /dev/shm), so the host holds one copy of the index
+ * whatever its worker count. The file is a sparse 1 TiB address range: a header (a
+ * process-shared mutex, the arena's top, the table's numbers with its arrays as
+ * offsets) and an arena the arrays are cut from, never reused; an array that grows is
+ * copied to a new region and the old region's pages go back to the file system
+ * (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
+ * mutex: it reads the numbers and offsets into this process's view, works on the
+ * arrays, and writes them back. The mutex is robust: when a process dies holding it, the
+ * next caller finds the table possibly half-changed and starts it empty (`resets`); the
+ * index is a cache of where prompts went, relearned within seconds. A growth the file
+ * system has no room for (`fstatvfs`, checked before the region is used: a write past a
+ * full tmpfs would kill the process) fails as running out of memory does. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/file.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
 
 #define NIL UINT32_MAX
 #define CONF 0
 #define SPEC 1
 #define MAX_BACKENDS 65535
+/* the shared file's address range: what every array ever cut from the arena can take */
+#define ARENA_BYTES (1ULL << 40)
+#define PAGE 4096
+/* "kvrtab" and the layout's version */
+#define MAGIC 0x6b7672746162ULL
 
 typedef struct {
     uint32_t head, tail, len;
@@ -37,8 +66,9 @@ typedef struct {
     uint32_t mask, used;
 } itab_t;
 
+typedef struct arena arena_t;
+
 typedef struct {
-    PyObject_HEAD
     /* entries */
     uint32_t *e_key;
     uint64_t *e_val;
@@ -50,11 +80,84 @@ typedef struct {
     uint64_t *k_key;
     uint32_t *k_head, *k_count;
     uint32_t k_cap, k_top, k_free, k_live;
-    /* per backend: an LRU list per kind */
+    /* per backend id: an LRU list per kind, and the hash of the name it was given to
+     * (0: free) */
     lru_t *lru;
-    uint32_t n_backends;
+    uint64_t *b_name;
+    uint32_t n_backends, n_named;
     itab_t etab, gtab, ktab;
+    /* where the arrays are cut from: NULL, the process's heap */
+    arena_t *arena;
 } Table;
+
+/* the table's arrays, for turning them into offsets and back */
+static const size_t ARRAYS[] = {
+    offsetof(Table, e_key),   offsetof(Table, e_val),       offsetof(Table, e_prev),
+    offsetof(Table, e_next),  offsetof(Table, e_hnext),     offsetof(Table, e_backend),
+    offsetof(Table, e_kind),  offsetof(Table, k_key),       offsetof(Table, k_head),
+    offsetof(Table, k_count), offsetof(Table, lru),         offsetof(Table, b_name),
+    offsetof(Table, etab.slot), offsetof(Table, gtab.slot), offsetof(Table, ktab.slot),
+};
+
+/* the shared file's first bytes */
+typedef struct {
+    uint64_t magic;
+    pthread_mutex_t lock;
+    /* the arena's next free byte (from the file's start) */
+    uint64_t top;
+    /* times a process died holding the lock and the table started empty */
+    uint64_t resets;
+    /* the table's numbers, its arrays as offsets from the file's start */
+    Table state;
+} header_t;
+
+struct arena {
+    char *base;
+    int fd;
+    header_t *header;
+};
+
+typedef struct {
+    PyObject_HEAD
+    Table t;
+    arena_t arena; /* base NULL: the table is the process's own */
+} TableObject;
+
+static inline size_t pages(size_t bytes) { return (bytes + PAGE - 1) & ~(size_t)(PAGE - 1); }
+
+static void *arena_alloc(arena_t *a, size_t bytes) {
+    size_t len = pages(bytes);
+    uint64_t at = a->header->top;
+    struct statvfs fs;
+    if (len == 0 || at + len > ARENA_BYTES) return NULL;
+    if (fstatvfs(a->fd, &fs) == 0 && (uint64_t)fs.f_bavail * fs.f_frsize < len) return NULL;
+    a->header->top = at + len;
+    return a->base + at;
+}
+
+static void arena_free(arena_t *a, void *p, size_t bytes) {
+    if (p != NULL)
+        fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (char *)p - a->base, pages(bytes));
+}
+
+static void *t_alloc(Table *t, size_t bytes) {
+    return t->arena == NULL ? PyMem_RawMalloc(bytes) : arena_alloc(t->arena, bytes);
+}
+
+static void t_free(Table *t, void *p, size_t bytes) {
+    if (t->arena == NULL) PyMem_RawFree(p);
+    else arena_free(t->arena, p, bytes);
+}
+
+static void *t_realloc(Table *t, void *p, size_t old, size_t bytes) {
+    if (t->arena == NULL) return PyMem_RawRealloc(p, bytes);
+    void *q = arena_alloc(t->arena, bytes);
+    if (q != NULL && p != NULL) {
+        memcpy(q, p, old);
+        arena_free(t->arena, p, old);
+    }
+    return q;
+}
 
 static inline uint64_t mix(uint64_t x) {
     x ^= x >> 30;
@@ -87,8 +190,8 @@ static inline uint64_t home(Table *t, int which, uint32_t id) {
     return which == ETAB ? etab_home(t, id) : which == GTAB ? gtab_home(t, id) : ktab_home(t, id);
 }
 
-static int itab_init(itab_t *it, uint32_t size) {
-    it->slot = PyMem_RawMalloc(sizeof(uint32_t) * size);
+static int itab_init(Table *t, itab_t *it, uint32_t size) {
+    it->slot = t_alloc(t, sizeof(uint32_t) * size);
     if (it->slot == NULL) return -1;
     memset(it->slot, 0xff, sizeof(uint32_t) * size);
     it->mask = size - 1;
@@ -99,7 +202,7 @@ static int itab_init(itab_t *it, uint32_t size) {
 static int itab_grow(Table *t, int which, itab_t *it) {
     uint32_t old_size = it->mask + 1, *old = it->slot;
     if (old_size >= (1u << 31)) return -1;
-    if (itab_init(it, old_size * 2) < 0) {
+    if (itab_init(t, it, old_size * 2) < 0) {
         it->slot = old;
         it->mask = old_size - 1;
         return -1;
@@ -112,7 +215,7 @@ static int itab_grow(Table *t, int which, itab_t *it) {
         it->slot[j] = id;
         it->used++;
     }
-    PyMem_RawFree(old);
+    t_free(t, old, sizeof(uint32_t) * old_size);
     return 0;
 }
 
@@ -189,9 +292,9 @@ static inline int held(Table *t, uint64_t key, uint32_t backend) {
     return kind_find(t, key, backend, CONF) != NIL || kind_find(t, key, backend, SPEC) != NIL;
 }
 
-#define GROW(arr, cap) \
+#define GROW(arr, old, cap) \
     do { \
-        void *p_ = PyMem_RawRealloc((arr), sizeof(*(arr)) * (size_t)(cap)); \
+        void *p_ = t_realloc(t, (arr), sizeof(*(arr)) * (size_t)(old), sizeof(*(arr)) * (size_t)(cap)); \
         if (p_ == NULL) return -1; \
         (arr) = p_; \
     } while (0)
@@ -205,13 +308,13 @@ static inline uint32_t next_cap(uint32_t cap) {
 static int entries_grow(Table *t) {
     uint32_t cap = next_cap(t->e_cap);
     if (cap == 0) return -1;
-    GROW(t->e_key, cap);
-    GROW(t->e_val, cap);
-    GROW(t->e_prev, cap);
-    GROW(t->e_next, cap);
-    GROW(t->e_hnext, cap);
-    GROW(t->e_backend, cap);
-    GROW(t->e_kind, cap);
+    GROW(t->e_key, t->e_cap, cap);
+    GROW(t->e_val, t->e_cap, cap);
+    GROW(t->e_prev, t->e_cap, cap);
+    GROW(t->e_next, t->e_cap, cap);
+    GROW(t->e_hnext, t->e_cap, cap);
+    GROW(t->e_backend, t->e_cap, cap);
+    GROW(t->e_kind, t->e_cap, cap);
     t->e_cap = cap;
     return 0;
 }
@@ -219,9 +322,9 @@ static int entries_grow(Table *t) {
 static int keys_grow(Table *t) {
     uint32_t cap = next_cap(t->k_cap);
     if (cap == 0) return -1;
-    GROW(t->k_key, cap);
-    GROW(t->k_head, cap);
-    GROW(t->k_count, cap);
+    GROW(t->k_key, t->k_cap, cap);
+    GROW(t->k_head, t->k_cap, cap);
+    GROW(t->k_count, t->k_cap, cap);
     t->k_cap = cap;
     return 0;
 }
@@ -230,8 +333,10 @@ static int backends_grow(Table *t, uint32_t backend) {
     if (backend < t->n_backends) return 0;
     uint32_t n = t->n_backends ? t->n_backends : 16;
     while (n <= backend) n *= 2;
-    GROW(t->lru, (size_t)n * 2);
+    GROW(t->lru, (size_t)t->n_backends * 2, (size_t)n * 2);
+    GROW(t->b_name, t->n_backends, n);
     for (uint32_t i = t->n_backends * 2; i < n * 2; i++) t->lru[i] = (lru_t){NIL, NIL, 0};
+    memset(t->b_name + t->n_backends, 0, sizeof(uint64_t) * (n - t->n_backends));
     t->n_backends = n;
     return 0;
 }
@@ -407,7 +512,7 @@ static int keys_until(PyObject *const *args, Py_ssize_t n, const char *name, uin
 }
 
 /* speculate(backend, keys, expires_at): each key the most recently used, until expires_at */
-static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t val, *keys;
     Py_ssize_t len;
@@ -431,7 +536,7 @@ static PyObject *Table_speculate(Table *t, PyObject *const *args, Py_ssize_t n) 
 
 /* touch(backend, keys, expires_at): the speculative ones among keys become the most
  * recently used, the first of them last (so a chain's head leaves last) */
-static PyObject *Table_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t val, *keys;
     Py_ssize_t len;
@@ -446,7 +551,7 @@ static PyObject *Table_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* confirm(backend, keys, engines): (key, engine hash) pairs, the most recently stored */
-static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t *keys, *engines;
     Py_ssize_t len, engines_len;
@@ -483,7 +588,7 @@ static PyObject *Table_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
 
 /* trim(backend, confirmed, speculative): the least recently used keys of each kind past
  * those bounds go; returns how many */
-static PyObject *Table_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     if (check_args(n, 3, "trim") < 0 || as_backend(args[0], &b) < 0) return NULL;
     Py_ssize_t bound[2] = {PyLong_AsSsize_t(args[1]), PyLong_AsSsize_t(args[2])};
@@ -500,7 +605,7 @@ static PyObject *Table_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* removed(backend, engines): a BlockRemoved; a block's speculative entry goes too */
-static PyObject *Table_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t *engines;
     Py_ssize_t len;
@@ -518,7 +623,7 @@ static PyObject *Table_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* clear(backend, kind): every entry of that kind goes (None: both) */
-static PyObject *Table_clear(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_clear(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     if (check_args(n, 2, "clear") < 0 || as_backend(args[0], &b) < 0) return NULL;
     long first = CONF, last = SPEC;
@@ -539,7 +644,7 @@ static PyObject *Table_clear(Table *t, PyObject *const *args, Py_ssize_t n) {
 
 /* dropped(backend, keys, confirmed): the speculative entries of keys go, and with
  * confirmed the confirmed ones too */
-static PyObject *Table_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t *keys;
     Py_ssize_t len;
@@ -558,7 +663,7 @@ static PyObject *Table_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
 
 /* expire(now): every backend's speculative entries whose expiry passed go, oldest first
  * (each list is in expiry order while TTLs are equal); returns how many */
-static PyObject *Table_expire(Table *t, PyObject *now_obj) {
+static PyObject *do_expire(Table *t, PyObject *now_obj) {
     double now = PyFloat_AsDouble(now_obj);
     if (now == -1.0 && PyErr_Occurred()) return NULL;
     long gone = 0;
@@ -591,7 +696,7 @@ static Py_ssize_t run(Table *t, PyObject **keys, uint32_t b, Py_ssize_t lo, Py_s
 static inline int key_at(PyObject **keys, Py_ssize_t i, uint64_t *out) { return as_u64(keys[i], out); }
 
 /* longest(keys, backend): how many leading blocks of keys the backend holds */
-static PyObject *Table_longest(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_longest(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     if (check_args(n, 2, "longest") < 0 || as_backend(args[1], &b) < 0) return NULL;
     PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
@@ -616,7 +721,7 @@ static inline uint32_t holder_count(Table *t, uint64_t key) {
  * prefixes of keys: every holder of keys[0] when they are at most limit, else those
  * holding more blocks than the deepest level held by over limit (or limit of the holders
  * of the longest prefix, when that many tie on it), earliest holders first */
-static PyObject *Table_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
     if (check_args(n, 2, "holders") < 0) return NULL;
     Py_ssize_t limit = PyLong_AsSsize_t(args[1]);
     if (limit == -1 && PyErr_Occurred()) return NULL;
@@ -684,7 +789,7 @@ fail:
 }
 
 /* has(backend, key): the backend holds key, of either kind */
-static PyObject *Table_has(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_has(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t key;
     if (check_args(n, 2, "has") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
@@ -693,14 +798,14 @@ static PyObject *Table_has(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* anywhere(key): some backend holds key */
-static PyObject *Table_anywhere(Table *t, PyObject *key_obj) {
+static PyObject *do_anywhere(Table *t, PyObject *key_obj) {
     uint64_t key;
     if (as_u64(key_obj, &key) < 0) return NULL;
     return PyBool_FromLong(key_find(t, key) != NIL);
 }
 
 /* expiry(backend, key): when the backend's speculative entry for key expires, or None */
-static PyObject *Table_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t key;
     if (check_args(n, 2, "expiry") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
@@ -713,7 +818,7 @@ static PyObject *Table_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* key_of(backend, engine): the key of the block the backend reported as engine, or None */
-static PyObject *Table_key_of(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_key_of(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     uint64_t engine;
     if (check_args(n, 2, "key_of") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &engine) < 0)
@@ -724,7 +829,7 @@ static PyObject *Table_key_of(Table *t, PyObject *const *args, Py_ssize_t n) {
 }
 
 /* size(backend): (confirmed, speculative) entries */
-static PyObject *Table_size(Table *t, PyObject *b_obj) {
+static PyObject *do_size(Table *t, PyObject *b_obj) {
     uint32_t b;
     if (as_backend(b_obj, &b) < 0) return NULL;
     if (b >= t->n_backends) return Py_BuildValue("(ii)", 0, 0);
@@ -733,7 +838,7 @@ static PyObject *Table_size(Table *t, PyObject *b_obj) {
 
 /* snapshot(backend, kind): its (key, engine hash) pairs if confirmed, (key, expiry) if
  * speculative, least recently used first */
-static PyObject *Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t n) {
+static PyObject *do_snapshot(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
     if (check_args(n, 2, "snapshot") < 0 || as_backend(args[0], &b) < 0) return NULL;
     long kind = PyLong_AsLong(args[1]);
@@ -760,37 +865,261 @@ static PyObject *Table_snapshot(Table *t, PyObject *const *args, Py_ssize_t n) {
     return out;
 }
 
-static Py_ssize_t Table_len(Table *t) { return t->k_live; }
+/* member(name_hash): the id of the backend whose name hashes to name_hash (not 0), given
+ * it now if it has none: the first free id */
+static PyObject *do_member(Table *t, PyObject *h_obj) {
+    uint64_t h;
+    if (as_u64(h_obj, &h) < 0) return NULL;
+    if (h == 0) {
+        PyErr_SetString(PyExc_ValueError, "a name hash must not be 0");
+        return NULL;
+    }
+    uint32_t id = NIL;
+    for (uint32_t i = 0; i < t->n_named; i++) {
+        if (t->b_name[i] == h) return PyLong_FromUnsignedLong(i);
+        if (id == NIL && t->b_name[i] == 0) id = i;
+    }
+    if (id == NIL) {
+        if (t->n_named >= MAX_BACKENDS) {
+            PyErr_SetString(PyExc_OverflowError, "a table holds at most 65,535 backends");
+            return NULL;
+        }
+        if (backends_grow(t, t->n_named) < 0) return PyErr_NoMemory();
+        id = t->n_named++;
+    }
+    t->b_name[id] = h;
+    return PyLong_FromUnsignedLong(id);
+}
 
-static PyObject *Table_get_entries(Table *t, void *closure) { return PyLong_FromUnsignedLong(t->e_live); }
+/* release(backend): its entries go, and its id is free for another name */
+static PyObject *do_release(Table *t, PyObject *b_obj) {
+    uint32_t b;
+    if (as_backend(b_obj, &b) < 0) return NULL;
+    for (uint32_t kind = CONF; b < t->n_backends && kind <= SPEC; kind++) {
+        lru_t *l = list_of(t, b, kind);
+        while (l->head != NIL) entry_free(t, l->head);
+    }
+    if (b < t->n_named) t->b_name[b] = 0;
+    Py_RETURN_NONE;
+}
+
+/* the table with no entries and no keys (its names stay: other processes hold them) */
+static void empty(Table *t) {
+    t->e_top = t->e_live = t->k_top = t->k_live = 0;
+    t->e_free = t->k_free = NIL;
+    for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
+        memset(it->slot, 0xff, sizeof(uint32_t) * ((size_t)it->mask + 1));
+        it->used = 0;
+    }
+    for (uint32_t i = 0; i < t->n_backends * 2; i++) t->lru[i] = (lru_t){NIL, NIL, 0};
+}
+
+/* the shared state in this process's view: the arrays' offsets as addresses */
+static void load(TableObject *o) {
+    o->t = o->arena.header->state;
+    for (size_t i = 0; i < sizeof ARRAYS / sizeof ARRAYS[0]; i++) {
+        char **field = (char **)((char *)&o->t + ARRAYS[i]);
+        if (*field != NULL) *field = o->arena.base + (uintptr_t)*field;
+    }
+    o->t.arena = &o->arena;
+}
+
+/* this process's view back into the shared state */
+static void store(TableObject *o) {
+    Table state = o->t;
+    for (size_t i = 0; i < sizeof ARRAYS / sizeof ARRAYS[0]; i++) {
+        char **field = (char **)((char *)&state + ARRAYS[i]);
+        if (*field != NULL) *field = (char *)(uintptr_t)(*field - o->arena.base);
+    }
+    state.arena = NULL;
+    o->arena.header->state = state;
+}
+
+/* take the shared table's lock and read its state (nothing to do for a private table) */
+static int enter(TableObject *o) {
+    if (o->arena.base == NULL) return 0;
+    header_t *h = o->arena.header;
+    int err = pthread_mutex_lock(&h->lock);
+    if (err == EOWNERDEAD) {
+        load(o);
+        empty(&o->t);
+        store(o);
+        h->resets++;
+        err = pthread_mutex_consistent(&h->lock);
+    }
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    load(o);
+    return 0;
+}
+
+static void leave(TableObject *o) {
+    if (o->arena.base == NULL) return;
+    store(o);
+    pthread_mutex_unlock(&o->arena.header->lock);
+}
+
+/* each method holds the lock around its work on the table */
+#define LOCKED_FAST(name) \
+    static PyObject *Table_##name(TableObject *o, PyObject *const *args, Py_ssize_t n) { \
+        if (enter(o) < 0) return NULL; \
+        PyObject *out = do_##name(&o->t, args, n); \
+        leave(o); \
+        return out; \
+    }
+#define LOCKED_ONE(name) \
+    static PyObject *Table_##name(TableObject *o, PyObject *arg) { \
+        if (enter(o) < 0) return NULL; \
+        PyObject *out = do_##name(&o->t, arg); \
+        leave(o); \
+        return out; \
+    }
+
+LOCKED_FAST(speculate)
+LOCKED_FAST(touch)
+LOCKED_FAST(confirm)
+LOCKED_FAST(trim)
+LOCKED_FAST(removed)
+LOCKED_FAST(clear)
+LOCKED_FAST(dropped)
+LOCKED_FAST(longest)
+LOCKED_FAST(holders)
+LOCKED_FAST(has)
+LOCKED_FAST(expiry)
+LOCKED_FAST(key_of)
+LOCKED_FAST(snapshot)
+LOCKED_ONE(expire)
+LOCKED_ONE(anywhere)
+LOCKED_ONE(size)
+LOCKED_ONE(member)
+LOCKED_ONE(release)
+
+/* a number of the table, read under its lock; -1 with an exception set */
+static Py_ssize_t counted(TableObject *o, int entries) {
+    if (enter(o) < 0) return -1;
+    Py_ssize_t n = entries ? o->t.e_live : o->t.k_live;
+    leave(o);
+    return n;
+}
+
+static Py_ssize_t Table_len(TableObject *o) { return counted(o, 0); }
+
+static PyObject *Table_get_entries(TableObject *o, void *Py_UNUSED(closure)) {
+    Py_ssize_t n = counted(o, 1);
+    return n < 0 ? NULL : PyLong_FromSsize_t(n);
+}
 
 /* bytes allocated for the arrays and tables */
-static PyObject *Table_get_nbytes(Table *t, void *closure) {
+static PyObject *Table_get_nbytes(TableObject *o, void *Py_UNUSED(closure)) {
+    if (enter(o) < 0) return NULL;
+    Table *t = &o->t;
     size_t per_entry = 4 + 8 + 4 + 4 + 4 + 2 + 1, per_key = 8 + 4 + 4;
-    size_t bytes = per_entry * t->e_cap + per_key * t->k_cap + sizeof(lru_t) * 2 * t->n_backends +
+    size_t bytes = per_entry * t->e_cap + per_key * t->k_cap +
+                   (sizeof(lru_t) * 2 + sizeof(uint64_t)) * t->n_backends +
                    4 * ((size_t)t->etab.mask + 1 + t->gtab.mask + 1 + t->ktab.mask + 1);
+    leave(o);
     return PyLong_FromSize_t(bytes);
 }
 
-static int Table_init(Table *t, PyObject *args, PyObject *kwds) {
-    if ((args != NULL && PyTuple_GET_SIZE(args)) || (kwds != NULL && PyDict_GET_SIZE(kwds))) {
-        PyErr_SetString(PyExc_TypeError, "BlockTable() takes no arguments");
-        return -1;
-    }
-    if (t->etab.slot != NULL) return 0;
+static PyObject *Table_get_shared(TableObject *o, void *Py_UNUSED(closure)) {
+    return PyBool_FromLong(o->arena.base != NULL);
+}
+
+static PyObject *Table_get_resets(TableObject *o, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(o->arena.base == NULL ? 0 : o->arena.header->resets);
+}
+
+/* a table with its id tables and nothing in them */
+static int fresh(Table *t) {
     t->e_free = t->k_free = NIL;
-    if (itab_init(&t->etab, 1024) < 0 || itab_init(&t->gtab, 1024) < 0 || itab_init(&t->ktab, 1024) < 0) {
+    if (itab_init(t, &t->etab, 1024) < 0 || itab_init(t, &t->gtab, 1024) < 0 ||
+        itab_init(t, &t->ktab, 1024) < 0) {
         PyErr_NoMemory();
         return -1;
     }
     return 0;
 }
 
-static void Table_dealloc(Table *t) {
-    void *arrays[] = {t->e_key, t->e_val, t->e_prev, t->e_next, t->e_hnext, t->e_backend, t->e_kind,
-                      t->k_key, t->k_head, t->k_count, t->lru, t->etab.slot, t->gtab.slot, t->ktab.slot};
-    for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_RawFree(arrays[i]);
-    Py_TYPE(t)->tp_free((PyObject *)t);
+/* the header of a file no process has set up yet: its lock, its arena, an empty table */
+static int set_up(TableObject *o) {
+    header_t *h = o->arena.header;
+    pthread_mutexattr_t attr;
+    pthread_mutexattr_init(&attr);
+    pthread_mutexattr_setpshared(&attr, PTHREAD_PROCESS_SHARED);
+    pthread_mutexattr_setrobust(&attr, PTHREAD_MUTEX_ROBUST);
+    pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ERRORCHECK);
+    int err = pthread_mutex_init(&h->lock, &attr);
+    pthread_mutexattr_destroy(&attr);
+    if (err != 0) {
+        errno = err;
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    h->top = pages(sizeof(header_t));
+    h->resets = 0;
+    memset(&o->t, 0, sizeof o->t);
+    o->t.arena = &o->arena;
+    if (fresh(&o->t) < 0) return -1;
+    store(o);
+    h->magic = MAGIC;
+    return 0;
+}
+
+/* map the table's file at path, setting it up if this process is the first (the file's
+ * flock keeps two first processes apart) */
+static int open_shared(TableObject *o, PyObject *path) {
+    const char *name = PyBytes_AS_STRING(path);
+    int fd = open(name, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        return -1;
+    }
+    struct stat st;
+    void *base = MAP_FAILED;
+    if (flock(fd, LOCK_EX) < 0 || fstat(fd, &st) < 0 ||
+        ((uint64_t)st.st_size < ARENA_BYTES && ftruncate(fd, (off_t)ARENA_BYTES) < 0) ||
+        (base = mmap(NULL, ARENA_BYTES, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0)) ==
+            MAP_FAILED) {
+        PyErr_SetFromErrnoWithFilenameObject(PyExc_OSError, path);
+        close(fd);
+        return -1;
+    }
+    o->arena = (arena_t){base, fd, base};
+    int ok = o->arena.header->magic == MAGIC ? 0 : set_up(o);
+    flock(fd, LOCK_UN);
+    return ok;
+}
+
+static int Table_init(TableObject *o, PyObject *args, PyObject *kwds) {
+    static char *kwlist[] = {"path", NULL};
+    PyObject *path = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|O&:BlockTable", kwlist, PyUnicode_FSConverter, &path))
+        return -1;
+    if (o->arena.base != NULL || o->t.etab.slot != NULL) {
+        Py_XDECREF(path);
+        PyErr_SetString(PyExc_TypeError, "a BlockTable is set up once");
+        return -1;
+    }
+    int ok = path == NULL ? fresh(&o->t) : open_shared(o, path);
+    Py_XDECREF(path);
+    return ok;
+}
+
+static void Table_dealloc(TableObject *o) {
+    Table *t = &o->t;
+    if (o->arena.base != NULL) {
+        munmap(o->arena.base, ARENA_BYTES);
+        close(o->arena.fd);
+    } else {
+        void *arrays[] = {t->e_key, t->e_val,   t->e_prev, t->e_next,   t->e_hnext,
+                          t->e_backend, t->e_kind, t->k_key, t->k_head, t->k_count,
+                          t->lru,   t->b_name,  t->etab.slot, t->gtab.slot, t->ktab.slot};
+        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_RawFree(arrays[i]);
+    }
+    Py_TYPE(o)->tp_free((PyObject *)o);
 }
 
 static PyMethodDef Table_methods[] = {
@@ -809,6 +1138,8 @@ static PyMethodDef Table_methods[] = {
     {"expiry", (PyCFunction)(void (*)(void))Table_expiry, METH_FASTCALL, NULL},
     {"key_of", (PyCFunction)(void (*)(void))Table_key_of, METH_FASTCALL, NULL},
     {"size", (PyCFunction)Table_size, METH_O, NULL},
+    {"member", (PyCFunction)Table_member, METH_O, NULL},
+    {"release", (PyCFunction)Table_release, METH_O, NULL},
     {"snapshot", (PyCFunction)(void (*)(void))Table_snapshot, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},
 };
@@ -816,6 +1147,8 @@ static PyMethodDef Table_methods[] = {
 static PyGetSetDef Table_getset[] = {
     {"entries", (getter)Table_get_entries, NULL, "(key, backend, kind) entries held", NULL},
     {"nbytes", (getter)Table_get_nbytes, NULL, "bytes allocated for the table", NULL},
+    {"shared", (getter)Table_get_shared, NULL, "whether the table is in a shared file", NULL},
+    {"resets", (getter)Table_get_resets, NULL, "times a process died holding the lock", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -823,7 +1156,7 @@ static PySequenceMethods Table_as_sequence = {.sq_length = (lenfunc)Table_len};
 
 static PyTypeObject TableType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hashing._block_table.BlockTable",
-    .tp_basicsize = sizeof(Table),
+    .tp_basicsize = sizeof(TableObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = "Every backend's block keys on one cache medium, in flat arrays.",
     .tp_new = PyType_GenericNew,

@@ -16,6 +16,9 @@ table (`Member`), its bounds, and the event semantics; hashing/prefix_lookup.py 
 Memory is bounded per backend by `capacity` keys (LRU over confirmed keys, and as many
 speculative ones, or as many as the backend's answers showed it keeps, `trust`; the
 backend's `num_gpu_blocks` is the natural value). Not thread-safe: one event loop owns it.
+With several processes the table can be one file they all map (`share`): each process
+then keeps only its `Member`s, and a backend's id is the same in all of them (the table
+gives it by the name's hash).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from collections.abc import Iterable, Sequence
 
 from hashing.blocks import chain
 from hashing.prefix_lookup import CONFIRMED, Member, PrefixLookup
+from hashing.rendezvous import name_hash
 
 __all__ = ["PrefixIndex"]
 
@@ -38,12 +42,9 @@ class PrefixIndex(PrefixLookup):
     def _of(self, backend: str) -> Member:
         m = self._members.get(backend)
         if m is None:
-            names = self._names
-            free = names.index(None) if len(self._members) < len(names) else len(names)
-            if free == len(names):
-                names.append(None)
-            names[free] = backend
-            m = self._members[backend] = Member(free, self._capacity)
+            member = self._table.member(name_hash(backend) or 1)
+            self._names[member] = backend
+            m = self._members[backend] = Member(member, self._capacity)
         return m
 
     def _trim(self, m: Member) -> None:
@@ -119,8 +120,8 @@ class PrefixIndex(PrefixLookup):
         """The backend left the fleet: its keys go, and its place is free for another."""
         m = self._members.pop(backend, None)
         if m is not None:
-            self._table.clear(m.id, None)
-            self._names[m.id] = None
+            self._table.release(m.id)
+            del self._names[m.id]
             self._typical()
 
     def learn(self, backend: str, keys: Sequence[int], expires_at: float) -> None:

@@ -63,8 +63,8 @@ class PrefixLookup:
     def __init__(self) -> None:
         self._table = BlockTable()
         self._members: dict[str, Member] = {}
-        #: member ids in use, by id: the names `holders` answers with
-        self._names: list[str | None] = []
+        #: the names `holders` answers with, by member id
+        self._names: dict[int, str] = {}
         #: the median of the learned bounds (`Member.trusted`), for backends with none
         self._typical_trust: int | None = None
 
@@ -121,7 +121,22 @@ class PrefixLookup:
         of the longest prefix, when that many tie on it). Cost: O((1 + limit) * log
         blocks)."""
         names = self._names
-        return [(names[member], blocks) for member, blocks in self._table.holders(keys, limit)]
+        return [
+            (names[member], blocks)
+            for member, blocks in self._table.holders(keys, limit)
+            if member in names  # a shared table's backend this process does not route to
+        ]
+
+    def share(self, path: str) -> None:
+        """Keep the table in the file at `path`, which every process of the host maps
+        (hashing/_block_table.c): called before anything is in it."""
+        if self._members:
+            raise RuntimeError("an index is shared before it holds anything")
+        self._table = BlockTable(path)
+
+    @property
+    def shared(self) -> bool:
+        return self._table.shared
 
     def held(self, backend: str) -> Held | None:
         """`backend`'s keys, of either kind, for a search over several media."""

@@ -162,9 +162,19 @@ class TieredIndex:
             for name, _ in index.holders(keys, limit)
         }
 
-    def nbytes(self) -> dict[str, int]:
-        """The bytes each medium's table takes."""
-        return {medium: index.nbytes for medium, index in self._media.items()}
+    def share(self, directory: str) -> None:
+        """Keep each medium's table in a file of `directory` that every process of the
+        host maps (`index-<medium>`), before anything is in them."""
+        for medium, index in self._media.items():
+            index.share(f"{directory}/index-{medium}")
+
+    def nbytes(self, shared: bool) -> dict[str, int]:
+        """The bytes each medium's table takes; without `shared`, 0 for a table in a
+        shared file (so a sum over processes counts it once)."""
+        return {
+            medium: index.nbytes if shared or not index.shared else 0
+            for medium, index in self._media.items()
+        }
 
     def tier_sizes(self, backend: str) -> dict[str, int]:
         """The keys `backend` holds on each offload tier."""

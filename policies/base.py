@@ -251,6 +251,10 @@ class Policy(Generic[P]):
     def share(self, placements: Placements) -> None:
         """Called, with several worker processes, with their shared recent placements."""
 
+    def share_index(self, directory: str) -> None:
+        """Called first, with several processes on one host, with the directory (a tmpfs)
+        where what they all read can live once: a policy's prefix index."""
+
     def pace(self, keys: int) -> None:
         """Called by a router that drains (`drain`) between requests: a pick may then leave
         its upkeep past its first `keys` units of work pending (`deferred`)."""

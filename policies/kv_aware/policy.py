@@ -118,6 +118,9 @@ class KvAwarePolicy(Policy[KvAwareParams]):
     def share(self, placements: Placements) -> None:
         self._upkeep.placements = placements
 
+    def share_index(self, directory: str) -> None:
+        self.index.share(directory)
+
     def pace(self, keys: int) -> None:
         self._upkeep.pace = keys
 

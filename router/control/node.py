@@ -18,12 +18,11 @@ from collections.abc import Callable
 import aiohttp
 import orjson
 
-import policies
 from router import log
 from router.config import Config, ConfigError, KvEventsConfig
 from router.context import WorkerContext
 from router.control.admin import apply_edit
-from router.control.reload import ConfigSource, Reloader, check_admin_token
+from router.control.reload import ConfigSource, Reloader, check_admin_token, policy_for
 from router.control.tls import ServingTls
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
@@ -54,7 +53,7 @@ class Node(ABC):
         """Build the parts; ConfigError if a secret the config names cannot be read."""
         self.config = config
         self.context = context
-        routing = policies.create(config.routing)
+        routing = policy_for(config, context)
         self.fleet = Fleet(
             config.backends, routing, config.breaker, table, placements, config.backend_defaults
         )

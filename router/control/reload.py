@@ -43,6 +43,8 @@ import msgspec
 import policies
 from router import log
 from router.config import Config, ConfigError, load
+from router.context import WorkerContext
+from router.control.shared_tables import share_index
 from router.control.tls import ServingTls, serving_tls
 from router.fleet.backends import Backend, Fleet
 from router.fleet.discovery import Discovery
@@ -90,6 +92,7 @@ class Reloadable(Protocol):
     settings, and (`configure`) whatever its request path reads of the config."""
 
     config: Config
+    context: WorkerContext | None
     fleet: Fleet
     discovery: Discovery
     health: HealthChecker
@@ -158,7 +161,7 @@ class Reloader:
         old = router.config
         new, at_restart = _pin_restart_only(old, new)
         fleet = router.fleet
-        policy = fleet.policy if new.routing == old.routing else _policy(new)
+        policy = fleet.policy if new.routing == old.routing else policy_for(new, router.context)
         auth = Authenticator(new.auth)
         check_admin_token(router.admin_token, auth)
         certificates = router.tls.renewal(new) if renew else _no_renewal
@@ -197,11 +200,15 @@ class Reloader:
         return report
 
 
-def _policy(config: Config) -> policies.Policy:
+def policy_for(config: Config, context: WorkerContext | None) -> policies.Policy:
+    """The config's routing policy, its index shared by the host's processes when there
+    are several (`share_index`)."""
     try:
-        return policies.create(config.routing)
+        policy = policies.create(config.routing)
     except (OSError, ValueError) as exc:  # e.g. a tokenizer file that cannot be loaded
         raise ConfigError(f"routing: {exc}") from exc
+    share_index(policy, context)
+    return policy
 
 
 def check_admin_token(admin: AdminToken | None, auth: Authenticator) -> None:

@@ -2,19 +2,49 @@
 
 In-flight counts per backend (router/fleet/shared_load.py), placements
 (router/fleet/placements.py) and admission counts (router/dispatch/shared_admission.py),
-each a file the supervisor created (router/control/supervisor.py). A worker alone has
-none: its counts stay in-process.
+each a file the supervisor created (router/control/supervisor.py), and the policy's
+prefix index (`share_index`: one copy for the host, which every worker and the collector
+map). A worker alone has none: its counts and its index stay in-process.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import policies
+from router import log
 from router.context import WorkerContext
 from router.dispatch.shared_admission import AdmissionTable
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
+
+#: the free room the run directory needs for the processes to share one prefix index (a
+#: container's /dev/shm is 64 MiB unless it is given more); with less, each keeps a copy
+SHARED_INDEX_ROOM = 512 << 20
+
+
+def share_index(policy: policies.Policy, context: WorkerContext | None) -> None:
+    """Have `policy` keep its prefix index in `context`'s run directory, once for the
+    host, where the file system there has room for it."""
+    if context is None:
+        return
+    fs = os.statvfs(context.rundir)
+    room = fs.f_bavail * fs.f_frsize
+    if room < SHARED_INDEX_ROOM:
+        log.server.warning(
+            "the run directory %s has %d MiB free, under the %d MiB a shared prefix index "
+            "wants: %s keeps its own copy (give /dev/shm more room, e.g. docker run "
+            "--shm-size, or point %s elsewhere)",
+            context.rundir,
+            room >> 20,
+            SHARED_INDEX_ROOM >> 20,
+            context.name,
+            "KVROUTE_RUN_PARENT",
+        )
+        return
+    policy.share_index(context.rundir)
 
 
 @dataclass(frozen=True, slots=True)

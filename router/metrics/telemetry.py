@@ -81,7 +81,8 @@ class TelemetryMetrics:
         self._index_bytes = Gauge(
             "kvroute_prefix_index_bytes",
             "Bytes KV_AWARE's prefix index takes, by cache medium, over every process of "
-            "the router (each worker and the collector holds one)",
+            "the router (one table the processes share, or each one's own copy where "
+            "the run directory had no room to share it)",
             ["medium"],
             registry=r,
             multiprocess_mode="livesum",

@@ -95,8 +95,12 @@ class IndexUpkeep:
         kv_events: Callable[[], dict[str, KvEventsConfig]],
         snapshots: dict[str, VllmSnapshot],
         source: Source,
+        counts_shared: bool,
     ) -> None:
+        """`counts_shared`: this process shows the size of an index every process maps
+        (the collector's, or a process alone's), so the gauge's sum counts it once."""
         self._fleet = fleet
+        self._counts_shared = counts_shared
         self._metrics = metrics
         self._kv_events = kv_events
         self._snapshots = snapshots
@@ -113,7 +117,7 @@ class IndexUpkeep:
             if index is not None:
                 self._sync(index)
                 index.gpu.expire(time.monotonic())
-                self._metrics.index_bytes(index.nbytes())
+                self._metrics.index_bytes(index.nbytes(self._counts_shared))
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:
                         index.gpu.set_capacity(name, snap.num_gpu_blocks)

@@ -65,7 +65,14 @@ class Telemetry:
             self._scraped,
             self._decoded,
         )
-        upkeep = (fleet, parts.metrics, parts.kv_events, self._scraper.snapshots, self._source)
+        upkeep = (
+            fleet,
+            parts.metrics,
+            parts.kv_events,
+            self._scraper.snapshots,
+            self._source,
+            self.scrapes,
+        )
         self._upkeep = IndexUpkeep(*upkeep)
 
     def start(self) -> None:

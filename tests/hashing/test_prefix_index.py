@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import random
 from collections import OrderedDict
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -250,13 +251,27 @@ def _speculative(index: PrefixIndex, backend: str) -> list[tuple[int, float]]:
     return [] if held is None else index._table.snapshot(held.member, 1)
 
 
-def test_the_table_follows_every_change() -> None:
+def _views(how: str, tmp_path: Path, capacity: int = 1_000_000) -> list[PrefixIndex]:
+    """Two views of one index: the same object, or two indexes over one shared file (two
+    mappings at different addresses, as two processes of a host have)."""
+    if how == "private":
+        index = PrefixIndex(capacity)
+        return [index, index]
+    views = [PrefixIndex(capacity), PrefixIndex(capacity)]
+    for view in views:
+        view.share(str(tmp_path / "index-gpu"))
+    return views
+
+
+@pytest.mark.parametrize("how", ["private", "shared"])
+def test_the_table_follows_every_change(how: str, tmp_path: Path) -> None:
     """A seeded run of every operation against `_Model`: after each one, each backend
     holds exactly the model's keys of each kind, in its LRU order, with its engine
-    hashes and expiries, and each key names exactly its holders."""
+    hashes and expiries, and each key names exactly its holders. Shared, the operations
+    go through two views of the file in turn and each check reads the other view."""
     rng = random.Random(7)
     backends = [f"b{i}" for i in range(12)]  # a key's holders are one, a few or many
-    index, model = PrefixIndex(capacity=40), _Model(40)
+    views, model = _views(how, tmp_path, capacity=40), _Model(40)
     docs = [list(range(d * 1000, d * 1000 + 16 * 12)) for d in range(4)]
     chains = [chain(ROOT, ids, 16) for ids in docs]
     universe = {key for keys in chains for key in keys}
@@ -265,6 +280,7 @@ def test_the_table_follows_every_change() -> None:
     for step in range(1500):
         b, d, n = rng.choice(backends), rng.randrange(4), rng.randrange(1, 13)
         op = rng.choice([*ops, "restore"])
+        index, reader = views[step % 2], views[1 - step % 2]
         keys = chains[d][:n]
         if op == "stored":
             made = [next(engines) for _ in range(n)]
@@ -283,7 +299,8 @@ def test_the_table_follows_every_change() -> None:
             index.dropped(b, keys[n // 2 :], confirmed)
             model.dropped(b, keys[n // 2 :], confirmed)
         elif op in ("cleared", "forget"):
-            getattr(index, op)(b)
+            for view in views:  # every process forgets a backend that left
+                getattr(view, op)(b)
             model.confirmed.pop(b, None)
             if op == "forget":
                 model.speculative.pop(b, None)
@@ -297,21 +314,24 @@ def test_the_table_follows_every_change() -> None:
             model._of(b)
         for name in backends:
             conf, spec = model._of(name)
-            assert index.snapshot(name) == list(conf.items()), (step, op, name)
-            assert index.size(name) == (len(conf), len(spec)), (step, op, name)
-            assert _speculative(index, name) == list(spec.items()), (step, op, name)
-            assert [index.expiry(name, k) for k in spec] == list(spec.values())
-            assert all(index.key_of(name, e) == k for k, e in conf.items())
+            reader.set_capacity(name, 40)  # each process sizes every backend of its fleet
+            assert reader.snapshot(name) == list(conf.items()), (step, op, name)
+            assert reader.size(name) == (len(conf), len(spec)), (step, op, name)
+            assert _speculative(reader, name) == list(spec.items()), (step, op, name)
+            assert [reader.expiry(name, k) for k in spec] == list(spec.values())
+            assert all(reader.key_of(name, e) == k for k, e in conf.items())
         for key in universe:
-            assert {name for name, _ in index.holders([key], 12)} == model.holders(key), step
-    assert index.holder_keys() == sum(1 for key in universe if model.holders(key)) > 0
+            assert {name for name, _ in reader.holders([key], 12)} == model.holders(key), step
+    assert reader.holder_keys() == sum(1 for key in universe if model.holders(key)) > 0
 
 
-def test_every_key_is_found_after_the_tables_grew_and_shrank() -> None:
+@pytest.mark.parametrize("how", ["private", "shared"])
+def test_every_key_is_found_after_the_tables_grew_and_shrank(how: str, tmp_path: Path) -> None:
     """The table's arrays and id tables grow many times over (1,024 slots at first) and
     entries are freed and reused: every key held is found, with its holders, and none
-    that left. Keys of 3 backends, 40,000 each, half of them held by two."""
-    index = PrefixIndex()
+    that left. Keys of 3 backends, 40,000 each, half of them held by two. Shared, one
+    view writes and the other reads: every array the writer moved is found."""
+    index, reader = _views(how, tmp_path)
     keys = [chain(ROOT, list(range(d * 64, d * 64 + 64)), 16) for d in range(30_000)]
     for d, four in enumerate(keys):
         index.learn(f"b{d % 3}", four, 1e12)
@@ -328,14 +348,16 @@ def test_every_key_is_found_after_the_tables_grew_and_shrank() -> None:
         index.dropped(f"b{d % 3}", keys[d][2:])
     for d in range(1, 30_000, 2):
         index.removed(f"b{(d + 1) % 3}", [d * 4 + 3])
+    for name in ("b0", "b1", "b2"):
+        reader.set_capacity(name, 1_000_000)  # each process sizes every backend
     for d, four in enumerate(keys):
         own = 2 if d % 7 == 0 else 4
-        assert index.longest_prefix(four, f"b{d % 3}") == own, d
+        assert reader.longest_prefix(four, f"b{d % 3}") == own, d
         other = 3 if d % 2 else 0
-        assert index.longest_prefix(four, f"b{(d + 1) % 3}") == other, d
+        assert reader.longest_prefix(four, f"b{(d + 1) % 3}") == other, d
         expected = {(f"b{d % 3}", own)} | ({(f"b{(d + 1) % 3}", other)} if other else set())
-        assert set(index.holders(four, 8)) == expected, d
-    assert index.holder_keys() == sum(
+        assert set(reader.holders(four, 8)) == expected, d
+    assert reader.holder_keys() == sum(
         max(2 if d % 7 == 0 else 4, 3 if d % 2 else 0) for d in range(30_000)
     )
 

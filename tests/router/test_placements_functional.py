@@ -10,12 +10,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import pytest
 
 from bench.harness.processes import free_port, process, wait_ready
-from tests.router.test_workers import CHAT, backends, chat, multi_router, stubs, until
+from hashing.canonical import Message
+from hashing.chat_tokens import PromptBlocks
+from hashing.prefix_index import PrefixIndex
+from tests.router.test_workers import CHAT, backends, chat, metric, multi_router, stubs, until
 from tests.stub_backend import Behaviour, StubBackend
 
 pytestmark = pytest.mark.timeout(120)
@@ -86,6 +90,48 @@ async def test_what_one_worker_learns_reaches_the_other(tmp_path) -> None:
     finally:
         for s in servers:
             await s.stop()
+
+
+async def test_the_workers_and_the_collector_keep_one_index(tmp_path) -> None:
+    """The prefix index is one file in the run directory that every worker maps: the
+    keys a request through either worker placed are in it, as a third process opening
+    it reads them, and the index's gauge, summed over the processes, is that one
+    table's size (each process with its own copy would show about three times it)."""
+    servers = await stubs(4)
+    config = {"backends": backends(servers), "routing": {"strategy": "KV_AWARE"}}
+    try:
+        async with multi_router(tmp_path, config) as r:
+            (rundir,) = (tmp_path / "run").glob("kvroute-*")
+            path = rundir / "index-gpu"
+            for pid in r.workers():
+                maps = Path(f"/proc/{pid}/maps").read_text()
+                assert str(path) in maps, pid
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            index = _opened(path)
+            for doc, session in enumerate(sessions):
+                home = await _home(session, r.url, _document(doc))
+                messages = [Message("user", _document(doc))]
+                blocks = PromptBlocks(16, 2048).chat("stub-model", None, messages)[0]
+                index.set_capacity(home, 1_000_000)  # as each process sizes each backend
+                assert index.longest_prefix(blocks, home) == len(blocks) > 0, doc
+            media = [_opened(found) for found in rundir.glob("index-*")]
+            assert len(media) == 3  # the GPU's, and the default CPU and storage tiers'
+
+            async def counted_once() -> bool:
+                shown = await metric(sessions[0], r.url, "kvroute_prefix_index_bytes")
+                return shown == sum(medium.nbytes for medium in media)
+
+            await until(counted_once, 10, "the index's gauge to show one table")
+    finally:
+        for s in servers:
+            await s.stop()
+
+
+def _opened(path: Path) -> PrefixIndex:
+    """The shared index file at `path`, mapped by this process too."""
+    index = PrefixIndex()
+    index.share(str(path))
+    return index
 
 
 @contextlib.asynccontextmanager

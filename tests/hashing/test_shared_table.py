@@ -1,0 +1,102 @@
+"""The prefix index's table in a file several processes map (hashing/_block_table.c).
+
+Real processes: a child Python interpreter writes or takes the table's lock, the test's
+process reads. The table's semantics, shared or not, are tests/hashing/test_prefix_index.py's
+model test (run over two mappings of one file there).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hashing._block_table import BlockTable
+
+from hashing.blocks import chain, root_key
+from hashing.prefix_index import PrefixIndex
+from hashing.rendezvous import name_hash
+
+ROOT = root_key("m", None)
+#: where the header keeps its lock: after the 8-byte magic number
+LOCK_OFFSET = 8
+
+
+def _child(code: str) -> str:
+    """Run `code` in a new interpreter (bounded); its stdout."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def _keys(doc: int) -> list[int]:
+    return chain(ROOT, list(range(doc * 4096, doc * 4096 + 4096)), 16)
+
+
+def test_what_another_process_writes_is_read_here(tmp_path: Path) -> None:
+    """A child learns 200 prompts of 256 blocks on two backends (the arrays move many
+    times as they grow) into a table this process mapped before: every prompt is found
+    here, with its holders, and the child's ids for the backends are this process's."""
+    path = tmp_path / "index-gpu"
+    here = PrefixIndex()
+    here.share(str(path))
+    here.set_capacity("a", 1_000_000)
+    _child(f"""
+        from hashing.blocks import chain, root_key
+        from hashing.prefix_index import PrefixIndex
+        index = PrefixIndex()
+        index.share({str(path)!r})
+        root = root_key("m", None)
+        for doc in range(200):
+            keys = chain(root, list(range(doc * 4096, doc * 4096 + 4096)), 16)
+            index.learn("b" if doc % 2 else "a", keys, 1e12)
+    """)
+    here.set_capacity("b", 1_000_000)
+    for doc in range(200):
+        own = "b" if doc % 2 else "a"
+        assert here.longest_prefix(_keys(doc), own) == 256, doc
+        assert here.holders(_keys(doc), 4) == [(own, 256)], doc
+    assert here.size("a") == here.size("b") == (0, 100 * 256)
+    assert here.holder_keys() == 200 * 256
+
+
+def test_a_process_that_dies_holding_the_lock_leaves_a_table_that_works(tmp_path: Path) -> None:
+    """A child takes the table's lock and exits without letting go (as a worker killed
+    mid-update would): the next call here finds the table possibly half-changed, starts
+    it empty and counts a reset; the table then works, with the ids it gave before."""
+    path = tmp_path / "index-gpu"
+    index = PrefixIndex()
+    index.share(str(path))
+    index.learn("a", _keys(0), 1e12)
+    _child(f"""
+        import ctypes, mmap, os
+        fd = os.open({str(path)!r}, os.O_RDWR)
+        mapped = mmap.mmap(fd, mmap.PAGESIZE)
+        lock = ctypes.addressof(ctypes.c_char.from_buffer(mapped)) + {LOCK_OFFSET}
+        libc = ctypes.CDLL(None)
+        assert libc.pthread_mutex_lock(ctypes.c_void_p(lock)) == 0
+        os._exit(0)
+    """)
+    table = BlockTable(str(path))
+    assert len(table) == 0
+    assert table.resets == 1
+    assert index.longest_prefix(_keys(0), "a") == 0
+    index.learn("a", _keys(1), 1e12)
+    assert table.longest(_keys(1), table.member(name_hash("a"))) == 256
+    assert table.resets == 1
+
+
+def test_a_table_is_set_up_once(tmp_path: Path) -> None:
+    table = BlockTable(str(tmp_path / "t"))
+    with pytest.raises(TypeError, match="set up once"):
+        table.__init__(str(tmp_path / "t"))
+    with pytest.raises(OSError, match="No such file"):
+        BlockTable(str(tmp_path / "missing" / "t"))
