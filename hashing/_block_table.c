@@ -31,7 +31,8 @@
  * next caller finds the table possibly half-changed and starts it empty (`resets`); the
  * index is a cache of where prompts went, relearned within seconds. A growth the file
  * system has no room for (`fstatvfs`, checked before the region is used: a write past a
- * full tmpfs would kill the process) fails as running out of memory does. */
+ * full tmpfs would kill the process) stops the write there, counted (`full`): the index
+ * then holds what fits, its LRU making room as before. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -107,6 +108,8 @@ typedef struct {
     uint64_t top;
     /* times a process died holding the lock and the table started empty */
     uint64_t resets;
+    /* writes cut short because the file system had no room for a growth */
+    uint64_t full;
     /* the table's numbers, its arrays as offsets from the file's start */
     Table state;
 } header_t;
@@ -970,6 +973,20 @@ static void leave(TableObject *o) {
         leave(o); \
         return out; \
     }
+/* a write that needs a growth the file system has no room for stops there, counted: the
+ * keys before it are held (a shorter prefix, as an LRU would have left), the call goes on */
+#define LOCKED_WRITE(name) \
+    static PyObject *Table_##name(TableObject *o, PyObject *const *args, Py_ssize_t n) { \
+        if (enter(o) < 0) return NULL; \
+        PyObject *out = do_##name(&o->t, args, n); \
+        if (out == NULL && o->arena.base != NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) { \
+            PyErr_Clear(); \
+            o->arena.header->full++; \
+            out = Py_NewRef(Py_None); \
+        } \
+        leave(o); \
+        return out; \
+    }
 #define LOCKED_ONE(name) \
     static PyObject *Table_##name(TableObject *o, PyObject *arg) { \
         if (enter(o) < 0) return NULL; \
@@ -978,9 +995,9 @@ static void leave(TableObject *o) {
         return out; \
     }
 
-LOCKED_FAST(speculate)
+LOCKED_WRITE(speculate)
 LOCKED_FAST(touch)
-LOCKED_FAST(confirm)
+LOCKED_WRITE(confirm)
 LOCKED_FAST(trim)
 LOCKED_FAST(removed)
 LOCKED_FAST(clear)
@@ -1032,6 +1049,10 @@ static PyObject *Table_get_resets(TableObject *o, void *Py_UNUSED(closure)) {
     return PyLong_FromUnsignedLongLong(o->arena.base == NULL ? 0 : o->arena.header->resets);
 }
 
+static PyObject *Table_get_full(TableObject *o, void *Py_UNUSED(closure)) {
+    return PyLong_FromUnsignedLongLong(o->arena.base == NULL ? 0 : o->arena.header->full);
+}
+
 /* a table with its id tables and nothing in them */
 static int fresh(Table *t) {
     t->e_free = t->k_free = NIL;
@@ -1059,7 +1080,7 @@ static int set_up(TableObject *o) {
         return -1;
     }
     h->top = pages(sizeof(header_t));
-    h->resets = 0;
+    h->resets = h->full = 0;
     memset(&o->t, 0, sizeof o->t);
     o->t.arena = &o->arena;
     if (fresh(&o->t) < 0) return -1;
@@ -1149,6 +1170,7 @@ static PyGetSetDef Table_getset[] = {
     {"nbytes", (getter)Table_get_nbytes, NULL, "bytes allocated for the table", NULL},
     {"shared", (getter)Table_get_shared, NULL, "whether the table is in a shared file", NULL},
     {"resets", (getter)Table_get_resets, NULL, "times a process died holding the lock", NULL},
+    {"full", (getter)Table_get_full, NULL, "writes cut short: no room in the file system", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

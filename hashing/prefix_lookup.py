@@ -138,6 +138,11 @@ class PrefixLookup:
     def shared(self) -> bool:
         return self._table.shared
 
+    @property
+    def cut_short(self) -> int:
+        """Writes a shared table's file system had no room to finish (its `full`)."""
+        return self._table.full
+
     def held(self, backend: str) -> Held | None:
         """`backend`'s keys, of either kind, for a search over several media."""
         m = self._members.get(backend)

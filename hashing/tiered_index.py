@@ -176,6 +176,10 @@ class TieredIndex:
             for medium, index in self._media.items()
         }
 
+    def cut_short(self) -> int:
+        """Writes the media's shared files had no room to finish, all told."""
+        return sum(index.cut_short for index in self._media.values())
+
     def tier_sizes(self, backend: str) -> dict[str, int]:
         """The keys `backend` holds on each offload tier."""
         return {t.medium: index.size(backend)[0] for t, index in self._indexed}

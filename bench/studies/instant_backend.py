@@ -19,10 +19,12 @@ without bound. `GET /debug/streams` counts the open streams per model.
 
     python -m bench.studies.instant_backend --port 0     # prints the URL it listens on
     python -m bench.studies.instant_backend --raw --interval 0.01 --slow-interval 0.5
+    python -m bench.studies.instant_backend --sites 64   # 64 URLs: one backend each
 
 Not a study of its own: the backend of docs/performance.md, "Throughput beside the Rust
 routers", "New requests while streams flow", "What compression costs" and the overhead
-sections (bench.studies.throughput, fairness, compression, overhead, grpc_overhead).
+sections (bench.studies.throughput, fairness, compression, overhead, grpc_overhead), and
+of "Index memory per host" (bench.studies.index_memory, with `--sites`).
 """
 
 from __future__ import annotations
@@ -82,12 +84,14 @@ def make_app(chunks: int) -> web.Application:
     return app
 
 
-async def serve(host: str, port: int, chunks: int) -> None:
+async def serve(host: str, port: int, chunks: int, sites: int) -> None:
+    """Serve on `port` and `sites - 1` more free ports, printing each URL on a line."""
     runner = web.AppRunner(make_app(chunks), access_log=None)
     await runner.setup()
-    site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
-    print(f"http://{host}:{runner.addresses[0][1]}", flush=True)
+    for i in range(sites):
+        await web.TCPSite(runner, host, port if i == 0 else 0, reuse_address=True).start()
+    for address in runner.addresses:
+        print(f"http://{host}:{address[1]}", flush=True)
     await asyncio.Event().wait()
 
 
@@ -287,6 +291,13 @@ def main(argv: list[str] | None = None) -> int:
         help=f"--raw: {MODEL} streams send their second event once N are open",
     )
     parser.add_argument("--slow-hold", type=int, default=0, metavar="N", help="the same, slow")
+    parser.add_argument(
+        "--sites",
+        type=int,
+        default=1,
+        metavar="N",
+        help="listen on N ports, a URL printed per line: N backends to a router (not --raw)",
+    )
     args = parser.parse_args(argv)
     if args.raw:
         paces = {
@@ -295,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
         }
         uvloop.run(serve_raw(args.host, args.port, args.chunks, paces))
     else:
-        uvloop.run(serve(args.host, args.port, args.chunks))
+        uvloop.run(serve(args.host, args.port, args.chunks, args.sites))
     return 0
 
 

@@ -101,6 +101,8 @@ class IndexUpkeep:
         (the collector's, or a process alone's), so the gauge's sum counts it once."""
         self._fleet = fleet
         self._counts_shared = counts_shared
+        #: the index's writes cut short for want of room, when last looked at
+        self._cut_short = 0
         self._metrics = metrics
         self._kv_events = kv_events
         self._snapshots = snapshots
@@ -118,10 +120,23 @@ class IndexUpkeep:
                 self._sync(index)
                 index.gpu.expire(time.monotonic())
                 self._metrics.index_bytes(index.nbytes(self._counts_shared))
+                self._warn_if_full(index)
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:
                         index.gpu.set_capacity(name, snap.num_gpu_blocks)
             await asyncio.sleep(1.0)
+
+    def _warn_if_full(self, index: TieredIndex) -> None:
+        """Say so (at most once a pass) when the shared index's file system ran out of
+        room: the index keeps what fits, and the run directory needs more."""
+        cut = index.cut_short()
+        if cut > self._cut_short and self._counts_shared:
+            log.server.warning(
+                "the prefix index's run directory is full: %d writes kept only what fit "
+                "(give /dev/shm more room, e.g. docker run --shm-size)",
+                cut - self._cut_short,
+            )
+        self._cut_short = cut
 
     def tasks(self) -> list[asyncio.Task]:
         """The subscription tasks held (to cancel them at stop)."""
