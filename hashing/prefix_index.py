@@ -149,8 +149,11 @@ class PrefixIndex(PrefixLookup):
         self._table.expire(now)
 
     def restore(self, backend: str, pairs: Sequence[Sequence[int]]) -> None:
-        """Replace `backend`'s confirmed keys with a `snapshot` (a worker joining late)."""
+        """Replace `backend`'s confirmed keys with a `snapshot` (a worker joining late).
+        A shared table is the snapshot's source itself, and ahead of it: it stays."""
         m = self._of(backend)
+        if self.shared:
+            return
         self._table.clear(m.id, CONFIRMED)
         self._table.confirm(m.id, [p[0] for p in pairs], [p[1] for p in pairs])
         self._trim(m)
