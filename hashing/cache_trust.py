@@ -98,6 +98,12 @@ class Answer(NamedTuple):
     ttl: float
     #: the backend's KV events stalled: its confirmed entries are corrected too
     confirmed: bool = False
+    #: of a miss, as the index stood when the answer came (`CacheTrust.witnessed`): when
+    #: the first lost block's speculative entry expired (None: it had none), and how many
+    #: speculative keys the backend had. Every process then learns alike, even where
+    #: another one's correction of a shared index came first
+    expires_at: float | None = None
+    held: int | None = None
 
 
 @dataclass(slots=True)
@@ -141,9 +147,18 @@ class CacheTrust:
         """The backend's KV events stopped coming (or never came)."""
         return now - self.heard.get(backend, float("-inf")) > EVENTS_STALL_S
 
+    def witnessed(self, answer: Answer) -> Answer:
+        """`answer` with what a miss's learning reads of the index, read now (by the
+        process the answer came to, before anything corrects the index)."""
+        if judged(answer.predicted, answer.reported) is not Outcome.MISS:
+            return answer
+        index, backend = self._index, answer.backend
+        expires_at = index.expiry(backend, answer.keys[answer.reported])
+        return answer._replace(expires_at=expires_at, held=index.size(backend)[1])
+
     def observe(self, answer: Answer) -> Outcome:
         """Apply one answer (see the module's docstring)."""
-        backend, keys, predicted, reported, at, ttl, _ = answer
+        backend, keys, predicted, reported, at, ttl = answer[:6]
         outcome = judged(predicted, reported)
         learned = self.learned.setdefault(backend, Learned())
         if outcome is Outcome.MISS:
@@ -166,10 +181,10 @@ class CacheTrust:
     def _missed(self, answer: Answer, learned: Learned) -> None:
         """The backend lost the prompt's blocks from `reported` on: fewer than the blocks
         inserted there since the first of them was last used fit in its cache."""
-        backend, keys, _, reported, _, ttl, confirmed = answer
+        if answer.held is None:
+            answer = self.witnessed(answer)
+        backend, keys, _, reported, _, ttl, confirmed, expires_at, held = answer
         index = self._index
-        expires_at = index.expiry(backend, keys[reported])
-        held = index.size(backend)[1]
         index.dropped(backend, keys[reported:], confirmed)
         learned.dropped[keys[reported]] = True
         if len(learned.dropped) > _DROPPED:
@@ -178,7 +193,7 @@ class CacheTrust:
             return
         fits = max(learned.since(expires_at - ttl), len(keys))
         if learned.blocks is None:  # it held no more than the index did
-            learned.blocks = max(held, fits)
+            learned.blocks = max(held or 0, fits)
         self._bound(backend, learned, min(learned.blocks, fits))
 
     def _bound(self, backend: str, learned: Learned, blocks: float) -> None:

@@ -204,6 +204,11 @@ async def probe(name: str, url: str, tokens: int, small: int) -> Probe:
         try:
             await asyncio.to_thread(ready.wait, 60)
             busy = [await _send(http, url, _SMALL) for _ in range(small)]
+            # and on until a long prompt has gone through wholly beside them (a busy
+            # machine may have sent them all within the first one)
+            deadline = time.monotonic() + 60
+            while sent.value < 2 and time.monotonic() < deadline:
+                busy.append(await _send(http, url, _SMALL))
         finally:
             stop.set()
             await asyncio.to_thread(sender.join, 30)
@@ -212,17 +217,18 @@ async def probe(name: str, url: str, tokens: int, small: int) -> Probe:
 
 def _long_prompts(url: str, words: int, ready: Event, stop: Event, sent: Synchronized) -> None:
     """New long chat prompts to `url`, one after the other, until `stop`: one document,
-    each time behind a new first line, so that none shares a block with another."""
+    each time behind a new first line, so that none shares a block with another. `ready`
+    once the first one went through (they flow from then on)."""
     body = orjson.loads(chat_body(words, 1_000_000))
     document = body["messages"][0]["content"]
     host, port = urllib.parse.urlsplit(url).netloc.split(":")
     conn = http.client.HTTPConnection(host, int(port))
-    ready.set()
     while not stop.is_set():
         body["messages"][0]["content"] = f"{sent.value} {document}"
         conn.request("POST", _CHAT, orjson.dumps(body), _HEADERS)
         conn.getresponse().read()
         sent.value += 1
+        ready.set()
     conn.close()
 
 

@@ -61,7 +61,9 @@ class CacheFeedback:
         if outcome in _WRONG:
             self._metrics.kv_corrections.labels(backend, outcome.value).inc()
         ttl = p.speculative_ttl_s if events else p.approximate_ttl_s
-        answer = Answer(backend, list(keys), predicted, reported, now, ttl, events)
+        answer = index.trust.witnessed(
+            Answer(backend, list(keys), predicted, reported, now, ttl, events)
+        )
         self.adopt(answer)
         placements = self._fleet.placements
         if placements is not None:
