@@ -27,25 +27,15 @@ from collections.abc import Iterable, Sequence
 
 from hashing.blocks import chain
 from hashing.prefix_lookup import CONFIRMED, Member, PrefixLookup
-from hashing.rendezvous import name_hash
 
 __all__ = ["PrefixIndex"]
 
 
 class PrefixIndex(PrefixLookup):
     def __init__(self, capacity: int = 1_000_000) -> None:
-        super().__init__()
-        self._capacity = capacity
+        super().__init__(capacity)
         #: BlockStored events skipped because their parent block was unknown
         self.orphans = 0
-
-    def _of(self, backend: str) -> Member:
-        m = self._members.get(backend)
-        if m is None:
-            member = self._table.member(name_hash(backend) or 1)
-            self._names[member] = backend
-            m = self._members[backend] = Member(member, self._capacity)
-        return m
 
     def _trim(self, m: Member) -> None:
         """Let each kind's least recently used keys beyond `m`'s bounds go."""

@@ -20,10 +20,11 @@ is one more binary search: O((1 + holders) * log blocks), whatever the fleet siz
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from hashing._block_table import BlockTable
+from hashing.rendezvous import name_hash
 
 __all__ = ["CONFIRMED", "Held", "Member", "PrefixLookup"]
 
@@ -60,22 +61,46 @@ class PrefixLookup:
     """The lookups over `_table` and `_members` (each backend's place in it), which a
     subclass keeps (`PrefixIndex`)."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int) -> None:
         self._table = BlockTable()
+        #: a new member's bound
+        self._capacity = capacity
         self._members: dict[str, Member] = {}
         #: the names `holders` answers with, by member id
         self._names: dict[int, str] = {}
         #: the median of the learned bounds (`Member.trusted`), for backends with none
         self._typical_trust: int | None = None
 
+    def _of(self, backend: str) -> Member:
+        """`backend`'s place in the table, given now if it has none (the table gives the
+        id, by the name's hash: the same in every process sharing it)."""
+        m = self._members.get(backend)
+        if m is None:
+            member = self._table.member(name_hash(backend) or 1)
+            self._names[member] = backend
+            m = self._members[backend] = Member(member, self._capacity)
+        return m
+
+    def join(self, backends: Iterable[str]) -> None:
+        """Give each of `backends` (the fleet's) its place now: a shared table's holders
+        are named only by the processes that know their ids."""
+        for backend in backends:
+            self._of(backend)
+
+    def _member(self, backend: str) -> Member | None:
+        """`backend`'s place for a read: None if it has none here, but in a shared table
+        always (another process may have written its keys)."""
+        m = self._members.get(backend)
+        return self._of(backend) if m is None and self._table.shared else m
+
     def key_of(self, backend: str, engine: int) -> int | None:
         """The router key of the block `backend` reported as `engine`, if it holds it."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return self._table.key_of(m.id, engine) if m is not None else None
 
     def expiry(self, backend: str, key: int) -> float | None:
         """When `backend`'s speculative entry for `key` expires (None: it has none)."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return self._table.expiry(m.id, key) if m is not None else None
 
     def room(self, backend: str) -> float:
@@ -85,7 +110,7 @@ class PrefixLookup:
         one kind, and one backend's miss then teaches the others' placements), less the
         speculative keys it holds. Unbounded while no backend's bound is learned (the
         caches' size is unknown, or large enough that each engine's own LRU decides)."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         bound = None if m is None else m.trusted
         if bound is None:
             bound = self._typical_trust
@@ -98,7 +123,7 @@ class PrefixLookup:
         proved a bound), then the blocks it does not hold, as the negated count of the keys
         it holds (confirmed and speculative, a key in both counted twice: a rough measure,
         for ranking). O(1)."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         if m is None:
             return math.inf, 0
         return self.room(backend), -sum(self._table.size(m.id))
@@ -111,7 +136,7 @@ class PrefixLookup:
 
     def longest_prefix(self, keys: Sequence[int], backend: str) -> int:
         """How many leading blocks of `keys` the backend holds (binary search, see above)."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return self._table.longest(keys, m.id) if m is not None else 0
 
     def holders(self, keys: Sequence[int], limit: int) -> list[tuple[str, int]]:
@@ -145,7 +170,7 @@ class PrefixLookup:
 
     def held(self, backend: str) -> Held | None:
         """`backend`'s keys, of either kind, for a search over several media."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return Held(self._table, m.id) if m is not None else None
 
     def anywhere(self) -> Held:
@@ -154,12 +179,12 @@ class PrefixLookup:
 
     def snapshot(self, backend: str) -> list[tuple[int, int]]:
         """The confirmed (key, engine hash) pairs of `backend`, least recently stored first."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return self._table.snapshot(m.id, CONFIRMED) if m is not None else []
 
     def size(self, backend: str) -> tuple[int, int]:
         """(confirmed, speculative) keys held for `backend`."""
-        m = self._members.get(backend)
+        m = self._member(backend)
         return self._table.size(m.id) if m is not None else (0, 0)
 
     def holder_keys(self) -> int:

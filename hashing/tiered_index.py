@@ -27,7 +27,7 @@ event loop owns it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,12 @@ class TieredIndex:
         any medium can be trusted any more."""
         for index in self._media.values():
             index.cleared(backend)
+
+    def join(self, backends: Iterable[str]) -> None:
+        """Give each of the fleet's `backends` its place in every medium's table."""
+        backends = list(backends)
+        for index in self._media.values():
+            index.join(backends)
 
     def forget(self, backend: str) -> None:
         for index in self._media.values():

@@ -67,7 +67,9 @@ class IndexUpkeep:
         self._learned: tuple[RouteRequest | None, dict[str, int]] = (None, {})
 
     def keep(self, names: set[str]) -> None:
-        """Forget the backends that publish events and are not in `names` (they left)."""
+        """Forget the backends that publish events and are not in `names` (they left);
+        the others have their places in the index."""
+        self.index.join(names)
         for gone in self.event_backends - names:
             self.index.forget(gone)
         for held in [held for held in self.pending if held[0] not in names]:

@@ -11,6 +11,7 @@ forwards.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
@@ -46,11 +47,17 @@ class Relay(Protocol):
 
 
 def applier(
-    backend: Backend, index: TieredIndex, fleet: Fleet, tally: Tally | None = None
+    backend: Backend,
+    index: TieredIndex,
+    fleet: Fleet,
+    tally: Tally | None = None,
+    writes: bool = True,
 ) -> EventApplier:
-    """What turns the backend's event batches into index updates."""
+    """What turns the backend's event batches into index updates (without `writes`, into
+    nothing but the note that it published: EventApplier)."""
     block_size = fleet.policy.params.block_size
-    return EventApplier(backend.name, index, block_size, lambda: _base_model(backend), tally)
+    base_model = functools.partial(_base_model, backend)  # read at each batch
+    return EventApplier(backend.name, index, block_size, base_model, tally, writes)
 
 
 def subscribe(

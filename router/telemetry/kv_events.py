@@ -149,6 +149,8 @@ _DECODERS = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayB
 class EventApplier:
     """Applies decoded batches of one backend to the index (pure, no sockets); `tally`
     counts each batch's events (where the router counts them: alone, or the collector).
+    Without `writes` it only notes that the backend published (a worker whose index is
+    the collector's, shared: the collector applies every batch once for the host).
 
     A batch is decoded into typed structs in one pass, by the decoder of the form the
     backend sent last (the other next); one neither takes (an unknown tag, a field of an
@@ -161,8 +163,10 @@ class EventApplier:
         block_size: int,
         base_model: Callable[[], str],
         tally: Tally | None = None,
+        writes: bool = True,
     ) -> None:
         self._backend = backend
+        self._writes = writes
         self._index = index
         self._block_size = block_size
         self._base_model = base_model
@@ -182,6 +186,8 @@ class EventApplier:
             self._apply_generic(payload)
             return
         self._heard(batch.ts)
+        if not self._writes:
+            return
         stored = removed = cleared = 0
         backend, index = self._backend, self._index
         for event in batch.events:
@@ -230,6 +236,8 @@ class EventApplier:
             self.stats.skipped += 1
             return
         self._heard(batch[0])
+        if not self._writes:
+            return
         counts = [0, 0, 0]
         for event in events if isinstance(events, list) else ():
             kind = self._apply(event)

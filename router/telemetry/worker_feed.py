@@ -83,8 +83,10 @@ class WorkerTelemetry(Telemetry):
         self._fleet.scraped_decode(backend, sample, record=self._records)
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
-        """The applier of the batches the collector forwards for `backend`."""
-        return applier(backend, index, self._fleet)
+        """The applier of the batches the collector forwards for `backend`: to this
+        worker's own index, or, where the index is the one the collector writes (shared),
+        only to note that the backend published."""
+        return applier(backend, index, self._fleet, writes=not index.gpu.shared)
 
     async def broadcast(self, payload: bytes) -> None:
         """Send `payload` to every worker (this one included) through the collector."""
@@ -152,8 +154,9 @@ class WorkerTelemetry(Telemetry):
         elif kind == b"k" and name in self._upkeep.held:
             self._upkeep.held[name][0].apply_payloads(rest)
         elif kind == b"c" and (index := self._upkeep.index) is not None:
-            index.cleared(name)
-            log.backends.warning("KV index of %s cleared (collector's reset)", name)
+            if not index.gpu.shared:  # a shared index is the one the collector cleared
+                index.cleared(name)
+                log.backends.warning("KV index of %s cleared (collector's reset)", name)
         elif kind == b"l":
             self._learned(rest[0])
         elif kind == b"r":

@@ -349,8 +349,6 @@ def test_every_key_is_found_after_the_tables_grew_and_shrank(how: str, tmp_path:
         index.dropped(f"b{d % 3}", keys[d][2:])
     for d in range(1, 30_000, 2):
         index.removed(f"b{(d + 1) % 3}", [d * 4 + 3])
-    for name in ("b0", "b1", "b2"):
-        reader.set_capacity(name, 1_000_000)  # each process sizes every backend
     for d, four in enumerate(keys):
         own = 2 if d % 7 == 0 else 4
         assert reader.longest_prefix(four, f"b{d % 3}") == own, d

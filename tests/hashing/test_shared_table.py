@@ -49,7 +49,6 @@ def test_what_another_process_writes_is_read_here(tmp_path: Path) -> None:
     path = tmp_path / "index-gpu"
     here = PrefixIndex()
     here.share(str(path))
-    here.set_capacity("a", 1_000_000)
     _child(f"""
         from hashing.blocks import chain, root_key
         from hashing.prefix_index import PrefixIndex
@@ -60,7 +59,6 @@ def test_what_another_process_writes_is_read_here(tmp_path: Path) -> None:
             keys = chain(root, list(range(doc * 4096, doc * 4096 + 4096)), 16)
             index.learn("b" if doc % 2 else "a", keys, 1e12)
     """)
-    here.set_capacity("b", 1_000_000)
     for doc in range(200):
         own = "b" if doc % 2 else "a"
         assert here.longest_prefix(_keys(doc), own) == 256, doc
@@ -137,3 +135,19 @@ def test_a_full_file_system_cuts_writes_short_and_loses_nothing_held(small_tmpfs
     index.forget("b1")
     index.learn("b2", _keys(5000), 1e12)
     assert index.longest_prefix(_keys(5000), "b2") == 256
+
+
+def test_holders_another_process_placed_are_named_once_the_fleet_is_known(
+    tmp_path: Path,
+) -> None:
+    """A process names a holder by the id the table gave it: one whose keys only another
+    process wrote is unnamed here until this process knows the fleet (`join`, at every
+    membership change), and then found."""
+    path = str(tmp_path / "index-gpu")
+    writer, reader = PrefixIndex(), PrefixIndex()
+    writer.share(path)
+    reader.share(path)
+    writer.learn("x", _keys(0), 1e12)
+    assert reader.holders(_keys(0), 4) == []
+    reader.join(["x", "y"])
+    assert reader.holders(_keys(0), 4) == [("x", 256)]

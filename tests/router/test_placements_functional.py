@@ -112,7 +112,6 @@ async def test_the_workers_and_the_collector_keep_one_index(tmp_path) -> None:
                 home = await _home(session, r.url, _document(doc))
                 messages = [Message("user", _document(doc))]
                 blocks = PromptBlocks(16, 2048).chat("stub-model", None, messages)[0]
-                index.set_capacity(home, 1_000_000)  # as each process sizes each backend
                 assert index.longest_prefix(blocks, home) == len(blocks) > 0, doc
             media = [_opened(found) for found in rundir.glob("index-*")]
             assert len(media) == 3  # the GPU's, and the default CPU and storage tiers'
