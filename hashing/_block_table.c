@@ -26,8 +26,9 @@
  * offsets) and an arena the arrays are cut from, never reused; an array that grows is
  * copied to a new region and the old region's pages go back to the file system
  * (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
- * mutex: it reads the numbers and offsets into this process's view, works on the
- * arrays, and writes them back. The mutex is robust: when a process dies holding it, the
+ * mutex: it reads the numbers and offsets into this process's view unless the view is
+ * of the table's current version, works on the arrays, and a write stores them back as
+ * a new version. The mutex is robust: when a process dies holding it, the
  * next caller finds the table possibly half-changed and starts it empty (`resets`); the
  * index is a cache of where prompts went, relearned within seconds. A growth the file
  * system has no room for (`fstatvfs`, checked before the region is used: a write past a
@@ -110,6 +111,8 @@ typedef struct {
     uint64_t resets;
     /* writes cut short because the file system had no room for a growth */
     uint64_t full;
+    /* counts the writes: a process whose view is of this version need not read it again */
+    uint64_t version;
     /* the table's numbers, its arrays as offsets from the file's start */
     Table state;
 } header_t;
@@ -124,6 +127,7 @@ typedef struct {
     PyObject_HEAD
     Table t;
     arena_t arena; /* base NULL: the table is the process's own */
+    uint64_t seen; /* the version `t` was read at (shared) */
 } TableObject;
 
 static inline size_t pages(size_t bytes) { return (bytes + PAGE - 1) & ~(size_t)(PAGE - 1); }
@@ -927,7 +931,7 @@ static void load(TableObject *o) {
     o->t.arena = &o->arena;
 }
 
-/* this process's view back into the shared state */
+/* this process's view back into the shared state, a new version of it */
 static void store(TableObject *o) {
     Table state = o->t;
     for (size_t i = 0; i < sizeof ARRAYS / sizeof ARRAYS[0]; i++) {
@@ -936,6 +940,7 @@ static void store(TableObject *o) {
     }
     state.arena = NULL;
     o->arena.header->state = state;
+    o->seen = ++o->arena.header->version;
 }
 
 /* take the shared table's lock and read its state (nothing to do for a private table) */
@@ -955,22 +960,26 @@ static int enter(TableObject *o) {
         PyErr_SetFromErrno(PyExc_OSError);
         return -1;
     }
-    load(o);
+    if (o->seen != h->version) {
+        load(o);
+        o->seen = h->version;
+    }
     return 0;
 }
 
-static void leave(TableObject *o) {
+/* let go of the lock, `wrote` having changed the table */
+static void leave(TableObject *o, int wrote) {
     if (o->arena.base == NULL) return;
-    store(o);
+    if (wrote) store(o);
     pthread_mutex_unlock(&o->arena.header->lock);
 }
 
 /* each method holds the lock around its work on the table */
-#define LOCKED_FAST(name) \
+#define LOCKED_FAST(name, wrote) \
     static PyObject *Table_##name(TableObject *o, PyObject *const *args, Py_ssize_t n) { \
         if (enter(o) < 0) return NULL; \
         PyObject *out = do_##name(&o->t, args, n); \
-        leave(o); \
+        leave(o, wrote); \
         return out; \
     }
 /* a write that needs a growth the file system has no room for stops there, counted: the
@@ -984,41 +993,41 @@ static void leave(TableObject *o) {
             o->arena.header->full++; \
             out = Py_NewRef(Py_None); \
         } \
-        leave(o); \
+        leave(o, 1); \
         return out; \
     }
-#define LOCKED_ONE(name) \
+#define LOCKED_ONE(name, wrote) \
     static PyObject *Table_##name(TableObject *o, PyObject *arg) { \
         if (enter(o) < 0) return NULL; \
         PyObject *out = do_##name(&o->t, arg); \
-        leave(o); \
+        leave(o, wrote); \
         return out; \
     }
 
 LOCKED_WRITE(speculate)
-LOCKED_FAST(touch)
+LOCKED_FAST(touch, 1)
 LOCKED_WRITE(confirm)
-LOCKED_FAST(trim)
-LOCKED_FAST(removed)
-LOCKED_FAST(clear)
-LOCKED_FAST(dropped)
-LOCKED_FAST(longest)
-LOCKED_FAST(holders)
-LOCKED_FAST(has)
-LOCKED_FAST(expiry)
-LOCKED_FAST(key_of)
-LOCKED_FAST(snapshot)
-LOCKED_ONE(expire)
-LOCKED_ONE(anywhere)
-LOCKED_ONE(size)
-LOCKED_ONE(member)
-LOCKED_ONE(release)
+LOCKED_FAST(trim, 1)
+LOCKED_FAST(removed, 1)
+LOCKED_FAST(clear, 1)
+LOCKED_FAST(dropped, 1)
+LOCKED_FAST(longest, 0)
+LOCKED_FAST(holders, 0)
+LOCKED_FAST(has, 0)
+LOCKED_FAST(expiry, 0)
+LOCKED_FAST(key_of, 0)
+LOCKED_FAST(snapshot, 0)
+LOCKED_ONE(expire, 1)
+LOCKED_ONE(anywhere, 0)
+LOCKED_ONE(size, 0)
+LOCKED_ONE(member, 1)
+LOCKED_ONE(release, 1)
 
 /* a number of the table, read under its lock; -1 with an exception set */
 static Py_ssize_t counted(TableObject *o, int entries) {
     if (enter(o) < 0) return -1;
     Py_ssize_t n = entries ? o->t.e_live : o->t.k_live;
-    leave(o);
+    leave(o, 0);
     return n;
 }
 
@@ -1037,7 +1046,7 @@ static PyObject *Table_get_nbytes(TableObject *o, void *Py_UNUSED(closure)) {
     size_t bytes = per_entry * t->e_cap + per_key * t->k_cap +
                    (sizeof(lru_t) * 2 + sizeof(uint64_t)) * t->n_backends +
                    4 * ((size_t)t->etab.mask + 1 + t->gtab.mask + 1 + t->ktab.mask + 1);
-    leave(o);
+    leave(o, 0);
     return PyLong_FromSize_t(bytes);
 }
 

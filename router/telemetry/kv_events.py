@@ -146,6 +146,16 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
 _DECODERS = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
 
 
+class _Head(msgspec.Struct, array_like=True, gc=False):
+    """A batch's publish time, its events left undecoded."""
+
+    ts: Any
+    events: msgspec.Raw
+
+
+_HEAD = msgspec.msgpack.Decoder(_Head)
+
+
 class EventApplier:
     """Applies decoded batches of one backend to the index (pure, no sockets); `tally`
     counts each batch's events (where the router counts them: alone, or the collector).
@@ -181,13 +191,14 @@ class EventApplier:
             self.apply_payload(payload)
 
     def apply_payload(self, payload: bytes) -> None:
+        if not self._writes:
+            self._note(payload)
+            return
         batch = self._typed(payload)
         if batch is None:
             self._apply_generic(payload)
             return
         self._heard(batch.ts)
-        if not self._writes:
-            return
         stored = removed = cleared = 0
         backend, index = self._backend, self._index
         for event in batch.events:
@@ -209,6 +220,15 @@ class EventApplier:
                 cleared += 1
         if self._tally is not None:
             self._tally(stored, removed, cleared)
+
+    def _note(self, payload: bytes) -> None:
+        """That the backend published, and when: its events are not even decoded."""
+        try:
+            head = _HEAD.decode(payload)
+        except msgspec.DecodeError:
+            self.stats.skipped += 1
+            return
+        self._heard(head.ts)
 
     def _typed(self, payload: bytes) -> _MapBatch | _ArrayBatch | None:
         """The batch as structs, by the form that decodes it (tried last first)."""
@@ -236,8 +256,6 @@ class EventApplier:
             self.stats.skipped += 1
             return
         self._heard(batch[0])
-        if not self._writes:
-            return
         counts = [0, 0, 0]
         for event in events if isinstance(events, list) else ():
             kind = self._apply(event)
