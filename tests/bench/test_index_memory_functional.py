@@ -1,0 +1,28 @@
+"""`python -m bench.studies.index_memory` at a small size: real processes on 127.0.0.1 (the
+instant backend on several ports, kvroute at 1 and 2 workers in front of it)."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+
+from bench.studies import index_memory
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_small_run_measures_one_table_per_host(tmp_path, capsys) -> None:
+    """Both routers learn the same entries; alone, the index is the process's own (no
+    file); with 2 workers it is one set of files in the run directory, which the gauge,
+    counting it once, matches."""
+    out = tmp_path / "memory.json"
+    argv = ["--backends", "4", "--requests", "12", "--words", "2000", "--workers", "1,2"]
+    assert index_memory.main([*argv, "--json", str(out)]) == 0
+    alone, two = orjson.loads(out.read_bytes())
+    assert alone["workers"] == 1 and two["workers"] == 2
+    assert alone["entries"] == two["entries"] > 12 * 100  # ~200 blocks a prompt
+    assert alone["shared_files_bytes"] == 0
+    assert two["shared_files_bytes"] > 0 and two["processes"] > alone["processes"]
+    assert two["gauge_bytes"] == alone["gauge_bytes"] > 0
+    assert alone["pss_bytes"] > 0 and two["pss_bytes"] > 0
+    assert "| workers | processes | entries |" in capsys.readouterr().out
