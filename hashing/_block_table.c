@@ -128,6 +128,7 @@ typedef struct {
     Table t;
     arena_t arena; /* base NULL: the table is the process's own */
     uint64_t seen; /* the version `t` was read at (shared) */
+    int holding;   /* `hold` calls not yet let go: the lock is this process's meanwhile */
 } TableObject;
 
 static inline size_t pages(size_t bytes) { return (bytes + PAGE - 1) & ~(size_t)(PAGE - 1); }
@@ -945,9 +946,14 @@ static void store(TableObject *o) {
 
 /* take the shared table's lock and read its state (nothing to do for a private table) */
 static int enter(TableObject *o) {
-    if (o->arena.base == NULL) return 0;
+    if (o->arena.base == NULL || o->holding) return 0;
     header_t *h = o->arena.header;
-    int err = pthread_mutex_lock(&h->lock);
+    int err = pthread_mutex_trylock(&h->lock);
+    if (err == EBUSY) { /* another process (or thread) holds it: wait without the GIL */
+        Py_BEGIN_ALLOW_THREADS
+        err = pthread_mutex_lock(&h->lock);
+        Py_END_ALLOW_THREADS
+    }
     if (err == EOWNERDEAD) {
         load(o);
         empty(&o->t);
@@ -971,7 +977,30 @@ static int enter(TableObject *o) {
 static void leave(TableObject *o, int wrote) {
     if (o->arena.base == NULL) return;
     if (wrote) store(o);
-    pthread_mutex_unlock(&o->arena.header->lock);
+    if (!o->holding) pthread_mutex_unlock(&o->arena.header->lock);
+}
+
+/* hold(): keep the lock from here to the matching let_go, so that a run of calls (one
+ * routing decision's) sees the table as no other process changes it meanwhile; nested
+ * holds count. Nothing to hold for a private table. */
+static PyObject *Table_hold(TableObject *o, PyObject *Py_UNUSED(arg)) {
+    if (o->holding) {
+        o->holding++;
+        Py_RETURN_NONE;
+    }
+    if (enter(o) < 0) return NULL;
+    if (o->arena.base != NULL) o->holding = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *Table_let_go(TableObject *o, PyObject *Py_UNUSED(arg)) {
+    if (o->holding == 0) {
+        if (o->arena.base == NULL) Py_RETURN_NONE;
+        PyErr_SetString(PyExc_RuntimeError, "let_go() without hold()");
+        return NULL;
+    }
+    if (--o->holding == 0) pthread_mutex_unlock(&o->arena.header->lock);
+    Py_RETURN_NONE;
 }
 
 /* each method holds the lock around its work on the table */
@@ -1169,6 +1198,8 @@ static PyMethodDef Table_methods[] = {
     {"key_of", (PyCFunction)(void (*)(void))Table_key_of, METH_FASTCALL, NULL},
     {"size", (PyCFunction)Table_size, METH_O, NULL},
     {"member", (PyCFunction)Table_member, METH_O, NULL},
+    {"hold", (PyCFunction)Table_hold, METH_NOARGS, NULL},
+    {"let_go", (PyCFunction)Table_let_go, METH_NOARGS, NULL},
     {"release", (PyCFunction)Table_release, METH_O, NULL},
     {"snapshot", (PyCFunction)(void (*)(void))Table_snapshot, METH_FASTCALL, NULL},
     {NULL, NULL, 0, NULL},

@@ -163,6 +163,13 @@ class PrefixLookup:
     def shared(self) -> bool:
         return self._table.shared
 
+    def hold(self) -> None:
+        """Keep a shared table to this process until `let_go` (nested holds count)."""
+        self._table.hold()
+
+    def let_go(self) -> None:
+        self._table.let_go()
+
     @property
     def cut_short(self) -> int:
         """Writes a shared table's file system had no room to finish (its `full`)."""

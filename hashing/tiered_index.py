@@ -27,7 +27,8 @@ event loop owns it.
 
 from __future__ import annotations
 
-from collections.abc import Container, Iterable, Sequence
+import contextlib
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +121,22 @@ class TieredIndex:
         any medium can be trusted any more."""
         for index in self._media.values():
             index.cleared(backend)
+
+    @contextlib.contextmanager
+    def steady(self) -> Iterator[None]:
+        """No other process changes the tables until the block ends, so that one
+        decision's reads agree with each other (shared tables; nothing to hold for a
+        process's own). The media are held in one order in every process."""
+        indexes = list(self._media.values())
+        held = 0
+        try:
+            for index in indexes:
+                index.hold()
+                held += 1
+            yield
+        finally:
+            for index in reversed(indexes[:held]):
+                index.let_go()
 
     def join(self, backends: Iterable[str]) -> None:
         """Give each of the fleet's `backends` its place in every medium's table."""

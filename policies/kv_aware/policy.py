@@ -134,6 +134,10 @@ class KvAwarePolicy(Policy[KvAwareParams]):
     def pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         if not fleet.candidates:
             return Pick(None, Reason.NO_CANDIDATE)
+        with self.index.steady():  # another worker's pick lands before or after, whole
+            return self._pick(req, fleet)
+
+    def _pick(self, req: RouteRequest, fleet: FleetView) -> Pick:
         reach = self.index.reach()
         scored = self._scoring.scored(req, fleet, reach)
         if not scored:

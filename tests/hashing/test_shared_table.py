@@ -19,6 +19,7 @@ from hashing._block_table import BlockTable
 from hashing.blocks import chain, root_key
 from hashing.prefix_index import PrefixIndex
 from hashing.rendezvous import name_hash
+from hashing.tiered_index import TieredIndex
 
 ROOT = root_key("m", None)
 #: where the header keeps its lock: after the 8-byte magic number
@@ -151,3 +152,35 @@ def test_holders_another_process_placed_are_named_once_the_fleet_is_known(
     assert reader.holders(_keys(0), 4) == []
     reader.join(["x", "y"])
     assert reader.holders(_keys(0), 4) == [("x", 256)]
+
+
+def test_a_decision_holding_the_tables_sees_no_other_process_write(tmp_path: Path) -> None:
+    """While one process holds the index (`steady`, around a routing decision) another
+    one's write waits: the decision's reads agree with each other. The write lands once
+    the hold ends."""
+    index = TieredIndex()
+    index.share(str(tmp_path))
+    code = f"""
+        import sys
+        from hashing.blocks import chain, root_key
+        from hashing.tiered_index import TieredIndex
+        index = TieredIndex()
+        index.share({str(tmp_path)!r})
+        print("writing", flush=True)
+        keys = chain(root_key("m", None), list(range(4096)), 16)
+        index.gpu.learn("x", keys, 1e12)
+    """
+    with index.steady():
+        child = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert child.stdout.readline() == "writing\n"
+            with pytest.raises(subprocess.TimeoutExpired):  # it waits for the hold
+                child.wait(timeout=1)
+            assert index.gpu.longest_prefix(_keys(0), "x") == 0
+        except BaseException:
+            child.kill()
+            raise
+    assert child.wait(timeout=60) == 0
+    assert index.gpu.longest_prefix(_keys(0), "x") == 256
