@@ -20,6 +20,7 @@ from hashing.blocks import chain, root_key
 from hashing.prefix_index import PrefixIndex
 from hashing.rendezvous import name_hash
 from hashing.tiered_index import TieredIndex
+from tests.tmpfs import small_disk
 
 ROOT = root_key("m", None)
 #: where the header keeps its lock: after the 8-byte magic number
@@ -105,19 +106,8 @@ def test_a_table_is_set_up_once(tmp_path: Path) -> None:
 @pytest.fixture
 def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
     """A 16 MiB tmpfs (mounting needs root: the CI container's user)."""
-    where = tmp_path / "small"
-    where.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
-        capture_output=True,
-        check=False,
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
+    with small_disk(tmp_path / "small", "16m") as where:
         yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=True)
 
 
 def test_a_full_file_system_cuts_writes_short_and_loses_nothing_held(small_tmpfs: Path) -> None:
