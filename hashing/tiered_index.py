@@ -70,6 +70,8 @@ class TieredIndex:
         self.ignored: dict[str, int] = {}
         #: per backend, when (its clock) the last event batch applied here was published
         self.published: dict[str, float] = {}
+        #: the tables are files every process of the host maps (`share`)
+        self._shared = False
 
     def index_of(self, medium: Any) -> PrefixIndex | None:
         """The index of an event's medium (none named: the GPU); None, counted, if the
@@ -122,11 +124,14 @@ class TieredIndex:
         for index in self._media.values():
             index.cleared(backend)
 
-    @contextlib.contextmanager
-    def steady(self) -> Iterator[None]:
+    def steady(self) -> contextlib.AbstractContextManager[None]:
         """No other process changes the tables until the block ends, so that one
         decision's reads agree with each other (shared tables; nothing to hold for a
         process's own). The media are held in one order in every process."""
+        return self._held() if self._shared else contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
         indexes = list(self._media.values())
         held = 0
         try:
@@ -190,6 +195,7 @@ class TieredIndex:
         host maps (`index-<medium>`), before anything is in them."""
         for medium, index in self._media.items():
             index.share(f"{directory}/index-{medium}")
+        self._shared = True
 
     def nbytes(self, shared: bool) -> dict[str, int]:
         """The bytes each medium's table takes; without `shared`, 0 for a table in a

@@ -12,6 +12,8 @@ from typing import Any
 
 #: the collector's index (the workers are 0..N-1)
 COLLECTOR = -1
+#: a directory to keep run directories in instead of /dev/shm
+RUN_PARENT_ENV = "KVROUTE_RUN_PARENT"
 
 
 @dataclass(frozen=True)

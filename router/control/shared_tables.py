@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import policies
 from router import log
-from router.context import WorkerContext
+from router.context import RUN_PARENT_ENV, WorkerContext
 from router.dispatch.shared_admission import AdmissionTable
 from router.fleet.placements import PlacementTable
 from router.fleet.shared_load import LoadTable
@@ -41,7 +41,7 @@ def share_index(policy: policies.Policy, context: WorkerContext | None) -> None:
             room >> 20,
             SHARED_INDEX_ROOM >> 20,
             context.name,
-            "KVROUTE_RUN_PARENT",
+            RUN_PARENT_ENV,
         )
         return
     policy.share_index(context.rundir)

@@ -64,7 +64,7 @@ from setproctitle import setproctitle
 
 from router import log
 from router.config import Config, ConfigError
-from router.context import COLLECTOR, WorkerContext
+from router.context import COLLECTOR, RUN_PARENT_ENV, WorkerContext
 from router.control.tls import ServingTls
 from router.dispatch.shared_admission import AdmissionTable
 from router.errors import ListenError, listening
@@ -80,8 +80,6 @@ _POLL_SECONDS = 0.2
 GIVE_UP = 3
 _PR_SET_PDEATHSIG = 1
 RUNDIR_PREFIX = "kvroute-"
-#: a directory to keep run directories in instead of /dev/shm
-RUN_PARENT_ENV = "KVROUTE_RUN_PARENT"
 #: the run directory's lock: held shared by every live process of its router
 OWNER_LOCK = "owner.lock"
 
