@@ -50,7 +50,7 @@ from typing import NamedTuple
 
 from hashing.prefix_index import PrefixIndex
 
-__all__ = ["EVENTS_STALL_S", "Answer", "CacheTrust", "Learned", "Outcome", "judged"]
+__all__ = ["EVENTS_STALL_S", "Answer", "CacheTrust", "Learned", "Lesson", "Outcome", "judged"]
 
 #: a backend's KV events count as stalled once none came for this long (seconds)
 EVENTS_STALL_S = 10.0
@@ -105,6 +105,43 @@ class Answer(NamedTuple):
     expires_at: float | None = None
     held: int | None = None
 
+    @property
+    def lesson(self) -> Lesson:
+        """What the answer teaches apart from its corrections of the index."""
+        keys, predicted, reported = self.keys, self.predicted, self.reported
+        edge = min(predicted, reported)
+        return Lesson(
+            self.backend,
+            len(keys),
+            predicted,
+            reported,
+            self.at,
+            self.ttl,
+            keys[edge] if edge < len(keys) else 0,
+            self.expires_at,
+            self.held,
+        )
+
+
+class Lesson(NamedTuple):
+    """An answer's learning without its keys: all a process applies whose index another
+    one already corrected (one index shared by the host's processes), a few numbers in
+    place of a long prompt's thousands of keys."""
+
+    backend: str
+    #: the prompt's blocks
+    blocks: int
+    predicted: int
+    reported: int
+    at: float
+    ttl: float
+    #: the prompt's key where prediction and report part: a miss's first lost block, a
+    #: surplus's first block the index had not predicted (0 when they do not part)
+    edge: int
+    #: as `Answer`'s (a miss's, witnessed)
+    expires_at: float | None
+    held: int | None
+
 
 @dataclass(slots=True)
 class Learned:
@@ -157,44 +194,53 @@ class CacheTrust:
         return answer._replace(expires_at=expires_at, held=index.size(backend)[1])
 
     def observe(self, answer: Answer) -> Outcome:
-        """Apply one answer (see the module's docstring)."""
+        """Apply one answer: correct the index, then learn (see the module's docstring)."""
         backend, keys, predicted, reported, at, ttl = answer[:6]
         outcome = judged(predicted, reported)
-        learned = self.learned.setdefault(backend, Learned())
+        index = self._index
         if outcome is Outcome.MISS:
-            learned.misses += 1
-            self._missed(answer, learned)
+            if answer.held is None:
+                answer = self.witnessed(answer)
+            index.dropped(backend, keys[reported:], answer.confirmed)
         elif outcome is Outcome.SURPLUS:
-            learned.surpluses += 1
-            self._index.learn(backend, keys[:reported], at + ttl)
-            rerun = learned.dropped.pop(keys[predicted], False)
-            if learned.blocks is not None and not rerun:
-                self._bound(backend, learned, learned.blocks + reported - predicted)
+            index.learn(backend, keys[:reported], at + ttl)
         elif outcome is Outcome.HIT:
-            learned.hits += 1
-            self._index.touched(backend, keys[:reported], at + ttl)
-        learned.inserted += len(keys) - reported
-        learned.times.append(at)
-        learned.counts.append(learned.inserted)
+            index.touched(backend, keys[:reported], at + ttl)
+        self.learn(answer.lesson)
         return outcome
 
-    def _missed(self, answer: Answer, learned: Learned) -> None:
+    def learn(self, lesson: Lesson) -> None:
+        """The backend's counts and learned capacity from one answer (its corrections of
+        the index are `observe`'s)."""
+        outcome = judged(lesson.predicted, lesson.reported)
+        learned = self.learned.setdefault(lesson.backend, Learned())
+        if outcome is Outcome.MISS:
+            learned.misses += 1
+            self._missed(lesson, learned)
+        elif outcome is Outcome.SURPLUS:
+            learned.surpluses += 1
+            rerun = learned.dropped.pop(lesson.edge, False)
+            if learned.blocks is not None and not rerun:
+                gained = lesson.reported - lesson.predicted
+                self._bound(lesson.backend, learned, learned.blocks + gained)
+        elif outcome is Outcome.HIT:
+            learned.hits += 1
+        learned.inserted += lesson.blocks - lesson.reported
+        learned.times.append(lesson.at)
+        learned.counts.append(learned.inserted)
+
+    def _missed(self, lesson: Lesson, learned: Learned) -> None:
         """The backend lost the prompt's blocks from `reported` on: fewer than the blocks
         inserted there since the first of them was last used fit in its cache."""
-        if answer.held is None:
-            answer = self.witnessed(answer)
-        backend, keys, _, reported, _, ttl, confirmed, expires_at, held = answer
-        index = self._index
-        index.dropped(backend, keys[reported:], confirmed)
-        learned.dropped[keys[reported]] = True
+        learned.dropped[lesson.edge] = True
         if len(learned.dropped) > _DROPPED:
             del learned.dropped[next(iter(learned.dropped))]
-        if expires_at is None:
+        if lesson.expires_at is None:
             return
-        fits = max(learned.since(expires_at - ttl), len(keys))
+        fits = max(learned.since(lesson.expires_at - lesson.ttl), lesson.blocks)
         if learned.blocks is None:  # it held no more than the index did
-            learned.blocks = max(held or 0, fits)
-        self._bound(backend, learned, min(learned.blocks, fits))
+            learned.blocks = max(lesson.held or 0, fits)
+        self._bound(lesson.backend, learned, min(learned.blocks, fits))
 
     def _bound(self, backend: str, learned: Learned, blocks: float) -> None:
         """Set the learned capacity, moved at most `_STEP`-fold from where it was."""

@@ -197,6 +197,11 @@ class TieredIndex:
             index.share(f"{directory}/index-{medium}")
         self._shared = True
 
+    @property
+    def shared(self) -> bool:
+        """The tables are the host's, one for every process (`share`)."""
+        return self._shared
+
     def nbytes(self, shared: bool) -> dict[str, int]:
         """The bytes each medium's table takes; without `shared`, 0 for a table in a
         shared file (so a sum over processes counts it once)."""

@@ -52,6 +52,10 @@ class Placements(Protocol):
         """(backend, blocks, expires_at): another worker's recent placement of the blocks
         from `keys[start]` on, and how many of them this prompt shares, if any."""
 
+    def replicate(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+        """As `place`, for the router's other replicas alone: the workers share the policy's
+        index, where the placement is already."""
+
     def withdraw(self, backend: str, keys: Sequence[int], start: int) -> None:
         """The placement of `keys[start:]` on `backend`, just made in this loop turn, was
         not followed: out of the table, and out of the batch for the other workers."""

@@ -38,7 +38,7 @@ def _policy(tmp_path, shared: bool):
     policy = create(KvAwareParams(seed=1))
     policy.on_fleet_change(MEMBERS)
     if shared:
-        table = PlacementTable(tmp_path / "placements", 0, lambda payload: None)
+        table = PlacementTable(tmp_path / "placements", 0, lambda payload: None, False)
         table.known(b.name for b in MEMBERS)
         policy.share(table)
     return policy

@@ -18,7 +18,10 @@ placements (`share`, router/fleet/placements.py) before the pick returns, and ea
 first reads there whether another worker just sent this prompt's uncached blocks
 somewhere (`placed_elsewhere`, then `adopt`), the router holding a router-wide lock
 around the pick and its load count: a burst of one new prefix that the kernel spread over
-the workers stays on one backend, as it would in one process. A backend that publishes
+the workers stays on one backend, as it would in one process. Where the workers share one
+index (`TieredIndex.share`, the router's default with several), a placement is there for
+every worker at once and the pick holds the index, so neither the table nor the broadcast
+carries it (`replicate`: only to the router's other replicas). A backend that publishes
 events is forgotten when it leaves the fleet.
 
 Cost: O(new blocks) per pick for the insert (a hit inserts only what it adds), and one
@@ -98,8 +101,12 @@ class IndexUpkeep:
             self._insert(name, new, 0, expires_at)
             while len(self.pending) > MAX_PENDING:
                 self.drain()
-        if self.placements is not None:
-            self.placements.place(name, req.blocks, cached // p.block_size, expires_at)
+        if self.placements is None:
+            return
+        if self.index.shared:  # the other workers see the placement in the index
+            self.placements.replicate(name, req.blocks, start, expires_at)
+        else:
+            self.placements.place(name, req.blocks, start, expires_at)
 
     def retract(self, req: RouteRequest, name: str) -> None:
         """Undo `learn`'s insert of `req` on `name` (a pick the router did not follow):
@@ -145,7 +152,7 @@ class IndexUpkeep:
     def placed_elsewhere(self, keys: Sequence[int], start: int) -> tuple[str, int, float] | None:
         """(backend, blocks, expires_at): another worker's recent placement of `keys` from
         `keys[start]` on, if any (`Placements.held`)."""
-        if self.placements is None or start >= len(keys):
+        if self.placements is None or self.index.shared or start >= len(keys):
             return None
         return self.placements.held(keys, start)
 

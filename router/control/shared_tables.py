@@ -56,14 +56,16 @@ class SharedTables:
     admission: AdmissionTable | None = None
 
     @classmethod
-    def open(cls, context: WorkerContext | None, share: Callable[[bytes], None]) -> SharedTables:
+    def open(
+        cls, context: WorkerContext | None, share: Callable[[bytes], None], replicas: bool
+    ) -> SharedTables:
         """The tables of `context`'s run directory; `share` sends this worker's
-        placements to the others."""
+        placements to the others (and, with `replicas`, to the router's other replicas)."""
         if (ctx := context) is None:
             return cls()
         return cls(
             LoadTable(ctx.table_path, ctx.slots, ctx.workers, ctx.index),
-            PlacementTable(ctx.placements_path, ctx.index, share),
+            PlacementTable(ctx.placements_path, ctx.index, share, replicas),
             AdmissionTable(ctx.admission_path, ctx.workers, ctx.index),
         )
 

@@ -48,7 +48,7 @@ class Router(Node):
         cannot be read, or tracing is on without the OpenTelemetry SDK. `span_exporter`:
         where the spans go when tracing is on (an SDK SpanExporter), instead of the
         configured OTLP endpoint."""
-        self.shared = SharedTables.open(context, self._share)
+        self.shared = SharedTables.open(context, self._share, config.cluster is not None)
         super().__init__(config, source, context, self.shared.load, self.shared.placements)
         self.tls = ServingTls.load(config)
         self.admin = None

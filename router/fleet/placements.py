@@ -28,6 +28,12 @@ one fast and lossy, one exact and a few milliseconds late:
   The batch also carries the answers' reported cached tokens (`answered`), which correct
   every worker's index and learned capacities alike (hashing/cache_trust.py).
 
+Where the workers share one prefix index (hashing/_block_table.c, KV_AWARE), a placement is
+in every worker's view the moment it is made: the policy writes neither the table nor the
+broadcast (`replicate` keeps the batch for the router's other replicas, when there are
+any), and an answer crosses as its `Lesson`, a few numbers, since the shared index is
+corrected already.
+
 Concurrency: each slot word is an aligned 8-byte store, so no value tears. Two workers
 writing one slot at once leave one of the two pairs, possibly with the other's expiry;
 an overwritten pair shortens a chain it was part of. The worst case is a wrong guess of
@@ -51,11 +57,11 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from hashing.cache_trust import Answer
+from hashing.cache_trust import Answer, Lesson
 from hashing.rendezvous import name_hash
 from router.fleet.shared_load import lock_within, map_shared
 
-__all__ = ["LEARNED", "PlacementTable", "decode_learned", "encode_learned"]
+__all__ = ["LEARNED", "Learned", "PlacementTable", "decode_learned", "encode_learned"]
 
 SLOTS = 1 << 20  # a power of two: the slot is the low bits
 _MASK = SLOTS - 1
@@ -70,40 +76,37 @@ _TABLE_TTL_S = 2.0
 LEARNED = b"L"
 
 
-class _Batch(msgspec.Struct, array_like=True):
-    """A worker's placements of one loop turn, (backend, expires_at, keys) each, and the
-    answers whose reported cached tokens correct every worker's index."""
+class Learned(msgspec.Struct, array_like=True):
+    """A worker's placements of one loop turn, (backend, expires_at, keys) each, the
+    answers whose reported cached tokens correct every worker's index, and, where the
+    workers share one index, what the answers teach in their stead."""
 
     worker: int
     placed: list[tuple[str, float, list[int]]]
     answers: list[Answer] = []
+    lessons: list[Lesson] = []
 
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder(_Batch).decode
+_decode = msgspec.msgpack.Decoder(Learned).decode
 
 
-def encode_learned(
-    worker: int, placed: list[tuple[str, float, list[int]]], answers: list[Answer] | None = None
-) -> bytes:
-    """A broadcast batch: `worker`'s placements (backend, expires_at, keys) of one turn,
-    and the answers it saw."""
-    return LEARNED + _encode(_Batch(worker, placed, answers or []))
+def encode_learned(batch: Learned) -> bytes:
+    """A broadcast batch, for the control socket."""
+    return LEARNED + _encode(batch)
 
 
-def decode_learned(
-    payload: bytes,
-) -> tuple[int, list[tuple[str, float, list[int]]], list[Answer]]:
-    """A broadcast batch (after `LEARNED`): the sending worker, its placements and the
-    answers it saw."""
-    batch = _decode(payload[len(LEARNED) :])
-    return batch.worker, batch.placed, batch.answers
+def decode_learned(payload: bytes) -> Learned:
+    """A broadcast batch (after `LEARNED`)."""
+    return _decode(payload[len(LEARNED) :])
 
 
 class PlacementTable:
     """One worker's mapping of the shared table, and its outgoing broadcast batch."""
 
-    def __init__(self, path: str | Path, worker: int, send: Callable[[bytes], None]) -> None:
+    def __init__(
+        self, path: str | Path, worker: int, send: Callable[[bytes], None], replicas: bool
+    ) -> None:
         self._map = map_shared(path, SLOTS * 16)
         self._lock_fd = os.open(path, os.O_RDONLY)  # `lock`'s: flock is per open file
         self._locked = False  # `with table:` took the lock (it never nests: no await)
@@ -114,9 +117,12 @@ class PlacementTable:
         self._words_d = np.frombuffer(self._expiries, dtype=np.float64)
         self._worker = worker
         self._send = send
+        #: other router replicas read the placements (`cluster`, through the collector)
+        self._replicas = replicas
         self._members: dict[str, int] = {}
         self._outbox: list[tuple[str, float, list[int]]] = []
         self._answers: list[Answer] = []
+        self._lessons: list[Lesson] = []
         #: a flush is due at the end of this loop turn
         self._armed = False
 
@@ -160,6 +166,13 @@ class PlacementTable:
         self._flush_soon()
         self._outbox.append((backend, expires_at, placed))
 
+    def replicate(self, backend: str, keys: Sequence[int], start: int, expires_at: float) -> None:
+        """A placement the workers see in their shared index already: for the router's
+        other replicas alone, in this turn's batch (nothing without replicas)."""
+        if self._replicas and start < len(keys):
+            self._flush_soon()
+            self._outbox.append((backend, expires_at, list(keys[start:])))
+
     def dropped(self, backend: str, keys: Sequence[int]) -> None:
         """`backend` was found without `keys`: the table's pairs of them expire now, so no
         worker's next pick adopts them back."""
@@ -187,6 +200,12 @@ class PlacementTable:
         in this loop turn's batch."""
         self._flush_soon()
         self._answers.append(answer)
+
+    def taught(self, lesson: Lesson) -> None:
+        """What an answer teaches, for the other workers (their shared index is corrected
+        already), in this loop turn's batch."""
+        self._flush_soon()
+        self._lessons.append(lesson)
 
     def _flush_soon(self) -> None:
         if not self._armed:
@@ -229,11 +248,11 @@ class PlacementTable:
 
     def _flush(self) -> None:
         self._armed = False
-        if not self._outbox and not self._answers:
+        if not self._outbox and not self._answers and not self._lessons:
             return  # all withdrawn
-        batch, self._outbox = self._outbox, []
-        answers, self._answers = self._answers, []
-        self._send(encode_learned(self._worker, batch, answers))
+        batch = Learned(self._worker, self._outbox, self._answers, self._lessons)
+        self._outbox, self._answers, self._lessons = [], [], []
+        self._send(encode_learned(batch))
 
     def close(self) -> None:
         del self._words_q, self._words_d  # their buffers' exports, before the releases

@@ -5,7 +5,8 @@ made (router/dispatch/prediction.py). Against a backend without KV events it cor
 index and the backend's learned capacity (hashing/cache_trust.py; a cold answer too: the
 blocks it inserted count), in this process at once and, with several workers, in the
 others through the placements' broadcast
-(router/fleet/placements.py `answered`; `adopt` applies theirs). Against a backend with
+(router/fleet/placements.py `answered`; `adopt` applies theirs), or, where the workers
+share one index, as its `Lesson` (`taught`; `learn` applies theirs). Against a backend with
 events it is a cross-check: a miss or a surplus counts as a disagreement, and corrects the
 index only once the backend's events stalled.
 """
@@ -15,7 +16,8 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 
-from hashing.cache_trust import Answer, Outcome, judged
+from hashing.cache_trust import Answer, Lesson, Outcome, judged
+from hashing.tiered_index import TieredIndex
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
 
@@ -66,18 +68,32 @@ class CacheFeedback:
         )
         self.adopt(answer)
         placements = self._fleet.placements
-        if placements is not None:
-            if outcome is Outcome.MISS:
-                placements.dropped(backend, keys[reported:])
-            placements.answered(answer)
+        if placements is None:
+            return
+        if index.shared:  # the other workers' index is this one, corrected already
+            placements.taught(answer.lesson)
+            return
+        if outcome is Outcome.MISS:
+            placements.dropped(backend, keys[reported:])
+        placements.answered(answer)
 
     def adopt(self, answer: Answer) -> None:
         """Apply an answer (this worker's or another's) to the index and show the
         backend's learned capacity."""
         index = getattr(self._fleet.policy, "index", None)
-        if index is None:
-            return
-        index.trust.observe(answer)
-        learned = index.trust.learned[answer.backend].blocks
+        if index is not None:
+            index.trust.observe(answer)
+            self._show(index, answer.backend)
+
+    def learn(self, lesson: Lesson) -> None:
+        """Learn from another worker's answer, whose correction of the shared index is
+        made already."""
+        index = getattr(self._fleet.policy, "index", None)
+        if index is not None:
+            index.trust.learn(lesson)
+            self._show(index, lesson.backend)
+
+    def _show(self, index: TieredIndex, backend: str) -> None:
+        learned = index.trust.learned[backend].blocks
         if learned is not None:
-            self._metrics.learned_cache_blocks.labels(answer.backend).set(int(learned))
+            self._metrics.learned_cache_blocks.labels(backend).set(int(learned))

@@ -144,7 +144,7 @@ class Outbox:
 
     def add(self, payload: bytes) -> None:
         """A worker's broadcast batch, its expiries made wall-clock."""
-        _, placed, _ = decode_learned(payload)
+        placed = decode_learned(payload).placed
         offset = time.time() - time.monotonic()
         self._queue.extend((b, expires_at + offset, keys) for b, expires_at, keys in placed)
         del self._queue[:-OUTBOX]

@@ -18,7 +18,7 @@ import msgspec
 from policies import Speed
 from router.context import COLLECTOR
 from router.fleet.backends import Fleet
-from router.fleet.placements import encode_learned
+from router.fleet.placements import Learned, encode_learned
 from router.fleet.speeds import pooled
 from router.metrics import Metrics
 from router.telemetry.cluster_wire import HISTORY, PEER_TTL_S, SPEEDS_TTL_S, Load, Placed, Speeds
@@ -122,7 +122,7 @@ class Peers:
             if backend in known and expires_at + offset > now and keys
         ]
         if placed:
-            payload = encode_learned(COLLECTOR, placed)
+            payload = encode_learned(Learned(COLLECTOR, placed))
             self._history.append((max(p[1] for p in placed), payload))
             self._feed([b"l", b"", payload])
         if live and placed:

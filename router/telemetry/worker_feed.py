@@ -20,7 +20,7 @@ import zmq.asyncio
 from hashing.tiered_index import TieredIndex
 from router import log
 from router.config import KvEventsConfig
-from router.context import WorkerContext
+from router.context import COLLECTOR, WorkerContext
 from router.fleet.backends import Backend
 from router.fleet.health import Verdicts
 from router.fleet.placements import decode_learned
@@ -187,12 +187,17 @@ class WorkerTelemetry(Telemetry):
 
     def _learned(self, payload: bytes) -> None:
         """Another worker's placements, into this worker's index for their whole TTL, and
-        the answers it saw, correcting it (hashing/cache_trust.py)."""
-        worker, placed, answers = decode_learned(payload)
+        the answers it saw, correcting it (hashing/cache_trust.py). Where the workers share
+        the index only the other replicas' placements (sent as the collector's) are new to
+        it, and the answers come as what they teach."""
+        batch = decode_learned(payload)
         index = getattr(self._fleet.policy, "index", None)
-        if index is None or worker == self._link.index:
+        if index is None or batch.worker == self._link.index:
             return
-        for backend, expires_at, keys in placed:
-            index.gpu.learn(backend, keys, expires_at)
-        for answer in answers:
+        if batch.worker == COLLECTOR or not index.shared:  # else in the shared index
+            for backend, expires_at, keys in batch.placed:
+                index.gpu.learn(backend, keys, expires_at)
+        for answer in batch.answers:
             self._feedback.adopt(answer)
+        for lesson in batch.lessons:
+            self._feedback.learn(lesson)

@@ -153,3 +153,30 @@ def test_a_missed_prompt_found_again_raises_nothing() -> None:
     assert trust.learned["b"].blocks == learned
     assert trust.observe(answer(prompt(7), 0, 10)) is Outcome.SURPLUS  # one it never lost
     assert trust.learned["b"].blocks == learned + 10
+
+
+def test_a_process_sharing_the_index_learns_alike_from_the_lessons(tmp_path) -> None:
+    """Another process over the same shared table gets only each answer's lesson (no
+    keys: the answering process corrected the table): it learns the same counts and
+    capacity, and its view of the table is the answering process's."""
+    here, there = PrefixIndex(), PrefixIndex()
+    for index in (here, there):
+        index.share(str(tmp_path / "index-gpu"))
+    mine, theirs = CacheTrust(here), CacheTrust(there)
+    engine = LruEngine(capacity=20)
+    rng = random.Random(5)
+    outcomes: Counter = Counter()
+    for n in range(400):
+        engine.capacity = 20 if n < 200 else 45
+        keys = prompt(rng.randrange(6))
+        predicted = here.longest_prefix(keys, "b")
+        Clock.now += 1.0
+        here.learn("b", keys[predicted:], Clock.now + TTL)
+        given = mine.witnessed(answer(keys, predicted, engine.run(keys)))
+        outcomes[mine.observe(given)] += 1
+        theirs.learn(given.lesson)
+        assert theirs.learned["b"].described() == mine.learned["b"].described()
+    assert outcomes[Outcome.MISS] and outcomes[Outcome.SURPLUS] and outcomes[Outcome.HIT]
+    assert [there.longest_prefix(prompt(d), "b") for d in range(6)] == [
+        here.longest_prefix(prompt(d), "b") for d in range(6)
+    ]

@@ -205,6 +205,7 @@ class SharedDict:
 
     def __init__(self) -> None:
         self.placed: dict[int, tuple[str, list[int], float]] = {}
+        self.replicated: list[tuple[str, list[int]]] = []
 
     def place(self, backend: str, keys, start: int, expires_at: float) -> None:
         self.placed[keys[start]] = (backend, list(keys[start:]), expires_at)
@@ -218,6 +219,9 @@ class SharedDict:
             (n for n in range(len(placed), 0, -1) if list(keys[start : start + n]) == placed[:n]), 0
         )
         return backend, count, expires_at
+
+    def replicate(self, backend: str, keys, start: int, expires_at: float) -> None:
+        self.replicated.append((backend, list(keys[start:])))
 
 
 def test_a_burst_over_two_workers_stays_on_one_backend() -> None:
@@ -235,6 +239,27 @@ def test_a_burst_over_two_workers_stays_on_one_backend() -> None:
         pick.backend.queued_tokens += len(IDS) - pick.predicted_cached
         chosen.add(pick.backend.name)
     assert len(chosen) == 1, chosen
+
+
+def test_over_a_shared_index_a_burst_stays_together_without_the_placements(tmp_path) -> None:
+    """Two workers' policies over one shared index: each sees the other's placement in
+    it, so a burst of one new prefix stays on one backend while the placements table is
+    neither written nor read; the placements go only to `replicate` (other replicas)."""
+    shared, members = SharedDict(), [B(n) for n in "abcd"]
+    workers = [create(KvAwareParams(seed=s)) for s in (1, 2)]
+    for w in workers:
+        w.share_index(str(tmp_path))
+        w.on_fleet_change(tuple(members))
+        w.share(shared)
+    chosen = set()
+    for i in range(12):
+        pick = workers[i % 2].pick(request(), view(members))
+        pick.backend.inflight += 1
+        pick.backend.queued_tokens += len(IDS) - pick.predicted_cached
+        chosen.add(pick.backend.name)
+    assert len(chosen) == 1, chosen
+    assert shared.placed == {}
+    assert [name for name, _ in shared.replicated] == [chosen.pop()]
 
 
 # --- pruned scoring: the holders of the longest prefixes and `sample` draws -----------

@@ -341,7 +341,9 @@ def test_many_prefixes_balance_and_keep_their_backends() -> None:
 def workers_sharing(tmp_path, members: list[B], count: int) -> Iterator[list[PrefixAwarePolicy]]:
     """`count` policies standing for one router's workers: each its own mapping of one
     placements table (router/fleet/placements.py), as `serve --workers` gives them."""
-    tables = [PlacementTable(tmp_path / "placements", w, lambda _: None) for w in range(count)]
+    tables = [
+        PlacementTable(tmp_path / "placements", w, lambda _: None, False) for w in range(count)
+    ]
     workers = [make(members) for _ in tables]
     for policy, table in zip(workers, tables, strict=True):
         table.known(b.name for b in members)

@@ -9,7 +9,7 @@ import pytest
 
 from hashing.blocks import chain, root_key
 from hashing.cache_trust import Answer
-from router.fleet.placements import PlacementTable, decode_learned
+from router.fleet.placements import Learned, PlacementTable, decode_learned
 
 ROOT = root_key("m", None)
 DOC = chain(ROOT, list(range(3200)), 16)  # 200 blocks
@@ -20,10 +20,14 @@ def _other(shared: int) -> list[int]:
     return DOC[:shared] + chain(DOC[shared - 1], list(range(90_000, 91_600)), 16)
 
 
+def _worker(batch: Learned) -> int:
+    return batch.worker
+
+
 @pytest.fixture
 def pair(tmp_path):
     sent: list[bytes] = []
-    tables = [PlacementTable(tmp_path / "placements", w, sent.append) for w in (0, 1)]
+    tables = [PlacementTable(tmp_path / "placements", w, sent.append, False) for w in (0, 1)]
     for t in tables:
         t.known(["b0", "b1", "b2"])
     yield *tables, sent
@@ -91,10 +95,40 @@ async def test_one_broadcast_batch_per_loop_turn(pair) -> None:
     assert sent == []  # sent at the end of the turn, not per pick
     await asyncio.sleep(0)
     assert len(sent) == 1
-    worker, placed, answers = decode_learned(sent[0])
-    assert worker == 0
-    assert placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
-    assert answers == [answer]
+    batch = decode_learned(sent[0])
+    assert batch.worker == 0
+    assert batch.placed == [("b0", expires_at, DOC[10:]), ("b1", expires_at, DOC)]
+    assert batch.answers == [answer]
+    assert batch.lessons == []
+
+
+async def test_over_a_shared_index_only_replicas_get_placements_and_workers_lessons(
+    tmp_path,
+) -> None:
+    """The workers share the index: a placement goes to no table and, without other
+    replicas, into no batch; an answer crosses as its lesson, without the prompt's keys."""
+    sent: list[bytes] = []
+    alone = PlacementTable(tmp_path / "placements", 0, sent.append, False)
+    replicated = PlacementTable(tmp_path / "placements", 1, sent.append, True)
+    alone.known(["b0"])
+    expires_at = time.monotonic() + 60
+    try:
+        alone.replicate("b0", DOC, 10, expires_at)
+        await asyncio.sleep(0)
+        assert sent == []
+        replicated.replicate("b0", DOC, 10, expires_at)
+        replicated.replicate("b0", DOC, 200, expires_at)  # nothing new: nothing placed
+        assert alone.held(DOC, 10) is None  # the table is not written
+        lesson = Answer("b0", DOC[:20], 20, 4, 1.0, 600.0).lesson
+        alone.taught(lesson)
+        await asyncio.sleep(0)
+        first, second = sorted((decode_learned(payload) for payload in sent), key=_worker)
+        assert (first.worker, first.placed, first.lessons) == (0, [], [lesson])
+        assert (second.worker, second.placed) == (1, [("b0", expires_at, DOC[10:])])
+        assert lesson.edge == DOC[4] and lesson.blocks == 20
+    finally:
+        alone.close()
+        replicated.close()
 
 
 async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:
@@ -121,4 +155,4 @@ async def test_a_placement_withdrawn_in_its_turn_reaches_no_worker(pair) -> None
     mine.place("b2", DOC, 0, expires_at)
     await asyncio.sleep(0)
     (batch,) = sent
-    assert decode_learned(batch)[1] == [("b2", expires_at, DOC)]
+    assert decode_learned(batch).placed == [("b2", expires_at, DOC)]
