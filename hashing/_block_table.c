@@ -56,8 +56,8 @@
 /* the shared file's address range: what every array ever cut from the arena can take */
 #define ARENA_BYTES (1ULL << 40)
 #define PAGE 4096
-/* "kvrtab" and the layout's version */
-#define MAGIC 0x6b7672746162ULL
+/* "kvrtab", and the layout's version in the top byte */
+#define MAGIC (0x6b7672746162ULL | 2ULL << 56)
 
 typedef struct {
     uint32_t head, tail, len;
@@ -175,8 +175,10 @@ static inline uint64_t mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-static inline uint64_t entry_hash(uint64_t key, uint32_t backend, uint32_t kind) {
-    return mix(key ^ ((uint64_t)(backend * 2 + kind + 1) * 0x9e3779b97f4a7c15ULL));
+/* an entry is placed by its key's record id, not the key: its place is then found again
+ * (a deletion's backward shift) from the entry's own fields, without reading the key */
+static inline uint64_t entry_hash(uint32_t k, uint32_t backend, uint32_t kind) {
+    return mix((uint64_t)(backend * 2 + kind) << 32 | k);
 }
 
 static inline uint64_t engine_hash(uint64_t engine, uint32_t backend) {
@@ -185,7 +187,7 @@ static inline uint64_t engine_hash(uint64_t engine, uint32_t backend) {
 
 /* the hash an id in each table was placed by */
 static inline uint64_t etab_home(Table *t, uint32_t e) {
-    return entry_hash(t->k_key[t->e_key[e]], t->e_backend[e], t->e_kind[e]);
+    return entry_hash(t->e_key[e], t->e_backend[e], t->e_kind[e]);
 }
 static inline uint64_t gtab_home(Table *t, uint32_t e) {
     return engine_hash(t->e_val[e], t->e_backend[e]);
@@ -267,13 +269,12 @@ static uint32_t key_find(Table *t, uint64_t key) {
     }
 }
 
-static uint32_t entry_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+static uint32_t entry_find(Table *t, uint32_t k, uint32_t backend, uint32_t kind) {
     itab_t *it = &t->etab;
-    for (uint32_t j = (uint32_t)entry_hash(key, backend, kind) & it->mask;; j = (j + 1) & it->mask) {
+    for (uint32_t j = (uint32_t)entry_hash(k, backend, kind) & it->mask;; j = (j + 1) & it->mask) {
         uint32_t e = it->slot[j];
         if (e == NIL) return NIL;
-        if (t->e_backend[e] == backend && t->e_kind[e] == kind && t->k_key[t->e_key[e]] == key)
-            return e;
+        if (t->e_key[e] == k && t->e_backend[e] == backend && t->e_kind[e] == kind) return e;
     }
 }
 
@@ -290,14 +291,16 @@ static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
     return &t->lru[backend * 2 + kind];
 }
 
-/* the backend's entry of `kind` for key, if any: none to look for while it has no entries
- * of that kind (a backend without KV events has no confirmed ones) */
-static inline uint32_t kind_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
-    return list_of(t, backend, kind)->len ? entry_find(t, key, backend, kind) : NIL;
+/* the backend's entry of `kind` for the key of record `k` (NIL: held nowhere), if any: none
+ * to look for while it has no entries of that kind (a backend without KV events has no
+ * confirmed ones) */
+static inline uint32_t kind_find(Table *t, uint32_t k, uint32_t backend, uint32_t kind) {
+    return k != NIL && list_of(t, backend, kind)->len ? entry_find(t, k, backend, kind) : NIL;
 }
 
 static inline int held(Table *t, uint64_t key, uint32_t backend) {
-    return kind_find(t, key, backend, CONF) != NIL || kind_find(t, key, backend, SPEC) != NIL;
+    uint32_t k = key_find(t, key);
+    return kind_find(t, k, backend, CONF) != NIL || kind_find(t, k, backend, SPEC) != NIL;
 }
 
 #define GROW(arr, old, cap) \
@@ -418,13 +421,13 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t k, uint32_t backend, 
     t->e_val[e] = val;
     t->e_backend[e] = (uint16_t)backend;
     t->e_kind[e] = (uint8_t)kind;
-    if (itab_put(t, ETAB, &t->etab, e, entry_hash(key, backend, kind)) < 0) {
+    if (itab_put(t, ETAB, &t->etab, e, entry_hash(k, backend, kind)) < 0) {
         t->e_next[e] = t->e_free;
         t->e_free = e;
         if (t->k_head[k] == NIL) key_release(t, k);
         return NIL;
     }
-    if (kind_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]++;
+    if (kind_find(t, k, backend, 1 - kind) == NIL) t->k_count[k]++;
     t->e_hnext[e] = t->k_head[k];
     t->k_head[k] = e;
     lru_append(t, list_of(t, backend, kind), e);
@@ -434,12 +437,11 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t k, uint32_t backend, 
 
 static void entry_free(Table *t, uint32_t e) {
     uint32_t k = t->e_key[e], backend = t->e_backend[e], kind = t->e_kind[e];
-    uint64_t key = t->k_key[k];
     lru_unlink(t, list_of(t, backend, kind), e);
     if (kind == CONF) /* gone already when its engine hash went to another key */
         itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
-    itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
-    if (kind_find(t, key, backend, 1 - kind) == NIL) t->k_count[k]--;
+    itab_del(t, ETAB, &t->etab, e, entry_hash(k, backend, kind));
+    if (kind_find(t, k, backend, 1 - kind) == NIL) t->k_count[k]--;
     uint32_t *link = &t->k_head[k];
     while (*link != e) link = &t->e_hnext[*link];
     *link = t->e_hnext[e];
@@ -533,7 +535,7 @@ static PyObject *do_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t i = 0;
     for (; i < len; i++) {
         uint32_t k = key_find(t, keys[i]); /* most keys of a new prompt are held nowhere */
-        uint32_t e = k == NIL ? NIL : kind_find(t, keys[i], b, SPEC);
+        uint32_t e = kind_find(t, k, b, SPEC);
         if (e != NIL) renew(t, l, e, val);
         else if (entry_new(t, keys[i], k, b, SPEC, val) == NIL) break;
     }
@@ -551,7 +553,7 @@ static PyObject *do_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
     if (keys_until(args, n, "touch", &b, &keys, &len, &val) < 0) return NULL;
     lru_t *l = b < t->n_backends ? list_of(t, b, SPEC) : NULL;
     for (Py_ssize_t i = len - 1; i >= 0 && l != NULL; i--) {
-        uint32_t e = kind_find(t, keys[i], b, SPEC);
+        uint32_t e = kind_find(t, key_find(t, keys[i]), b, SPEC);
         if (e != NIL) renew(t, l, e, val);
     }
     PyMem_Free(keys);
@@ -576,7 +578,7 @@ static PyObject *do_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
     for (; i < len; i++) {
         uint64_t key = keys[i], engine = engines[i];
         uint32_t k = key_find(t, key);
-        uint32_t e = k == NIL ? NIL : kind_find(t, key, b, CONF);
+        uint32_t e = kind_find(t, k, b, CONF);
         if (e != NIL) {
             itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
             renew(t, l, e, engine);
@@ -622,7 +624,7 @@ static PyObject *do_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
         uint32_t e = engine_find(t, engines[i], b);
         if (e == NIL) continue;
-        uint32_t spec = kind_find(t, t->k_key[t->e_key[e]], b, SPEC);
+        uint32_t spec = kind_find(t, t->e_key[e], b, SPEC);
         entry_free(t, e);
         if (spec != NIL) entry_free(t, spec);
     }
@@ -660,8 +662,9 @@ static PyObject *do_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
     int confirmed = PyObject_IsTrue(args[2]);
     if (confirmed < 0 || (keys = u64s(args[1], &len)) == NULL) return NULL;
     for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
+        uint32_t k = key_find(t, keys[i]);
         for (uint32_t kind = confirmed ? CONF : SPEC; kind <= SPEC; kind++) {
-            uint32_t e = kind_find(t, keys[i], b, kind);
+            uint32_t e = kind_find(t, k, b, kind);
             if (e != NIL) entry_free(t, e);
         }
     }
@@ -769,7 +772,7 @@ static PyObject *do_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
      * backend is skipped, so each backend is named once */
     for (uint32_t e = t->k_head[k]; e != NIL && got < count; e = t->e_hnext[e]) {
         uint32_t b = t->e_backend[e];
-        if (t->e_kind[e] == SPEC && kind_find(t, key, b, CONF) != NIL) continue;
+        if (t->e_kind[e] == SPEC && kind_find(t, k, b, CONF) != NIL) continue;
         names[got++] = b;
     }
     Py_ssize_t take = got < (uint64_t)limit ? got : limit;
@@ -818,7 +821,7 @@ static PyObject *do_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint64_t key;
     if (check_args(n, 2, "expiry") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
         return NULL;
-    uint32_t e = b < t->n_backends ? kind_find(t, key, b, SPEC) : NIL;
+    uint32_t e = b < t->n_backends ? kind_find(t, key_find(t, key), b, SPEC) : NIL;
     if (e == NIL) Py_RETURN_NONE;
     double at;
     memcpy(&at, &t->e_val[e], sizeof at);
@@ -1147,8 +1150,12 @@ static int open_shared(TableObject *o, PyObject *path) {
         return -1;
     }
     o->arena = (arena_t){base, fd, base};
-    int ok = o->arena.header->magic == MAGIC ? 0 : set_up(o);
+    uint64_t magic = o->arena.header->magic;
+    int ok = magic == MAGIC ? 0 : magic == 0 ? set_up(o) : -1;
     flock(fd, LOCK_UN);
+    if (ok < 0 && magic != 0 && !PyErr_Occurred())
+        PyErr_Format(PyExc_OSError, "%R holds a table of another layout (another kvroute version)",
+                     path);
     return ok;
 }
 

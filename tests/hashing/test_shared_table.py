@@ -174,3 +174,16 @@ def test_a_decision_holding_the_tables_sees_no_other_process_write(tmp_path: Pat
             raise
     assert child.wait(timeout=60) == 0
     assert index.gpu.longest_prefix(_keys(0), "x") == 256
+
+
+def test_a_file_of_another_layout_is_refused_not_rewritten(tmp_path: Path) -> None:
+    """A table file another version of the module set up (its magic number differs) may
+    be in use by that version's processes: it is refused with a clear error, untouched."""
+    path = tmp_path / "index-gpu"
+    BlockTable(str(path))
+    with path.open("r+b") as f:
+        f.write((0x016B7672746162).to_bytes(8, "little"))
+    with pytest.raises(OSError, match="another layout"):
+        BlockTable(str(path))
+    with path.open("rb") as f:
+        assert int.from_bytes(f.read(8), "little") == 0x016B7672746162
