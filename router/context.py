@@ -26,6 +26,9 @@ class WorkerContext:
     slots: int
     config_path: str | None = None
     overrides: dict[str, Any] = field(default_factory=dict)
+    #: the processes keep one prefix index in the run directory (the supervisor found the
+    #: room for it there), so the workers leave the KV events to the collector
+    shared_index: bool = False
 
     @property
     def collector(self) -> bool:

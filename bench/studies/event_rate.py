@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import statistics
 import sys
 import tempfile
@@ -263,7 +264,8 @@ async def measure(args: argparse.Namespace, backends: int) -> Row:
                 pass
         warm = args.window / (args.rate / 2)  # the window filled: removals flow
         await _run(gens, warm)
-        await _drain(http, url, await _applied(http, url), 0)  # the warm-up's backlog
+        # the warm-up's backlog, counted (the counter lags by up to a tenth of a second)
+        await _drain(http, url, await _applied(http, url), math.inf)
         return await _measured(args, backends, gens, http, url, pid)
 
 
@@ -312,10 +314,10 @@ async def _measured(
 
 
 async def _drain(
-    http: aiohttp.ClientSession, url: str, before: float, events: int
+    http: aiohttp.ClientSession, url: str, before: float, events: float
 ) -> tuple[float, float]:
     """Events applied since `before`, and when (monotonic): once all `events` are, or
-    the count stopped growing for a second."""
+    the count stopped growing for a second (`math.inf`: only then)."""
     deadline = time.monotonic() + _DRAIN_SECONDS
     last, since = -1.0, time.monotonic()
     while (now := time.monotonic()) < deadline:

@@ -25,26 +25,29 @@ from router.fleet.shared_load import LoadTable
 SHARED_INDEX_ROOM = 512 << 20
 
 
-def share_index(policy: policies.Policy, context: WorkerContext | None) -> None:
-    """Have `policy` keep its prefix index in `context`'s run directory, once for the
-    host, where the file system there has room for it."""
-    if context is None:
-        return
-    fs = os.statvfs(context.rundir)
+def index_room(rundir: str) -> bool:
+    """The run directory has the room for one prefix index every process maps (the
+    supervisor asks, once for all of them); if not, say so."""
+    fs = os.statvfs(rundir)
     room = fs.f_bavail * fs.f_frsize
     if room < SHARED_INDEX_ROOM:
         log.server.warning(
             "the run directory %s has %d MiB free, under the %d MiB a shared prefix index "
-            "wants: %s keeps its own copy (give /dev/shm more room, e.g. docker run "
-            "--shm-size, or point %s elsewhere)",
-            context.rundir,
+            "wants: each process keeps its own copy (give /dev/shm more room, e.g. docker "
+            "run --shm-size, or point %s elsewhere)",
+            rundir,
             room >> 20,
             SHARED_INDEX_ROOM >> 20,
-            context.name,
             RUN_PARENT_ENV,
         )
-        return
-    policy.share_index(context.rundir)
+    return room >= SHARED_INDEX_ROOM
+
+
+def share_index(policy: policies.Policy, context: WorkerContext | None) -> None:
+    """Have `policy` keep its prefix index in `context`'s run directory, once for the
+    host, where the supervisor found the room for it."""
+    if context is not None and context.shared_index:
+        policy.share_index(context.rundir)
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,6 +65,7 @@ from setproctitle import setproctitle
 from router import log
 from router.config import Config, ConfigError
 from router.context import COLLECTOR, RUN_PARENT_ENV, WorkerContext
+from router.control.shared_tables import index_room
 from router.control.tls import ServingTls
 from router.dispatch.shared_admission import AdmissionTable
 from router.errors import ListenError, listening
@@ -200,8 +201,13 @@ class Supervisor:
         self.table = LoadTable(f"{self.rundir}/load", slots, self.workers, None)
         self.admission = AdmissionTable(f"{self.rundir}/admission", self.workers, None)
         self._mp = multiprocessing.get_context("spawn")
+        shared = index_room(str(self.rundir))
         self._children = [
-            _Child(WorkerContext(i, self.workers, str(self.rundir), slots, config_path, overrides))
+            _Child(
+                WorkerContext(
+                    i, self.workers, str(self.rundir), slots, config_path, overrides, shared
+                )
+            )
             for i in (COLLECTOR, *range(self.workers))
         ]
         self._stopping = False

@@ -24,7 +24,7 @@ from router.fleet.backends import Backend
 from router.fleet.health import REFUSED, Verdicts
 from router.fleet.placements import LEARNED
 from router.telemetry.cluster import ClusterLink
-from router.telemetry.feed import FEED_HWM, HELLO, worker_topic
+from router.telemetry.feed import FEED_HWM, HEARD_INTERVAL_S, HELLO, worker_topic
 from router.telemetry.index_upkeep import Held, Sink, subscribe
 from router.telemetry.kv_events import EventApplier
 from router.telemetry.loops import Parts, Telemetry
@@ -32,11 +32,15 @@ from router.telemetry.scrape import VllmSnapshot
 
 
 class _Forwarder:
-    """The collector's EventApplier: in-order batches go to the workers, and to the
-    collector's own index (the snapshot a late worker starts from)."""
+    """The collector's EventApplier: in-order batches go to the workers (`publish`; None
+    when they share the collector's index), and to the collector's own index (the
+    snapshot a late worker starts from, or the host's)."""
 
     def __init__(
-        self, applier: EventApplier, backend: str, publish: Callable[[list[bytes]], None]
+        self,
+        applier: EventApplier,
+        backend: str,
+        publish: Callable[[list[bytes]], None] | None,
     ) -> None:
         self._applier = applier
         self._name = backend.encode()
@@ -49,7 +53,8 @@ class _Forwarder:
     def apply_payloads(self, payloads: Sequence[bytes]) -> None:
         """Batches in order: one message to the workers, then this index."""
         if payloads:
-            self._publish([b"k", self._name, *payloads])
+            if self._publish is not None:
+                self._publish([b"k", self._name, *payloads])
             self._applier.apply_payloads(payloads)
 
 
@@ -79,7 +84,10 @@ class CollectorTelemetry(Telemetry):
             cluster.attach(self._publish)
 
     def _role_tasks(self) -> list[asyncio.Task]:
-        tasks = [asyncio.create_task(self._relay(), name="kvroute-control")]
+        tasks = [
+            asyncio.create_task(self._relay(), name="kvroute-control"),
+            asyncio.create_task(self._heard(), name="kvroute-heard"),
+        ]
         if self._cluster is not None:
             tasks.append(asyncio.create_task(self._cluster.run(), name="kvroute-cluster"))
         return tasks
@@ -98,8 +106,30 @@ class CollectorTelemetry(Telemetry):
         """Speeds are the workers' to learn (the snapshot goes to them)."""
 
     def sink(self, applier: EventApplier, backend: str) -> Sink:
-        """A subscription's batches: to the workers, then to this index."""
-        return _Forwarder(applier, backend, self._publish)
+        """A subscription's batches: to the workers (unless they share this index),
+        then to this index."""
+        return _Forwarder(applier, backend, None if self._link.shared_index else self._publish)
+
+    async def _heard(self) -> None:
+        """Every `HEARD_INTERVAL_S`, the applied events counted since go to the metric,
+        and, over a shared index, the workers hear the backends whose KV events this
+        process applied since the last time, with when each published its last: what a
+        worker's cache feedback and /debug/routing read of them."""
+        sent: dict[str, float] = {}
+        while True:
+            await asyncio.sleep(HEARD_INTERVAL_S)
+            self._metrics.flush_kv_events()
+            index = getattr(self._fleet.policy, "index", None)
+            if index is None or not self._link.shared_index:
+                continue
+            news = {
+                name: (at, index.published.get(name))
+                for name, at in index.trust.heard.items()
+                if sent.get(name) != at
+            }
+            if news:
+                sent.update((name, at) for name, (at, _) in news.items())
+                self._publish([b"h", b"", msgspec.msgpack.encode(news)])
 
     def cleared(self, backend: str) -> None:
         """A subscription's index reset: the workers clear theirs too."""

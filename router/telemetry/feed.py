@@ -7,7 +7,11 @@ sequence order after its gap checks and replays (`k`, backend, then one or more
 payloads as the backend sent them: the batches read from its socket at once) and each
 index reset (`c`, backend); every worker
 (router/telemetry/worker_feed.py) follows that feed instead of the backends and applies
-batches to its own index. The collector applies them to an index of its own too.
+batches to its own index. The collector applies them to an index of its own too. Where
+the processes share one index (the supervisor found the room: `WorkerContext.shared_index`)
+the collector's application is every worker's, and no batch is sent: every
+`HEARD_INTERVAL_S` the workers hear which backends' events came since, and when each
+published its last (`h`, msgpack {backend: [time.monotonic() heard, published]}).
 
 The same feed carries the collector's health verdicts and model lists (`p`, after each
 probe round, after backends joined its fleet, and to every worker that says hello;
@@ -37,8 +41,10 @@ HELLO = b"hello "
 BROADCAST_TIMEOUT_S = 2.0
 #: how often a joining worker says hello until the collector answers
 HELLO_INTERVAL_S = 0.05
+#: how often the collector of a shared index says which backends' KV events came
+HEARD_INTERVAL_S = 0.1
 #: the topics every worker follows (besides its own, `worker_topic`)
-FOLLOWED = (b"s", b"k", b"c", b"a", b"p", b"l", b"r", b"v")
+FOLLOWED = (b"s", b"k", b"h", b"c", b"a", b"p", b"l", b"r", b"v")
 #: the high-water marks of the feed's two ends: a slow worker loses messages, never
 #: the collector
 FEED_HWM = 100_000

@@ -51,13 +51,11 @@ def applier(
     index: TieredIndex,
     fleet: Fleet,
     tally: Tally | None = None,
-    writes: bool = True,
 ) -> EventApplier:
-    """What turns the backend's event batches into index updates (without `writes`, into
-    nothing but the note that it published: EventApplier)."""
+    """What turns the backend's event batches into index updates."""
     block_size = fleet.policy.params.block_size
     base_model = functools.partial(_base_model, backend)  # read at each batch
-    return EventApplier(backend.name, index, block_size, base_model, tally, writes)
+    return EventApplier(backend.name, index, block_size, base_model, tally)
 
 
 def subscribe(
@@ -127,6 +125,7 @@ class IndexUpkeep:
                 self._sync(index)
                 index.gpu.expire(time.monotonic())
                 self._metrics.index_bytes(index.nbytes(self._counts_shared))
+                self._metrics.flush_kv_events()
                 self._warn_if_full(index)
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:

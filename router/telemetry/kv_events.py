@@ -146,21 +146,9 @@ class _ArrayBatch(msgspec.Struct, array_like=True, gc=False):
 _DECODERS = (msgspec.msgpack.Decoder(_MapBatch), msgspec.msgpack.Decoder(_ArrayBatch))
 
 
-class _Head(msgspec.Struct, array_like=True, gc=False):
-    """A batch's publish time, its events left undecoded."""
-
-    ts: Any
-    events: msgspec.Raw
-
-
-_HEAD = msgspec.msgpack.Decoder(_Head)
-
-
 class EventApplier:
     """Applies decoded batches of one backend to the index (pure, no sockets); `tally`
     counts each batch's events (where the router counts them: alone, or the collector).
-    Without `writes` it only notes that the backend published (a worker whose index is
-    the collector's, shared: the collector applies every batch once for the host).
 
     A batch is decoded into typed structs in one pass, by the decoder of the form the
     backend sent last (the other next); one neither takes (an unknown tag, a field of an
@@ -173,10 +161,8 @@ class EventApplier:
         block_size: int,
         base_model: Callable[[], str],
         tally: Tally | None = None,
-        writes: bool = True,
     ) -> None:
         self._backend = backend
-        self._writes = writes
         self._index = index
         self._block_size = block_size
         self._base_model = base_model
@@ -191,9 +177,6 @@ class EventApplier:
             self.apply_payload(payload)
 
     def apply_payload(self, payload: bytes) -> None:
-        if not self._writes:
-            self._note(payload)
-            return
         batch = self._typed(payload)
         if batch is None:
             self._apply_generic(payload)
@@ -220,15 +203,6 @@ class EventApplier:
                 cleared += 1
         if self._tally is not None:
             self._tally(stored, removed, cleared)
-
-    def _note(self, payload: bytes) -> None:
-        """That the backend published, and when: its events are not even decoded."""
-        try:
-            head = _HEAD.decode(payload)
-        except msgspec.DecodeError:
-            self.stats.skipped += 1
-            return
-        self._heard(head.ts)
 
     def _typed(self, payload: bytes) -> _MapBatch | _ArrayBatch | None:
         """The batch as structs, by the form that decodes it (tried last first)."""

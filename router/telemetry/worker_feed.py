@@ -41,6 +41,8 @@ from router.telemetry.scrape import VllmSnapshot
 
 #: feed messages applied at once before the loop turns to requests
 _DRAIN = 64
+#: the collector's `h`: backend -> (when its events were last applied, when it published)
+_HEARD = msgspec.msgpack.Decoder(dict[str, tuple[float, float | None]])
 
 
 class WorkerTelemetry(Telemetry):
@@ -83,10 +85,9 @@ class WorkerTelemetry(Telemetry):
         self._fleet.scraped_decode(backend, sample, record=self._records)
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
-        """The applier of the batches the collector forwards for `backend`: to this
-        worker's own index, or, where the index is the one the collector writes (shared),
-        only to note that the backend published."""
-        return applier(backend, index, self._fleet, writes=not index.gpu.shared)
+        """The applier of the batches the collector forwards for `backend` to this worker's
+        own index (none come where the collector's index is every worker's: feed.py `h`)."""
+        return applier(backend, index, self._fleet)
 
     async def broadcast(self, payload: bytes) -> None:
         """Send `payload` to every worker (this one included) through the collector."""
@@ -153,6 +154,8 @@ class WorkerTelemetry(Telemetry):
                 self._scraper.keep(backend, msgspec.msgpack.decode(rest[0], type=VllmSnapshot))
         elif kind == b"k" and name in self._upkeep.held:
             self._upkeep.held[name][0].apply_payloads(rest)
+        elif kind == b"h":
+            self._heard(rest[0])
         elif kind == b"c" and (index := self._upkeep.index) is not None:
             if not index.gpu.shared:  # a shared index is the one the collector cleared
                 index.cleared(name)
@@ -184,6 +187,17 @@ class WorkerTelemetry(Telemetry):
             apply_shared_speeds(self._fleet, rest[0])
         elif what == "i" and (index := getattr(self._fleet.policy, "index", None)) is not None:
             index.restore(rest[0].decode(), msgspec.msgpack.decode(rest[1]))
+
+    def _heard(self, payload: bytes) -> None:
+        """Which backends' KV events the collector applied to the shared index lately,
+        and when each published its last (feed.py `h`)."""
+        index = getattr(self._fleet.policy, "index", None)
+        if index is None:
+            return
+        for name, (at, published) in _HEARD.decode(payload).items():
+            index.trust.heard[name] = at
+            if published is not None:
+                index.published[name] = published
 
     def _learned(self, payload: bytes) -> None:
         """Another worker's placements, into this worker's index for their whole TTL, and

@@ -132,20 +132,6 @@ def test_typed_and_tolerant_paths_build_the_same_index(form: str) -> None:
     assert results[0] == results[1] == [(KEYS[0], 1)]
 
 
-@pytest.mark.parametrize("form", ["typed", "tolerant"])
-def test_an_applier_without_writes_notes_the_batch_and_leaves_the_index(form: str) -> None:
-    """A worker whose index is the collector's (shared) hears each batch (when it came,
-    its publish time) and applies none of its events: the collector applied them."""
-    index, counted = TieredIndex(), []
-    applier = EventApplier("pod", index, 16, lambda: MODEL, _appender(counted), writes=False)
-    events = [stored_map()] + ([{"type": "BlockTeleported"}] if form == "tolerant" else [])
-    applier.apply_payload(msgspec.msgpack.encode([12.5, events, 0]))
-    assert index.gpu.size("pod") == (0, 0)
-    assert index.published == {"pod": 12.5}
-    assert "pod" in index.trust.heard
-    assert counted == [] and applier.stats.batches == 1
-
-
 def test_typed_path_holds_what_the_events_say() -> None:
     """A store then a removal of its second block, through the typed decoder."""
     index, _ = apply(stored_map(), {"type": "BlockRemoved", "block_hashes": [2], "medium": "GPU"})

@@ -48,6 +48,7 @@ from router.control.supervisor import GIVE_UP, RUN_PARENT_ENV, sweep_stale
 from router.dispatch.session import rendezvous
 from tests.router.fake_kube import FakeKubeApi
 from tests.stub_backend import Behaviour, StubBackend, stubs_on
+from tests.tmpfs import small_disk
 
 WORKERS = 2
 CHAT = "/v1/chat/completions"
@@ -136,14 +137,18 @@ class MultiRouter:
 
 
 @asynccontextmanager
-async def multi_router(tmp_path: Path, config: dict) -> AsyncIterator[MultiRouter]:
+async def multi_router(
+    tmp_path: Path, config: dict, runs: Path | None = None
+) -> AsyncIterator[MultiRouter]:
+    """`kvroute serve` with `WORKERS` workers, its run directory in `runs` (by default
+    under `tmp_path`: apart from other routers' on the machine, another suite's sweep)."""
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, **config}))
     port = free_port()
     cmd = [sys.executable, "-m", "router", "serve", "-c", str(path), "--port", str(port)]
-    # its run directory apart from other routers' on the machine (another suite's sweep)
-    runs = tmp_path / "run"
-    runs.mkdir(exist_ok=True)
+    if runs is None:
+        runs = tmp_path / "run"
+        runs.mkdir(exist_ok=True)
     env = {**os.environ, RUN_PARENT_ENV: str(runs)}
     with process([*cmd, "--workers", str(WORKERS), "--log-level", "warning"], env=env) as proc:
         router = MultiRouter(proc, port, path)
@@ -540,7 +545,19 @@ async def _is(status, expected: int) -> bool:
     return await status == expected
 
 
-async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> None:
+@pytest.mark.parametrize("index", ["shared", "a-copy-each"])
+async def test_kv_events_reach_every_worker_through_the_collector(tmp_path, index: str) -> None:
+    """The collector applies each backend's KV events, and every worker routes by them:
+    over the one index of the host, or, where the run directory has no room for it (a
+    64 MiB tmpfs, warned about), over its own copy the collector forwards the batches to."""
+    with contextlib.ExitStack() as stack:
+        runs = None
+        if index == "a-copy-each":
+            runs = stack.enter_context(small_disk(tmp_path / "small", "64m"))
+        await _kv_events_reach_every_worker(tmp_path, runs)
+
+
+async def _kv_events_reach_every_worker(tmp_path: Path, runs: Path | None) -> None:
     params = SimParams(kv_events=True, time_scale=0.01)
     fleet = await start_fleet(2, params)
     entries = [
@@ -556,9 +573,11 @@ async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> N
     ]
     config = {"backends": entries, "routing": {"strategy": "KV_AWARE", "seed": 1}}
     try:
-        async with multi_router(tmp_path, config) as r:
+        async with multi_router(tmp_path, config, runs) as r:
             pids = r.workers()
             w0, w1 = [await r.pinned(pid) for pid in pids]
+            shared = list((runs or tmp_path / "run").glob("kvroute-*/index-gpu"))
+            assert len(shared) == (runs is None)
             await asyncio.sleep(1.5)  # each worker's index loop sets up its appliers
             doc = "".join(f"clause {k}: keep the premises in good order. " for k in range(60))
             body = chat(doc, model="sim-llama-70b") | {"max_tokens": 2}
@@ -582,6 +601,13 @@ async def test_kv_events_reach_every_worker_through_the_collector(tmp_path) -> N
             await until(lambda: keys(w1), 10, "worker 1's index to learn the blocks")
             held = await keys(w1)
             await follows(w1)
+
+            async def published(session: aiohttp.ClientSession) -> float | None:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"][home]["events_published"]
+
+            # no batch reaches a worker of a shared index: the collector says it came
+            await until(lambda: published(w1), 10, "worker 1 to hear the backend published")
             # a worker started after the events (here: a restarted one) gets the
             # collector's index when it joins, before it serves anything
             victim = pids[1]
