@@ -33,11 +33,16 @@
  * index is a cache of where prompts went, relearned within seconds. A growth the file
  * system has no room for (`fstatvfs`, checked before the region is used: a write past a
  * full tmpfs would kill the process) stops the write there, counted (`full`): the index
- * then holds what fits, its LRU making room as before. */
+ * then holds what fits, its LRU making room as before.
+ *
+ * `events` applies a run of a KV event batch's common stores and removals in one call,
+ * hashing the block keys with the xxhash package's own XXH3 (found in its module), so the
+ * collector spends no Python call per event on them. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <errno.h>
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
@@ -560,6 +565,30 @@ static PyObject *do_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
     Py_RETURN_NONE;
 }
 
+/* the backend's confirmed entries for `len` (key, engine hash) pairs, the most recently
+ * stored (the backend's id known to the table); -1 with MemoryError set, the pairs before
+ * the one that failed held */
+static int confirm_pairs(Table *t, uint32_t b, const uint64_t *keys, const uint64_t *engines,
+                         Py_ssize_t len) {
+    lru_t *l = list_of(t, b, CONF);
+    for (Py_ssize_t i = 0; i < len; i++) {
+        uint64_t key = keys[i], engine = engines[i];
+        uint32_t k = key_find(t, key);
+        uint32_t e = kind_find(t, k, b, CONF);
+        if (e != NIL) {
+            itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
+            renew(t, l, e, engine);
+        } else if ((e = entry_new(t, key, k, b, CONF, engine)) == NIL) {
+            return -1;
+        }
+        uint32_t old = engine_find(t, engine, b);
+        if (old == e) continue;
+        if (old != NIL) itab_del(t, GTAB, &t->gtab, old, engine_hash(engine, b));
+        if (itab_put(t, GTAB, &t->gtab, e, engine_hash(engine, b)) < 0) return -1;
+    }
+    return 0;
+}
+
 /* confirm(backend, keys, engines): (key, engine hash) pairs, the most recently stored */
 static PyObject *do_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
@@ -573,26 +602,10 @@ static PyObject *do_confirm(Table *t, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     }
     if (engines_len < len) len = engines_len;
-    lru_t *l = list_of(t, b, CONF);
-    Py_ssize_t i = 0;
-    for (; i < len; i++) {
-        uint64_t key = keys[i], engine = engines[i];
-        uint32_t k = key_find(t, key);
-        uint32_t e = kind_find(t, k, b, CONF);
-        if (e != NIL) {
-            itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
-            renew(t, l, e, engine);
-        } else if ((e = entry_new(t, key, k, b, CONF, engine)) == NIL) {
-            break;
-        }
-        uint32_t old = engine_find(t, engine, b);
-        if (old == e) continue;
-        if (old != NIL) itab_del(t, GTAB, &t->gtab, old, engine_hash(engine, b));
-        if (itab_put(t, GTAB, &t->gtab, e, engine_hash(engine, b)) < 0) break;
-    }
+    int ok = confirm_pairs(t, b, keys, engines, len);
     PyMem_Free(keys);
     PyMem_Free(engines);
-    if (i < len) return NULL;
+    if (ok < 0) return NULL;
     Py_RETURN_NONE;
 }
 
@@ -614,6 +627,15 @@ static PyObject *do_trim(Table *t, PyObject *const *args, Py_ssize_t n) {
     return PyLong_FromLong(gone);
 }
 
+/* the backend's block it reported as `engine` is gone: its entries of both kinds go */
+static void remove_engine(Table *t, uint32_t b, uint64_t engine) {
+    uint32_t e = engine_find(t, engine, b);
+    if (e == NIL) return;
+    uint32_t spec = kind_find(t, t->e_key[e], b, SPEC);
+    entry_free(t, e);
+    if (spec != NIL) entry_free(t, spec);
+}
+
 /* removed(backend, engines): a BlockRemoved; a block's speculative entry goes too */
 static PyObject *do_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint32_t b;
@@ -621,15 +643,225 @@ static PyObject *do_removed(Table *t, PyObject *const *args, Py_ssize_t n) {
     Py_ssize_t len;
     if (check_args(n, 2, "removed") < 0 || as_backend(args[0], &b) < 0) return NULL;
     if ((engines = u64s(args[1], &len)) == NULL) return NULL;
-    for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
-        uint32_t e = engine_find(t, engines[i], b);
-        if (e == NIL) continue;
-        uint32_t spec = kind_find(t, t->e_key[e], b, SPEC);
-        entry_free(t, e);
-        if (spec != NIL) entry_free(t, spec);
-    }
+    for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) remove_engine(t, b, engines[i]);
     PyMem_Free(engines);
     Py_RETURN_NONE;
+}
+
+/* ---- a KV event batch in one call ---- */
+
+/* xxh3-64 with a seed, the block keys' hash (hashing/blocks.py): the xxhash package's own,
+ * from its extension module's exported symbols; NULL where they are not there, and
+ * `events` then leaves every store to the caller */
+typedef uint64_t (*xxh3_seeded_t)(const void *data, size_t len, uint64_t seed);
+static xxh3_seeded_t xxh3_seeded = NULL;
+
+static void find_xxh3(void) {
+    PyObject *mod = PyImport_ImportModule("xxhash._xxhash");
+    PyObject *file = mod == NULL ? NULL : PyObject_GetAttrString(mod, "__file__");
+    const char *path = file == NULL ? NULL : PyUnicode_AsUTF8(file);
+    void *lib = path == NULL ? NULL : dlopen(path, RTLD_NOW | RTLD_NOLOAD);
+    if (lib != NULL) {
+        void *found = dlsym(lib, "XXH3_64bits_withSeed");
+        memcpy(&xxh3_seeded, &found, sizeof found);
+    } /* the handle stays open, as the module stays loaded */
+    Py_XDECREF(file);
+    Py_XDECREF(mod);
+    PyErr_Clear();
+}
+
+/* the event fields read, as interned names (set at the module's import) */
+static PyObject *s_medium, *s_block_hashes, *s_token_ids, *s_block_size, *s_parent, *s_lora,
+    *s_extra;
+
+/* an attribute of an event, a new reference (Py_None where it fails: the caller then
+ * leaves the event to Python, whose path raises or skips as it always has) */
+static PyObject *field(PyObject *ev, PyObject *name) {
+    PyObject *v = PyObject_GetAttr(ev, name);
+    if (v == NULL) {
+        PyErr_Clear();
+        v = Py_NewRef(Py_None);
+    }
+    return v;
+}
+
+static int is_field_none(PyObject *ev, PyObject *name) {
+    PyObject *v = field(ev, name);
+    int none = v == Py_None;
+    Py_DECREF(v);
+    return none;
+}
+
+/* the event is of the GPU medium (named or not) */
+static int on_gpu(PyObject *ev) {
+    PyObject *m = field(ev, s_medium);
+    int gpu = m == Py_None || (PyUnicode_Check(m) && (PyUnicode_CompareWithASCIIString(m, "GPU") == 0 ||
+                                                      PyUnicode_CompareWithASCIIString(m, "gpu") == 0));
+    Py_DECREF(m);
+    return gpu;
+}
+
+/* a list of ints (None: empty) as u64s, masked as the applier's as_uint64 does, into a
+ * buffer of `cap` grown as needed; -1 when it is neither (e.g. a hash as bytes) */
+static Py_ssize_t masked(PyObject *list, uint64_t **buf, size_t *cap) {
+    if (list == Py_None) return 0;
+    if (!PyList_Check(list)) return -1;
+    Py_ssize_t n = PyList_GET_SIZE(list);
+    if ((size_t)n > *cap) {
+        uint64_t *grown = PyMem_Realloc(*buf, sizeof(uint64_t) * (size_t)n);
+        if (grown == NULL) return -1;
+        *buf = grown;
+        *cap = (size_t)n;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(list, i);
+        if (!PyLong_Check(item)) return -1;
+        (*buf)[i] = PyLong_AsUnsignedLongLongMask(item);
+    }
+    return n;
+}
+
+/* the chained keys of the full blocks of `tokens` (a list of ints) from `parent`, into
+ * `keys` (room for len / block_size); how many, or -1 for a token id outside uint32 */
+static Py_ssize_t chained(PyObject *tokens, Py_ssize_t block_size, uint64_t parent,
+                          uint64_t *keys, uint32_t *ids) {
+    Py_ssize_t blocks = PyList_GET_SIZE(tokens) / block_size;
+    for (Py_ssize_t j = 0; j < blocks; j++) {
+        for (Py_ssize_t i = 0; i < block_size; i++) {
+            PyObject *item = PyList_GET_ITEM(tokens, j * block_size + i);
+            unsigned long long id = PyLong_Check(item) ? PyLong_AsUnsignedLongLong(item) : ~0ULL;
+            if (id > UINT32_MAX) {
+                PyErr_Clear();
+                return -1;
+            }
+            ids[i] = (uint32_t)id; /* little-endian, as pack_ids packs them */
+        }
+        parent = keys[j] = xxh3_seeded(ids, sizeof(uint32_t) * (size_t)block_size, parent);
+    }
+    return blocks;
+}
+
+/* outcome of one event: applied, skipped (as the caller's path would skip it), left to
+ * the caller, or failed (an exception set) */
+enum { APPLIED, SKIPPED, LEFT, FAILED };
+
+static int one_removal(Table *t, uint32_t b, PyObject *ev, uint64_t **buf, size_t *cap) {
+    if (!on_gpu(ev)) return LEFT;
+    PyObject *hashes = field(ev, s_block_hashes);
+    Py_ssize_t n = masked(hashes, buf, cap);
+    Py_DECREF(hashes);
+    if (n < 0) return PyErr_Occurred() ? FAILED : LEFT;
+    for (Py_ssize_t i = 0; i < n && b < t->n_backends; i++) remove_engine(t, b, (*buf)[i]);
+    return APPLIED;
+}
+
+typedef struct {
+    uint64_t *engines, *keys;
+    uint32_t *ids;
+    size_t engines_cap, keys_cap;
+    Py_ssize_t block_size;
+    uint64_t root;
+    long orphans;
+} storing_t;
+
+static int one_store(Table *t, uint32_t b, PyObject *ev, storing_t *st) {
+    if (!on_gpu(ev) || !is_field_none(ev, s_lora) || !is_field_none(ev, s_extra)) return LEFT;
+    PyObject *tokens = field(ev, s_token_ids), *hashes = field(ev, s_block_hashes);
+    PyObject *size = field(ev, s_block_size), *parent = field(ev, s_parent);
+    int out = LEFT;
+    Py_ssize_t n_engines = masked(hashes, &st->engines, &st->engines_cap);
+    if (!PyList_Check(tokens) || PyList_GET_SIZE(tokens) == 0 || n_engines < 0 ||
+        (parent != Py_None && !PyLong_Check(parent))) {
+        out = PyErr_Occurred() ? FAILED : LEFT; /* no tokens (an offload tier's), bytes */
+        goto done;
+    }
+    out = SKIPPED;
+    Py_ssize_t sized = PyLong_Check(size) ? PyLong_AsSsize_t(size) : -1;
+    PyErr_Clear(); /* a size past Py_ssize_t is another size */
+    if (sized != st->block_size) goto done;
+    uint64_t from = st->root;
+    if (parent != Py_None) {
+        uint32_t e = engine_find(t, PyLong_AsUnsignedLongLongMask(parent), b);
+        if (e == NIL) {
+            st->orphans++;
+            goto done;
+        }
+        from = t->k_key[t->e_key[e]];
+    }
+    size_t blocks = (size_t)(PyList_GET_SIZE(tokens) / st->block_size);
+    if (blocks > st->keys_cap) {
+        uint64_t *grown = PyMem_Realloc(st->keys, sizeof(uint64_t) * blocks);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            out = FAILED;
+            goto done;
+        }
+        st->keys = grown;
+        st->keys_cap = blocks;
+    }
+    Py_ssize_t made = chained(tokens, st->block_size, from, st->keys, st->ids);
+    if (made < 0) goto done; /* a token id nothing can hash */
+    out = confirm_pairs(t, b, st->keys, st->engines, made < n_engines ? made : n_engines) < 0
+              ? FAILED
+              : APPLIED;
+done:
+    Py_DECREF(tokens);
+    Py_DECREF(hashes);
+    Py_DECREF(size);
+    Py_DECREF(parent);
+    return out;
+}
+
+/* events(backend, events, start, block_size, root, stores, removals): a KV event batch's
+ * stores and removals (msgspec structs, router/telemetry/kv_events.py: `stores` and
+ * `removals` their types) from `start` on, in order, for as long as each is one this
+ * takes whole: on the GPU medium, with ints for hashes, a store with token ids and
+ * neither LoRA nor extra keys (its chain starts at `root` or at its parent's key). It
+ * stops at the first other event, which the caller applies before it calls again from
+ * the next. A store of another block size, of an unknown parent or of a token id outside
+ * uint32 is skipped, as the caller's path skips it; a store the shared file has no room
+ * for keeps what fit, counted (`full`), as `confirm`. Returns (where it stopped, stores
+ * applied, removals applied, stores skipped, of which for an unknown parent). */
+static PyObject *do_events(Table *t, PyObject *const *args, Py_ssize_t n) {
+    uint32_t b;
+    storing_t st = {0};
+    if (check_args(n, 7, "events") < 0 || as_backend(args[0], &b) < 0 ||
+        as_u64(args[4], &st.root) < 0)
+        return NULL;
+    PyObject *events = args[1], *stores = args[5], *removals = args[6];
+    Py_ssize_t i = PyLong_AsSsize_t(args[2]);
+    st.block_size = PyLong_AsSsize_t(args[3]);
+    if (PyErr_Occurred()) return NULL;
+    if (!PyList_Check(events) || !PyTuple_Check(stores) || !PyTuple_Check(removals) ||
+        st.block_size <= 0) {
+        PyErr_SetString(PyExc_TypeError, "events(backend, list, start, block_size, root, types, types)");
+        return NULL;
+    }
+    if (backends_grow(t, b) < 0) return PyErr_NoMemory();
+    st.ids = PyMem_Malloc(sizeof(uint32_t) * (size_t)st.block_size);
+    if (st.ids == NULL) return PyErr_NoMemory();
+    long counts[3] = {0, 0, 0}; /* stored, removed, skipped */
+    int out = APPLIED;
+    for (; i < PyList_GET_SIZE(events); i++) {
+        PyObject *ev = PyList_GET_ITEM(events, i), *type = (PyObject *)Py_TYPE(ev);
+        int store = PySequence_Contains(stores, type) == 1;
+        if (store && xxh3_seeded != NULL) out = one_store(t, b, ev, &st);
+        else if (!store && PySequence_Contains(removals, type) == 1)
+            out = one_removal(t, b, ev, &st.engines, &st.engines_cap);
+        else out = LEFT;
+        if (out == FAILED && t->arena != NULL && PyErr_ExceptionMatches(PyExc_MemoryError)) {
+            PyErr_Clear(); /* no room in the shared file: what fit is held, as `confirm` */
+            t->arena->header->full++;
+            out = APPLIED;
+        }
+        if (out == LEFT || out == FAILED) break;
+        counts[out == SKIPPED ? 2 : store ? 0 : 1]++;
+    }
+    PyMem_Free(st.ids);
+    PyMem_Free(st.engines);
+    PyMem_Free(st.keys);
+    if (out == FAILED) return NULL;
+    return Py_BuildValue("(nllll)", i, counts[0], counts[1], counts[2], st.orphans);
 }
 
 /* clear(backend, kind): every entry of that kind goes (None: both) */
@@ -1041,6 +1273,7 @@ LOCKED_FAST(touch, 1)
 LOCKED_WRITE(confirm)
 LOCKED_FAST(trim, 1)
 LOCKED_FAST(removed, 1)
+LOCKED_FAST(events, 1)
 LOCKED_FAST(clear, 1)
 LOCKED_FAST(dropped, 1)
 LOCKED_FAST(longest, 0)
@@ -1194,6 +1427,7 @@ static PyMethodDef Table_methods[] = {
     {"confirm", (PyCFunction)(void (*)(void))Table_confirm, METH_FASTCALL, NULL},
     {"trim", (PyCFunction)(void (*)(void))Table_trim, METH_FASTCALL, NULL},
     {"removed", (PyCFunction)(void (*)(void))Table_removed, METH_FASTCALL, NULL},
+    {"events", (PyCFunction)(void (*)(void))Table_events, METH_FASTCALL, NULL},
     {"clear", (PyCFunction)(void (*)(void))Table_clear, METH_FASTCALL, NULL},
     {"dropped", (PyCFunction)(void (*)(void))Table_dropped, METH_FASTCALL, NULL},
     {"expire", (PyCFunction)Table_expire, METH_O, NULL},
@@ -1240,9 +1474,17 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_table", NULL,
 
 PyMODINIT_FUNC PyInit__block_table(void) {
     if (PyType_Ready(&TableType) < 0) return NULL;
+    PyObject **names[] = {&s_medium, &s_block_hashes, &s_token_ids, &s_block_size,
+                          &s_parent, &s_lora, &s_extra};
+    const char *spelled[] = {"medium", "block_hashes", "token_ids", "block_size",
+                             "parent_block_hash", "lora_name", "extra_keys"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if ((*names[i] = PyUnicode_InternFromString(spelled[i])) == NULL) return NULL;
+    find_xxh3();
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&TableType) < 0) {
+    if (PyModule_AddObjectRef(m, "BlockTable", (PyObject *)&TableType) < 0 ||
+        PyModule_AddObjectRef(m, "HASHES_STORES", xxh3_seeded ? Py_True : Py_False) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -24,6 +24,7 @@ gives it by the name's hash).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 from hashing.blocks import chain
 from hashing.prefix_lookup import CONFIRMED, Member, PrefixLookup
@@ -83,6 +84,29 @@ class PrefixIndex(PrefixLookup):
         self._table.confirm(m.id, keys, engine_hashes)
         self._trim(m)
         return True
+
+    def events(
+        self,
+        backend: str,
+        events: list[Any],
+        start: int,
+        block_size: int,
+        root: int,
+        kinds: tuple[tuple[type, ...], tuple[type, ...]],
+    ) -> tuple[int, int, int, int]:
+        """Apply a KV event batch's stores and removals from `start` on, in one call, for
+        as long as the table takes them whole (`BlockTable.events`: on this medium, hashes
+        as ints, stores with token ids and no LoRA; `kinds`: the store and removal event
+        types): (where it stopped, stores applied, removals applied, stores skipped)."""
+        m = self._of(backend)
+        stores, removals = kinds
+        at, stored, removed, skipped, orphans = self._table.events(
+            m.id, events, start, block_size, root, stores, removals
+        )
+        self.orphans += orphans
+        if stored:
+            self._trim(m)
+        return at, stored, removed, skipped
 
     def placed(self, backend: str, pairs: Iterable[tuple[int, int]]) -> None:
         """Store known (key, engine hash) pairs: a token-less BlockStored, whose keys come

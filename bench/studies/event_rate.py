@@ -15,7 +15,9 @@ backlog lowers it), the CPU of the collector, of the rest of the router and of t
 generator over that span (each a share of one core, bench/harness/procstat.py), how many of the
 events were applied in the end, and the visibility lag: the age of the newest batch a
 worker shows on /debug/routing (`events_published`), sampled until then, P50/P99 (the
-lag itself plus up to one batch interval). The last line: applied events per collector
+lag itself plus up to one batch interval; where the workers share the collector's index,
+which they read at once, plus up to the 0.1 s between the collector's word of it). The
+last line: applied events per collector
 CPU-second at the busiest row that lost no event, the backends at `--rate` each that
 one core follows at that pace, and the largest fleet whose events were applied as fast
 as they came (on a host with fewer cores than the router and the generator need, the
@@ -225,15 +227,19 @@ async def _applied(http: aiohttp.ClientSession, url: str) -> float:
     return sum(float(line.rsplit(b" ", 1)[1]) for line in lines if line.startswith(_APPLIED))
 
 
-async def _ages(http: aiohttp.ClientSession, url: str, stop: asyncio.Event) -> list[float]:
-    """Until `stop`: the age of each backend's newest batch a worker shows, in seconds."""
+async def _ages(
+    http: aiohttp.ClientSession, url: str, stop: asyncio.Event, since: float
+) -> list[float]:
+    """Until `stop`: the age of each backend's newest batch a worker shows, in seconds,
+    once it is one published `since` (wall clock) on: a batch of the warm-up, before the
+    generators paused, says nothing of the measured window."""
     ages: list[float] = []
     while not stop.is_set():
         async with http.get(url + "/debug/routing") as resp:
             state = await resp.json()
         now = time.time()
         ages += [now - b["events_published"] for b in state["backends"].values()
-                 if b.get("events_published")]  # fmt: skip
+                 if (b.get("events_published") or 0) >= since]  # fmt: skip
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), _POLL_SECONDS)
     return ages
@@ -285,7 +291,7 @@ async def _measured(
 ) -> Row:
     before = await _applied(http, url)
     stop = asyncio.Event()
-    ages = asyncio.create_task(_ages(http, url, stop))
+    ages = asyncio.create_task(_ages(http, url, stop, time.time()))
     collector, generators = _collector(pid), [gen.proc.pid for gen in gens]
     groups = {
         "collector": [collector],

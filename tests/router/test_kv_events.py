@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
 import resource
 from collections.abc import Callable
 
 import msgspec
 import pytest
 import zmq
+from hashing._block_table import HASHES_STORES
 
 from hashing.blocks import chain, root_key
 from hashing.tiered_index import Tier, TieredIndex
@@ -165,3 +167,80 @@ def test_the_telemetry_context_holds_a_socket_per_backend_of_a_large_fleet() -> 
         ctx.term()
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert len(sockets) == 1_100
+
+
+def _random_batches(rng, batches: int) -> list[list]:
+    """Batches as vLLM sends them, mixing what the table applies in bulk (GPU stores
+    chained to a parent or not, removals) with what it leaves to Python (LoRA stores,
+    hashes as bytes, an offload tier's, clears) and what both skip (another block size,
+    an unknown parent, a token id past uint32)."""
+    out, engine = [], 1
+
+    def store(parent, blocks: int, **extra) -> dict:
+        nonlocal engine
+        hashes = list(range(engine, engine + blocks))
+        engine += blocks
+        ids = [rng.randrange(50_000) for _ in range(16 * blocks + rng.randrange(16))]
+        return stored_map(block_hashes=hashes, parent_block_hash=parent, token_ids=ids, **extra)
+
+    for _ in range(batches):
+        events = []
+        for _ in range(rng.randrange(1, 12)):
+            known = rng.randrange(1, engine) if engine > 1 else None
+            roll = rng.random()
+            if roll < 0.45:
+                events.append(store(rng.choice([None, known]), rng.randrange(1, 5)))
+            elif roll < 0.7 and known:
+                hashes = [rng.randrange(1, engine) for _ in range(rng.randrange(1, 4))]
+                events.append({"type": "BlockRemoved", "block_hashes": hashes, "medium": "GPU"})
+            elif roll < 0.75:
+                events.append(store(known, 2, lora_name="adapter"))
+            elif roll < 0.8 and known:
+                removal = [known.to_bytes(8, "big")]
+                events.append({"type": "BlockRemoved", "block_hashes": removal, "medium": None})
+            elif roll < 0.85:
+                events.append(store(None, 1, medium="cpu"))
+            elif roll < 0.9:
+                events.append(store(10**9, 1))  # a parent never stored
+            elif roll < 0.93:
+                events.append(store(None, 1, block_size=32))
+            elif roll < 0.96:
+                events.append(stored_map(block_hashes=[engine], token_ids=[2**32] * 16))
+                engine += 1
+            else:
+                events.append({"type": "AllBlocksCleared"})
+        out.append(events)
+    return out
+
+
+def test_a_batch_applied_in_bulk_is_the_batch_applied_event_by_event() -> None:
+    """The same random batches through the applier (runs of common events in one call to
+    the table) and one event at a time through its per-event path: the same index, the
+    same counts, the same skips."""
+    rng = random.Random(7)
+    tiers = [Tier("cpu", 1e-6)]
+    bulk, one_by_one = TieredIndex(tiers=tiers), TieredIndex(tiers=tiers)
+    counted: list[tuple[int, int, int]] = []
+    applier = EventApplier("pod", bulk, 16, lambda: MODEL, _appender(counted))
+    reference = EventApplier("pod", one_by_one, 16, lambda: MODEL)
+    expected, peak = [0, 0, 0], 0
+    for events in _random_batches(rng, 300):
+        payload = msgspec.msgpack.encode([1.0, events, 0])
+        applier.apply_payload(payload)
+        for event in reference._typed(payload).events:
+            expected[reference._apply_typed(event)] += 1
+        for medium in ("gpu", "cpu"):
+            mine, theirs = bulk.index_of(medium), one_by_one.index_of(medium)
+            assert mine.snapshot("pod") == theirs.snapshot("pod")
+        peak = max(peak, bulk.gpu.size("pod")[0])
+    assert [sum(c[i] for c in counted) for i in range(3)] == expected
+    assert applier.stats.skipped == reference.stats.skipped > 0
+    assert bulk.gpu.orphans == one_by_one.gpu.orphans > 0
+    assert peak > 50 and expected[2] > 0
+
+
+def test_the_table_hashes_the_stores_itself() -> None:
+    """The xxhash package exports the hash the block keys use, and the table found it:
+    without it every store would go the per-event Python way (a wheel that stopped
+    exporting it would fail here, not slow the collector unseen)."""
+    assert HASHES_STORES
