@@ -1470,7 +1470,40 @@ static PyTypeObject TableType = {
     .tp_as_sequence = &Table_as_sequence,
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_table", NULL, -1, NULL};
+/* chain(parent, packed, block_size): the chained keys of the full blocks of token ids
+ * packed as little-endian uint32s (hashing/blocks.py `chain_packed`), each block's XXH3
+ * seeded with the key before it (`parent` for the first); for HASHES_STORES only */
+static PyObject *module_chain(PyObject *Py_UNUSED(mod), PyObject *const *args, Py_ssize_t n) {
+    uint64_t parent;
+    Py_buffer view;
+    if (check_args(n, 3, "chain") < 0 || as_u64(args[0], &parent) < 0) return NULL;
+    Py_ssize_t block_size = PyLong_AsSsize_t(args[2]);
+    if (block_size == -1 && PyErr_Occurred()) return NULL;
+    if (block_size <= 0 || xxh3_seeded == NULL) {
+        PyErr_SetString(PyExc_ValueError, "chain needs a positive block size and XXH3");
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[1], &view, PyBUF_SIMPLE) < 0) return NULL;
+    size_t step = sizeof(uint32_t) * (size_t)block_size;
+    Py_ssize_t blocks = view.len / (Py_ssize_t)step;
+    PyObject *keys = PyList_New(blocks);
+    for (Py_ssize_t j = 0; keys != NULL && j < blocks; j++) {
+        parent = xxh3_seeded((const char *)view.buf + (size_t)j * step, step, parent);
+        PyObject *key = PyLong_FromUnsignedLongLong(parent);
+        if (key == NULL) Py_CLEAR(keys);
+        else PyList_SET_ITEM(keys, j, key);
+    }
+    PyBuffer_Release(&view);
+    return keys;
+}
+
+static PyMethodDef module_methods[] = {
+    {"chain", (PyCFunction)(void (*)(void))module_chain, METH_FASTCALL, NULL},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_block_table", NULL, -1,
+                                    module_methods};
 
 PyMODINIT_FUNC PyInit__block_table(void) {
     if (PyType_Ready(&TableType) < 0) return NULL;

@@ -10,8 +10,8 @@ recomputed (llm-d's dual-key design, see vllm-telemetry.md §3.3): the index re-
 token ids that BlockStored events carry into these keys, so vLLM's hash algorithm, its
 NONE_HASH and PYTHONHASHSEED cannot make the router silently miss.
 
-Cost: one xxh3 call per block over a memoryview slice of one packed buffer: O(tokens),
-~0.1 µs a block (`chain_packed` takes ids already packed, e.g. by a vectorized tokenizer).
+Cost: O(tokens), one xxh3 per block over one packed buffer, in one C call (~20 ns a
+block; `chain_packed` takes ids already packed, e.g. by a vectorized tokenizer).
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from collections.abc import Sequence
 
 import xxhash
 
+from hashing._block_table import HASHES_STORES
+from hashing._block_table import chain as _native_chain
 from hashing.tokens import pack_ids
 
 __all__ = ["chain", "chain_packed", "root_key"]
@@ -43,7 +45,16 @@ def chain(parent: int, ids: Sequence[int], block_size: int) -> list[int]:
 
 
 def chain_packed(parent: int, packed: bytes, block_size: int) -> list[int]:
-    """The same for ids packed as little-endian uint32s (`hashing.tokens.pack_ids`)."""
+    """The same for ids packed as little-endian uint32s (`hashing.tokens.pack_ids`): in
+    one C call where the table module found the xxhash package's XXH3 (~20 ns a block
+    against ~140 in this loop), else block by block here."""
+    if HASHES_STORES:
+        return _native_chain(parent, packed, block_size)
+    return chain_each(parent, packed, block_size)
+
+
+def chain_each(parent: int, packed: bytes, block_size: int) -> list[int]:
+    """`chain_packed`, one xxhash call per block."""
     buf = memoryview(packed)
     step = block_size * _UINT32
     digest = xxhash.xxh3_64_intdigest

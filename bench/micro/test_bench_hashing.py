@@ -8,6 +8,7 @@ the cost of hashing alone. Goal: fingerprint + first pick under 50 µs (median).
 import pytest
 import xxhash
 
+from hashing.blocks import chain_each, chain_packed
 from hashing.canonical import Message, chat_text
 from hashing.fingerprint import Fingerprinter
 from hashing.ring import HashRing
@@ -77,3 +78,18 @@ def test_ring_first_two_picks(benchmark):
 
     first, second = benchmark(two_picks)
     assert first != second
+
+
+BLOCK_IDS = bytes(range(256)) * (2048 * 16 * 4 // 256)  # 2,048 blocks of 16 packed ids
+
+
+@pytest.mark.parametrize("how", ["baseline-xxh3-whole", "one-call", "block-by-block"])
+def test_block_keys_of_a_32k_token_prompt(benchmark, how):
+    """KV_AWARE's keys of a new 32,768-token prompt (hashing/blocks.py), against xxh3 of
+    the same 128 KiB in one call."""
+    benchmark.group = "block-keys-32k"
+    if how == "baseline-xxh3-whole":
+        benchmark(xxhash.xxh3_64_intdigest, BLOCK_IDS)
+    else:
+        chain = chain_packed if how == "one-call" else chain_each
+        benchmark(chain, 7, BLOCK_IDS, 16)
