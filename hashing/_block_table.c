@@ -724,7 +724,7 @@ static Py_ssize_t masked(PyObject *list, uint64_t **buf, size_t *cap) {
 /* the chained keys of the full blocks of `tokens` (a list of ints) from `parent`, into
  * `keys` (room for len / block_size); how many, or -1 for a token id outside uint32 */
 static Py_ssize_t chained(PyObject *tokens, Py_ssize_t block_size, uint64_t parent,
-                          uint64_t *keys, uint32_t *ids) {
+                          uint64_t *keys, uint8_t *ids) {
     Py_ssize_t blocks = PyList_GET_SIZE(tokens) / block_size;
     for (Py_ssize_t j = 0; j < blocks; j++) {
         for (Py_ssize_t i = 0; i < block_size; i++) {
@@ -734,7 +734,8 @@ static Py_ssize_t chained(PyObject *tokens, Py_ssize_t block_size, uint64_t pare
                 PyErr_Clear();
                 return -1;
             }
-            ids[i] = (uint32_t)id; /* little-endian, as pack_ids packs them */
+            for (int byte = 0; byte < 4; byte++) /* little-endian, as pack_ids packs them */
+                ids[4 * i + byte] = (uint8_t)(id >> (8 * byte));
         }
         parent = keys[j] = xxh3_seeded(ids, sizeof(uint32_t) * (size_t)block_size, parent);
     }
@@ -757,7 +758,7 @@ static int one_removal(Table *t, uint32_t b, PyObject *ev, uint64_t **buf, size_
 
 typedef struct {
     uint64_t *engines, *keys;
-    uint32_t *ids;
+    uint8_t *ids; /* one block's token ids, packed */
     size_t engines_cap, keys_cap;
     Py_ssize_t block_size;
     uint64_t root;
