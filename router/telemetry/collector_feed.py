@@ -132,8 +132,10 @@ class CollectorTelemetry(Telemetry):
                 self._publish([b"h", b"", msgspec.msgpack.encode(news)])
 
     def cleared(self, backend: str) -> None:
-        """A subscription's index reset: the workers clear theirs too."""
-        self._publish([b"c", backend.encode()])
+        """A subscription's index reset: the workers clear their copies too (a shared
+        index is the one just cleared)."""
+        if not self._link.shared_index:
+            self._publish([b"c", backend.encode()])
 
     def _source(self, backend: Backend, cfg: KvEventsConfig, index: TieredIndex) -> Held:
         """The backend's KV events, subscribed to here and relayed to the workers."""

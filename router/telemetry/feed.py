@@ -9,7 +9,7 @@ index reset (`c`, backend); every worker
 (router/telemetry/worker_feed.py) follows that feed instead of the backends and applies
 batches to its own index. The collector applies them to an index of its own too. Where
 the processes share one index (the supervisor found the room: `WorkerContext.shared_index`)
-the collector's application is every worker's, and no batch is sent: every
+the collector's application is every worker's, and no batch or reset is sent: every
 `HEARD_INTERVAL_S` the workers hear which backends' events came since, and when each
 published its last (`h`, msgpack {backend: [time.monotonic() heard, published]}).
 

@@ -157,9 +157,8 @@ class WorkerTelemetry(Telemetry):
         elif kind == b"h":
             self._heard(rest[0])
         elif kind == b"c" and (index := self._upkeep.index) is not None:
-            if not index.gpu.shared:  # a shared index is the one the collector cleared
-                index.cleared(name)
-                log.backends.warning("KV index of %s cleared (collector's reset)", name)
+            index.cleared(name)
+            log.backends.warning("KV index of %s cleared (collector's reset)", name)
         elif kind == b"l":
             self._learned(rest[0])
         elif kind == b"r":
