@@ -10,6 +10,10 @@
  * (u32) and how many backends hold it (u32). Three open-addressing tables of u32 ids
  * (linear probing, backward-shift deletion, so no tombstones) find an entry by (key,
  * backend, kind), a confirmed entry by (backend, engine hash), and a key record by key.
+ * Nothing grows in one go: an id table that fills starts a table twice its size beside
+ * it and each put moves a few of the old one's ids over (a whole rehash held the caller
+ * 38 ms at 800k keys, and a worker's event loop with it), and the shared file's arrays
+ * of ids grow in place.
  * About 50-70 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
  * here is a Python object: the garbage collector never walks it. A backend's id comes
  * from `member` (a hash of its name): the same in every process sharing the table.
@@ -23,9 +27,11 @@
  * (a tmpfs one: the run directory in /dev/shm), so the host holds one copy of the index
  * whatever its worker count. The file is a sparse 1 TiB address range: a header (a
  * process-shared mutex, the arena's top, the table's numbers with its arrays as
- * offsets) and an arena the arrays are cut from, never reused; an array that grows is
- * copied to a new region and the old region's pages go back to the file system
- * (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
+ * offsets) and an arena the arrays are cut from, never reused. An array of ids (the
+ * entries', the key records') is cut once for the most ids there can be, and only its
+ * pages written take memory; another array that grows is copied to a new region, and a
+ * region left (an old array, an id table grown out of) gives its pages back to the file
+ * system (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
  * mutex: it reads the numbers and offsets into this process's view unless the view is
  * of the table's current version, works on the arrays, and a write stores them back as
  * a new version. The mutex is robust: when a process dies holding it, the
@@ -55,6 +61,15 @@
 #include <unistd.h>
 
 #define NIL UINT32_MAX
+/* An id table's slot holds its id + 1: 0 is an empty slot, so a table's new slots need
+ * no writing (fresh pages are zeros); GONE marks a slot whose id left while the table was
+ * being migrated (ids stay below 2^31). */
+#define EMPTY 0
+#define GONE UINT32_MAX
+/* the old id table's slots each put moves into the grown one: the old one is empty long
+ * before the grown one fills (a put moves 16 slots; the grown one has room for 3/4 of
+ * the old one's size more ids) */
+#define MIGRATE 16
 #define CONF 0
 #define SPEC 1
 #define MAX_BACKENDS 65535
@@ -62,15 +77,22 @@
 #define ARENA_BYTES (1ULL << 40)
 #define PAGE 4096
 /* "kvrtab", and the layout's version in the top byte */
-#define MAGIC (0x6b7672746162ULL | 2ULL << 56)
+#define MAGIC (0x6b7672746162ULL | 3ULL << 56)
 
 typedef struct {
     uint32_t head, tail, len;
 } lru_t;
 
+/* An id table grows without stopping the caller for a rehash of every id: a grown
+ * table starts empty beside the old one, each put moves the next MIGRATE slots of the
+ * old one into it, and until the old one is empty a lookup tries both. The old one
+ * takes no puts, and an id leaving it leaves a GONE mark (a backward shift there could
+ * move an id behind the migration's cursor, where it would never move on). */
 typedef struct {
     uint32_t *slot;
     uint32_t mask, used;
+    uint32_t *old; /* NULL: not growing */
+    uint32_t old_mask, old_used, cursor;
 } itab_t;
 
 typedef struct arena arena_t;
@@ -104,6 +126,7 @@ static const size_t ARRAYS[] = {
     offsetof(Table, e_kind),  offsetof(Table, k_key),       offsetof(Table, k_head),
     offsetof(Table, k_count), offsetof(Table, lru),         offsetof(Table, b_name),
     offsetof(Table, etab.slot), offsetof(Table, gtab.slot), offsetof(Table, ktab.slot),
+    offsetof(Table, etab.old),  offsetof(Table, gtab.old),  offsetof(Table, ktab.old),
 };
 
 /* the shared file's first bytes */
@@ -138,14 +161,23 @@ typedef struct {
 
 static inline size_t pages(size_t bytes) { return (bytes + PAGE - 1) & ~(size_t)(PAGE - 1); }
 
-static void *arena_alloc(arena_t *a, size_t bytes) {
+/* the file system has room for `bytes` more (a write past a full tmpfs kills the process) */
+static int arena_room(arena_t *a, size_t bytes) {
+    struct statvfs fs;
+    return fstatvfs(a->fd, &fs) != 0 || (uint64_t)fs.f_bavail * fs.f_frsize >= pages(bytes);
+}
+
+/* a new region of the address range, none of it written yet */
+static void *arena_reserve(arena_t *a, size_t bytes) {
     size_t len = pages(bytes);
     uint64_t at = a->header->top;
-    struct statvfs fs;
     if (len == 0 || at + len > ARENA_BYTES) return NULL;
-    if (fstatvfs(a->fd, &fs) == 0 && (uint64_t)fs.f_bavail * fs.f_frsize < len) return NULL;
     a->header->top = at + len;
     return a->base + at;
+}
+
+static void *arena_alloc(arena_t *a, size_t bytes) {
+    return arena_room(a, bytes) ? arena_reserve(a, bytes) : NULL;
 }
 
 static void arena_free(arena_t *a, void *p, size_t bytes) {
@@ -153,12 +185,33 @@ static void arena_free(arena_t *a, void *p, size_t bytes) {
         fallocate(a->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (char *)p - a->base, pages(bytes));
 }
 
-static void *t_alloc(Table *t, size_t bytes) {
-    return t->arena == NULL ? PyMem_RawMalloc(bytes) : arena_alloc(t->arena, bytes);
+/* A process's own table keeps its id tables and arrays of ids in anonymous mappings:
+ * zeros until written (a new id table needs no writing), grown by `mremap` (the kernel
+ * moves the pages: nothing is copied, where a heap's realloc copied a big table's arrays
+ * for milliseconds). */
+static void *map_new(size_t bytes) {
+    void *p = mmap(NULL, pages(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return p == MAP_FAILED ? NULL : p;
 }
 
-static void t_free(Table *t, void *p, size_t bytes) {
-    if (t->arena == NULL) PyMem_RawFree(p);
+static void *map_grow(void *p, size_t old, size_t bytes) {
+    if (p == NULL) return map_new(bytes);
+    void *q = mremap(p, pages(old), pages(bytes), MREMAP_MAYMOVE);
+    return q == MAP_FAILED ? NULL : q;
+}
+
+static void map_free(void *p, size_t bytes) {
+    if (p != NULL) munmap(p, pages(bytes));
+}
+
+/* an id table's slots, all empty (zeros): the arena's regions are new (holes of the
+ * file, read as zeros) */
+static void *slots_new(Table *t, size_t bytes) {
+    return t->arena == NULL ? map_new(bytes) : arena_alloc(t->arena, bytes);
+}
+
+static void slots_free(Table *t, void *p, size_t bytes) {
+    if (t->arena == NULL) map_free(p, bytes);
     else arena_free(t->arena, p, bytes);
 }
 
@@ -206,90 +259,143 @@ static inline uint64_t home(Table *t, int which, uint32_t id) {
 }
 
 static int itab_init(Table *t, itab_t *it, uint32_t size) {
-    it->slot = t_alloc(t, sizeof(uint32_t) * size);
+    it->slot = slots_new(t, sizeof(uint32_t) * size);
     if (it->slot == NULL) return -1;
-    memset(it->slot, 0xff, sizeof(uint32_t) * size);
     it->mask = size - 1;
     it->used = 0;
     return 0;
 }
 
+/* place `id`, known to be absent, in `it`'s current slots */
+static inline void itab_place(itab_t *it, uint32_t id, uint64_t h) {
+    uint32_t j = (uint32_t)h & it->mask;
+    while (it->slot[j] != EMPTY) j = (j + 1) & it->mask;
+    it->slot[j] = id + 1;
+    it->used++;
+}
+
+/* move up to `n` of the old slots into the current ones; the old ones go once all moved */
+static void itab_migrate(Table *t, int which, itab_t *it, uint32_t n) {
+    uint32_t size = it->old_mask + 1;
+    for (; n > 0 && it->cursor < size; n--, it->cursor++) {
+        uint32_t v = it->old[it->cursor];
+        if (v == EMPTY || v == GONE) continue;
+        it->old[it->cursor] = GONE;
+        it->old_used--;
+        itab_place(it, v - 1, home(t, which, v - 1));
+    }
+    if (it->cursor == size) {
+        slots_free(t, it->old, sizeof(uint32_t) * size);
+        it->old = NULL;
+    }
+}
+
+/* twice the slots, the ids still in the old ones until puts move them over */
 static int itab_grow(Table *t, int which, itab_t *it) {
-    uint32_t old_size = it->mask + 1, *old = it->slot;
+    if (it->old != NULL) itab_migrate(t, which, it, UINT32_MAX); /* a grown table already full */
+    uint32_t old_size = it->mask + 1, *old = it->slot, used = it->used;
     if (old_size >= (1u << 31)) return -1;
     if (itab_init(t, it, old_size * 2) < 0) {
         it->slot = old;
         it->mask = old_size - 1;
+        it->used = used;
         return -1;
     }
-    for (uint32_t i = 0; i < old_size; i++) {
-        uint32_t id = old[i];
-        if (id == NIL) continue;
-        uint32_t j = (uint32_t)home(t, which, id) & it->mask;
-        while (it->slot[j] != NIL) j = (j + 1) & it->mask;
-        it->slot[j] = id;
-        it->used++;
-    }
-    t_free(t, old, sizeof(uint32_t) * old_size);
+    it->old = old;
+    it->old_mask = old_size - 1;
+    it->old_used = used;
+    it->cursor = 0;
     return 0;
 }
 
 /* place `id`, known to be absent, hashed by `h` */
 static int itab_put(Table *t, int which, itab_t *it, uint32_t id, uint64_t h) {
-    if ((uint64_t)(it->used + 1) * 4 > (uint64_t)(it->mask + 1) * 3 && itab_grow(t, which, it) < 0) {
+    if (it->old != NULL) itab_migrate(t, which, it, MIGRATE);
+    if ((uint64_t)(it->used + it->old_used + 1) * 4 > (uint64_t)(it->mask + 1) * 3 &&
+        itab_grow(t, which, it) < 0) {
         PyErr_NoMemory();
         return -1;
     }
-    uint32_t j = (uint32_t)h & it->mask;
-    while (it->slot[j] != NIL) j = (j + 1) & it->mask;
-    it->slot[j] = id;
-    it->used++;
+    itab_place(it, id, h);
     return 0;
+}
+
+/* the slot of `id` among `slot` (`mask`), probing from `h`'s; NIL if absent */
+static inline uint32_t itab_slot(const uint32_t *slot, uint32_t mask, uint32_t id, uint64_t h) {
+    for (uint32_t i = (uint32_t)h & mask;; i = (i + 1) & mask) {
+        if (slot[i] == id + 1) return i;
+        if (slot[i] == EMPTY) return NIL;
+    }
 }
 
 /* take `id` out of the table, `h` being the hash it was placed by */
 static void itab_del(Table *t, int which, itab_t *it, uint32_t id, uint64_t h) {
-    uint32_t mask = it->mask, i = (uint32_t)h & mask;
-    while (it->slot[i] != id) {
-        if (it->slot[i] == NIL) return;
-        i = (i + 1) & mask;
+    uint32_t mask = it->mask, i = itab_slot(it->slot, mask, id, h);
+    if (i == NIL) {
+        if (it->old != NULL && (i = itab_slot(it->old, it->old_mask, id, h)) != NIL) {
+            it->old[i] = GONE;
+            it->old_used--;
+        }
+        return;
     }
-    it->slot[i] = NIL;
+    it->slot[i] = EMPTY;
     it->used--;
-    for (uint32_t j = (i + 1) & mask; it->slot[j] != NIL; j = (j + 1) & mask) {
-        uint32_t at = (uint32_t)home(t, which, it->slot[j]) & mask;
+    for (uint32_t j = (i + 1) & mask; it->slot[j] != EMPTY; j = (j + 1) & mask) {
+        uint32_t at = (uint32_t)home(t, which, it->slot[j] - 1) & mask;
         if (((j - at) & mask) >= ((j - i) & mask)) {
             it->slot[i] = it->slot[j];
-            it->slot[j] = NIL;
+            it->slot[j] = EMPTY;
             i = j;
         }
     }
 }
 
+/* Each lookup probes the current slots, then the old ones while the table grows (GONE
+ * marks there are passed over). */
+
+static uint32_t key_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t key) {
+    for (uint32_t j = (uint32_t)mix(key) & mask;; j = (j + 1) & mask) {
+        uint32_t v = slot[j];
+        if (v == EMPTY) return NIL;
+        if (v != GONE && t->k_key[v - 1] == key) return v - 1;
+    }
+}
+
 static uint32_t key_find(Table *t, uint64_t key) {
     itab_t *it = &t->ktab;
-    for (uint32_t j = (uint32_t)mix(key) & it->mask;; j = (j + 1) & it->mask) {
-        uint32_t k = it->slot[j];
-        if (k == NIL || t->k_key[k] == key) return k;
+    uint32_t k = key_in(t, it->slot, it->mask, key);
+    return k != NIL || it->old == NULL ? k : key_in(t, it->old, it->old_mask, key);
+}
+
+static uint32_t entry_in(Table *t, const uint32_t *slot, uint32_t mask, uint32_t k,
+                         uint32_t backend, uint32_t kind) {
+    for (uint32_t j = (uint32_t)entry_hash(k, backend, kind) & mask;; j = (j + 1) & mask) {
+        uint32_t v = slot[j], e = v - 1;
+        if (v == EMPTY) return NIL;
+        if (v != GONE && t->e_key[e] == k && t->e_backend[e] == backend && t->e_kind[e] == kind)
+            return e;
     }
 }
 
 static uint32_t entry_find(Table *t, uint32_t k, uint32_t backend, uint32_t kind) {
     itab_t *it = &t->etab;
-    for (uint32_t j = (uint32_t)entry_hash(k, backend, kind) & it->mask;; j = (j + 1) & it->mask) {
-        uint32_t e = it->slot[j];
-        if (e == NIL) return NIL;
-        if (t->e_key[e] == k && t->e_backend[e] == backend && t->e_kind[e] == kind) return e;
+    uint32_t e = entry_in(t, it->slot, it->mask, k, backend, kind);
+    return e != NIL || it->old == NULL ? e : entry_in(t, it->old, it->old_mask, k, backend, kind);
+}
+
+static uint32_t engine_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t engine,
+                          uint32_t backend) {
+    for (uint32_t j = (uint32_t)engine_hash(engine, backend) & mask;; j = (j + 1) & mask) {
+        uint32_t v = slot[j], e = v - 1;
+        if (v == EMPTY) return NIL;
+        if (v != GONE && t->e_backend[e] == backend && t->e_val[e] == engine) return e;
     }
 }
 
 static uint32_t engine_find(Table *t, uint64_t engine, uint32_t backend) {
     itab_t *it = &t->gtab;
-    for (uint32_t j = (uint32_t)engine_hash(engine, backend) & it->mask;; j = (j + 1) & it->mask) {
-        uint32_t e = it->slot[j];
-        if (e == NIL) return NIL;
-        if (t->e_backend[e] == backend && t->e_val[e] == engine) return e;
-    }
+    uint32_t e = engine_in(t, it->slot, it->mask, engine, backend);
+    return e != NIL || it->old == NULL ? e : engine_in(t, it->old, it->old_mask, engine, backend);
 }
 
 static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
@@ -321,16 +427,43 @@ static inline uint32_t next_cap(uint32_t cap) {
     return next >= NIL ? 0 : (uint32_t)next;
 }
 
+/* the most items an array of ids holds (next_cap's last capacity) */
+#define MAX_IDS (1ULL << 31)
+
+/* an array of `width`-byte items grown from `old` to `cap` of them. In the shared file it
+ * stays where it is: its region, cut once for MAX_IDS items, is an address range whose
+ * pages take memory only once written, so a growth copies nothing (a copy of a big
+ * table's arrays held every process's calls for tens of milliseconds); the file system
+ * is asked for room for the items added. */
+static int ids_grow(Table *t, void **arr, size_t width, uint32_t old, uint32_t cap) {
+    if (t->arena == NULL) {
+        void *p = map_grow(*arr, width * old, width * cap);
+        if (p == NULL) return -1;
+        *arr = p;
+        return 0;
+    }
+    if (!arena_room(t->arena, width * (size_t)(cap - old))) return -1;
+    if (*arr == NULL && (*arr = arena_reserve(t->arena, width * MAX_IDS)) == NULL) return -1;
+    return 0;
+}
+
+#define GROW_IDS(arr, old, cap) \
+    do { \
+        void *p_ = (arr); \
+        if (ids_grow(t, &p_, sizeof(*(arr)), (old), (cap)) < 0) return -1; \
+        (arr) = p_; \
+    } while (0)
+
 static int entries_grow(Table *t) {
     uint32_t cap = next_cap(t->e_cap);
     if (cap == 0) return -1;
-    GROW(t->e_key, t->e_cap, cap);
-    GROW(t->e_val, t->e_cap, cap);
-    GROW(t->e_prev, t->e_cap, cap);
-    GROW(t->e_next, t->e_cap, cap);
-    GROW(t->e_hnext, t->e_cap, cap);
-    GROW(t->e_backend, t->e_cap, cap);
-    GROW(t->e_kind, t->e_cap, cap);
+    GROW_IDS(t->e_key, t->e_cap, cap);
+    GROW_IDS(t->e_val, t->e_cap, cap);
+    GROW_IDS(t->e_prev, t->e_cap, cap);
+    GROW_IDS(t->e_next, t->e_cap, cap);
+    GROW_IDS(t->e_hnext, t->e_cap, cap);
+    GROW_IDS(t->e_backend, t->e_cap, cap);
+    GROW_IDS(t->e_kind, t->e_cap, cap);
     t->e_cap = cap;
     return 0;
 }
@@ -338,9 +471,9 @@ static int entries_grow(Table *t) {
 static int keys_grow(Table *t) {
     uint32_t cap = next_cap(t->k_cap);
     if (cap == 0) return -1;
-    GROW(t->k_key, t->k_cap, cap);
-    GROW(t->k_head, t->k_cap, cap);
-    GROW(t->k_count, t->k_cap, cap);
+    GROW_IDS(t->k_key, t->k_cap, cap);
+    GROW_IDS(t->k_head, t->k_cap, cap);
+    GROW_IDS(t->k_count, t->k_cap, cap);
     t->k_cap = cap;
     return 0;
 }
@@ -1152,8 +1285,11 @@ static void empty(Table *t) {
     t->e_top = t->e_live = t->k_top = t->k_live = 0;
     t->e_free = t->k_free = NIL;
     for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
-        memset(it->slot, 0xff, sizeof(uint32_t) * ((size_t)it->mask + 1));
+        memset(it->slot, EMPTY, sizeof(uint32_t) * ((size_t)it->mask + 1));
         it->used = 0;
+        if (it->old != NULL) slots_free(t, it->old, sizeof(uint32_t) * ((size_t)it->old_mask + 1));
+        it->old = NULL;
+        it->old_used = 0;
     }
     for (uint32_t i = 0; i < t->n_backends * 2; i++) t->lru[i] = (lru_t){NIL, NIL, 0};
 }
@@ -1304,6 +1440,11 @@ static PyObject *Table_get_entries(TableObject *o, void *Py_UNUSED(closure)) {
     return n < 0 ? NULL : PyLong_FromSsize_t(n);
 }
 
+/* an id table's slots, the old ones too while it grows */
+static inline size_t slots(const itab_t *it) {
+    return (size_t)it->mask + 1 + (it->old == NULL ? 0 : (size_t)it->old_mask + 1);
+}
+
 /* bytes allocated for the arrays and tables */
 static PyObject *Table_get_nbytes(TableObject *o, void *Py_UNUSED(closure)) {
     if (enter(o) < 0) return NULL;
@@ -1311,7 +1452,7 @@ static PyObject *Table_get_nbytes(TableObject *o, void *Py_UNUSED(closure)) {
     size_t per_entry = 4 + 8 + 4 + 4 + 4 + 2 + 1, per_key = 8 + 4 + 4;
     size_t bytes = per_entry * t->e_cap + per_key * t->k_cap +
                    (sizeof(lru_t) * 2 + sizeof(uint64_t)) * t->n_backends +
-                   4 * ((size_t)t->etab.mask + 1 + t->gtab.mask + 1 + t->ktab.mask + 1);
+                   sizeof(uint32_t) * (slots(&t->etab) + slots(&t->gtab) + slots(&t->ktab));
     leave(o, 0);
     return PyLong_FromSize_t(bytes);
 }
@@ -1414,10 +1555,23 @@ static void Table_dealloc(TableObject *o) {
         munmap(o->arena.base, ARENA_BYTES);
         close(o->arena.fd);
     } else {
-        void *arrays[] = {t->e_key, t->e_val,   t->e_prev, t->e_next,   t->e_hnext,
-                          t->e_backend, t->e_kind, t->k_key, t->k_head, t->k_count,
-                          t->lru,   t->b_name,  t->etab.slot, t->gtab.slot, t->ktab.slot};
-        for (size_t i = 0; i < sizeof arrays / sizeof arrays[0]; i++) PyMem_RawFree(arrays[i]);
+        size_t e = t->e_cap, k = t->k_cap;
+        map_free(t->e_key, e * 4);
+        map_free(t->e_val, e * 8);
+        map_free(t->e_prev, e * 4);
+        map_free(t->e_next, e * 4);
+        map_free(t->e_hnext, e * 4);
+        map_free(t->e_backend, e * 2);
+        map_free(t->e_kind, e);
+        map_free(t->k_key, k * 8);
+        map_free(t->k_head, k * 4);
+        map_free(t->k_count, k * 4);
+        for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
+            map_free(it->slot, sizeof(uint32_t) * ((size_t)it->mask + 1));
+            map_free(it->old, sizeof(uint32_t) * ((size_t)it->old_mask + 1));
+        }
+        PyMem_RawFree(t->lru);
+        PyMem_RawFree(t->b_name);
     }
     Py_TYPE(o)->tp_free((PyObject *)o);
 }

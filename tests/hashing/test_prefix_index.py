@@ -361,6 +361,51 @@ def test_every_key_is_found_after_the_tables_grew_and_shrank(how: str, tmp_path:
     )
 
 
+@pytest.mark.parametrize("how", ["private", "shared"])
+def test_keys_are_found_and_removed_while_the_id_tables_grow(how: str, tmp_path: Path) -> None:
+    """An id table that grows moves its ids over a few puts at a time, a lookup trying
+    the new slots and the old: checked after every batch of 48 puts (most checks fall
+    while a table is moving), keys learned and confirmed stay found, keys dropped and
+    blocks removed meanwhile (from either slots) are gone, in both views."""
+    index, reader = _views(how, tmp_path)
+    rng = random.Random(7)
+    held: dict[int, str] = {}  # key -> its backend
+    engines: dict[str, dict[int, int]] = {"b0": {}, "b1": {}}  # engine hash -> key
+    for name in engines:  # each process knows the fleet
+        reader.set_capacity(name, 1_000_000)
+    for batch in range(1_200):
+        keys = [batch * 48 + i + 1 for i in range(48)]
+        b = f"b{batch % 2}"
+        if batch % 3:
+            index.learn(b, keys, 1e12)
+        else:
+            hashes = [1_000_000 + k for k in keys]
+            index.placed(b, zip(keys, hashes, strict=True))
+            engines[b].update(zip(hashes, keys, strict=True))
+        held.update(dict.fromkeys(keys, b))
+        gone = rng.sample(list(held), 24)
+        removed_from = [held[key] for key in gone]
+        for key in gone[:12]:
+            index.dropped(held.pop(key), [key], confirmed=True)
+        for key in gone[12:]:
+            name = held.pop(key)
+            found = [h for h, k in engines[name].items() if k == key]
+            if found:
+                index.removed(name, found)
+            else:
+                index.dropped(name, [key])
+        for key in rng.sample(list(held), min(48, len(held))) + keys:
+            expected = [(held[key], 1)] if key in held else []
+            assert reader.holders([key], 4) == expected, batch
+            assert [reader.longest_prefix([key], name) for name in engines] == [
+                int(held.get(key) == name) for name in engines
+            ], batch
+        for key, name in zip(gone, removed_from, strict=True):
+            assert reader.holders([key], 4) == [], batch
+            assert reader.longest_prefix([key], name) == 0, batch
+    assert reader.holder_keys() == len(held)
+
+
 def test_a_full_index_adds_nothing_the_garbage_collector_walks() -> None:
     """A hundred thousand keys on 64 backends are flat arrays in the table, not Python
     containers: the objects the cyclic collector tracks do not grow with them (a million
