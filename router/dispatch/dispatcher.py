@@ -50,7 +50,7 @@ from router.fleet.adapters import AdapterLoader
 from router.fleet.backend import Backend
 from router.fleet.backends import Fleet
 from router.metrics import Metrics
-from router.request import Kind, asking_usage
+from router.request import LONG_BODY, Kind, asking_usage
 from router.telemetry.tokenize import RemoteTokenizer
 from router.upstream.proxy import Upstream, Upstreams
 
@@ -216,6 +216,8 @@ class Dispatcher:
                         call.token_ids = await describer.token_ids(call, block_keys)
                     t0 = time.perf_counter()
                     route_req = describer.describe(call)
+                    if len(call.body) >= LONG_BODY:
+                        await asyncio.sleep(0)
                     if self._pd.applies(call):
                         await self._pd.prefill(call, route_req, t0)
                         t0 = time.perf_counter()  # the decode pick is a decision of its own

@@ -58,7 +58,7 @@ from router.ingress.status import StatusRoutes
 from router.ingress.targets import origin_form
 from router.jobs.runner import JobRunner
 from router.metrics import CONTENT_TYPE, Metrics
-from router.request import NO_FIELDS, Kind, parse
+from router.request import LONG_BODY, NO_FIELDS, Kind, parse
 from router.telemetry.loops import Telemetry
 from router.upstream.proxy import forward_headers
 
@@ -195,6 +195,8 @@ class HttpIngress:
                 tenant, token_class = self._who.of(client_headers)
                 body = await read_body()
                 req = parse(kind, body)
+                if len(body) >= LONG_BODY:
+                    await asyncio.sleep(0)
                 call = Call(kind, req, method, path, body, headers, started, arrived, tenant, rid)
                 call.sent_headers, call.token_class = client_headers, token_class
             except KvrouteError as err:
