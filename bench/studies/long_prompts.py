@@ -19,7 +19,10 @@ Then the head-of-line probe: small requests, one at a time, through a kvroute wo
 and then while new `--probe-tokens`-token prompts flow to the same worker back to back
 (from a process of their own). What matters is the difference of the two P99s, beside
 the same difference straight to the backend (here the raw one, `--raw`, which does not
-parse bodies): what the machine's own contention adds.
+parse bodies): what the machine's own contention adds. The process measured (the
+worker, or the raw backend) has the first CPU to itself meanwhile and the load (the
+probe's client, the sender, the backend) the others (`--no-pin`: the scheduler's
+choice), so that the difference is the loop's own waiting, not a core's time slices.
 
 Reproduces docs/performance.md, "New long prompts".
 
@@ -38,6 +41,7 @@ import asyncio
 import contextlib
 import http.client
 import multiprocessing
+import os
 import statistics
 import sys
 import tempfile
@@ -215,17 +219,49 @@ async def probe(name: str, url: str, tokens: int, small: int) -> Probe:
     return Probe(name, percentile(quiet, 0.99) * 1e3, percentile(busy, 0.99) * 1e3, sent.value)
 
 
+@contextlib.contextmanager
+def pinned(measured: int, others: Sequence[int], pin: bool) -> Iterator[None]:
+    """With `pin` (and two CPUs or more), the process measured (its tree) alone on the
+    first CPU and `others` (theirs, this process's: the probe's client and the long
+    prompts' sender) on the rest, so that the probe measures the router's own loop, not
+    the scheduler sharing a core between it and the load; all on every CPU after."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if not pin or len(cpus) < 2:
+        yield
+        return
+    trees = [procstat.tree(p) for p in others]
+    _set_affinity([p for tree in trees for p in tree], set(cpus[1:]))
+    _set_affinity(procstat.tree(measured), {cpus[0]})
+    try:
+        yield
+    finally:
+        _set_affinity([p for tree in trees for p in tree], set(cpus))
+
+
+def _set_affinity(pids: Sequence[int], cpus: set[int]) -> None:
+    """Every thread of `pids` on `cpus` (a process gone meanwhile is skipped)."""
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                with contextlib.suppress(OSError, ValueError):
+                    os.sched_setaffinity(int(task.name), cpus)
+
+
 def _long_prompts(url: str, words: int, ready: Event, stop: Event, sent: Synchronized) -> None:
     """New long chat prompts to `url`, one after the other, until `stop`: one document,
     each time behind a new first line, so that none shares a block with another. `ready`
-    once the first one went through (they flow from then on)."""
+    once the first one went through (they flow from then on). A body is the document's
+    JSON bytes behind its new line's, joined (not encoded anew): the sender shares the
+    machine with what it measures, and should take little of it."""
     body = orjson.loads(chat_body(words, 1_000_000))
     document = body["messages"][0]["content"]
+    body["messages"][0]["content"] = "\0"
+    head, tail = orjson.dumps(body).split(b"\\u0000")
+    escaped = orjson.dumps(document)[1:-1]
     host, port = urllib.parse.urlsplit(url).netloc.split(":")
     conn = http.client.HTTPConnection(host, int(port))
     while not stop.is_set():
-        body["messages"][0]["content"] = f"{sent.value} {document}"
-        conn.request("POST", _CHAT, orjson.dumps(body), _HEADERS)
+        conn.request("POST", _CHAT, b"".join((head, b"%d " % sent.value, escaped, tail)), _HEADERS)
         conn.getresponse().read()
         sent.value += 1
         ready.set()
@@ -327,6 +363,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true", help="also sglang-router, vllm-router")
     parser.add_argument("--probe-tokens", type=int, default=100_000, help="0: no probe")
     parser.add_argument("--probe-requests", type=int, default=400)
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="leave the probe's processes to the scheduler (default: the one measured "
+        "alone on the first CPU, the load on the others)",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = parser.parse_args(argv)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -342,11 +385,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, process([*backend, "--raw"]) as raw:
         direct = raw.stdout.readline().strip()
         with routers(direct, [strategies[0]], 1, False, Path(tmp)) as one:
-            ((url, _),) = one.values()
-            targets = {"the raw backend, direct": direct, f"kvroute {strategies[0]}, 1 worker": url}
-            for name, target in targets.items() if args.probe_tokens else ():
+            ((url, pid),) = one.values()
+            targets = {
+                "the raw backend, direct": (direct, raw.pid),
+                f"kvroute {strategies[0]}, 1 worker": (url, pid),
+            }
+            for name, (target, measured) in targets.items() if args.probe_tokens else ():
                 tokens, small = args.probe_tokens, args.probe_requests
-                probes.append(asyncio.run(probe(name, target, tokens, small)))
+                with pinned(measured, [raw.pid, pid, os.getpid()], args.pin):
+                    probes.append(asyncio.run(probe(name, target, tokens, small)))
     _print(cells, probes, args, strategies[0])
     if args.json:
         data = {"cells": cells, "probes": [msgspec.to_builtins(p) for p in probes]}
