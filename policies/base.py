@@ -60,6 +60,10 @@ class Placements(Protocol):
         """The placement of `keys[start:]` on `backend`, just made in this loop turn, was
         not followed: out of the table, and out of the batch for the other workers."""
 
+    def recall(self, backend: str, keys: Sequence[int], start: int) -> None:
+        """As `withdraw`, for a placement `replicate` made: out of the batch for the other
+        replicas."""
+
 
 class Turns(Protocol):
     """A turn counter every worker process of the router shares (router/fleet/shared_load.py):

@@ -120,7 +120,11 @@ class IndexUpkeep:
         self.index.gpu.dropped(name, new)
         if self.pace is not None and len(new) > self.pace:
             self.pending.pop((name, new[self.pace]), None)
-        if self.placements is not None:
+        if self.placements is None:
+            return
+        if self.index.shared:  # as `learn` replicated it
+            self.placements.recall(name, req.blocks, start)
+        else:
             self.placements.withdraw(name, req.blocks, start)
 
     def drain(self) -> bool:

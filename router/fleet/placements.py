@@ -189,6 +189,16 @@ class PlacementTable:
         table, and from the batch not yet sent to the other workers."""
         placed = list(keys[start:])
         self.dropped(backend, placed)
+        self._unsent(backend, placed)
+
+    def recall(self, backend: str, keys: Sequence[int], start: int) -> None:
+        """`replicate`'s record of `keys[start:]` on `backend` in this loop turn goes from
+        the batch (the table never had it)."""
+        if self._replicas:
+            self._unsent(backend, list(keys[start:]))
+
+    def _unsent(self, backend: str, placed: list[int]) -> None:
+        """The last placement of `placed` on `backend` leaves the batch not yet sent."""
         for at in range(len(self._outbox) - 1, -1, -1):
             name, _, sent = self._outbox[at]
             if name == backend and sent == placed:

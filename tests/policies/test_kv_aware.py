@@ -223,6 +223,12 @@ class SharedDict:
     def replicate(self, backend: str, keys, start: int, expires_at: float) -> None:
         self.replicated.append((backend, list(keys[start:])))
 
+    def withdraw(self, backend: str, keys, start: int) -> None:
+        self.placed.pop(keys[start], None)
+
+    def recall(self, backend: str, keys, start: int) -> None:
+        self.replicated.remove((backend, list(keys[start:])))
+
 
 def test_a_burst_over_two_workers_stays_on_one_backend() -> None:
     """Two workers' policies, each with its own index, share placements and the load
@@ -260,6 +266,12 @@ def test_over_a_shared_index_a_burst_stays_together_without_the_placements(tmp_p
     assert len(chosen) == 1, chosen
     assert shared.placed == {}
     assert [name for name, _ in shared.replicated] == [chosen.pop()]
+    other = RouteRequest("m", 0, chain(ROOT, [i + 7 for i in IDS], 16), len(IDS))  # not followed
+    pick = workers[0].pick(other, view(members))
+    assert len(shared.replicated) == 2
+    workers[0].retract(other, pick)
+    assert len(shared.replicated) == 1 and shared.placed == {}
+    assert workers[1].pick(other, view(members)).predicted_cached == 0
 
 
 # --- pruned scoring: the holders of the longest prefixes and `sample` draws -----------

@@ -131,6 +131,23 @@ async def test_over_a_shared_index_only_replicas_get_placements_and_workers_less
         replicated.close()
 
 
+async def test_a_replicated_placement_recalled_in_its_turn_reaches_no_replica(tmp_path) -> None:
+    """Over a shared index, a pick the router did not follow leaves the replicas' batch
+    (`recall`, `replicate`'s undo); the others of the turn go."""
+    sent: list[bytes] = []
+    table = PlacementTable(tmp_path / "placements", 1, sent.append, True)
+    expires_at = time.monotonic() + 60
+    try:
+        table.replicate("b0", DOC, 10, expires_at)
+        table.replicate("b1", DOC, 0, expires_at)
+        table.recall("b0", DOC, 10)
+        await asyncio.sleep(0)
+        (batch,) = sent
+        assert decode_learned(batch).placed == [("b1", expires_at, DOC)]
+    finally:
+        table.close()
+
+
 async def test_the_pick_lock_is_exclusive_and_its_wait_bounded(pair) -> None:
     """One worker's pick holds it; another's gives up after its short wait (it must not
     stall that worker's loop behind a descheduled holder), and takes it once free."""
