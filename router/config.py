@@ -24,6 +24,10 @@ Seconds = Annotated[float, Meta(gt=0)]
 LOG_LEVELS = ("debug", "info", "warning", "error")
 #: the strategy of a `routing:` section that names none, and of a file with no section
 DEFAULT_ROUTING = KvAwareParams()
+#: KV_AWARE's block, in tokens, where no backend publishes KV events (then its keys need
+#: only agree with its own earlier ones): a quarter of the keys of vLLM's 16-token
+#: block, so a quarter of the prefix index's memory and of a new prompt's keys to insert
+APPROXIMATE_BLOCK_SIZE = 64
 DEFAULT_STRATEGY: str = DEFAULT_ROUTING.__struct_config__.tag
 Port = Annotated[int, Meta(ge=0, le=65535)]
 #: what a tenant id may be (signed tokens, static token lines, metrics.tenants)
@@ -901,9 +905,28 @@ def build(data: dict[str, Any], source: str = "config") -> Config:
     if isinstance(data.get("pools"), list):
         data = _flat_pools(data)
     try:
-        return msgspec.convert(data, Config)
+        config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
+    return _with_block_size(config, isinstance(routing, dict) and "block_size" in routing)
+
+
+def _with_block_size(config: Config, given: bool) -> Config:
+    """KV_AWARE's block, unless the file sets it: the engines' (16 tokens, vLLM's) where
+    a backend publishes KV events, whose blocks the index must match, else the router's
+    own, `APPROXIMATE_BLOCK_SIZE`."""
+    routing = config.routing
+    if given or not isinstance(routing, KvAwareParams) or publishes_kv_events(config):
+        return config
+    routing = msgspec.structs.replace(routing, block_size=APPROXIMATE_BLOCK_SIZE)
+    return msgspec.structs.replace(config, routing=routing)
+
+
+def publishes_kv_events(config: Config) -> bool:
+    """Some backend of the fleet is configured to publish KV events (or discovered so)."""
+    return any(b.kv_events for b in config.backends) or any(
+        d.kv_events_port is not None for d in config.discovery
+    )
 
 
 def _with_strategy(routing: dict[str, Any], source: str) -> dict[str, Any]:
@@ -986,8 +1009,7 @@ def advice(config: Config) -> list[str]:
     routing = config.routing
     if not isinstance(routing, KvAwareParams) or routing.tokenizer.kind != "chatml4":
         return []
-    discovered = any(d.kv_events_port is not None for d in config.discovery)
-    if not discovered and not any(b.kv_events for b in config.backends):
+    if not publishes_kv_events(config):
         return []
     return [
         "KV events are matched by token ids, and routing.tokenizer is chatml4 (kvroute "

@@ -18,7 +18,7 @@ process holding an index (each worker and the collector).
 Reproduces docs/performance.md, "Index memory per host".
 
     python -m bench.studies.index_memory                          # 64 backends, 1,000 prompts
-    python -m bench.studies.index_memory --backends 1024 --requests 16000   # ~32M entries
+    python -m bench.studies.index_memory --backends 1024 --requests 16000   # 500k tokens each
 """
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ import msgspec
 from bench.harness import procstat
 from bench.harness.processes import free_port, kvroute_serve, process, wait_routable
 from bench.studies.long_prompts import chat_body
+from router.config import APPROXIMATE_BLOCK_SIZE
 
 _CHAT = "/v1/chat/completions"
 _HEADERS = {"Content-Type": "application/json"}
-#: (key, backend) entries of the issue's fleet: 1,024 backends x 500k tokens in blocks of 16
-FULL_FLEET = 1024 * 500_000 // 16
+#: (key, backend) entries of a fleet of 1,024 backends holding 500k tokens each, in the
+#: blocks of the router measured (KV_AWARE without KV events: its own 64-token blocks)
+FULL_FLEET = 1024 * 500_000 // APPROXIMATE_BLOCK_SIZE
 
 
 class Row(msgspec.Struct, frozen=True):
@@ -158,7 +160,7 @@ def _mib(n: float) -> str:
 def table(rows: Sequence[Row]) -> list[str]:
     lines = [
         "| workers | processes | entries | PSS growth (MiB) | RSS growth, summed (MiB) "
-        "| gauge (MiB) | index files (MiB) | bytes / entry (PSS) | 32M entries (GiB) |",
+        "| gauge (MiB) | index files (MiB) | bytes / entry (PSS) | 1,024 x 500k tokens (GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
@@ -175,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--backends", type=int, default=64, help="backend names (default 64)")
     parser.add_argument("--requests", type=int, default=1000, help="new prompts (default 1000)")
     parser.add_argument(
-        "--words", type=int, default=20_000, help="per prompt (default 20,000: ~2,000 blocks)"
+        "--words", type=int, default=20_000, help="per prompt (default 20,000: 512 64-token blocks)"
     )
     parser.add_argument("--workers", default="1,2,4", help="worker counts (default 1,2,4)")
     parser.add_argument("--concurrency", type=int, default=8, help="requests in flight")

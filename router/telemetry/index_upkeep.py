@@ -92,6 +92,12 @@ def _base_model(backend: Backend) -> str:
     return next(iter(sorted(backend.configured_models or ())), "")
 
 
+def cache_blocks(snap: VllmSnapshot, block: int) -> int:
+    """A backend's KV cache in the index's blocks of `block` tokens: its GPU blocks of
+    its own size (vLLM's cache_config_info), taken to be the index's where not given."""
+    return max(1, (snap.num_gpu_blocks or 0) * (snap.block_size or block) // block)
+
+
 class IndexUpkeep:
     def __init__(
         self,
@@ -127,9 +133,10 @@ class IndexUpkeep:
                 self._metrics.index_bytes(index.nbytes(self._counts_shared))
                 self._metrics.flush_kv_events()
                 self._warn_if_full(index)
+                block = self._fleet.policy.params.block_size
                 for name, snap in self._snapshots.items():
                     if snap.num_gpu_blocks:
-                        index.gpu.set_capacity(name, snap.num_gpu_blocks)
+                        index.gpu.set_capacity(name, cache_blocks(snap, block))
             await asyncio.sleep(1.0)
 
     def _warn_if_full(self, index: TieredIndex) -> None:

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from bench.harness.processes import free_port, process, wait_ready
+from router.config import APPROXIMATE_BLOCK_SIZE
 from router.control.supervisor import RUN_PARENT_ENV
 from router.telemetry.cluster_wire import Load, Placed, Speeds
 from tests.redis_server import redis_server
@@ -36,6 +37,8 @@ redis = pytest.importorskip("redis")
 
 CHAT = "/v1/chat/completions"
 PREFIX = "t35:"
+#: the replicas' block: KV_AWARE's own, without KV events
+BLOCK = APPROXIMATE_BLOCK_SIZE
 
 
 def config(servers: list[StubBackend], redis_url: str | None, **redis: str) -> dict:
@@ -171,10 +174,10 @@ async def test_the_other_replicas_load_counts_until_they_fall_silent(tmp_path, s
         assert (await routing(http, a))["b2"]["queued_tokens"] == 3000
         assert await metric(http, a, "kvroute_cluster_peers") == 1
         # a placement it makes counts at once, before its next load message
-        placed = Placed("other", 16, [("b2", time.time() + 60, [11, 12, 13])])
+        placed = Placed("other", BLOCK, [("b2", time.time() + 60, [11, 12, 13])])
         await db.publish(PREFIX + "feed", msgspec.msgpack.encode(placed))
         await until(lambda: _inflight_is(http, a, "b2", 8), what="the placement")
-        assert (await routing(http, a))["b2"]["queued_tokens"] == 3000 + 3 * 16
+        assert (await routing(http, a))["b2"]["queued_tokens"] == 3000 + 3 * BLOCK
         # silent from here on: dropped within PEER_TTL_S and an interval
         silent = time.monotonic()
         await until(lambda: _inflight_is(http, a, "b2", 0), 5, "the silent replica dropped")
@@ -233,7 +236,7 @@ async def test_junk_and_foreign_messages_are_counted_and_dropped(tmp_path, stubs
         for junk in (b"\xff\x00junk", msgspec.msgpack.encode({"type": "placed"}), nan):
             junk = junk if isinstance(junk, bytes) else msgspec.msgpack.encode(junk)
             await db.publish(PREFIX + "feed", junk)
-        other = Placed("other", 64, [("b0", time.time() + 60, [1, 2, 3])])
+        other = Placed("other", BLOCK // 4, [("b0", time.time() + 60, [1, 2, 3])])
         await db.publish(PREFIX + "feed", msgspec.msgpack.encode(other))
         # another router's channel: never heard
         await db.publish("someone-else:feed", b"\xff")

@@ -17,8 +17,9 @@ from openai import AsyncOpenAI
 from bench.harness.processes import free_port, simulator
 from bench.sim.fleet import SimFleet, start_fleet
 from bench.sim.params import SimParams
-from router.config import build
+from router.config import APPROXIMATE_BLOCK_SIZE, build
 from router.control.worker import Router
+from router.fleet.backends import UPKEEP_SLICE
 from tests.router.chaos import until
 
 MODEL = "sim-llama-70b"
@@ -148,18 +149,19 @@ def _index_bytes(router, medium: str) -> float:
 
 
 async def test_a_long_prompts_keys_all_reach_the_index_a_slice_per_loop_turn() -> None:
-    long_doc = "".join(document(i) for i in range(12))  # ~7,000 tokens: past the first slice
+    long_doc = "".join(document(i) for i in range(36))  # ~21,000 tokens: past the first slice
+    block = APPROXIMATE_BLOCK_SIZE  # without KV events, the router's own block
     async with kv_fleet(1, events=False) as (router, _):
         backend, _ = await ask(router, long_doc, "q")
         debug = await debug_routing(router)
-        blocks = debug["decisions"][-1]["prompt_tokens"] // 16
-        assert blocks > 256
+        blocks = debug["decisions"][-1]["prompt_tokens"] // block
+        assert blocks > UPKEEP_SLICE
         async with asyncio.timeout(10):  # the router drains the rest between requests
             while (await debug_routing(router))["backends"][backend]["index_keys"][1] < blocks:
                 await asyncio.sleep(0.02)
         assert (await debug_routing(router))["backends"][backend]["index_keys"][1] == blocks
         again, cached = await ask(router, long_doc, "another q")
-        assert again == backend and cached >= 256 * 16
+        assert again == backend and cached >= UPKEEP_SLICE * block
 
 
 def sampled(router: Router, family: str, **labels: str) -> float:

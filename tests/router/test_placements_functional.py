@@ -19,6 +19,7 @@ from bench.harness.processes import free_port, process, wait_ready
 from hashing.canonical import Message
 from hashing.chat_tokens import PromptBlocks
 from hashing.prefix_index import PrefixIndex
+from router.config import APPROXIMATE_BLOCK_SIZE
 from tests.router.test_workers import CHAT, backends, chat, metric, multi_router, stubs, until
 from tests.stub_backend import Behaviour, StubBackend
 
@@ -111,7 +112,8 @@ async def test_the_workers_and_the_collector_keep_one_index(tmp_path) -> None:
             for doc, session in enumerate(sessions):
                 home = await _home(session, r.url, _document(doc))
                 messages = [Message("user", _document(doc))]
-                blocks = PromptBlocks(16, 2048).chat("stub-model", None, messages)[0]
+                block = APPROXIMATE_BLOCK_SIZE  # without KV events, the router's own
+                blocks = PromptBlocks(block, 32768 // block).chat("stub-model", None, messages)[0]
                 assert index.longest_prefix(blocks, home) == len(blocks) > 0, doc
             media = [_opened(found) for found in rundir.glob("index-*")]
             assert len(media) == 3  # the GPU's, and the default CPU and storage tiers'

@@ -11,6 +11,7 @@ import pytest
 from bench.sim.metrics import SimMetrics
 from bench.sim.params import SimParams
 from router.fleet.speeds import MIN_DECODE_TOKENS
+from router.telemetry.index_upkeep import cache_blocks
 from router.telemetry.scrape import VllmSnapshot, decoded_between, parse_vllm_metrics
 
 
@@ -75,3 +76,13 @@ def test_no_sample_from_an_idle_end_few_tokens_or_a_restart(change: dict) -> Non
     after = dataclasses.replace(before, at=11.0, itl_sum=5.0, itl_count=210, prompt_tokens=6000)
     assert decoded_between(before, after) is not None
     assert decoded_between(before, dataclasses.replace(after, **change)) is None
+
+
+def test_a_scraped_cache_is_counted_in_the_index_blocks() -> None:
+    """vLLM's cache_config_info counts its own blocks; the index sizes a backend in its
+    blocks, which without KV events are the router's own (64 tokens, not 16)."""
+    snap = VllmSnapshot(num_gpu_blocks=100, block_size=16)
+    assert cache_blocks(snap, 64) == 25
+    assert cache_blocks(snap, 16) == 100
+    assert cache_blocks(VllmSnapshot(num_gpu_blocks=100), 64) == 100  # its size unknown
+    assert cache_blocks(VllmSnapshot(num_gpu_blocks=1, block_size=16), 64) == 1

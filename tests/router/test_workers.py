@@ -633,7 +633,8 @@ async def test_a_backend_short_of_its_prediction_loses_it_in_every_worker(tmp_pa
     (sim,) = fleet.backends
     config = {
         "backends": [{"url": sim.url, "name": "sim0"}],
-        "routing": {"strategy": "KV_AWARE", "seed": 1},
+        # the index's blocks the engine's, so that its counts and the engine's compare
+        "routing": {"strategy": "KV_AWARE", "seed": 1, "block_size": 16},
         "telemetry": {"scrape_interval": 0.2},
     }
 
