@@ -1555,17 +1555,18 @@ static void Table_dealloc(TableObject *o) {
         munmap(o->arena.base, ARENA_BYTES);
         close(o->arena.fd);
     } else {
-        size_t e = t->e_cap, k = t->k_cap;
-        map_free(t->e_key, e * 4);
-        map_free(t->e_val, e * 8);
-        map_free(t->e_prev, e * 4);
-        map_free(t->e_next, e * 4);
-        map_free(t->e_hnext, e * 4);
-        map_free(t->e_backend, e * 2);
-        map_free(t->e_kind, e);
-        map_free(t->k_key, k * 8);
-        map_free(t->k_head, k * 4);
-        map_free(t->k_count, k * 4);
+#define FREE_IDS(arr, n) map_free((arr), sizeof(*(arr)) * (size_t)(n))
+        FREE_IDS(t->e_key, t->e_cap);
+        FREE_IDS(t->e_val, t->e_cap);
+        FREE_IDS(t->e_prev, t->e_cap);
+        FREE_IDS(t->e_next, t->e_cap);
+        FREE_IDS(t->e_hnext, t->e_cap);
+        FREE_IDS(t->e_backend, t->e_cap);
+        FREE_IDS(t->e_kind, t->e_cap);
+        FREE_IDS(t->k_key, t->k_cap);
+        FREE_IDS(t->k_head, t->k_cap);
+        FREE_IDS(t->k_count, t->k_cap);
+#undef FREE_IDS
         for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
             map_free(it->slot, sizeof(uint32_t) * ((size_t)it->mask + 1));
             map_free(it->old, sizeof(uint32_t) * ((size_t)it->old_mask + 1));
