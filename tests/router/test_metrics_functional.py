@@ -107,9 +107,11 @@ async def test_latencies_are_measured_below_the_millisecond() -> None:
 
 
 async def test_admission_counts_its_queue_and_why_it_refused() -> None:
-    limits = {"max_concurrent_requests": 1, "queue_size": 1, "queue_timeout": 0.3}
+    # the queue's timeout long enough for the third request to find the queue full
+    # however slow the machine; the first request holds the only slot until let go
+    limits = {"max_concurrent_requests": 1, "queue_size": 1, "queue_timeout": 2.0}
     async with running(1, limits=limits) as (router, stubs), aiohttp.ClientSession() as http:
-        stubs[0].behaviour.delay = 1.0  # the first request holds the only slot
+        gate = stubs[0].behaviour.gate = asyncio.Event()
         url = router.url + CHAT_PATH
         held = await sent(http.post(url, **chat()), lambda: router.dispatcher.active == 1)
         queue_depth = lambda: value(samples(router), "kvroute_admission_queue_depth")  # noqa: E731
@@ -120,6 +122,7 @@ async def test_admission_counts_its_queue_and_why_it_refused() -> None:
         async with await waiting as timed_out:
             assert timed_out.status == 503
             assert timed_out.headers["x-kvroute-drop-reason"] == "queue_timeout"
+        gate.set()
         async with await held as answered:
             assert answered.status == 200
         await settle(router)
