@@ -151,7 +151,7 @@ class AdminServer:
             return err.to_http()
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return metrics_page(self._router.metrics)
+        return await metrics_page(self._router.metrics)
 
     async def backends(self, request: web.Request) -> web.Response:
         fleet = self._router.fleet

@@ -240,7 +240,7 @@ class HttpIngress:
         return response
 
     async def metrics(self, request: web.Request) -> web.Response:
-        return metrics_page(self._metrics)
+        return await metrics_page(self._metrics)
 
 
 def _unread(
@@ -270,9 +270,11 @@ def _route_prefix(request: web.Request) -> str:
     return request.match_info.route.resource.canonical.partition("{")[0]
 
 
-def metrics_page(metrics: Metrics) -> web.Response:
+async def metrics_page(metrics: Metrics) -> web.Response:
     """/metrics, on the listener `metrics.listen` names (the admin API's, or this one)."""
-    return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+    return web.Response(
+        body=await metrics.render_off_loop(), headers={"Content-Type": CONTENT_TYPE}
+    )
 
 
 class _NoClientFaults(logging.Filter):

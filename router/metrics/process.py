@@ -13,7 +13,6 @@ from importlib.metadata import PackageNotFoundError, version
 
 from prometheus_client import CollectorRegistry, Histogram, PlatformCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 
 _LAG_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 LAG_INTERVAL = 0.25  # seconds between two looks at the event loop's lag
@@ -43,11 +42,10 @@ class ProcessMetrics:
 
 
 def exported(registry: CollectorRegistry, multiprocess: bool) -> CollectorRegistry:
-    """What /metrics shows: `registry` with this process's metrics, or with several
-    workers a registry of every process's files."""
+    """What /metrics shows beside the processes' files (router/metrics/merged.py, with
+    several workers): `registry` with this process's metrics, or a registry of its own."""
     if multiprocess:
         out = CollectorRegistry()
-        out.register(_EveryProcess())
     else:
         out = registry
         ProcessCollector(registry=out)
@@ -77,22 +75,3 @@ class _BuildInfo:
         )
         info.add_metric([self._version], 1.0)
         return [info]
-
-
-class _EveryProcess:
-    """Every process's metric files, summed, as one process would export them."""
-
-    def __init__(self) -> None:
-        self._files = MultiProcessCollector(None)
-
-    def collect(self) -> Iterable[Metric]:
-        for family in self._files.collect():
-            if family.type == "histogram" and _below_zero(family):
-                # such a sum can fall, so it is no counter: a single process leaves it out
-                total = family.name + "_sum"
-                family.samples = [s for s in family.samples if s.name != total]
-            yield family
-
-
-def _below_zero(histogram: Metric) -> bool:
-    return any(float(s.labels.get("le", 0)) < 0 for s in histogram.samples)
