@@ -33,6 +33,7 @@ from router.metrics.process import ProcessMetrics, exported
 from router.metrics.requests import RequestMetrics
 from router.metrics.telemetry import TelemetryMetrics
 from router.metrics.tokens import TokenMetrics
+from router.metrics.values import use as compact_values
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -68,6 +69,8 @@ class Metrics(
         #: the routing strategy's name, as the metrics label it (dispatch sets it)
         self.strategy = ""
         self._primed: tuple[str, tuple, frozenset[str]] = ("", (), frozenset())
+        if multiprocess:
+            compact_values()
         r = self.registry = CollectorRegistry()
         #: what /metrics shows: this registry, or with several workers every process's
         #: files and the collectors of the page's own
