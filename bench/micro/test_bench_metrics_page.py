@@ -38,9 +38,7 @@ def _series(backend: int) -> list[tuple[str, str, str, dict[str, str]]]:
             labels = {**base, "status": status, "strategy": "KV_AWARE"}
             out.append(("counter", "kvroute_requests", "kvroute_requests_total", labels))
         for metric in ("kvroute_ttft_seconds", "kvroute_itl_seconds", "kvroute_e2e_seconds"):
-            out += [
-                ("histogram", metric, metric + "_bucket", {**base, "le": le}) for le in _BOUNDS
-            ]
+            out += [("histogram", metric, metric + "_bucket", {**base, "le": le}) for le in _BOUNDS]
             out.append(("histogram", metric, metric + "_sum", base))
     return out
 
