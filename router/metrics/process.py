@@ -41,13 +41,12 @@ class ProcessMetrics:
             observe(max(0.0, loop.time() - due))
 
 
-def exported(registry: CollectorRegistry, multiprocess: bool) -> CollectorRegistry:
-    """What /metrics shows beside the processes' files (router/metrics/merged.py, with
-    several workers): `registry` with this process's metrics, or a registry of its own."""
-    if multiprocess:
-        out = CollectorRegistry()
-    else:
-        out = registry
+def exported(multiprocess: bool) -> CollectorRegistry:
+    """What /metrics shows beside the metrics' own registry (one process) or the
+    processes' files (several: router/metrics/merged.py): the process's and the
+    platform's numbers, the release."""
+    out = CollectorRegistry()
+    if not multiprocess:
         ProcessCollector(registry=out)
     PlatformCollector(registry=out)
     out.register(_BuildInfo())
