@@ -16,11 +16,13 @@ def test_small_run_measures_one_table_per_host(tmp_path, capsys) -> None:
     file); with 2 workers it is one set of files in the run directory, which the gauge,
     counting it once, matches."""
     out = tmp_path / "memory.json"
-    argv = ["--backends", "4", "--requests", "12", "--words", "2000", "--workers", "1,2"]
+    # prompts enough that the growth stands above the processes' own ups and downs
+    # (~200 KiB either way): ~24,000 entries, and each worker's keys of its prompts
+    argv = ["--backends", "4", "--requests", "48", "--words", "20000", "--workers", "1,2"]
     assert index_memory.main([*argv, "--json", str(out)]) == 0
     alone, two = orjson.loads(out.read_bytes())
     assert alone["workers"] == 1 and two["workers"] == 2
-    assert alone["entries"] == two["entries"] > 12 * 40  # ~51 blocks of 64 tokens a prompt
+    assert alone["entries"] == two["entries"] > 48 * 400  # ~512 blocks of 64 tokens a prompt
     assert alone["shared_files_bytes"] == 0
     assert two["shared_files_bytes"] > 0 and two["processes"] > alone["processes"]
     assert two["gauge_bytes"] == alone["gauge_bytes"] > 0
