@@ -109,14 +109,14 @@ class MergedFiles:
             try:
                 file = self._files.get(path) or self._files.setdefault(path, _File(path))
                 data = file.view()
-            except (FileNotFoundError, ValueError):  # a live gauge's file, its process gone
-                continue
-            used = int.from_bytes(data[:4], "little")
-            if used > file.parsed:
-                self._decode(file, data, used, _kind(path))
-            slots.append(file.slots)
-            values.append(np.frombuffer(data, "<f8")[file.words])
-            data.release()
+            except (FileNotFoundError, ValueError):  # gone (a dead process's live gauges)
+                continue  # or just made, still empty
+            with data:  # released before the file is mapped anew
+                used = int.from_bytes(data[:4], "little")
+                if used > file.parsed:
+                    self._decode(file, data, used, _kind(path))
+                slots.append(file.slots)
+                values.append(np.frombuffer(data, "<f8")[file.words])
         return self._page(np.concatenate(slots or [np.zeros(0, np.int64)]), values)
 
     def _decode(self, file: _File, data: memoryview, used: int, kind: str) -> None:
