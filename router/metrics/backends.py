@@ -91,10 +91,29 @@ class BackendMetrics:
 
 class BackendCollector:
     """Each backend's in-flight count, usability, health, breaker state and state
-    changes, read when /metrics is scraped."""
+    changes, read when /metrics is scraped: `snapshot` reads them (on the event loop,
+    whose state they are), its `collect` builds the page's families from the copy (in
+    any thread)."""
 
     def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
         self._members = members
+
+    def snapshot(self) -> _BackendRows:
+        rows = []
+        for b in self._members():
+            state = (b.own_inflight, b.usable, b.healthy, b.breaker.state)
+            rows.append((b.name, *state, dict(b.transitions), b.learned_speed))
+        return _BackendRows(rows)
+
+    def collect(self) -> Iterable[Metric]:
+        return self.snapshot().collect()
+
+
+class _BackendRows:
+    """What `BackendCollector.snapshot` read, a row per backend."""
+
+    def __init__(self, rows: list[tuple]) -> None:
+        self._rows = rows
 
     def collect(self) -> Iterable[Metric]:
         inflight = GaugeMetricFamily(
@@ -121,17 +140,17 @@ class BackendCollector:
             labels=["backend", "to"],
         )
         speeds = [GaugeMetricFamily(name, doc, labels=["backend"]) for name, doc in _SPEEDS]
-        for b in self._members():
-            inflight.add_metric([b.name], b.own_inflight)
-            up.add_metric([b.name], 1.0 if b.usable else 0.0)
-            checks.add_metric([b.name], 1.0 if b.healthy else 0.0)
+        for name, own_inflight, usable, healthy, breaker, transitions, learned in self._rows:
+            inflight.add_metric([name], own_inflight)
+            up.add_metric([name], 1.0 if usable else 0.0)
+            checks.add_metric([name], 1.0 if healthy else 0.0)
             for state in BreakerState:
-                circuit.add_metric([b.name, state], 1.0 if b.breaker.state is state else 0.0)
-            for to, count in {**dict.fromkeys(_STATES, 0), **b.transitions}.items():
-                changes.add_metric([b.name, to], count)
-            if b.learned_speed is not None:
-                for family, value in zip(speeds, b.learned_speed, strict=True):
-                    family.add_metric([b.name], value)
+                circuit.add_metric([name, state], 1.0 if breaker is state else 0.0)
+            for to, count in {**dict.fromkeys(_STATES, 0), **transitions}.items():
+                changes.add_metric([name, to], count)
+            if learned is not None:
+                for family, value in zip(speeds, learned, strict=True):
+                    family.add_metric([name], value)
         return [inflight, up, checks, circuit, changes, *speeds]
 
 
@@ -162,6 +181,11 @@ class PoolCollector:
 
     def __init__(self, states: Callable[[], list[PoolState]]) -> None:
         self._states = states
+
+    def snapshot(self) -> PoolCollector:
+        """The pools' states as now (on the event loop), to collect in any thread."""
+        states = self._states()
+        return PoolCollector(lambda: states)
 
     def collect(self) -> Iterable[Metric]:
         states = self._states()  # none for a flat fleet: each family without a series

@@ -22,6 +22,7 @@ import os
 from collections.abc import Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
+from prometheus_client.registry import Collector
 
 from router.fleet.backend import Backend
 from router.fleet.pools import PoolState
@@ -36,6 +37,9 @@ from router.metrics.tokens import TokenMetrics
 from router.metrics.values import use as compact_values
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: the backends and static tenants a scrape primes
+_Unprimed = tuple[tuple[Backend, ...], frozenset[str]]
 
 # process-wide: multiprocess mode cannot export `_created` series, so neither mode does
 disable_created_metrics()
@@ -73,12 +77,13 @@ class Metrics(
             compact_values()
         r = self.registry = CollectorRegistry()
         #: what /metrics shows beside this registry (one process) or every process's
-        #: files (several): collectors that read the loop's state or the process's
+        #: files (several): the process's and the platform's numbers, the release
         self._exported = exported(multiprocess)
         self._files = MergedFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if multiprocess else None
-        self._exported.register(BackendCollector(members))
+        #: and what reads the loop's state: read on the loop, made a page anywhere
+        self._of_loop: list[BackendCollector | PoolCollector] = [BackendCollector(members)]
         if pools is not None:
-            self._exported.register(PoolCollector(pools))
+            self._of_loop.append(PoolCollector(pools))
         self._declare_requests(r)
         self._declare_admission(r)
         self._declare_latencies(r)
@@ -89,29 +94,32 @@ class Metrics(
         self._declare_process(r)
 
     def render(self) -> bytes:
-        unprimed = self._unprimed()
-        return self._counted(unprimed).encode() + generate_latest(self._exported)
+        return self._page(self._unprimed(), [c.snapshot() for c in self._of_loop])
 
     async def render_off_loop(self) -> bytes:
-        """`render` with the priming of new series and the page of the counted ones in a
-        thread: at a thousand backends that is ~140,000 series, and the loop goes on
-        serving meanwhile (between the interpreter's switches). What reads the loop's
-        state (which backends and tenants there are, the backends' gauges) stays on
-        the loop."""
-        unprimed = self._unprimed()
-        counted = await asyncio.to_thread(self._counted, unprimed)
-        return counted.encode() + generate_latest(self._exported)
+        """`render` with all but the reading of the loop's state in a thread: at a
+        thousand backends the page has ~160,000 series, and the loop goes on serving
+        meanwhile (between the interpreter's switches). The loop reads which backends
+        and tenants there are and the backends' states; the thread primes the new
+        series, merges the processes' files and formats the page."""
+        unprimed, read = self._unprimed(), [c.snapshot() for c in self._of_loop]
+        return await asyncio.to_thread(self._page, unprimed, read)
 
-    def _counted(self, unprimed: tuple[tuple[Backend, ...], frozenset[str]] | None) -> str:
-        """The counters', gauges' and histograms' page: this process's, or every
-        process's files merged; `unprimed` primed first."""
+    def _page(self, unprimed: _Unprimed | None, read: list[Collector]) -> bytes:
+        """The page: the counted series (this process's, or every process's files
+        merged; `unprimed` primed first), then `read` and the process's numbers."""
         if unprimed is not None:
             self._prime(*unprimed)
         if self._files is not None:
-            return self._files.text()
-        return generate_latest(self.registry).decode()
+            counted = self._files.text().encode()
+        else:
+            counted = generate_latest(self.registry)
+        states = CollectorRegistry(auto_describe=False)
+        for collector in read:
+            states.register(collector)
+        return counted + generate_latest(states) + generate_latest(self._exported)
 
-    def _unprimed(self) -> tuple[tuple[Backend, ...], frozenset[str]] | None:
+    def _unprimed(self) -> _Unprimed | None:
         """The backends and static tenants to prime, when they (or the strategy) changed
         since the last priming."""
         backends = tuple(self._members())
