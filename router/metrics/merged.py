@@ -31,6 +31,8 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
+from router.metrics.values import records
+
 #: file kinds merged here (the file name's part before the pid) and how
 _SUMMED = ("counter", "histogram", "gauge_livesum", "gauge_sum")
 _MAXED = ("gauge_livemax", "gauge_max")
@@ -121,20 +123,15 @@ class MergedFiles:
 
     def _decode(self, file: _File, data: memoryview, used: int, kind: str) -> None:
         """The records from where `file` was decoded to `used`: their slots and value
-        offsets (the record layout of prometheus_client/mmap_dict.py)."""
-        pos, words, slots = file.parsed, [], []
+        offsets."""
+        words, slots = [], []
         seed = xxhash.xxh3_64_intdigest(kind.encode())
-        while pos + 4 <= used:
-            length = int.from_bytes(data[pos : pos + 4], "little")
-            if pos + 4 + length + 16 > used:
-                break
-            key = data[pos + 4 : pos + 4 + length]
-            pos += 4 + length + (8 - (length + 4) % 8)
+        for key, at in records(data, file.parsed, used):
             slot = self._slot.get(xxhash.xxh3_64_intdigest(key, seed))
             slots.append(self._new_series(kind, key, seed) if slot is None else slot)
-            words.append(pos // 8)
-            pos += 16
-        file.parsed = pos
+            words.append(at // 8)
+        if words:
+            file.parsed = words[-1] * 8 + 16
         file.words = np.concatenate([file.words, np.array(words, np.int64)])
         file.slots = np.concatenate([file.slots, np.array(slots, np.int64)])
 

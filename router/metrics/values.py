@@ -1,4 +1,4 @@
-"""A worker's counter and gauge values in its multiprocess files, a few dozen bytes each.
+"""A worker's counter and gauge values in its multiprocess files, ~100 bytes each.
 
 prometheus-client's own multiprocess value keeps, per value (each histogram bucket is
 one), its creation arguments, its JSON key and the key again in its file's position
@@ -18,6 +18,7 @@ import mmap
 import os
 import struct
 import threading
+from collections.abc import Iterator
 
 import xxhash
 from prometheus_client import values
@@ -29,7 +30,7 @@ _USED = struct.Struct("<i")
 
 #: the process's files, by kind (counter, histogram, gauge_livemax, ...)
 _files: dict[str, _File] = {}
-#: every write: a worker's threads (a thread merging /metrics reads, never writes)
+#: every write: the loop's, and a scrape thread's priming of new series
 _lock = threading.Lock()
 
 
@@ -43,13 +44,8 @@ class _File:
         self.map = mmap.mmap(self._fd, self._size)
         self._used = _USED.unpack_from(self.map, 0)[0] or 8
         self._at: dict[int, int] = {}  # hash of a key -> its value's offset
-        pos = 8
-        while pos < self._used:  # a file of an earlier process of this pid
-            length = _USED.unpack_from(self.map, pos)[0]
-            key = self.map[pos + 4 : pos + 4 + length]
-            pos += 4 + length + (8 - (length + 4) % 8)
-            self._at[xxhash.xxh3_64_intdigest(key)] = pos
-            pos += 16
+        for key, at in records(memoryview(self.map), 8, self._used):  # an earlier pid's
+            self._at[xxhash.xxh3_64_intdigest(key)] = at
 
     def place(self, key: str) -> int:
         """Where `key`'s value is, appended at 0 when new."""
@@ -70,6 +66,20 @@ class _File:
         _USED.pack_into(self.map, 0, self._used)
         at = self._at[hashed] = self._used - 16
         return at
+
+
+def records(data: memoryview, start: int, used: int) -> Iterator[tuple[memoryview, int]]:
+    """Each whole record's key and value offset in a file's bytes from `start` to
+    `used` (prometheus_client/mmap_dict.py's layout: the key's length, the key padded to
+    8 bytes, the value and its timestamp)."""
+    pos = start
+    while pos + 4 <= used:
+        length = _USED.unpack_from(data, pos)[0]
+        at = pos + 4 + length + (8 - (length + 4) % 8)
+        if at + 16 > used:
+            return
+        yield data[pos + 4 : pos + 4 + length], at
+        pos = at + 16
 
 
 class CompactValue:
