@@ -186,8 +186,7 @@ class _Layout:
         buckets: list[list[int]] = []  # per group shown: its bucket slots by bound
         bucket_lines: list[list[int]] = []
         count_lines: list[int] = []
-        counts = {prefix: group for prefix, group in files._groups.items()}
-        count_prefix = dict(zip(counts.values(), counts.keys(), strict=True))
+        count_prefix = {group: prefix for prefix, group in files._groups.items()}
 
         def line(prefix: str) -> int:
             self.pieces += (prefix, "")
