@@ -92,8 +92,8 @@ class BackendMetrics:
 class BackendCollector:
     """Each backend's in-flight count, usability, health, breaker state and state
     changes, read when /metrics is scraped: `snapshot` reads them (on the event loop,
-    whose state they are), its `collect` builds the page's families from the copy (in
-    any thread)."""
+    whose state they are), and the copy's `collect` builds the page's families (in any
+    thread)."""
 
     def __init__(self, members: Callable[[], Iterable[Backend]]) -> None:
         self._members = members
@@ -104,9 +104,6 @@ class BackendCollector:
             state = (b.own_inflight, b.usable, b.healthy, b.breaker.state)
             rows.append((b.name, *state, dict(b.transitions), b.learned_speed))
         return _BackendRows(rows)
-
-    def collect(self) -> Iterable[Metric]:
-        return self.snapshot().collect()
 
 
 class _BackendRows:

@@ -31,12 +31,11 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.utils import floatToGoString
 
-from router.metrics.values import records
+from router.metrics.values import HEADER, records
 
 #: file kinds merged here (the file name's part before the pid) and how
 _SUMMED = ("counter", "histogram", "gauge_livesum", "gauge_sum")
 _MAXED = ("gauge_livemax", "gauge_max")
-_HEADER = 8  # the file's used-bytes word and its padding
 #: distinct values whose text is kept for the next scrape (most are small counts)
 _FORMATTED = 65_536
 
@@ -58,7 +57,7 @@ class _File:
     def __init__(self, path: str) -> None:
         self._fd = os.open(path, os.O_RDONLY)
         self._map: mmap.mmap | None = None
-        self.parsed = _HEADER
+        self.parsed = HEADER
         self.words = np.zeros(0, np.int64)
         self.slots = np.zeros(0, np.int64)
 

@@ -25,6 +25,8 @@ from prometheus_client import values
 from prometheus_client.mmap_dict import mmap_key
 
 _FIRST_SIZE = 1 << 16
+#: where a file's records start: after its used-bytes word and the word's padding
+HEADER = 8
 _TWO = struct.Struct("<dd")
 _USED = struct.Struct("<i")
 
@@ -42,9 +44,9 @@ class _File:
         self._size = max(os.fstat(self._fd).st_size, _FIRST_SIZE)
         os.ftruncate(self._fd, self._size)
         self.map = mmap.mmap(self._fd, self._size)
-        self._used = _USED.unpack_from(self.map, 0)[0] or 8
+        self._used = _USED.unpack_from(self.map, 0)[0] or HEADER
         self._at: dict[int, int] = {}  # hash of a key -> its value's offset
-        for key, at in records(memoryview(self.map), 8, self._used):  # an earlier pid's
+        for key, at in records(memoryview(self.map), HEADER, self._used):  # an earlier pid's
             self._at[xxhash.xxh3_64_intdigest(key)] = at
 
     def place(self, key: str) -> int:
