@@ -226,6 +226,17 @@ class StoreUnavailable(KvrouteError):
         super().__init__(message, retry_after=retry_after)
 
 
+class MetricsUnavailable(KvrouteError):
+    """/metrics of a worker of several could not get the counted series from the
+    collector, which merges them (restarting, or too slow): the scrape fails and says
+    so, and the next one is answered as usual."""
+
+    status = 503
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=1)
+
+
 class UpstreamError(KvrouteError, ConnectionError):
     """A backend failed before or while answering. The message says what it did, as
     "The backend ..."; `blame` names which backend once dispatch knows it."""

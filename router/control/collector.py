@@ -3,13 +3,16 @@
 It scrapes every backend's /metrics, holds the KV event subscriptions, runs the health
 checks, model polls and discovery sources once for the router, and publishes all of it
 to the workers (router/telemetry/feed.py). With `cluster` set it is the replica's one
-link to the others (router/telemetry/cluster.py). It has no listener and serves no request.
+link to the others (router/telemetry/cluster.py). It serves no request: its one listener,
+a Unix socket of the run directory, gives the workers' /metrics every process's counted
+series merged (router/control/metrics_relay.py).
 """
 
 from __future__ import annotations
 
 from router.config import Config
 from router.control.admin import discovered_edit, replay_edits
+from router.control.metrics_relay import CountedServer, socket_path
 from router.control.node import Node
 from router.telemetry.cluster import ClusterLink, OwnLoad
 from router.telemetry.collector_feed import CollectorTelemetry
@@ -20,6 +23,7 @@ class Collector(Node):
     telemetry: CollectorTelemetry
     #: the router's load as the workers count it, for the other replicas (`cluster`)
     _own_load: OwnLoad | None = None
+    _counted: CountedServer | None = None
 
     def _telemetry(self, parts: Parts) -> CollectorTelemetry:
         cluster = None
@@ -39,6 +43,9 @@ class Collector(Node):
     async def start(self) -> None:
         """Start in order; on any failure, stop what started and re-raise."""
         try:
+            self._label_strategy(self.config)
+            self._counted = CountedServer(self.metrics, socket_path(self.context))
+            await self._counted.start()
             self.start_parts()
             self.run_discovery()
             await self.probe(self.telemetry.publish_verdicts)
@@ -47,6 +54,8 @@ class Collector(Node):
             raise
 
     async def stop(self) -> None:
+        if self._counted is not None:
+            await self._counted.stop()
         await self.stop_parts()
         if self._own_load is not None:
             self._own_load.close()
@@ -56,7 +65,12 @@ class Collector(Node):
         await self.stop()
 
     def configure(self, config: Config) -> None:
-        """No request path here: a reload changes nothing more."""
+        """No request path here: only the strategy the merged series are primed under."""
+        self._label_strategy(config)
+
+    def _label_strategy(self, config: Config) -> None:
+        """The workers' series of each backend are primed here, under their strategy."""
+        self.metrics.strategy = config.routing.__struct_config__.tag
 
     def reopen_logs(self) -> None:
         """None: the access log is the workers'."""

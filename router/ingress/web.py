@@ -45,6 +45,7 @@ from router.errors import (
     BadRequest,
     HeadersTooLarge,
     KvrouteError,
+    MetricsUnavailable,
     RequestTimeout,
 )
 from router.fleet.backends import Fleet
@@ -272,9 +273,11 @@ def _route_prefix(request: web.Request) -> str:
 
 async def metrics_page(metrics: Metrics) -> web.Response:
     """/metrics, on the listener `metrics.listen` names (the admin API's, or this one)."""
-    return web.Response(
-        body=await metrics.render_off_loop(), headers={"Content-Type": CONTENT_TYPE}
-    )
+    try:
+        body = await metrics.render_off_loop()
+    except MetricsUnavailable as exc:
+        return exc.to_http()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE})
 
 
 class _NoClientFaults(logging.Filter):

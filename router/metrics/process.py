@@ -3,7 +3,8 @@ processes. With several workers (router/control/supervisor.py) every process wri
 counters and histograms to prometheus-client's multiprocess files and the page sums
 them over all processes, dead ones included (counters never go back); gauges are
 "livemax" (a dead process's gauge disappears). Process metrics (CPU, memory, fds) are
-per process and are left out there."""
+per process and are left out there. The collector merges the files, and a worker's page
+is its merge plus the worker's own part (router/control/metrics_relay.py)."""
 
 from __future__ import annotations
 

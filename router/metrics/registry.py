@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Awaitable, Callable, Collection, Iterable
 
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.registry import Collector
@@ -70,7 +70,8 @@ class Metrics(
         self._tenants = frozenset(tenants)
         self._static_tenants = static_tenants
         self._members = members
-        #: the routing strategy's name, as the metrics label it (dispatch sets it)
+        #: the routing strategy's name, as the metrics label it (dispatch sets it, and
+        #: the collector, which primes the workers' series)
         self.strategy = ""
         self._primed: tuple[str, tuple, frozenset[str]] = ("", (), frozenset())
         if multiprocess:
@@ -80,6 +81,10 @@ class Metrics(
         #: files (several): the process's and the platform's numbers, the release
         self._exported = exported(multiprocess)
         self._files = MergedFiles(os.environ["PROMETHEUS_MULTIPROC_DIR"]) if multiprocess else None
+        #: a worker's way to the counted series merged elsewhere (the collector's: one
+        #: process keeps a merged page's state and every backend's series at 0, not each
+        #: worker that answers a scrape); None: merged, or this registry's, here
+        self.counted_elsewhere: Callable[[], Awaitable[bytes]] | None = None
         #: and what reads the loop's state: read on the loop, made a page anywhere
         self._of_loop: list[BackendCollector | PoolCollector] = [BackendCollector(members)]
         if pools is not None:
@@ -101,23 +106,38 @@ class Metrics(
         thousand backends the page has ~160,000 series, and the loop goes on serving
         meanwhile (between the interpreter's switches). The loop reads which backends
         and tenants there are and the backends' states; the thread primes the new
-        series, merges the processes' files and formats the page."""
-        unprimed, read = self._unprimed(), [c.snapshot() for c in self._of_loop]
-        return await asyncio.to_thread(self._page, unprimed, read)
+        series, merges the processes' files and formats the page. With the counted
+        series merged elsewhere, they are fetched and only the rest is formatted here."""
+        read = [c.snapshot() for c in self._of_loop]
+        if self.counted_elsewhere is None:
+            return await asyncio.to_thread(self._page, self._unprimed(), read)
+        counted = await self.counted_elsewhere()
+        return counted + await asyncio.to_thread(self._states, read)
+
+    async def counted_off_loop(self) -> bytes:
+        """The counted series (every process's files merged, or this registry's), new
+        series primed first: in a thread, as `render_off_loop`."""
+        return await asyncio.to_thread(self._counted, self._unprimed())
 
     def _page(self, unprimed: _Unprimed | None, read: list[Collector]) -> bytes:
-        """The page: the counted series (this process's, or every process's files
-        merged; `unprimed` primed first), then `read` and the process's numbers."""
+        """The page: the counted series, then `read` and the process's numbers."""
+        return self._counted(unprimed) + self._states(read)
+
+    def _counted(self, unprimed: _Unprimed | None) -> bytes:
+        """This process's counted series, or every process's files merged (`unprimed`
+        primed first)."""
         if unprimed is not None:
             self._prime(*unprimed)
         if self._files is not None:
-            counted = self._files.text().encode()
-        else:
-            counted = generate_latest(self.registry)
+            return self._files.text().encode()
+        return generate_latest(self.registry)
+
+    def _states(self, read: list[Collector]) -> bytes:
+        """`read` (the loop's state, snapshotted) and the process's numbers."""
         states = CollectorRegistry(auto_describe=False)
         for collector in read:
             states.register(collector)
-        return counted + generate_latest(states) + generate_latest(self._exported)
+        return generate_latest(states) + generate_latest(self._exported)
 
     def _unprimed(self) -> _Unprimed | None:
         """The backends and static tenants to prime, when they (or the strategy) changed
@@ -132,7 +152,7 @@ class Metrics(
 
     def _prime(self, backends: tuple[Backend, ...], static: frozenset[str]) -> None:
         """Create at 0 the series of `backends`, the strategy and the tenants."""
-        if self.strategy:  # else no request path in this process (the collector)
+        if self.strategy:  # else not known yet (no request path built)
             self._prime_requests(backends, self.strategy)
             self._prime_tenants(static)
             self._prime_flow_tenants(static)

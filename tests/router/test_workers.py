@@ -260,6 +260,45 @@ async def test_metrics_sum_every_worker(tmp_path) -> None:
             await s.stop()
 
 
+async def test_the_collector_alone_merges_the_metrics_and_primes_every_backend(tmp_path) -> None:
+    """Whichever worker answers /metrics, the counted series come merged from the
+    collector: every backend's series are on the page at 0, but only the collector's
+    files hold the ones nothing counted (a worker keeps what it counted, not ~140
+    series a backend and a merged page's state of its own)."""
+    servers = await stubs(2)
+    primed = b"kvroute_upstream_errors_total"  # no request fails here: primed only
+    try:
+        async with multi_router(tmp_path, {"backends": backends(servers)}) as r:
+            w0, w1 = [await r.pinned(pid) for pid in r.workers()]
+            async with w0.post(r.url + CHAT, json=chat("x")) as resp:
+                assert resp.status == 200
+            for session in (w0, w1):
+                async with session.get(r.url + "/metrics") as resp:
+                    assert resp.status == 200
+                    page = await resp.text()
+                for name in ("b0", "b1"):
+                    assert (
+                        f'kvroute_upstream_errors_total{{backend="{name}",kind="connect"}} 0.0'
+                        in page
+                    )
+                assert await metric(session, r.url, "kvroute_requests_total") == 1
+            files = {
+                int(p.stem.rpartition("_")[2]): p.read_bytes()
+                for p in (tmp_path / "run").glob("kvroute-*/metrics/counter_*.db")
+            }
+            (collector,) = (
+                c.pid
+                for c in psutil.Process(r.proc.pid).children()
+                if "collector" in " ".join(c.cmdline())
+            )
+            assert primed in files[collector]
+            for pid in r.workers():
+                assert primed not in files.get(pid, b""), pid
+    finally:
+        for s in servers:
+            await s.stop()
+
+
 async def test_metrics_on_the_admin_listener_sum_every_worker(tmp_path) -> None:
     """With `metrics: {listen: admin}` the admin listener (worker 0's) shows the same
     router-wide page the data port did; the data port answers 404 in every worker."""
