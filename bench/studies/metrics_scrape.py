@@ -2,14 +2,15 @@
 
 Every worker exports ~140 series per backend (the request counters of its statuses and
 endpoints, and the TTFT / inter-token / E2E histograms of two endpoints), and any worker
-may answer a scrape with every process's series summed. This starts a router
+may answer a scrape with every process's series summed (merged by the collector, which
+primes them, since e711926; by the answering worker before). This starts a router
 (`kvroute serve`, KV_AWARE, `--workers`) in front of `--backends` ports of one instant
 backend (`bench.studies.instant_backend --sites`), sends small requests on new
 connections until every worker has answered some, and then:
 
 - scrapes /metrics `--scrapes` times, each on a new connection (so that the scrapes
-  fall on every worker), one at a time: the first scrape of each worker (it primes every
-  backend's series and reads every file) and the rest;
+  fall on every worker), one at a time: the first scrape of each worker (the first merge
+  primes every backend's series and reads every file) and the rest;
 - sends small chat requests one at a time, first alone and then while a scraper scrapes
   back to back: their P99 both ways, the difference being what a scrape holds a worker's
   event loop;
