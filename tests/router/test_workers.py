@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -792,17 +793,24 @@ async def test_sighup_reloads_every_worker_and_sigterm_stops_them(tmp_path) -> N
         async with multi_router(tmp_path, {"backends": backends(servers[:2])}) as r:
             sessions = [await r.pinned(pid) for pid in r.workers()]
             children = psutil.Process(r.proc.pid).children()
-            r.path.write_text(
-                yaml.safe_dump({"listen": {"host": "127.0.0.1"}, "backends": backends(servers)})
-            )
+            reloaded = {"backends": backends(servers), "routing": {"strategy": "RANDOM"}}
+            r.path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, **reloaded}))
             os.kill(r.proc.pid, signal.SIGHUP)
 
             async def members(session: aiohttp.ClientSession) -> int:
                 async with session.get(r.url + "/debug/routing") as resp:
                     return len((await resp.json())["backends"])
 
+            async def primed(session: aiohttp.ClientSession) -> re.Match | None:
+                """The added backend's series, at 0 under the new strategy (the
+                collector primes them for every worker)."""
+                async with session.get(r.url + "/metrics") as resp:
+                    page = await resp.text()
+                return re.search(r'_requests_total\{backend="b2",[^}]*strategy="RANDOM"', page)
+
             for session in sessions:
                 await until(lambda s=session: _equals(members(s), 3), 15, "the reload")
+                await until(lambda s=session: primed(s), 15, "b2's series under RANDOM")
             r.proc.terminate()
             assert await asyncio.to_thread(r.proc.wait, 20) == 0
             _, alive = psutil.wait_procs(children, timeout=5)
