@@ -6,6 +6,11 @@ definition, shared from here): chat messages rendered through a fixed ChatML tem
 then one token per 4 characters, id = xxh32(chars) % 32000, no special tokens. ASCII
 text is tokenized by numpy on whole arrays (~2 ns a token).
 
+Without KV events no engine's ids need matching: the keys only have to agree with the
+router's own earlier keys, so `text_chain` keys the rendered text itself (a block is
+`block_size` runs of 4 characters, as the ids would have it, hashed as UTF-8: one xxh3
+per block, no ids, no cache; ~10x less than the ids at 32,768 tokens).
+
 `BlockKeyCache` turns a rendered prompt into the chain of block keys
 (`hashing.blocks.chain`) for its full blocks. Keys are cached at checkpoints every
 `checkpoint_blocks` blocks, keyed by xxh3 of the text up to there (one streaming pass
@@ -44,6 +49,7 @@ __all__ = [
     "PromptBlocks",
     "make_prompt_blocks",
     "render_chat",
+    "text_chain",
     "tokenize",
 ]
 
@@ -98,6 +104,21 @@ def _runs(text: str) -> list[int]:
         h(text[i : i + CHARS_PER_TOKEN].encode()) % VOCAB_SIZE
         for i in range(0, len(text), CHARS_PER_TOKEN)
     ]
+
+
+def text_chain(parent: int, text: str, block_size: int) -> list[int]:
+    """Keys of every full block of `text` (`block_size` runs of CHARS_PER_TOKEN
+    characters), each block's characters hashed as UTF-8 and chained as `chain`'s ids:
+    a text's keys are the same whatever follows it, ASCII or not."""
+    if text.isascii():  # a character is a byte: a run's 4 bytes stand where an id would
+        return chain_packed(parent, text.encode(), block_size)
+    step = block_size * CHARS_PER_TOKEN
+    digest = xxhash.xxh3_64_intdigest
+    keys: list[int] = []
+    for start in range(0, len(text) - step + 1, step):
+        parent = digest(text[start : start + step].encode(), parent)
+        keys.append(parent)
+    return keys
 
 
 def tokenize(text: str) -> list[int]:
@@ -237,8 +258,9 @@ class PromptBlocks:
     The root mixes the model (or LoRA name) and `cache_salt`, the isolation vLLM applies.
     Only the first `max_blocks` blocks are keyed: matching never needs more than the
     longest prefix worth routing on, and a chat is rendered only that far. With `ChatML4`
-    keys are cached at text checkpoints. With an `HFChat` tokenizer its own history cache
-    saves the encoding and the keys are chained from the ids.
+    keys are cached at text checkpoints, or with `text_keys` (no ids needed) chained from
+    the text itself. With an `HFChat` tokenizer its own history cache saves the encoding
+    and the keys are chained from the ids.
     """
 
     def __init__(
@@ -247,6 +269,7 @@ class PromptBlocks:
         max_blocks: int,
         tokenizer: ChatML4 | HFChat | None = None,
         remote: bool = False,
+        text_keys: bool = False,
     ) -> None:
         #: the router asks a backend's /tokenize for the ids; the local tokenizer is the
         #: fallback when that fails
@@ -254,7 +277,7 @@ class PromptBlocks:
         #: tokenizing can take milliseconds (HF): the router runs `local_ids` off its loop
         self.offload = isinstance(tokenizer, HFChat)
         self._tokenizer = tokenizer or ChatML4()
-        self._cache = BlockKeyCache(ChatML4(), block_size)
+        self._cache = None if text_keys else BlockKeyCache(ChatML4(), block_size)
         self._block_size = block_size
         self._max_blocks = max_blocks
         self._max_chars = max_blocks * block_size * CHARS_PER_TOKEN
@@ -299,6 +322,8 @@ class PromptBlocks:
     def _of_text(self, root: int, head: str, chars: int) -> tuple[list[int], int]:
         """Keys of a text prompt's `head` (its keyed part) and the count of its `chars`."""
         tokens = -(-chars // CHARS_PER_TOKEN)
+        if self._cache is None:
+            return text_chain(root, head, self._block_size)[: self._max_blocks], tokens
         return self._cache.keys(root, head, self._max_blocks)[0], tokens
 
     def _of_ids(self, root: int, ids: Sequence[int]) -> tuple[list[int], int]:
@@ -312,8 +337,9 @@ def make_prompt_blocks(
     kind: str,
     path: str | None,
 ) -> PromptBlocks:
-    """From config: kind "chatml4" (`kvroute sim`'s tokenizer), "hf" (a tokenizer dir) or
-    "backend" (each backend's /tokenize, ChatML4 when it fails)."""
+    """From config: kind "chatml4" (`kvroute sim`'s tokenizer), "hf" (a tokenizer dir),
+    "backend" (each backend's /tokenize, ChatML4 when it fails) or "text" (no ids: keys
+    of the text itself, 4 characters a token)."""
     tokenizer = HFChat(path) if kind == "hf" and path else ChatML4()
     remote = kind == "backend"
-    return PromptBlocks(block_size, max_blocks, tokenizer, remote)
+    return PromptBlocks(block_size, max_blocks, tokenizer, remote, kind == "text")

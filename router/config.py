@@ -8,7 +8,7 @@ load the rest of the router trusts the config and never re-checks a value.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Annotated, Any, Literal, NamedTuple
 
@@ -18,7 +18,7 @@ from msgspec import Meta
 from yarl import URL
 
 import policies
-from policies.kv_aware import KvAwareParams
+from policies.kv_aware import KvAwareParams, KvTokenizerParams
 
 Seconds = Annotated[float, Meta(gt=0)]
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -908,17 +908,19 @@ def build(data: dict[str, Any], source: str = "config") -> Config:
         config = msgspec.convert(data, Config)
     except msgspec.ValidationError as exc:
         raise ConfigError(f"{source}: {exc}") from exc
-    return _with_block_size(config, isinstance(routing, dict) and "block_size" in routing)
+    return _approximate(config, routing if isinstance(routing, dict) else {})
 
 
-def _with_block_size(config: Config, given: bool) -> Config:
-    """KV_AWARE's block, unless the file sets it: the engines' (16 tokens, vLLM's) where
-    a backend publishes KV events, whose blocks the index must match, else the router's
-    own, `APPROXIMATE_BLOCK_SIZE`."""
+def _approximate(config: Config, given: Collection[str]) -> Config:
+    """KV_AWARE's block and keys, unless the file sets them: where a backend publishes KV
+    events the engines' (16-token blocks, vLLM's; keys of the token ids), which the
+    index must match; else the router's own (`APPROXIMATE_BLOCK_SIZE`; keys of the text,
+    tokenizer kind "text", since no event's ids need matching)."""
     routing = config.routing
-    if given or not isinstance(routing, KvAwareParams) or publishes_kv_events(config):
+    if not isinstance(routing, KvAwareParams) or publishes_kv_events(config):
         return config
-    routing = msgspec.structs.replace(routing, block_size=APPROXIMATE_BLOCK_SIZE)
+    own = {"block_size": APPROXIMATE_BLOCK_SIZE, "tokenizer": KvTokenizerParams(kind="text")}
+    routing = msgspec.structs.replace(routing, **{k: v for k, v in own.items() if k not in given})
     return msgspec.structs.replace(config, routing=routing)
 
 

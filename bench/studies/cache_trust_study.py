@@ -77,7 +77,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-blocks", type=int, default=1700, help="each one's KV blocks")
     p.add_argument("--time-scale", type=float, default=0.5, help="the simulator's and the bench's")
     p.add_argument("--no-telemetry", action="store_true", help="kvroute scrapes no /metrics")
-    p.add_argument("--tokenizer", default="chatml4", help="kvroute's routing.tokenizer.kind")
+    p.add_argument(
+        "--tokenizer", help="kvroute's routing.tokenizer.kind (default: as `kvroute serve` sets it)"
+    )
     p.add_argument(
         "--routers",
         default="KV_AWARE",
@@ -159,7 +161,7 @@ async def _study(args: argparse.Namespace, backends: list[dict], router: str) ->
 
 def _config(args: argparse.Namespace, backends: list[dict], strategy: str, port: int) -> dict:
     routing: dict[str, object] = {"strategy": strategy}
-    if strategy == "KV_AWARE":
+    if strategy == "KV_AWARE" and args.tokenizer:
         routing["tokenizer"] = {"kind": args.tokenizer}
     for param in args.param:
         key, _, value = param.partition("=")

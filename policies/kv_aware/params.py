@@ -18,9 +18,11 @@ NonNegative = Annotated[float, Meta(ge=0)]
 class KvTokenizerParams(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
     """The backends' exact tokenizer: "hf" (a local HuggingFace tokenizer directory with
     its chat template) for vLLM, "backend" (ask a backend's POST /tokenize, cached; costs
-    a round trip per new prompt), or "chatml4" (`kvroute sim`'s)."""
+    a round trip per new prompt), or "chatml4" (`kvroute sim`'s); or none, "text": keys
+    of the rendered text itself, 4 characters a token, which is what a fleet without KV
+    events gets unless the file names a tokenizer (no event's ids need matching)."""
 
-    kind: Literal["chatml4", "hf", "backend"] = "chatml4"
+    kind: Literal["chatml4", "hf", "backend", "text"] = "chatml4"
     path: str | None = None
 
     def __post_init__(self) -> None:

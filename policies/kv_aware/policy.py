@@ -36,9 +36,10 @@ adds a few float operations per scored candidate to the lookups
 
 Parameters (defaults; params.py): block_size (16, the backends' KV block size, which KV
 events need; a config without KV events makes it 64 unless it sets it: router/config.py),
-tokenizer ({kind: chatml4}, or {kind: hf, path: /models/llama} for vLLM), max_prefix_tokens
-(32768), prefill_tokens_per_s (10000), decode_step_s (0.025), decode_s_per_request (0.00015),
-output_tokens (256), waiting_s_per_request (0.05), miss_penalty (1.0), harm_weight
+tokenizer ({kind: chatml4}, or {kind: hf, path: /models/llama} for vLLM; {kind: text}, keys
+of the text itself, without KV events unless the config sets it), max_prefix_tokens
+(32768), prefill_tokens_per_s (10000), decode_step_s (0.025), decode_s_per_request
+(0.00015), output_tokens (256), waiting_s_per_request (0.05), miss_penalty (1.0), harm_weight
 (0.5), eviction_penalty (1.0), tie_fraction (0.1), tie_seconds (0.005),
 concurrency_threshold (null), max_queue_s (null), speculative_ttl_s (2.0, when the
 backend publishes events), approximate_ttl_s (600, when it does not), index_capacity

@@ -1,11 +1,11 @@
 """ChatML4 rendering cut at the keyed head, and PromptBlocks' keys of a text prompt: the
-exact token ids' chain, as KV events carry them."""
+exact token ids' chain, as KV events carry them, or without KV events the text's own."""
 
 from __future__ import annotations
 
 import pytest
 
-from hashing.blocks import chain
+from hashing.blocks import chain, root_key
 from hashing.canonical import Message
 from hashing.chat_tokens import (
     BlockKeyCache,
@@ -13,6 +13,7 @@ from hashing.chat_tokens import (
     PromptBlocks,
     packed_ids,
     render_chat,
+    text_chain,
     tokenize,
 )
 from hashing.tokens import pack_ids
@@ -59,3 +60,23 @@ def test_only_the_keyed_head_is_read_and_the_tokens_still_count_the_whole() -> N
     assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
     keys, tokens = PromptBlocks(16, 10).prompt("m", None, rendered)
     assert len(keys) == 10 and tokens == -(-len(rendered) // 4)
+
+
+@pytest.mark.parametrize("tail", ["", " and the rest", " — then a word of ünïcode", "日本語の質問"])
+def test_text_keys_of_a_prefix_are_the_same_whatever_follows_it(tail: str) -> None:
+    """A conversation whose next turn brings non-ASCII text keeps its earlier keys; a
+    block is 4 characters a token, its characters hashed whole."""
+    keys = text_chain(7, DOC, 16)
+    assert len(keys) == len(DOC) // 64 > 0
+    assert text_chain(7, DOC + tail, 16)[: len(keys)] == keys
+    assert text_chain(7, DOC[:640] + tail, 16)[:10] == keys[:10]
+    assert text_chain(8, DOC, 16) != keys  # another model or salt: another chain
+
+
+def test_text_keys_count_the_blocks_in_characters_and_differ_from_the_ids() -> None:
+    text = "héllo wörld, " * 40  # 520 characters, more bytes
+    keys, tokens = PromptBlocks(16, 100, text_keys=True).prompt("m", None, text)
+    assert len(keys) == 520 // 64 and tokens == 130
+    assert keys == text_chain(root_key("m", None), text, 16)
+    ids_keys, _ = PromptBlocks(16, 100).prompt("m", None, text)
+    assert len(ids_keys) == len(keys) and ids_keys != keys

@@ -391,3 +391,24 @@ def test_webhook_hosts_are_host_or_host_and_port() -> None:
     for bad in ("hooks.example/path", "hooks.example:port", "user@hooks.example:1", ""):
         with pytest.raises(ConfigError, match="webhook_hosts"):
             build({**base, "jobs": {"webhook_hosts": [bad]}})
+
+
+_EVENTS = {"endpoint": "tcp://127.0.0.1:5557"}
+
+
+@pytest.mark.parametrize(
+    ("backend", "routing", "expected"),
+    [
+        pytest.param({}, {}, (64, "text"), id="no-events"),
+        pytest.param({"kv_events": _EVENTS}, {}, (16, "chatml4"), id="events"),
+        pytest.param({}, {"block_size": 16}, (16, "text"), id="block-given"),
+        pytest.param({}, {"tokenizer": {"kind": "chatml4"}}, (64, "chatml4"), id="tokenizer-given"),
+    ],
+)
+def test_kv_aware_without_kv_events_keys_blocks_of_its_own_from_the_text(
+    backend: dict, routing: dict, expected: tuple[int, str]
+) -> None:
+    """No event's blocks or ids to match: 64-token blocks keyed from the text, unless
+    the file says otherwise; with events, the engines' blocks of the token ids."""
+    config = build({"backends": [{"url": "http://127.0.0.1:9", **backend}], "routing": routing})
+    assert (config.routing.block_size, config.routing.tokenizer.kind) == expected

@@ -112,8 +112,9 @@ async def test_the_workers_and_the_collector_keep_one_index(tmp_path) -> None:
             for doc, session in enumerate(sessions):
                 home = await _home(session, r.url, _document(doc))
                 messages = [Message("user", _document(doc))]
-                block = APPROXIMATE_BLOCK_SIZE  # without KV events, the router's own
-                blocks = PromptBlocks(block, 32768 // block).chat("stub-model", None, messages)[0]
+                block = APPROXIMATE_BLOCK_SIZE  # without KV events: the router's own, of the text
+                keys = PromptBlocks(block, 32768 // block, text_keys=True)
+                blocks = keys.chat("stub-model", None, messages)[0]
                 assert index.longest_prefix(blocks, home) == len(blocks) > 0, doc
             media = [_opened(found) for found in rundir.glob("index-*")]
             assert len(media) == 3  # the GPU's, and the default CPU and storage tiers'
