@@ -1005,18 +1005,23 @@ def _strategy_fields(strategy: str) -> set[str]:
     return set(policies.policy_class(name).params_type.__struct_fields__) if name else set()
 
 
+#: the tokenizers whose keys no vLLM event matches, and why
+_NOT_THE_ENGINES = {"chatml4": "kvroute sim's", "text": "keys of the text, no ids"}
+
+
 def advice(config: Config) -> list[str]:
     """What in a valid config will not do what its author likely means, worded as the
     start-up warning that says so."""
     routing = config.routing
-    if not isinstance(routing, KvAwareParams) or routing.tokenizer.kind != "chatml4":
+    if not isinstance(routing, KvAwareParams) or not publishes_kv_events(config):
         return []
-    if not publishes_kv_events(config):
+    kind = routing.tokenizer.kind
+    if kind not in _NOT_THE_ENGINES:
         return []
     return [
-        "KV events are matched by token ids, and routing.tokenizer is chatml4 (kvroute "
-        "sim's): in front of vLLM no prompt will match them; set routing.tokenizer to "
-        "{kind: backend} or {kind: hf, path: DIR}"
+        f"KV events are matched by token ids, and routing.tokenizer is {kind} "
+        f"({_NOT_THE_ENGINES[kind]}): in front of vLLM no prompt will match them; set "
+        "routing.tokenizer to {kind: backend} or {kind: hf, path: DIR}"
     ]
 
 

@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from router.config import ConfigError, apply_overrides, build, load
+from router.config import ConfigError, advice, apply_overrides, build, load
 from router.fleet.discovery import backend_configs
 
 ONE = [{"url": "http://127.0.0.1:9001"}]
@@ -412,3 +412,17 @@ def test_kv_aware_without_kv_events_keys_blocks_of_its_own_from_the_text(
     the file says otherwise; with events, the engines' blocks of the token ids."""
     config = build({"backends": [{"url": "http://127.0.0.1:9", **backend}], "routing": routing})
     assert (config.routing.block_size, config.routing.tokenizer.kind) == expected
+
+
+@pytest.mark.parametrize(
+    ("kind", "warned"), [("chatml4", "kvroute sim's"), ("text", "no ids"), ("backend", None)]
+)
+def test_kv_events_with_a_tokenizer_no_engine_shares_are_warned_of(kind: str, warned) -> None:
+    config = build(
+        {
+            "backends": [{"url": "http://127.0.0.1:9", "kv_events": _EVENTS}],
+            "routing": {"tokenizer": {"kind": kind}},
+        }
+    )
+    warnings = advice(config)
+    assert [warned in w for w in warnings] == ([True] if warned else [])
