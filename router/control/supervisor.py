@@ -30,8 +30,8 @@ Process model (all children are spawned, not forked, so none inherits a running 
 (prometheus-client's multiprocess files), merged by the collector, which primes every
 backend's series too, once for the router (router/control/metrics_relay.py); the
 per-backend gauges are read from the answering worker, with in-flight counts from the
-shared table. The admin API listens
-in worker 0 only (see router/control/admin.py for what it can do with several workers).
+shared table. The admin API listens in worker 0 only (see router/control/admin.py for
+what it can do with several workers).
 
 Run directories (`kvroute-*` in /dev/shm, or in $KVROUTE_RUN_PARENT): the supervisor
 removes its own when it stops, but one killed with SIGKILL cannot. So each holds a
