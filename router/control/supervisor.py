@@ -195,6 +195,11 @@ class Supervisor:
             self._sockets.append(_reserve("gRPC", grpc_host, config.grpc.port))
             overrides["grpc.port"] = self._sockets[1].getsockname()[1]
         self.port = overrides["listen.port"]
+        # a stop asked for from here on is kept, not the default death, which would leave
+        # the run directory made next behind (and a caller's SIGTERM answered with -15)
+        self._stopping = False
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
         self.rundir, self._owner = _new_rundir(_tmpfs())
         metrics_dir = self.rundir / "metrics"
         metrics_dir.mkdir()
@@ -212,15 +217,12 @@ class Supervisor:
             )
             for i in (COLLECTOR, *range(self.workers))
         ]
-        self._stopping = False
         self._hup = False
         self._failed: ConfigError | ListenError | None = None  # a child that cannot start
         self._grace = config.shutdown.unready_seconds + config.shutdown.drain_seconds + 10.0
 
     def run(self) -> int:
         _title("supervisor")
-        signal.signal(signal.SIGTERM, self._on_stop)
-        signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})  # held since the CLI
         log.server.info(
@@ -228,6 +230,8 @@ class Supervisor:
         )
         try:
             for child in self._children:
+                if self._stopping:  # asked while starting: none more
+                    break
                 self._start(child)
             while not self._stopping:
                 self._watch()
