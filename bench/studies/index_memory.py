@@ -8,7 +8,8 @@ host's memory is measured before and after, over the supervisor and every child:
 sum of their PSS (a page several processes map counts once, split between them: what
 the host really gives them; `memory` of psutil, from /proc/PID/smaps_rollup) and of
 their RSS (each process's resident pages, a shared page counted in each), both from
-/proc/PID/smaps_rollup.
+/proc/PID/smaps_rollup; and each process's own growth (its anonymous memory: its heap,
+not the shared files), by its title, to tell the collector's from a worker's.
 
 With the index in one file of the run directory that every process maps, the PSS
 growth is one table's, whatever the worker count; with a copy per process (a run
@@ -62,6 +63,8 @@ class Row(msgspec.Struct, frozen=True):
     gauge_bytes: int
     shared_files_bytes: int
     seconds: float
+    #: each process's anonymous memory growth, by its title ("kvroute: worker 0", ...)
+    by_process: dict[str, int] = {}
 
     @property
     def per_entry(self) -> float:
@@ -78,6 +81,20 @@ def memory(root: int) -> tuple[int, int, int]:
             kb = dict(re.findall(r"^(Pss|Rss):\s+(\d+) kB", rollup, re.M))
             pss, rss, count = pss + int(kb["Pss"]) * 1024, rss + int(kb["Rss"]) * 1024, count + 1
     return pss, rss, count
+
+
+def anonymous(root: int) -> dict[str, int]:
+    """Each process's anonymous memory in bytes, by its title (`kvroute: collector`,
+    `kvroute: worker N`, ...; another, multiprocessing's resource tracker, as "pid N")."""
+    out = {}
+    for pid in procstat.tree(root):
+        with contextlib.suppress(OSError, KeyError):
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+            kb = int(dict(re.findall(r"^(Anonymous):\s+(\d+) kB", rollup, re.M))["Anonymous"])
+            title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
+            name = title.decode() if title.startswith(b"kvroute: ") else f"pid {pid}"
+            out[name] = kb * 1024
+    return out
 
 
 def allocated(rundirs: Path) -> int:
@@ -137,13 +154,16 @@ def measure(urls: list[str], args: argparse.Namespace, workers: int, workdir: Pa
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_routable(url, proc))
         pss0, rss0, _ = memory(proc.pid)
+        anon0 = anonymous(proc.pid)
         t0 = time.perf_counter()
         entries, gauge = asyncio.run(fill(url, args.words, args.requests, args.concurrency))
         seconds = time.perf_counter() - t0
         pss1, rss1, count = memory(proc.pid)
+        grown = {name: n - anon0.get(name, 0) for name, n in anonymous(proc.pid).items()}
         files = allocated(runs)
     shutil.rmtree(runs, ignore_errors=True)
-    return Row(workers, count, entries, pss1 - pss0, rss1 - rss0, gauge, files, seconds)
+    growth = (pss1 - pss0, rss1 - rss0, gauge, files, seconds)
+    return Row(workers, count, entries, *growth, by_process=dict(sorted(grown.items())))
 
 
 def _tmpfs(workdir: Path) -> Path:
@@ -172,6 +192,16 @@ def table(rows: Sequence[Row]) -> list[str]:
     return lines
 
 
+def per_process(rows: Sequence[Row]) -> list[str]:
+    """Each row's processes and their own growth, the collector's apart from the workers'."""
+    head = "worker(s), anonymous memory growth by process (MiB):"
+    return [f"{r.workers} {head} {_by_name(r.by_process)}" for r in rows]
+
+
+def _by_name(grown: dict[str, int]) -> str:
+    return ", ".join(f"{name.removeprefix('kvroute: ')} {_mib(n)}" for name, n in grown.items())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", type=int, default=64, help="backend names (default 64)")
@@ -191,6 +221,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append(measure(urls, args, workers, Path(tmp)))
             print(table(rows)[-1], file=sys.stderr, flush=True)
     print("\n".join(table(rows)))
+    print("\n".join(per_process(rows)))
     if args.json:
         Path(args.json).write_bytes(msgspec.json.encode(rows))
     return 0

@@ -3,6 +3,8 @@ instant backend on several ports, kvroute at 1 and 2 workers in front of it)."""
 
 from __future__ import annotations
 
+import re
+
 import orjson
 import pytest
 
@@ -27,4 +29,10 @@ def test_small_run_measures_one_table_per_host(tmp_path, capsys) -> None:
     assert two["shared_files_bytes"] > 0 and two["processes"] > alone["processes"]
     assert two["gauge_bytes"] == alone["gauge_bytes"] > 0
     assert alone["pss_bytes"] > 0 and two["pss_bytes"] > 0
-    assert "| workers | processes | entries |" in capsys.readouterr().out
+    children = {"kvroute: collector", "kvroute: worker 0", "kvroute: worker 1"}
+    assert children <= two["by_process"].keys()
+    assert "kvroute: collector" not in alone["by_process"]
+    printed = capsys.readouterr().out
+    assert "| workers | processes | entries |" in printed
+    per_process = r"\n2 worker\(s\), anonymous memory growth by process \(MiB\): .*collector \d"
+    assert re.search(per_process, printed)
