@@ -144,10 +144,10 @@ def _cmd_serve(args: argparse.Namespace) -> int:
         print(f"kvroute: {problem}", file=sys.stderr)
         return 2
     if args.check:
-        strategy = config.routing.__struct_config__.tag
         for warning in advice(config):
             print(f"kvroute: warning: {warning}", file=sys.stderr)
-        print(f"config OK: {log.counted(len(config.backends), 'backend')}, strategy {strategy}")
+        counted = log.counted(len(config.backends), "backend")
+        print(f"config OK: {counted}, strategy {config.strategy}")
         return 0
     from router.control.reload import ConfigSource
     from router.control.supervisor import Supervisor, worker_count

@@ -861,6 +861,11 @@ class Config(_Strict):
                 raise ValueError(f"pools: {pool.name}: routing: {exc}") from None
 
     @property
+    def strategy(self) -> str:
+        """The routing strategy's registered name (what the metrics label it)."""
+        return self.routing.__struct_config__.tag
+
+    @property
     def pools_in_order(self) -> list[PoolConfig]:
         """The pools by priority, the preferred first."""
         return pools_in_order(self.pools)

@@ -45,6 +45,11 @@ class WorkerContext:
         return f"ipc://{self.rundir}/control.sock"
 
     @property
+    def metrics_socket(self) -> str:
+        """The collector's Unix socket for the workers' /metrics (control/metrics_relay.py)."""
+        return f"{self.rundir}/metrics.sock"
+
+    @property
     def table_path(self) -> str:
         return f"{self.rundir}/load"
 

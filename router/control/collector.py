@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from router.config import Config
 from router.control.admin import discovered_edit, replay_edits
-from router.control.metrics_relay import CountedServer, socket_path
+from router.control.metrics_relay import CountedServer
 from router.control.node import Node
 from router.telemetry.cluster import ClusterLink, OwnLoad
 from router.telemetry.collector_feed import CollectorTelemetry
@@ -44,7 +44,7 @@ class Collector(Node):
         """Start in order; on any failure, stop what started and re-raise."""
         try:
             self._label_strategy(self.config)
-            self._counted = CountedServer(self.metrics, socket_path(self.context))
+            self._counted = CountedServer(self.metrics, self.context.metrics_socket)
             await self._counted.start()
             self.start_parts()
             self.run_discovery()
@@ -70,7 +70,7 @@ class Collector(Node):
 
     def _label_strategy(self, config: Config) -> None:
         """The workers' series of each backend are primed here, under their strategy."""
-        self.metrics.strategy = config.routing.__struct_config__.tag
+        self.metrics.strategy = config.strategy
 
     def reopen_logs(self) -> None:
         """None: the access log is the workers'."""

@@ -17,7 +17,6 @@ import os
 import aiohttp
 from aiohttp import web
 
-from router.context import WorkerContext
 from router.errors import MetricsUnavailable
 from router.metrics import Metrics
 
@@ -25,10 +24,6 @@ from router.metrics import Metrics
 #: ~3.5 s: every file decoded, every backend's series primed)
 WAIT_SECONDS = 30.0
 _PATH = "/counted"
-
-
-def socket_path(context: WorkerContext) -> str:
-    return f"{context.rundir}/metrics.sock"
 
 
 class CountedServer:

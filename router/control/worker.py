@@ -20,7 +20,7 @@ from router.config import Config
 from router.context import WorkerContext
 from router.control.admin import AdminServer
 from router.control.joining import join_collector, unjudged
-from router.control.metrics_relay import CountedClient, socket_path
+from router.control.metrics_relay import CountedClient
 from router.control.node import Node
 from router.control.reload import ConfigSource
 from router.control.request_path import RequestPath
@@ -56,7 +56,7 @@ class Router(Node):
         if self.admin_token is not None and (context is None or context.index == 0):
             self.admin = AdminServer(self, config.admin, self.admin_token)
         self.path = RequestPath(config, context, self.admin, self.tls, span_exporter)
-        self._counted = None if context is None else CountedClient(socket_path(context))
+        self._counted = None if context is None else CountedClient(context.metrics_socket)
         self.metrics.counted_elsewhere = self._counted
         self.ingress: HttpIngress | None = None
         self.port = self.grpc_port = 0

@@ -141,7 +141,7 @@ class Dispatcher:
 
     def configure(self, config: Config) -> None:
         """Take the reloadable settings of `config`; requests in flight keep theirs."""
-        self._account.strategy = self.metrics.strategy = config.routing.__struct_config__.tag
+        self._account.strategy = self.metrics.strategy = config.strategy
         self._connector.configure(config)
         self._flow = config.flow
         self.admission.configure(config.limits, config.flow)
