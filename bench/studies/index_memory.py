@@ -71,30 +71,25 @@ class Row(msgspec.Struct, frozen=True):
         return self.pss_bytes / max(1, self.entries)
 
 
-def memory(root: int) -> tuple[int, int, int]:
-    """(PSS, RSS, processes) summed over `root` and its descendants, in bytes (from
-    /proc/PID/smaps_rollup)."""
-    pss = rss = count = 0
+def rollups(root: int) -> dict[str, dict[str, int]]:
+    """Each process of `root`'s tree, by its title (`kvroute: collector`, `kvroute: worker
+    N`, ...; another, multiprocessing's resource tracker, as "pid N"): its PSS, RSS and
+    anonymous memory in bytes, from /proc/PID/smaps_rollup."""
+    out = {}
     for pid in procstat.tree(root):
         with contextlib.suppress(OSError):
             rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-            kb = dict(re.findall(r"^(Pss|Rss):\s+(\d+) kB", rollup, re.M))
-            pss, rss, count = pss + int(kb["Pss"]) * 1024, rss + int(kb["Rss"]) * 1024, count + 1
-    return pss, rss, count
-
-
-def anonymous(root: int) -> dict[str, int]:
-    """Each process's anonymous memory in bytes, by its title (`kvroute: collector`,
-    `kvroute: worker N`, ...; another, multiprocessing's resource tracker, as "pid N")."""
-    out = {}
-    for pid in procstat.tree(root):
-        with contextlib.suppress(OSError, KeyError):
-            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
-            kb = int(dict(re.findall(r"^(Anonymous):\s+(\d+) kB", rollup, re.M))["Anonymous"])
             title = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").strip()
             name = title.decode() if title.startswith(b"kvroute: ") else f"pid {pid}"
-            out[name] = kb * 1024
+            kb = re.findall(r"^(Pss|Rss|Anonymous):\s+(\d+) kB", rollup, re.M)
+            out[name] = {field: int(n) * 1024 for field, n in kb}
     return out
+
+
+def memory(processes: dict[str, dict[str, int]]) -> tuple[int, int, int]:
+    """(PSS, RSS, processes) summed over `rollups`' `processes`, in bytes."""
+    pss = sum(p["Pss"] for p in processes.values())
+    return pss, sum(p["Rss"] for p in processes.values()), len(processes)
 
 
 def allocated(rundirs: Path) -> int:
@@ -153,13 +148,17 @@ def measure(urls: list[str], args: argparse.Namespace, workers: int, workdir: Pa
     with process(serve, stdout=subprocess.DEVNULL, env=env) as proc:
         url = f"http://127.0.0.1:{port}"
         asyncio.run(wait_routable(url, proc))
-        pss0, rss0, _ = memory(proc.pid)
-        anon0 = anonymous(proc.pid)
+        before = rollups(proc.pid)
+        pss0, rss0, _ = memory(before)
         t0 = time.perf_counter()
         entries, gauge = asyncio.run(fill(url, args.words, args.requests, args.concurrency))
         seconds = time.perf_counter() - t0
-        pss1, rss1, count = memory(proc.pid)
-        grown = {name: n - anon0.get(name, 0) for name, n in anonymous(proc.pid).items()}
+        after = rollups(proc.pid)
+        pss1, rss1, count = memory(after)
+        grown = {
+            name: p["Anonymous"] - before.get(name, {}).get("Anonymous", 0)
+            for name, p in after.items()
+        }
         files = allocated(runs)
     shutil.rmtree(runs, ignore_errors=True)
     growth = (pss1 - pss0, rss1 - rss0, gauge, files, seconds)

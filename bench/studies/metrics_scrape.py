@@ -39,7 +39,7 @@ import aiohttp
 import msgspec
 
 from bench.harness.processes import free_port, kvroute_serve, process, wait_routable
-from bench.studies.index_memory import memory
+from bench.studies.index_memory import memory, rollups
 from bench.studies.long_prompts import _SMALL, _send
 from bench.studies.overhead import percentile
 
@@ -114,10 +114,10 @@ def measure(args: argparse.Namespace) -> Result:
         with process(serve, stdout=subprocess.DEVNULL) as proc:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(wait_routable(url, proc))
-            before, _, _ = memory(proc.pid)
+            before, _, _ = memory(rollups(proc.pid))
             asyncio.run(_warm(url, args.workers))
             times, page, alone, scraped, meanwhile = asyncio.run(run(url, args.scrapes, args.small))
-            after, _, _ = memory(proc.pid)
+            after, _, _ = memory(rollups(proc.pid))
     firsts, later = times[: args.workers], times[args.workers :] or times
     series = sum(1 for line in page.splitlines() if line and not line.startswith(b"#"))
     return Result(
