@@ -124,6 +124,14 @@ def redis_server(
         proc.wait(timeout=_STOP_SECONDS)
 
 
+def on_port(cmd: list[str], port: int) -> list[str]:
+    """A router's command listening on `port` (a peer's --port replaced, kvroute's added)."""
+    if "--port" in cmd:
+        at = cmd.index("--port") + 1
+        return [*cmd[:at], str(port), *cmd[at + 1 :]]
+    return [*cmd, "--port", str(port), "--log-level", "warning"]
+
+
 def kvroute_serve(config: object, path: Path) -> list[str]:
     """`kvroute serve` reading `config`, written to `path` as JSON (which is YAML): both
     benchmarks start kvroute as users run it."""

@@ -17,14 +17,19 @@ opens its streams before the events flow (a saturated router may starve new requ
 A stream whose reader is slow is paused (transport flow control), never buffered
 without bound. `GET /debug/streams` counts the open streams per model.
 
+Both serve `GET /metrics`: a vLLM page (the simulator's series and histograms, at rest),
+so that a router scrapes and parses what it would in front of vLLM.
+
     python -m bench.studies.instant_backend --port 0     # prints the URL it listens on
     python -m bench.studies.instant_backend --raw --interval 0.01 --slow-interval 0.5
     python -m bench.studies.instant_backend --sites 64   # 64 URLs: one backend each
+    python -m bench.studies.instant_backend --raw --sites 1024
 
 Not a study of its own: the backend of docs/performance.md, "Throughput beside the Rust
 routers", "New requests while streams flow", "What compression costs" and the overhead
-sections (bench.studies.throughput, fairness, compression, overhead, grpc_overhead), and
-of "Index memory per host" (bench.studies.index_memory, with `--sites`).
+sections (bench.studies.throughput, fairness, compression, overhead, grpc_overhead), of
+"Index memory per host" (bench.studies.index_memory, with `--sites`) and of "A fleet at
+rest" (bench.studies.fleet_upkeep, `--raw --sites`).
 """
 
 from __future__ import annotations
@@ -36,6 +41,9 @@ import sys
 import orjson
 import uvloop
 from aiohttp import web
+
+from bench.sim.metrics import CONTENT_TYPE, SimMetrics
+from bench.sim.params import SimParams
 
 MODEL = "instant"
 _COMPLETION = orjson.dumps(
@@ -55,6 +63,8 @@ _CHUNK = (
     b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
 )
 _MODELS = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+#: what a vLLM server's /metrics shows at rest
+METRICS_PAGE = SimMetrics(SimParams(model=MODEL)).render()
 
 
 def make_app(chunks: int) -> web.Application:
@@ -72,12 +82,16 @@ def make_app(chunks: int) -> web.Application:
     async def models(request: web.Request) -> web.Response:
         return web.Response(body=_MODELS, content_type="application/json")
 
+    async def metrics(request: web.Request) -> web.Response:
+        return web.Response(body=METRICS_PAGE, headers={"Content-Type": CONTENT_TYPE})
+
     app = web.Application()
     app.add_routes(
         [
             web.post("/v1/chat/completions", generate),
             web.post("/v1/completions", generate),
             web.get("/v1/models", models),
+            web.get("/metrics", metrics),
             web.get("/health", lambda r: web.Response()),
         ]
     )
@@ -113,6 +127,7 @@ def _http(status: bytes, body: bytes, ctype: bytes = b"application/json") -> byt
 _RAW_COMPLETION = _http(b"200 OK", _COMPLETION)
 _RAW_MODELS_OK = _http(b"200 OK", _RAW_MODELS)
 _RAW_HEALTH = _http(b"200 OK", b"", b"text/plain")
+_RAW_METRICS = _http(b"200 OK", METRICS_PAGE, CONTENT_TYPE.encode())
 _RAW_NOT_FOUND = _http(b"404 Not Found", b'{"error":{"message":"no such path"}}')
 _RAW_BAD = _http(b"400 Bad Request", b"").replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
 _STREAM_HEAD = (
@@ -217,6 +232,8 @@ class RawHTTP(asyncio.Protocol):
             self._reply(_RAW_MODELS_OK)
         elif method == b"get" and path == b"/health":
             self._reply(_RAW_HEALTH)
+        elif method == b"get" and path == b"/metrics":
+            self._reply(_RAW_METRICS)
         elif method == b"get" and path == b"/debug/streams":
             self._reply(_http(b"200 OK", orjson.dumps(stream_counts(self._paces))))
         elif method in (b"get", b"post"):
@@ -262,12 +279,19 @@ def stream_counts(paces: dict[str, Pace]) -> dict[str, int]:
     return {model: len(pace.streams) for model, pace in paces.items()}
 
 
-async def serve_raw(host: str, port: int, chunks: int, paces: dict[str, Pace]) -> None:
+async def serve_raw(host: str, port: int, chunks: int, paces: dict[str, Pace], sites: int) -> None:
+    """Serve on `port` and `sites - 1` more free ports (their streams paced together),
+    printing each URL on a line."""
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(
-        lambda: RawHTTP(paces, chunks), host, port, reuse_address=True, backlog=4096
-    )
-    print(f"http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
+    for i in range(sites):
+        server = await loop.create_server(
+            lambda: RawHTTP(paces, chunks),
+            host,
+            port if i == 0 else 0,
+            reuse_address=True,
+            backlog=4096,
+        )
+        print(f"http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
     await asyncio.Event().wait()
 
 
@@ -296,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=1,
         metavar="N",
-        help="listen on N ports, a URL printed per line: N backends to a router (not --raw)",
+        help="listen on N ports, a URL printed per line: N backends to a router",
     )
     args = parser.parse_args(argv)
     if args.raw:
@@ -304,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             MODEL: Pace(args.interval, args.hold),
             SLOW_MODEL: Pace(args.slow_interval, args.slow_hold),
         }
-        uvloop.run(serve_raw(args.host, args.port, args.chunks, paces))
+        uvloop.run(serve_raw(args.host, args.port, args.chunks, paces, args.sites))
     else:
         uvloop.run(serve(args.host, args.port, args.chunks, args.sites))
     return 0

@@ -59,7 +59,14 @@ import orjson
 import policies
 from bench.harness import procstat
 from bench.harness.peers import PEERS_VENV, find_peers, peer_cmd
-from bench.harness.processes import free_port, kvroute_serve, logged, process, wait_routable
+from bench.harness.processes import (
+    free_port,
+    kvroute_serve,
+    logged,
+    on_port,
+    process,
+    wait_routable,
+)
 from bench.harness.workloads import WorkloadSpec, tagged_text
 from bench.studies.instant_backend import MODEL
 from bench.studies.overhead import percentile
@@ -290,20 +297,12 @@ def routers(
         out: dict[str, tuple[str, int]] = {}
         for name, cmd in starts.items():
             port = free_port()
-            cmd = _on_port(cmd, port)
+            cmd = on_port(cmd, port)
             proc = stack.enter_context(logged(cmd, workdir / f"{len(out)}.out"))
             url = f"http://127.0.0.1:{port}"
             asyncio.run(wait_routable(url, proc))
             out[name] = (url, proc.pid)
         yield out
-
-
-def _on_port(cmd: list[str], port: int) -> list[str]:
-    """`cmd` listening on `port` (a peer's --port replaced, kvroute's added)."""
-    if "--port" in cmd:
-        at = cmd.index("--port") + 1
-        return [*cmd[:at], str(port), *cmd[at + 1 :]]
-    return [*cmd, "--port", str(port), "--log-level", "warning"]
 
 
 def table(cells: Sequence[Cell]) -> list[str]:
