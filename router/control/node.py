@@ -33,6 +33,7 @@ from router.fleet.shared_load import LoadTable
 from router.ingress.auth import AdminToken, Authenticator
 from router.metrics import Metrics
 from router.telemetry.loops import Parts, Telemetry
+from router.upstream.pages import Pages
 from router.upstream.proxy import make_session
 
 STARTUP_POLL_SECONDS = 3.0
@@ -73,6 +74,7 @@ class Node(ABC):
         )
         self._tasks: list[asyncio.Task] = []
         self._session: aiohttp.ClientSession | None = None
+        self._pages: Pages | None = None
         self.telemetry: Telemetry | None = None
         self._edits: set[asyncio.Task] = set()  # admin edits broadcast by worker 0
 
@@ -88,9 +90,10 @@ class Node(ABC):
         self.poller = ModelPoller(
             self.fleet, self._session, cfg.models_refresh_interval, STARTUP_POLL_SECONDS
         )
-        self.health = HealthChecker(self.fleet, self._session, cfg.health)
+        self._pages = Pages(cfg.timeouts.connect)
+        self.health = HealthChecker(self.fleet, self._pages.ask, cfg.health)
         self.verdicts = Verdicts(self.fleet, self.health)
-        parts = Parts(self.fleet, self._session, self.metrics, cfg.telemetry, self._kv_events)
+        parts = Parts(self.fleet, self._pages.get, self.metrics, cfg.telemetry, self._kv_events)
         self.telemetry = self._telemetry(parts)
         self.telemetry.start()
 
@@ -131,6 +134,8 @@ class Node(ABC):
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._session is not None:
             await self._session.close()
+        if self._pages is not None:
+            self._pages.close()
 
     async def admit(self, added: list[Backend], everywhere: bool) -> None:
         """Health and models of backends about to join (reload, admin API, discovery),

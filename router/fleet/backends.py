@@ -65,6 +65,9 @@ class Fleet(PoolSettings):
             for c, reach in zip(configs, reach_all(configs, defaults), strict=True)
         )
         self.retired: tuple[Backend, ...] = ()
+        #: `find`'s map, and the members it was made of
+        self._named: dict[str, Backend] = {}
+        self._named_for: tuple[Backend, ...] | None = None
         #: what `prepare` read for each backend, for `update` to apply
         self._next_reach: dict[int, Reach] = {}
         self.policy = policy
@@ -256,4 +259,12 @@ class Fleet(PoolSettings):
             self.changed()
 
     def find(self, name: str) -> Backend | None:
-        return next((b for b in self.members if b.name == name), None)
+        """The member named `name`: by a map made again whenever the members change (a
+        worker looks up each backend's snapshot by name, a thousand a second at a
+        thousand backends)."""
+        if self._named_for is not self.members:
+            self._named = {}
+            for b in self.members:
+                self._named.setdefault(b.name, b)
+            self._named_for = self.members
+        return self._named.get(name)

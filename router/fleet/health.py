@@ -35,7 +35,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-from collections.abc import Callable, Iterable
+import ssl
+from collections.abc import Awaitable, Callable, Iterable
 
 import aiohttp
 import msgspec
@@ -43,6 +44,7 @@ import orjson
 
 from router import log
 from router.config import HealthConfig
+from router.errors import UpstreamConnectError, UpstreamError
 from router.fleet.backends import Backend, Fleet
 from router.fleet.credentials import REFUSALS
 
@@ -72,10 +74,16 @@ class Refusals:
             )  # fmt: skip
 
 
+#: a GET of a path on a backend: its status and body; raises UpstreamConnectError when
+#: no connection was made (its cause the OSError) or UpstreamError when the backend broke
+#: off (router/upstream/pages.py)
+PageAsk = Callable[[Backend, str], Awaitable[tuple[int, bytes]]]
+
+
 class HealthChecker:
-    def __init__(self, fleet: Fleet, session: aiohttp.ClientSession, cfg: HealthConfig) -> None:
+    def __init__(self, fleet: Fleet, ask: PageAsk | None, cfg: HealthConfig) -> None:
         self._fleet = fleet
-        self._session = session
+        self._ask = ask
         self.cfg = cfg
         self._refusals = Refusals()
         #: loop time of each backend's last passed check (telemetry freshness, admin API)
@@ -121,21 +129,15 @@ class HealthChecker:
         url = backend.at(self.cfg.path)
         try:
             async with asyncio.timeout(self.cfg.timeout):
-                async with backend.ask(self._session, "GET", self.cfg.path) as resp:
-                    await resp.read()
+                status, _ = await self._ask(backend, self.cfg.path)
         except TimeoutError:
             return f"GET {url.path} timed out after {self.cfg.timeout:g}s"
-        except aiohttp.ClientConnectorCertificateError as exc:
-            cert = exc.certificate_error
-            why = getattr(cert, "verify_message", None) or cert
-            return f"GET {url.path}: its TLS certificate is not trusted ({why})"
-        except aiohttp.ClientConnectorError as exc:  # "connection refused", not aiohttp's prose
-            cause = exc.os_error
-            return f"GET {url.path}: {os.strerror(cause.errno) if cause.errno else cause}"
-        except (aiohttp.ClientError, OSError) as exc:
-            return f"GET {url.path}: {exc or type(exc).__name__}"
-        self._refusals.heard(backend, f"GET {url.path}", resp.status)
-        return f"GET {url.path} answered {resp.status}" if resp.status >= 500 else None
+        except UpstreamConnectError as exc:
+            return f"GET {url.path}: {_unconnected(exc)}"
+        except UpstreamError as exc:
+            return f"GET {url.path}: {exc}"
+        self._refusals.heard(backend, f"GET {url.path}", status)
+        return f"GET {url.path} answered {status}" if status >= 500 else None
 
     def failing(self, backends: Iterable[Backend]) -> list[str]:
         """`name (why)` of each of `backends` that is down, for a warning."""
@@ -164,6 +166,17 @@ class HealthChecker:
         elif not passed and -streak >= self.cfg.unhealthy_threshold:
             why = self.last_error.get(backend.name, "its health check failed")
             self._fleet.set_healthy(backend, False, f"{-streak} checks failed: {why}")
+
+
+def _unconnected(exc: UpstreamConnectError) -> str:
+    """Why no connection was made, in the system's words ("Connection refused") or the
+    certificate's, else the error's own."""
+    cause = exc.__cause__
+    if isinstance(cause, ssl.SSLCertVerificationError):
+        return f"its TLS certificate is not trusted ({cause.verify_message or cause})"
+    if isinstance(cause, OSError) and cause.errno and not isinstance(cause, ssl.SSLError):
+        return os.strerror(cause.errno)
+    return str(exc)
 
 
 class ModelPoller:

@@ -24,7 +24,13 @@ from router.fleet.backends import Backend
 from router.fleet.health import REFUSED, Verdicts
 from router.fleet.placements import LEARNED
 from router.telemetry.cluster import ClusterLink
-from router.telemetry.feed import FEED_HWM, HEARD_INTERVAL_S, HELLO, worker_topic
+from router.telemetry.feed import (
+    FEED_HWM,
+    HEARD_INTERVAL_S,
+    HELLO,
+    SNAPSHOTS_INTERVAL_S,
+    worker_topic,
+)
 from router.telemetry.index_upkeep import Held, Sink, subscribe
 from router.telemetry.kv_events import EventApplier
 from router.telemetry.loops import Parts, Telemetry
@@ -74,6 +80,8 @@ class CollectorTelemetry(Telemetry):
         self._on_broadcast = on_broadcast
         self._verdicts = verdicts
         self._replay = replay  # the edits that bring a joining worker up to date
+        #: each backend's snapshot scraped since the last sent (`_send_snapshots`)
+        self._snapshots: dict[str, VllmSnapshot] = {}
         self._verdicts_ready = False  # its first probe round is done
         # a plain socket: sends never wait, so none needs a future (closed in `_close`)
         self._pub = zmq.Context.shadow(self._context().underlying).socket(zmq.PUB)
@@ -87,6 +95,7 @@ class CollectorTelemetry(Telemetry):
         tasks = [
             asyncio.create_task(self._relay(), name="kvroute-control"),
             asyncio.create_task(self._heard(), name="kvroute-heard"),
+            asyncio.create_task(self._send_snapshots(), name="kvroute-snapshots"),
         ]
         if self._cluster is not None:
             tasks.append(asyncio.create_task(self._cluster.run(), name="kvroute-cluster"))
@@ -100,7 +109,16 @@ class CollectorTelemetry(Telemetry):
         self._pub.send_multipart(frames, flags=zmq.NOBLOCK)
 
     def _scraped(self, backend: str, snap: VllmSnapshot) -> None:
-        self._publish([b"s", backend.encode(), msgspec.msgpack.encode(snap)])
+        """Sent with the others of its `SNAPSHOTS_INTERVAL_S` (`_send_snapshots`)."""
+        self._snapshots[backend] = snap
+
+    async def _send_snapshots(self) -> None:
+        """Every `SNAPSHOTS_INTERVAL_S`, the snapshots scraped since, in one message."""
+        while True:
+            await asyncio.sleep(SNAPSHOTS_INTERVAL_S)
+            if self._snapshots:
+                batch, self._snapshots = self._snapshots, {}
+                self._publish([b"s", b"", msgspec.msgpack.encode(list(batch.items()))])
 
     def _decoded(self, backend: Backend, sample: tuple[float, float, float]) -> None:
         """Speeds are the workers' to learn (the snapshot goes to them)."""

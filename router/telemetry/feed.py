@@ -2,7 +2,9 @@
 
 With several workers (router/control/supervisor.py) the backends are watched once: the
 collector (router/telemetry/collector_feed.py) scrapes and subscribes, and publishes on
-a ZMQ PUB socket (IPC) each snapshot (`s`, backend, msgpack snapshot), each KV batch in
+a ZMQ PUB socket (IPC) the snapshots scraped in the last `SNAPSHOTS_INTERVAL_S` (`s`,
+msgpack [[backend, snapshot], ...]: one message, not one per scrape, for a thousand
+backends scraped every second), each KV batch in
 sequence order after its gap checks and replays (`k`, backend, then one or more
 payloads as the backend sent them: the batches read from its socket at once) and each
 index reset (`c`, backend); every worker
@@ -43,6 +45,9 @@ BROADCAST_TIMEOUT_S = 2.0
 HELLO_INTERVAL_S = 0.05
 #: how often the collector of a shared index says which backends' KV events came
 HEARD_INTERVAL_S = 0.1
+#: how often the collector sends the snapshots scraped since (a tenth of the default
+#: scrape interval: a snapshot waits at most that long)
+SNAPSHOTS_INTERVAL_S = 0.1
 #: the topics every worker follows (besides its own, `worker_topic`)
 FOLLOWED = (b"s", b"k", b"h", b"c", b"a", b"p", b"l", b"r", b"v")
 #: the high-water marks of the feed's two ends: a slow worker loses messages, never

@@ -18,7 +18,6 @@ import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import aiohttp
 import zmq.asyncio
 
 from hashing.tiered_index import TieredIndex
@@ -27,17 +26,17 @@ from router.fleet.backends import Backend, Fleet
 from router.metrics import Metrics
 from router.telemetry.index_upkeep import Held, IndexUpkeep, subscribe
 from router.telemetry.kv_events import kv_context
-from router.telemetry.scrape import Scraper, VllmSnapshot, describe
+from router.telemetry.scrape import PageGet, Scraper, VllmSnapshot, describe
 
 
 @dataclass(frozen=True)
 class Parts:
-    """What every form of telemetry works on: the fleet it keeps informed, the client
-    session it asks the backends with, where it counts, its settings, and each
-    backend's KV event endpoints in the current config."""
+    """What every form of telemetry works on: the fleet it keeps informed, how it reads
+    a backend's page (/metrics), where it counts, its settings, and each backend's KV
+    event endpoints in the current config."""
 
     fleet: Fleet
-    session: aiohttp.ClientSession
+    get: PageGet
     metrics: Metrics
     config: TelemetryConfig
     kv_events: Callable[[], dict[str, KvEventsConfig]]
@@ -58,7 +57,7 @@ class Telemetry:
         self._tasks: list[asyncio.Task] = []
         self._scraper = Scraper(
             fleet,
-            parts.session,
+            parts.get,
             config.scrape_interval,
             config.stale_after,
             self._fallback,

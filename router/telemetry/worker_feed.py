@@ -41,6 +41,8 @@ from router.telemetry.scrape import VllmSnapshot
 
 #: feed messages applied at once before the loop turns to requests
 _DRAIN = 64
+#: the collector's `s`: [(backend, its snapshot)]
+_SNAPSHOTS = msgspec.msgpack.Decoder(list[tuple[str, VllmSnapshot]])
 #: the collector's `h`: backend -> (when its events were last applied, when it published)
 _HEARD = msgspec.msgpack.Decoder(dict[str, tuple[float, float | None]])
 
@@ -149,9 +151,10 @@ class WorkerTelemetry(Telemetry):
 
     def _received(self, kind: bytes, name: str, rest: list[bytes]) -> None:
         if kind == b"s":
-            backend = self._fleet.find(name)
-            if backend is not None:
-                self._scraper.keep(backend, msgspec.msgpack.decode(rest[0], type=VllmSnapshot))
+            for backend_name, snap in _SNAPSHOTS.decode(rest[0]):
+                backend = self._fleet.find(backend_name)
+                if backend is not None:
+                    self._scraper.keep(backend, snap)
         elif kind == b"k" and name in self._upkeep.held:
             self._upkeep.held[name][0].apply_payloads(rest)
         elif kind == b"h":

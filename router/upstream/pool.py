@@ -31,6 +31,15 @@ class Upstreams:
         self._idle: dict[URL, list[_Connection]] = {}
         self._tls: ssl.SSLContext | None = None
         self._sweep: asyncio.TimerHandle | None = None
+        self._running: asyncio.AbstractEventLoop | None = None
+
+    def _loop(self) -> asyncio.AbstractEventLoop:
+        """The loop the pool's connections live on, asked for once: on Python 3.11 each
+        asyncio.get_running_loop() is a getpid() system call, and a pool asked twice an
+        exchange (a request, a scrape)."""
+        if self._running is None:
+            self._running = asyncio.get_running_loop()
+        return self._running
 
     async def send(
         self,
@@ -66,7 +75,7 @@ class Upstreams:
 
     def keep(self, conn: _Connection) -> None:
         """`conn` ended its exchange cleanly: keep it for the next request."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         conn.idle_since = loop.time()
         self._idle.setdefault(conn.backend, []).append(conn)
         if self._sweep is None:
@@ -86,7 +95,7 @@ class Upstreams:
         idle = self._idle.get(backend)
         if not idle:
             return None
-        oldest = asyncio.get_running_loop().time() - KEEPALIVE_SECONDS
+        oldest = self._loop().time() - KEEPALIVE_SECONDS
         while idle:
             conn = idle.pop()
             if conn.open and conn.idle_since > oldest:
@@ -97,7 +106,7 @@ class Upstreams:
     async def _connect(
         self, backend: URL, timeout: float, tls: ssl.SSLContext | None
     ) -> _Connection:
-        loop = asyncio.get_running_loop()
+        loop = self._loop()
         if backend.scheme != "https":
             tls = None
         elif tls is None:
@@ -127,7 +136,7 @@ class Upstreams:
     def _close_expired(self) -> None:
         """Close connections idle for `KEEPALIVE_SECONDS`; look again that much later."""
         self._sweep = None
-        oldest = asyncio.get_running_loop().time() - KEEPALIVE_SECONDS
+        oldest = self._loop().time() - KEEPALIVE_SECONDS
         for backend, idle in list(self._idle.items()):
             for conn in idle:
                 if conn.idle_since <= oldest:
@@ -136,9 +145,7 @@ class Upstreams:
             if not idle:
                 del self._idle[backend]
         if self._idle:
-            self._sweep = asyncio.get_running_loop().call_later(
-                KEEPALIVE_SECONDS, self._close_expired
-            )
+            self._sweep = self._loop().call_later(KEEPALIVE_SECONDS, self._close_expired)
 
 
 def _unreachable(exc: OSError) -> str:

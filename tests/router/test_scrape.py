@@ -23,7 +23,7 @@ def test_a_vllm_page_gives_the_counters_and_the_inter_token_histogram() -> None:
     metrics.external_hits.inc(100)
     for gap in (0.02, 0.03, 0.05):
         metrics.itl.observe(gap)
-    snap = parse_vllm_metrics(metrics.render().decode())
+    snap = parse_vllm_metrics(metrics.render())
     assert snap.running == 3
     assert (snap.prompt_tokens, snap.prefix_hits, snap.external_hits) == (1000, 600, 100)
     assert snap.itl_count == 3
@@ -32,17 +32,39 @@ def test_a_vllm_page_gives_the_counters_and_the_inter_token_histogram() -> None:
 
 def test_the_inter_token_histogram_of_older_releases_is_read_where_the_new_one_is_absent() -> None:
     old = (
-        'vllm:time_per_output_token_seconds_sum{engine="0",model_name="m"} 2.5\n'
-        'vllm:time_per_output_token_seconds_count{engine="0",model_name="m"} 100.0\n'
-        'vllm:time_per_output_token_seconds_sum{engine="1",model_name="m"} 0.5\n'
-        'vllm:time_per_output_token_seconds_count{engine="1",model_name="m"} 20.0\n'
+        b'vllm:time_per_output_token_seconds_sum{engine="0",model_name="m"} 2.5\n'
+        b'vllm:time_per_output_token_seconds_count{engine="0",model_name="m"} 100.0\n'
+        b'vllm:time_per_output_token_seconds_sum{engine="1",model_name="m"} 0.5\n'
+        b'vllm:time_per_output_token_seconds_count{engine="1",model_name="m"} 20.0\n'
     )
     snap = parse_vllm_metrics(old)
     assert (snap.itl_sum, snap.itl_count) == (3.0, 120.0)
-    both = old + 'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.0\n'
-    both += 'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 40.0\n'
+    both = old + b'vllm:inter_token_latency_seconds_sum{engine="0",model_name="m"} 1.0\n'
+    both += b'vllm:inter_token_latency_seconds_count{engine="0",model_name="m"} 40.0\n'
     snap = parse_vllm_metrics(both)  # a release exporting both: the new name, not their sum
     assert (snap.itl_sum, snap.itl_count) == (1.0, 40.0)
+
+
+def test_engines_are_summed_usage_maxed_and_lookalike_names_skipped() -> None:
+    """Two engines' lines of each series (the first line of the page among them), the
+    KV usage the fuller engine's, a series without labels, a longer name that starts
+    with a routing series' name, a bucket line, and the cache settings' labels."""
+    page = (
+        b'vllm:num_requests_running{engine="0",model_name="m"} 3.0\n'
+        b"# HELP vllm:num_requests_running Requests in model execution batches.\n"
+        b'vllm:num_requests_running{engine="1",model_name="m"} 2.0\n'
+        b'vllm:num_requests_running_peak{engine="0",model_name="m"} 99.0\n'
+        b"vllm:num_requests_waiting 4.0\n"
+        b'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25\n'
+        b'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.75\n'
+        b'vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1",model_name="m"} 7.0\n'
+        b'vllm:cache_config_info{block_size="16",engine="0",num_gpu_blocks="2048"} 1.0\n'
+        b'vllm:prompt_tokens_total{engine="0",model_name="m"} 1.5e3 1700000000000'
+    )
+    snap = parse_vllm_metrics(page)
+    assert (snap.running, snap.waiting, snap.kv_usage) == (5.0, 4.0, 0.75)
+    assert (snap.block_size, snap.num_gpu_blocks, snap.prompt_tokens) == (16, 2048, 1500.0)
+    assert snap.itl_count == 0
 
 
 def _scrape(at: float, **counts: float) -> VllmSnapshot:
