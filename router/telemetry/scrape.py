@@ -17,6 +17,7 @@ of every stream's tokens, the router's or not, for its learned speed
 from __future__ import annotations
 
 import asyncio
+import functools
 import random
 import re
 import time
@@ -95,9 +96,7 @@ def parse_vllm_metrics(page: bytes) -> VllmSnapshot:
         elif name in _LEGACY_ITL:
             legacy[_LEGACY_ITL[name]] += _number(value)
         else:
-            info = _labels(labels.decode(errors="replace"))
-            snap.block_size = _int(info.get("block_size"))
-            snap.num_gpu_blocks = _int(info.get("num_gpu_blocks"))
+            snap.block_size, snap.num_gpu_blocks = _cache_config(labels)
     if not snap.itl_count:
         snap.itl_sum, snap.itl_count = legacy
     return snap
@@ -129,6 +128,14 @@ def _number(value: bytes) -> float:
         return float(value.split()[0])
     except (ValueError, IndexError):
         return 0.0
+
+
+@functools.lru_cache(maxsize=4096)
+def _cache_config(labels: bytes) -> tuple[int | None, int | None]:
+    """The block size and block count of a `cache_config_info` line's labels: read once
+    per distinct line (a backend's settings are the same scrape after scrape)."""
+    info = _labels(labels.decode(errors="replace"))
+    return _int(info.get("block_size")), _int(info.get("num_gpu_blocks"))
 
 
 def _int(value: str | None) -> int | None:
