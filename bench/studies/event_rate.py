@@ -1,7 +1,8 @@
 """KV events at fleet rate: how many block events per second one collector applies.
 
 For each fleet size it starts fake vLLM backends in a child process (the generator: each
-backend an HTTP port answering /health and /v1/models, bench/studies/instant_backend.py's, and a
+backend an HTTP port answering /health, /v1/models and /metrics (a vLLM page, scraped
+every second as a real one would be), bench/studies/instant_backend.py's, and a
 ZMQ publisher of vLLM-format event batches, bench/sim/publisher.py's) and a real
 `kvroute serve` (KV_AWARE, every backend with `kv_events`, `--workers` as given: 0 is
 one per core, so a collector subscribes and feeds the workers). The backends publish

@@ -9,8 +9,8 @@ in front of them as users start it (KV_AWARE, default workers, scrapes every sec
 waits until a worker shows every backend scraped, then reads each process's CPU from
 /proc for `--seconds`: the collector's, the workers' together, the whole router's, and
 that total per backend. `--peers` adds sglang-router's and vllm-router's cache_aware
-routers in front of the same ports (they scrape nothing: their floor is their health
-checks).
+routers in front of the same ports, measured once their /workers lists every backend
+(they scrape nothing: their floor is their health checks).
 
 Reproduces docs/performance.md, "A fleet at rest".
 
@@ -42,7 +42,7 @@ from bench.harness.processes import (
     wait_routable,
 )
 
-_SCRAPED_WAIT_S = 60.0
+_WATCHING_WAIT_S = 120.0
 _POLL_S = 0.5
 
 
@@ -60,19 +60,25 @@ class Row(msgspec.Struct, frozen=True):
         return self.total_ms * 1e3 / self.backends
 
 
-async def _all_scraped(url: str, backends: int, proc_alive: Callable[[], bool]) -> None:
-    """Until a worker's /debug/routing shows a scrape of every backend."""
-    deadline = time.monotonic() + _SCRAPED_WAIT_S
+async def _watching_all(url: str, backends: int, alive: Callable[[], bool], peer: bool) -> None:
+    """Until the router shows every backend watched: scraped, in a worker's
+    /debug/routing (kvroute), or registered, in its /workers (a peer registers its
+    workers for a while after it first routes: ~20 s of a core for sglang-router at
+    1,024)."""
+    deadline = time.monotonic() + _WATCHING_WAIT_S
     async with aiohttp.ClientSession() as http:
-        while time.monotonic() < deadline and proc_alive():
+        while time.monotonic() < deadline and alive():
             with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(url + "/debug/routing") as resp:
-                    state = await resp.json()
-                scraped = [b for b in state["backends"].values() if b.get("scraped")]
-                if len(scraped) == backends:
+                async with http.get(url + ("/workers" if peer else "/debug/routing")) as resp:
+                    state = await resp.json(content_type=None)
+                if peer:
+                    watched = len(state["workers"])
+                else:
+                    watched = sum(1 for b in state["backends"].values() if b.get("scraped"))
+                if watched == backends:
                     return
             await asyncio.sleep(_POLL_S)
-    raise RuntimeError(f"{url}: not every backend scraped within {_SCRAPED_WAIT_S:.0f} s")
+    raise RuntimeError(f"{url}: not every backend watched within {_WATCHING_WAIT_S:.0f} s")
 
 
 def _by_role(root: int) -> dict[str, list[int]]:
@@ -109,10 +115,8 @@ def measure(urls: list[str], args: argparse.Namespace, workdir: Path) -> list[Ro
         with logged(cmd, workdir / f"{len(rows)}-{len(urls)}.out") as proc:
             url = f"http://127.0.0.1:{port}"
             asyncio.run(wait_routable(url, proc, timeout=120))
-            if name.startswith("kvroute"):
-                asyncio.run(_all_scraped(url, len(urls), lambda: proc.poll() is None))
-            else:
-                time.sleep(args.seconds)  # past its start-up's first round of checks
+            peer = not name.startswith("kvroute")
+            asyncio.run(_watching_all(url, len(urls), lambda: proc.poll() is None, peer))
             rows.append(_measured(name, proc.pid, len(urls), args.seconds))
         print(table(rows)[-1], file=sys.stderr, flush=True)
     return rows
