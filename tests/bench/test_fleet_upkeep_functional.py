@@ -12,9 +12,7 @@ from bench.studies import fleet_upkeep
 pytestmark = pytest.mark.timeout(180)
 
 
-def test_small_run_waits_for_every_backend_scraped_and_measures_each_role(
-    tmp_path, capsys
-) -> None:
+def test_small_run_waits_for_every_backend_scraped_and_measures_it(tmp_path, capsys) -> None:
     """The study only measures once a worker shows every backend's scrape: the raw
     backend's page reads as a vLLM one, through the collector's feed, at both sizes."""
     out = tmp_path / "upkeep.json"
