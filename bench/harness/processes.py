@@ -292,10 +292,14 @@ async def stop(proc: asyncio.subprocess.Process) -> None:
 
 @contextlib.contextmanager
 def process(
-    cmd: list[str], stdout: IO | int = subprocess.PIPE, env: dict[str, str] | None = None
+    cmd: list[str],
+    stdout: IO | int = subprocess.PIPE,
+    env: dict[str, str] | None = None,
+    stderr: IO | int = subprocess.DEVNULL,
 ) -> Iterator[subprocess.Popen]:
-    """Run `cmd` (its stderr dropped) until the block ends; `env`: its environment."""
-    proc = subprocess.Popen(cmd, stdout=stdout, stderr=subprocess.DEVNULL, text=True, env=env)
+    """Run `cmd` until the block ends; `env`: its environment; its stderr dropped unless
+    `stderr` says where."""
+    proc = subprocess.Popen(cmd, stdout=stdout, stderr=stderr, text=True, env=env)
     try:
         yield proc
     finally:

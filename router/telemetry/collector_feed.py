@@ -18,6 +18,7 @@ import msgspec
 import zmq
 
 from hashing.tiered_index import TieredIndex
+from router import log
 from router.config import KvEventsConfig
 from router.context import WorkerContext
 from router.fleet.backends import Backend
@@ -35,6 +36,9 @@ from router.telemetry.index_upkeep import Held, Sink, subscribe
 from router.telemetry.kv_events import EventApplier
 from router.telemetry.loops import Parts, Telemetry
 from router.telemetry.scrape import VllmSnapshot
+
+#: control messages the collector could not apply
+_skipped = log.Throttled(log.server, burst=5, window=60.0)
 
 
 class _Forwarder:
@@ -198,9 +202,17 @@ class CollectorTelemetry(Telemetry):
                     await self._welcome(worker_topic(payload[len(HELLO) :]))
                 else:
                     self._publish([b"a", b"", payload])
-                    self._on_broadcast(payload)
+                    self._edit(payload)
         finally:
             pull.close()
+
+    def _edit(self, payload: bytes) -> None:
+        """A worker's edit, applied here too; one this process cannot read is skipped and
+        said, so the relay goes on (a dead relay would welcome no worker again)."""
+        try:
+            self._on_broadcast(payload)
+        except Exception as exc:
+            _skipped.warning("an edit on the control socket was skipped: %r", exc)
 
     async def _welcome(self, topic: bytes) -> None:
         """The answer to a worker's hello, on that worker's topic: `j` (its feed is

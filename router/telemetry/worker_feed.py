@@ -41,6 +41,8 @@ from router.telemetry.scrape import VllmSnapshot
 
 #: feed messages applied at once before the loop turns to requests
 _DRAIN = 64
+#: feed messages a worker could not apply: rare, but each would come with every message
+_skipped = log.Throttled(log.server, burst=5, window=60.0)
 #: the collector's `s`: [(backend, its snapshot)]
 _SNAPSHOTS = msgspec.msgpack.Decoder(list[tuple[str, VllmSnapshot]])
 #: the collector's `h`: backend -> (when its events were last applied, when it published)
@@ -134,13 +136,22 @@ class WorkerTelemetry(Telemetry):
         try:
             while True:
                 messages = [await sub.recv_multipart(), *drain(queued, _DRAIN)]
-                for kind, name, *rest in messages:
-                    self._received(kind, name.decode(), rest)
+                for frames in messages:
+                    self._apply(frames)
                 if len(messages) > _DRAIN:  # more may wait: requests get their turn first
                     await asyncio.sleep(0)
         finally:
             hello.cancel()
             sub.close()
+
+    def _apply(self, frames: list[bytes]) -> None:
+        """One feed message applied; one this worker cannot apply (a collector of another
+        release, a payload it cannot read) is skipped and said, so the feed goes on."""
+        try:
+            kind, name, *rest = frames
+            self._received(kind, name.decode(), rest)
+        except Exception as exc:  # the feed must outlive any one message
+            _skipped.warning("a feed message (%r) was skipped: %r", frames[0][:16], exc)
 
     async def _hello(self) -> None:
         """Say hello to the collector until its answer comes back on the feed."""

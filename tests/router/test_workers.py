@@ -37,6 +37,8 @@ import orjson
 import psutil
 import pytest
 import yaml
+import zmq
+import zmq.asyncio
 from aiohttp import web
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -139,10 +141,11 @@ class MultiRouter:
 
 @asynccontextmanager
 async def multi_router(
-    tmp_path: Path, config: dict, runs: Path | None = None
+    tmp_path: Path, config: dict, runs: Path | None = None, log: Path | None = None
 ) -> AsyncIterator[MultiRouter]:
     """`kvroute serve` with `WORKERS` workers, its run directory in `runs` (by default
-    under `tmp_path`: apart from other routers' on the machine, another suite's sweep)."""
+    under `tmp_path`: apart from other routers' on the machine, another suite's sweep),
+    its log lines in `log` if given."""
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({"listen": {"host": "127.0.0.1"}, **config}))
     port = free_port()
@@ -151,7 +154,11 @@ async def multi_router(
         runs = tmp_path / "run"
         runs.mkdir(exist_ok=True)
     env = {**os.environ, RUN_PARENT_ENV: str(runs)}
-    with process([*cmd, "--workers", str(WORKERS), "--log-level", "warning"], env=env) as proc:
+    serve = [*cmd, "--workers", str(WORKERS), "--log-level", "warning"]
+    with (
+        open(log or os.devnull, "w") as lines,
+        process(serve, env=env, stderr=lines) as proc,
+    ):
         router = MultiRouter(proc, port, path)
         try:
             await wait_ready(router.url, timeout=30)
@@ -931,6 +938,55 @@ async def test_admin_edits_and_reloads_reach_every_worker(tmp_path) -> None:
         for s in servers:
             await s.stop()
         await counted.runner.cleanup()
+
+
+async def test_a_message_no_process_can_read_is_skipped_and_the_feed_goes_on(tmp_path) -> None:
+    """A payload on the collector's control socket that is no edit (another release's, a
+    bug's): the collector relays it and skips it, each worker skips it, and an admin edit
+    sent after both said so still reaches every worker through the same relay and feed.
+    (Before, the payload ended the collector's relay and each worker's feed.)"""
+    servers = await stubs(2)
+    token = tmp_path / "admin.token"
+    token.write_text("admin-secret-token-0123456789")
+    admin_port = free_port()
+    config = {
+        "backends": backends(servers),
+        "admin": {"port": admin_port, "token_file": str(token)},
+    }
+    log = tmp_path / "router.log"
+    context = zmq.asyncio.Context()
+    try:
+        async with multi_router(tmp_path, config, log=log) as r:
+            (control,) = (tmp_path / "run").glob("*/control.sock")
+            push = context.socket(zmq.PUSH)
+            push.setsockopt(zmq.LINGER, 0)
+            push.connect(f"ipc://{control}")
+            await push.send(b"{not an edit")
+
+            async def skipped() -> bool:
+                text = log.read_text()
+                return "an edit on the control socket was skipped" in text and (
+                    text.count("a feed message (b'a') was skipped") == WORKERS
+                )
+
+            await until(skipped, 15, "the collector and every worker to skip it")
+            sessions = [await r.pinned(pid) for pid in r.workers()]
+            auth = {"Authorization": "Bearer admin-secret-token-0123456789"}
+            async with aiohttp.ClientSession(headers=auth) as http:
+                url = f"http://127.0.0.1:{admin_port}/admin/backends/b0/drain"
+                async with http.post(url) as resp:
+                    assert resp.status == 200
+
+            async def drained(session: aiohttp.ClientSession) -> bool:
+                async with session.get(r.url + "/debug/routing") as resp:
+                    return not (await resp.json())["backends"]["b0"]["usable"]
+
+            for session in sessions:
+                await until(lambda s=session: drained(s), 15, "b0 drained in every worker")
+    finally:
+        context.destroy(linger=0)
+        for s in servers:
+            await s.stop()
 
 
 def _listener(r: MultiRouter, port: int) -> int:
