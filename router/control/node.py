@@ -83,14 +83,16 @@ class Node(ABC):
         return {b.key: b.kv_events for b in self.config.backends if b.kv_events is not None}
 
     def start_parts(self) -> None:
-        """The backend-facing parts: the client session, health checks, model polls and
-        the telemetry loops (scraping and KV events, or the collector's feed)."""
+        """The backend-facing parts: the client session (the request path's calls beside
+        the proxy: /tokenize, adapters), the GETs of health checks, model polls and
+        scrapes (router/upstream/pages.py), and the telemetry loops (scraping and KV
+        events, or the collector's feed)."""
         cfg = self.config
         self._session = make_session(cfg.timeouts.connect)
-        self.poller = ModelPoller(
-            self.fleet, self._session, cfg.models_refresh_interval, STARTUP_POLL_SECONDS
-        )
         self._pages = Pages(cfg.timeouts.connect)
+        self.poller = ModelPoller(
+            self.fleet, self._pages.ask, cfg.models_refresh_interval, STARTUP_POLL_SECONDS
+        )
         self.health = HealthChecker(self.fleet, self._pages.ask, cfg.health)
         self.verdicts = Verdicts(self.fleet, self.health)
         parts = Parts(self.fleet, self._pages.get, self.metrics, cfg.telemetry, self._kv_events)

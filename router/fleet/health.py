@@ -38,7 +38,6 @@ import os
 import ssl
 from collections.abc import Awaitable, Callable, Iterable
 
-import aiohttp
 import msgspec
 import orjson
 
@@ -180,11 +179,9 @@ def _unconnected(exc: UpstreamConnectError) -> str:
 
 
 class ModelPoller:
-    def __init__(
-        self, fleet: Fleet, session: aiohttp.ClientSession, interval: float, timeout: float
-    ) -> None:
+    def __init__(self, fleet: Fleet, ask: PageAsk, interval: float, timeout: float) -> None:
         self._fleet = fleet
-        self._session = session
+        self._ask = ask
         self._interval = interval
         self._timeout = timeout
         self._refusals = Refusals()
@@ -205,12 +202,11 @@ class ModelPoller:
     async def _poll(self, backend: Backend) -> None:
         try:
             async with asyncio.timeout(self._timeout):
-                async with backend.ask(self._session, "GET", "/v1/models") as resp:
-                    body = await resp.read()
-        except (aiohttp.ClientError, OSError, TimeoutError):
+                status, body = await self._ask(backend, "/v1/models")
+        except (UpstreamError, TimeoutError):
             return
-        self._refusals.heard(backend, f"GET {resp.url.path}", resp.status)
-        if resp.status == 200:
+        self._refusals.heard(backend, f"GET {backend.at('/v1/models').path}", status)
+        if status == 200:
             self._fleet.set_discovered(backend, cards_of(body))
 
 
