@@ -1,5 +1,5 @@
-"""GETs beside the request path (the backends' /metrics scrapes and health checks)
-through the request path's own HTTP/1.1 client rather than aiohttp's.
+"""GETs beside the request path (the backends' /metrics scrapes, health checks and model
+polls) through the request path's own HTTP/1.1 client rather than aiohttp's.
 
 Every backend is scraped every second and checked every few: at a thousand backends
 aiohttp's client cost the collector ~0.3 ms a scrape and more a check (its request and
