@@ -4,6 +4,7 @@ trusted CA is refused, and the logs say why."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import ssl
 from pathlib import Path
@@ -41,12 +42,18 @@ def _config(stub: StubBackend, **backend) -> dict:
 
 async def test_an_https_backend_signed_by_the_configured_ca_serves(pki: Path) -> None:
     stub = await _https_stub(pki)
+    stub.behaviour.metrics = 'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
     config = _config(stub)
     config["backend_defaults"] = {"ca_file": str(pki / "ca.pem")}
+    config["telemetry"] = {"scrape_interval": 0.05}
     router = Router(build(config))
     await router.start()
     try:
         assert router.fleet.members[0].healthy  # the health check went over TLS too
+        assert router.fleet.members[0].discovered_models == {"stub-model"}  # and the poll
+        async with asyncio.timeout(10):  # and the scrapes
+            while (router.telemetry.describe("b0") or {}).get("running") != 1.0:
+                await asyncio.sleep(0.02)
         async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="unused") as client:
             answer = await client.chat.completions.create(**CHAT)
             stream = await client.chat.completions.create(**CHAT, stream=True)
