@@ -3,18 +3,19 @@
  *
  * One *entry* per (key, backend, kind), kind being confirmed (from the backend's KV
  * events, with its engine hash) or speculative (from the router's own decisions, with an
- * expiry). An entry is 27 bytes in parallel arrays: its key record (u32), its value (the
- * engine hash or the expiry, 8), its neighbours in its backend's LRU list of that kind
- * (u32 x 2), the next holder of the same key (u32), its backend (u16) and kind (u8).
- * One *key record* per key held anywhere: the key (u64), the first of its holders' entries
- * (u32) and how many backends hold it (u32). Three open-addressing tables of u32 ids
- * (linear probing, backward-shift deletion, so no tombstones) find an entry by (key,
- * backend, kind), a confirmed entry by (backend, engine hash), and a key record by key.
+ * expiry). An entry is 31 bytes in parallel arrays: its key (u64), its value (the engine
+ * hash or the expiry, 8), its neighbours in its backend's LRU list of that kind (u32 x
+ * 2), the next holder of the same key (u32), its backend (u16) and kind (u8). A key's
+ * holders are a chain of entries from the newest; nothing else is kept per key (a record
+ * per key, 16 bytes and an id table's slot, cost more than the key in each entry: most
+ * keys have one holder). Three open-addressing tables of u32 ids (linear probing,
+ * backward-shift deletion, so no tombstones) find an entry by (key, backend, kind), a
+ * confirmed entry by (backend, engine hash), and a key's newest holder by key.
  * Nothing grows in one go: an id table that fills starts a table twice its size beside
  * it and each put moves a few of the old one's ids over (a whole rehash held the caller
  * 38 ms at 800k keys, and a worker's event loop with it), and the shared file's arrays
  * of ids grow in place.
- * About 50-70 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
+ * About 50-60 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
  * here is a Python object: the garbage collector never walks it. A backend's id comes
  * from `member` (a hash of its name): the same in every process sharing the table.
  *
@@ -27,9 +28,8 @@
  * (a tmpfs one: the run directory in /dev/shm), so the host holds one copy of the index
  * whatever its worker count. The file is a sparse 1 TiB address range: a header (a
  * process-shared mutex, the arena's top, the table's numbers with its arrays as
- * offsets) and an arena the arrays are cut from, never reused. An array of ids (the
- * entries', the key records') is cut once for the most ids there can be, and only its
- * pages written take memory; another array that grows is copied to a new region, and a
+ * offsets) and an arena the arrays are cut from, never reused. An entry array is cut
+ * once for the most entries there can be, and only its pages written take memory; another array that grows is copied to a new region, and a
  * region left (an old array, an id table grown out of) gives its pages back to the file
  * system (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
  * mutex: it reads the numbers and offsets into this process's view unless the view is
@@ -77,7 +77,7 @@
 #define ARENA_BYTES (1ULL << 40)
 #define PAGE 4096
 /* "kvrtab", and the layout's version in the top byte */
-#define MAGIC (0x6b7672746162ULL | 3ULL << 56)
+#define MAGIC (0x6b7672746162ULL | 4ULL << 56)
 
 typedef struct {
     uint32_t head, tail, len;
@@ -99,16 +99,14 @@ typedef struct arena arena_t;
 
 typedef struct {
     /* entries */
-    uint32_t *e_key;
+    uint64_t *e_key;
     uint64_t *e_val;
     uint32_t *e_prev, *e_next, *e_hnext;
     uint16_t *e_backend;
     uint8_t *e_kind;
     uint32_t e_cap, e_top, e_free, e_live;
-    /* key records */
-    uint64_t *k_key;
-    uint32_t *k_head, *k_count;
-    uint32_t k_cap, k_top, k_free, k_live;
+    /* keys held anywhere */
+    uint32_t k_live;
     /* per backend id: an LRU list per kind, and the hash of the name it was given to
      * (0: free) */
     lru_t *lru;
@@ -123,8 +121,7 @@ typedef struct {
 static const size_t ARRAYS[] = {
     offsetof(Table, e_key),   offsetof(Table, e_val),       offsetof(Table, e_prev),
     offsetof(Table, e_next),  offsetof(Table, e_hnext),     offsetof(Table, e_backend),
-    offsetof(Table, e_kind),  offsetof(Table, k_key),       offsetof(Table, k_head),
-    offsetof(Table, k_count), offsetof(Table, lru),         offsetof(Table, b_name),
+    offsetof(Table, e_kind),  offsetof(Table, lru),         offsetof(Table, b_name),
     offsetof(Table, etab.slot), offsetof(Table, gtab.slot), offsetof(Table, ktab.slot),
     offsetof(Table, etab.old),  offsetof(Table, gtab.old),  offsetof(Table, ktab.old),
 };
@@ -233,10 +230,10 @@ static inline uint64_t mix(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* an entry is placed by its key's record id, not the key: its place is then found again
- * (a deletion's backward shift) from the entry's own fields, without reading the key */
-static inline uint64_t entry_hash(uint32_t k, uint32_t backend, uint32_t kind) {
-    return mix((uint64_t)(backend * 2 + kind) << 32 | k);
+/* an entry is placed by its key, backend and kind: its place is then found again (a
+ * deletion's backward shift) from the entry's own fields */
+static inline uint64_t entry_hash(uint64_t key, uint32_t backend, uint32_t kind) {
+    return mix(key ^ ((uint64_t)(backend * 2 + kind + 1) * 0x9e3779b97f4a7c15ULL));
 }
 
 static inline uint64_t engine_hash(uint64_t engine, uint32_t backend) {
@@ -250,7 +247,7 @@ static inline uint64_t etab_home(Table *t, uint32_t e) {
 static inline uint64_t gtab_home(Table *t, uint32_t e) {
     return engine_hash(t->e_val[e], t->e_backend[e]);
 }
-static inline uint64_t ktab_home(Table *t, uint32_t k) { return mix(t->k_key[k]); }
+static inline uint64_t ktab_home(Table *t, uint32_t e) { return mix(t->e_key[e]); }
 
 enum { ETAB, GTAB, KTAB };
 
@@ -357,30 +354,33 @@ static uint32_t key_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t k
     for (uint32_t j = (uint32_t)mix(key) & mask;; j = (j + 1) & mask) {
         uint32_t v = slot[j];
         if (v == EMPTY) return NIL;
-        if (v != GONE && t->k_key[v - 1] == key) return v - 1;
+        if (v != GONE && t->e_key[v - 1] == key) return v - 1;
     }
 }
 
+/* the newest entry holding `key` (its chain's head), NIL when none does */
 static uint32_t key_find(Table *t, uint64_t key) {
     itab_t *it = &t->ktab;
     uint32_t k = key_in(t, it->slot, it->mask, key);
     return k != NIL || it->old == NULL ? k : key_in(t, it->old, it->old_mask, key);
 }
 
-static uint32_t entry_in(Table *t, const uint32_t *slot, uint32_t mask, uint32_t k,
+static uint32_t entry_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t key,
                          uint32_t backend, uint32_t kind) {
-    for (uint32_t j = (uint32_t)entry_hash(k, backend, kind) & mask;; j = (j + 1) & mask) {
+    for (uint32_t j = (uint32_t)entry_hash(key, backend, kind) & mask;; j = (j + 1) & mask) {
         uint32_t v = slot[j], e = v - 1;
         if (v == EMPTY) return NIL;
-        if (v != GONE && t->e_key[e] == k && t->e_backend[e] == backend && t->e_kind[e] == kind)
+        if (v != GONE && t->e_key[e] == key && t->e_backend[e] == backend &&
+            t->e_kind[e] == kind)
             return e;
     }
 }
 
-static uint32_t entry_find(Table *t, uint32_t k, uint32_t backend, uint32_t kind) {
+static uint32_t entry_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
     itab_t *it = &t->etab;
-    uint32_t e = entry_in(t, it->slot, it->mask, k, backend, kind);
-    return e != NIL || it->old == NULL ? e : entry_in(t, it->old, it->old_mask, k, backend, kind);
+    uint32_t e = entry_in(t, it->slot, it->mask, key, backend, kind);
+    return e != NIL || it->old == NULL ? e
+                                       : entry_in(t, it->old, it->old_mask, key, backend, kind);
 }
 
 static uint32_t engine_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t engine,
@@ -402,16 +402,14 @@ static inline lru_t *list_of(Table *t, uint32_t backend, uint32_t kind) {
     return &t->lru[backend * 2 + kind];
 }
 
-/* the backend's entry of `kind` for the key of record `k` (NIL: held nowhere), if any: none
- * to look for while it has no entries of that kind (a backend without KV events has no
- * confirmed ones) */
-static inline uint32_t kind_find(Table *t, uint32_t k, uint32_t backend, uint32_t kind) {
-    return k != NIL && list_of(t, backend, kind)->len ? entry_find(t, k, backend, kind) : NIL;
+/* the backend's entry of `kind` for `key`, if any: none to look for while it has no
+ * entries of that kind (a backend without KV events has no confirmed ones) */
+static inline uint32_t kind_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+    return list_of(t, backend, kind)->len ? entry_find(t, key, backend, kind) : NIL;
 }
 
 static inline int held(Table *t, uint64_t key, uint32_t backend) {
-    uint32_t k = key_find(t, key);
-    return kind_find(t, k, backend, CONF) != NIL || kind_find(t, k, backend, SPEC) != NIL;
+    return kind_find(t, key, backend, CONF) != NIL || kind_find(t, key, backend, SPEC) != NIL;
 }
 
 #define GROW(arr, old, cap) \
@@ -468,16 +466,6 @@ static int entries_grow(Table *t) {
     return 0;
 }
 
-static int keys_grow(Table *t) {
-    uint32_t cap = next_cap(t->k_cap);
-    if (cap == 0) return -1;
-    GROW_IDS(t->k_key, t->k_cap, cap);
-    GROW_IDS(t->k_head, t->k_cap, cap);
-    GROW_IDS(t->k_count, t->k_cap, cap);
-    t->k_cap = cap;
-    return 0;
-}
-
 static int backends_grow(Table *t, uint32_t backend) {
     if (backend < t->n_backends) return 0;
     uint32_t n = t->n_backends ? t->n_backends : 16;
@@ -505,49 +493,26 @@ static void lru_append(Table *t, lru_t *l, uint32_t e) {
     l->len++;
 }
 
-/* the key record of `key`: `k` if found already (not NIL), else made; NIL when out of
- * memory */
-static uint32_t key_get(Table *t, uint64_t key, uint32_t k) {
-    if (k != NIL) return k;
-    if (t->k_free != NIL) {
-        k = t->k_free;
-        t->k_free = t->k_head[k];
-    } else {
-        if (t->k_top == t->k_cap && keys_grow(t) < 0) {
-            PyErr_NoMemory();
-            return NIL;
-        }
-        k = t->k_top++;
+/* the key table's slot holding `from` (an entry of `key`) holds `to` instead: the chain
+ * of `key` has a new head (both hash alike, so the slot is the same) */
+static void key_moved(Table *t, uint64_t key, uint32_t from, uint32_t to) {
+    itab_t *it = &t->ktab;
+    uint32_t i = itab_slot(it->slot, it->mask, from, mix(key));
+    if (i != NIL) {
+        it->slot[i] = to + 1;
+    } else if (it->old != NULL && (i = itab_slot(it->old, it->old_mask, from, mix(key))) != NIL) {
+        it->old[i] = to + 1;
     }
-    t->k_key[k] = key;
-    t->k_head[k] = NIL;
-    t->k_count[k] = 0;
-    if (itab_put(t, KTAB, &t->ktab, k, mix(key)) < 0) {
-        t->k_head[k] = t->k_free;
-        t->k_free = k;
-        return NIL;
-    }
-    t->k_live++;
-    return k;
 }
 
-/* a key record with no holders left goes */
-static void key_release(Table *t, uint32_t k) {
-    itab_del(t, KTAB, &t->ktab, k, mix(t->k_key[k]));
-    t->k_head[k] = t->k_free;
-    t->k_free = k;
-    t->k_live--;
-}
-
-/* a new entry for (key, backend, kind), known to be absent, `k` being the key's record
- * (NIL: the key is held nowhere); NIL when out of memory */
-static uint32_t entry_new(Table *t, uint64_t key, uint32_t k, uint32_t backend, uint32_t kind,
-                          uint64_t val) {
+/* a new entry for (key, backend, kind), known to be absent, `head` being the key's newest
+ * holder (NIL: the key is held nowhere); NIL when out of memory */
+static uint32_t entry_new(Table *t, uint64_t key, uint32_t head, uint32_t backend,
+                          uint32_t kind, uint64_t val) {
     if (t->e_free == NIL && t->e_top == t->e_cap && entries_grow(t) < 0) {
         PyErr_NoMemory();
         return NIL;
     }
-    if ((k = key_get(t, key, k)) == NIL) return NIL;
     uint32_t e;
     if (t->e_free != NIL) {
         e = t->e_free;
@@ -555,35 +520,50 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t k, uint32_t backend, 
     } else {
         e = t->e_top++;
     }
-    t->e_key[e] = k;
+    t->e_key[e] = key;
     t->e_val[e] = val;
     t->e_backend[e] = (uint16_t)backend;
     t->e_kind[e] = (uint8_t)kind;
-    if (itab_put(t, ETAB, &t->etab, e, entry_hash(k, backend, kind)) < 0) {
+    if (itab_put(t, ETAB, &t->etab, e, entry_hash(key, backend, kind)) < 0) {
         t->e_next[e] = t->e_free;
         t->e_free = e;
-        if (t->k_head[k] == NIL) key_release(t, k);
         return NIL;
     }
-    if (kind_find(t, k, backend, 1 - kind) == NIL) t->k_count[k]++;
-    t->e_hnext[e] = t->k_head[k];
-    t->k_head[k] = e;
+    if (head == NIL) {
+        if (itab_put(t, KTAB, &t->ktab, e, mix(key)) < 0) {
+            itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
+            t->e_next[e] = t->e_free;
+            t->e_free = e;
+            return NIL;
+        }
+        t->k_live++;
+    } else {
+        key_moved(t, key, head, e);
+    }
+    t->e_hnext[e] = head;
     lru_append(t, list_of(t, backend, kind), e);
     t->e_live++;
     return e;
 }
 
 static void entry_free(Table *t, uint32_t e) {
-    uint32_t k = t->e_key[e], backend = t->e_backend[e], kind = t->e_kind[e];
+    uint64_t key = t->e_key[e];
+    uint32_t backend = t->e_backend[e], kind = t->e_kind[e];
     lru_unlink(t, list_of(t, backend, kind), e);
     if (kind == CONF) /* gone already when its engine hash went to another key */
         itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
-    itab_del(t, ETAB, &t->etab, e, entry_hash(k, backend, kind));
-    if (kind_find(t, k, backend, 1 - kind) == NIL) t->k_count[k]--;
-    uint32_t *link = &t->k_head[k];
-    while (*link != e) link = &t->e_hnext[*link];
-    *link = t->e_hnext[e];
-    if (t->k_head[k] == NIL) key_release(t, k);
+    itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
+    uint32_t head = key_find(t, key), next = t->e_hnext[e];
+    if (head != e) {
+        uint32_t *link = &t->e_hnext[head];
+        while (*link != e) link = &t->e_hnext[*link];
+        *link = next;
+    } else if (next != NIL) {
+        key_moved(t, key, e, next);
+    } else {
+        itab_del(t, KTAB, &t->ktab, e, mix(key));
+        t->k_live--;
+    }
     t->e_next[e] = t->e_free;
     t->e_free = e;
     t->e_live--;
@@ -672,10 +652,9 @@ static PyObject *do_speculate(Table *t, PyObject *const *args, Py_ssize_t n) {
     lru_t *l = list_of(t, b, SPEC);
     Py_ssize_t i = 0;
     for (; i < len; i++) {
-        uint32_t k = key_find(t, keys[i]); /* most keys of a new prompt are held nowhere */
-        uint32_t e = kind_find(t, k, b, SPEC);
+        uint32_t e = kind_find(t, keys[i], b, SPEC);
         if (e != NIL) renew(t, l, e, val);
-        else if (entry_new(t, keys[i], k, b, SPEC, val) == NIL) break;
+        else if (entry_new(t, keys[i], key_find(t, keys[i]), b, SPEC, val) == NIL) break;
     }
     PyMem_Free(keys);
     if (i < len) return NULL;
@@ -691,7 +670,7 @@ static PyObject *do_touch(Table *t, PyObject *const *args, Py_ssize_t n) {
     if (keys_until(args, n, "touch", &b, &keys, &len, &val) < 0) return NULL;
     lru_t *l = b < t->n_backends ? list_of(t, b, SPEC) : NULL;
     for (Py_ssize_t i = len - 1; i >= 0 && l != NULL; i--) {
-        uint32_t e = kind_find(t, key_find(t, keys[i]), b, SPEC);
+        uint32_t e = kind_find(t, keys[i], b, SPEC);
         if (e != NIL) renew(t, l, e, val);
     }
     PyMem_Free(keys);
@@ -706,12 +685,11 @@ static int confirm_pairs(Table *t, uint32_t b, const uint64_t *keys, const uint6
     lru_t *l = list_of(t, b, CONF);
     for (Py_ssize_t i = 0; i < len; i++) {
         uint64_t key = keys[i], engine = engines[i];
-        uint32_t k = key_find(t, key);
-        uint32_t e = kind_find(t, k, b, CONF);
+        uint32_t e = kind_find(t, key, b, CONF);
         if (e != NIL) {
             itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], b));
             renew(t, l, e, engine);
-        } else if ((e = entry_new(t, key, k, b, CONF, engine)) == NIL) {
+        } else if ((e = entry_new(t, key, key_find(t, key), b, CONF, engine)) == NIL) {
             return -1;
         }
         uint32_t old = engine_find(t, engine, b);
@@ -920,7 +898,7 @@ static int one_store(Table *t, uint32_t b, PyObject *ev, storing_t *st) {
             st->orphans++;
             goto done;
         }
-        from = t->k_key[t->e_key[e]];
+        from = t->e_key[e];
     }
     size_t blocks = (size_t)(PyList_GET_SIZE(tokens) / st->block_size);
     if (blocks > st->keys_cap) {
@@ -1028,9 +1006,8 @@ static PyObject *do_dropped(Table *t, PyObject *const *args, Py_ssize_t n) {
     int confirmed = PyObject_IsTrue(args[2]);
     if (confirmed < 0 || (keys = u64s(args[1], &len)) == NULL) return NULL;
     for (Py_ssize_t i = 0; i < len && b < t->n_backends; i++) {
-        uint32_t k = key_find(t, keys[i]);
         for (uint32_t kind = confirmed ? CONF : SPEC; kind <= SPEC; kind++) {
-            uint32_t e = kind_find(t, k, b, kind);
+            uint32_t e = kind_find(t, keys[i], b, kind);
             if (e != NIL) entry_free(t, e);
         }
     }
@@ -1089,9 +1066,19 @@ static PyObject *do_longest(Table *t, PyObject *const *args, Py_ssize_t n) {
     return found < 0 ? NULL : PyLong_FromSsize_t(found);
 }
 
-static inline uint32_t holder_count(Table *t, uint64_t key) {
-    uint32_t k = key_find(t, key);
-    return k == NIL ? 0 : t->k_count[k];
+/* the holders of a key whose chain starts at `e`, each backend once (a speculative entry
+ * beside a confirmed one of its backend is not another holder), counted up to `most` + 1 */
+static inline uint32_t holders_upto(Table *t, uint32_t e, uint32_t most) {
+    uint32_t count = 0;
+    for (; e != NIL && count <= most; e = t->e_hnext[e]) {
+        uint32_t b = t->e_backend[e];
+        if (t->e_kind[e] == CONF || kind_find(t, t->e_key[e], b, CONF) == NIL) count++;
+    }
+    return count;
+}
+
+static inline uint32_t holder_count(Table *t, uint64_t key, uint32_t most) {
+    return holders_upto(t, key_find(t, key), most);
 }
 
 /* holders(keys, limit): [(backend, blocks held)] for the backends holding the longest
@@ -1118,17 +1105,19 @@ static PyObject *do_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
         if (key_find(t, key) != NIL) lo = mid; else hi = mid - 1;
     }
     Py_ssize_t deepest = lo;
+    uint32_t most = limit < UINT32_MAX - 1 ? (uint32_t)limit : UINT32_MAX - 1;
     lo = 0;
     hi = deepest - 1; /* the first level held by at most limit backends */
     if (key_at(keys, 0, &key) < 0) goto fail;
-    if (holder_count(t, key) <= (uint64_t)limit) hi = 0;
+    if (holder_count(t, key, most) <= most) hi = 0;
     while (lo < hi) {
         Py_ssize_t mid = (lo + hi) / 2;
         if (key_at(keys, mid, &key) < 0) goto fail;
-        if (holder_count(t, key) <= (uint64_t)limit) hi = mid; else lo = mid + 1;
+        if (holder_count(t, key, most) <= most) hi = mid; else lo = mid + 1;
     }
     if (key_at(keys, lo, &key) < 0) goto fail;
-    uint32_t k = key_find(t, key), count = t->k_count[k], got = 0;
+    uint32_t head = key_find(t, key), count = 0, got = 0;
+    for (uint32_t e = head; e != NIL; e = t->e_hnext[e]) count++;
     names = PyMem_Malloc(sizeof(uint32_t) * (count ? count : 1));
     if (names == NULL) {
         PyErr_NoMemory();
@@ -1136,9 +1125,9 @@ static PyObject *do_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
     }
     /* the chain is newest first: a speculative entry beside a confirmed one of the same
      * backend is skipped, so each backend is named once */
-    for (uint32_t e = t->k_head[k]; e != NIL && got < count; e = t->e_hnext[e]) {
+    for (uint32_t e = head; e != NIL; e = t->e_hnext[e]) {
         uint32_t b = t->e_backend[e];
-        if (t->e_kind[e] == SPEC && kind_find(t, k, b, CONF) != NIL) continue;
+        if (t->e_kind[e] == SPEC && kind_find(t, key, b, CONF) != NIL) continue;
         names[got++] = b;
     }
     Py_ssize_t take = got < (uint64_t)limit ? got : limit;
@@ -1187,7 +1176,7 @@ static PyObject *do_expiry(Table *t, PyObject *const *args, Py_ssize_t n) {
     uint64_t key;
     if (check_args(n, 2, "expiry") < 0 || as_backend(args[0], &b) < 0 || as_u64(args[1], &key) < 0)
         return NULL;
-    uint32_t e = b < t->n_backends ? kind_find(t, key_find(t, key), b, SPEC) : NIL;
+    uint32_t e = b < t->n_backends ? kind_find(t, key, b, SPEC) : NIL;
     if (e == NIL) Py_RETURN_NONE;
     double at;
     memcpy(&at, &t->e_val[e], sizeof at);
@@ -1202,7 +1191,7 @@ static PyObject *do_key_of(Table *t, PyObject *const *args, Py_ssize_t n) {
         return NULL;
     uint32_t e = b < t->n_backends ? engine_find(t, engine, b) : NIL;
     if (e == NIL) Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(t->k_key[t->e_key[e]]);
+    return PyLong_FromUnsignedLongLong(t->e_key[e]);
 }
 
 /* size(backend): (confirmed, speculative) entries */
@@ -1229,7 +1218,7 @@ static PyObject *do_snapshot(Table *t, PyObject *const *args, Py_ssize_t n) {
     for (uint32_t e = list_of(t, b, (uint32_t)kind)->head; e != NIL; e = t->e_next[e]) {
         double at;
         memcpy(&at, &t->e_val[e], sizeof at);
-        uint64_t key = t->k_key[t->e_key[e]];
+        uint64_t key = t->e_key[e];
         PyObject *pair = kind == CONF ? Py_BuildValue("(KK)", key, t->e_val[e])
                                       : Py_BuildValue("(Kd)", key, at);
         if (pair == NULL || PyList_Append(out, pair) < 0) {
@@ -1282,8 +1271,8 @@ static PyObject *do_release(Table *t, PyObject *b_obj) {
 
 /* the table with no entries and no keys (its names stay: other processes hold them) */
 static void empty(Table *t) {
-    t->e_top = t->e_live = t->k_top = t->k_live = 0;
-    t->e_free = t->k_free = NIL;
+    t->e_top = t->e_live = t->k_live = 0;
+    t->e_free = NIL;
     for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
         memset(it->slot, EMPTY, sizeof(uint32_t) * ((size_t)it->mask + 1));
         it->used = 0;
@@ -1449,8 +1438,8 @@ static inline size_t slots(const itab_t *it) {
 static PyObject *Table_get_nbytes(TableObject *o, void *Py_UNUSED(closure)) {
     if (enter(o) < 0) return NULL;
     Table *t = &o->t;
-    size_t per_entry = 4 + 8 + 4 + 4 + 4 + 2 + 1, per_key = 8 + 4 + 4;
-    size_t bytes = per_entry * t->e_cap + per_key * t->k_cap +
+    size_t per_entry = 8 + 8 + 4 + 4 + 4 + 2 + 1;
+    size_t bytes = per_entry * t->e_cap +
                    (sizeof(lru_t) * 2 + sizeof(uint64_t)) * t->n_backends +
                    sizeof(uint32_t) * (slots(&t->etab) + slots(&t->gtab) + slots(&t->ktab));
     leave(o, 0);
@@ -1471,7 +1460,7 @@ static PyObject *Table_get_full(TableObject *o, void *Py_UNUSED(closure)) {
 
 /* a table with its id tables and nothing in them */
 static int fresh(Table *t) {
-    t->e_free = t->k_free = NIL;
+    t->e_free = NIL;
     if (itab_init(t, &t->etab, 1024) < 0 || itab_init(t, &t->gtab, 1024) < 0 ||
         itab_init(t, &t->ktab, 1024) < 0) {
         PyErr_NoMemory();
@@ -1563,9 +1552,6 @@ static void Table_dealloc(TableObject *o) {
         FREE_IDS(t->e_hnext, t->e_cap);
         FREE_IDS(t->e_backend, t->e_cap);
         FREE_IDS(t->e_kind, t->e_cap);
-        FREE_IDS(t->k_key, t->k_cap);
-        FREE_IDS(t->k_head, t->k_cap);
-        FREE_IDS(t->k_count, t->k_cap);
 #undef FREE_IDS
         for (itab_t *it = &t->etab; it <= &t->ktab; it++) {
             map_free(it->slot, sizeof(uint32_t) * ((size_t)it->mask + 1));
