@@ -29,9 +29,10 @@
  * whatever its worker count. The file is a sparse 1 TiB address range: a header (a
  * process-shared mutex, the arena's top, the table's numbers with its arrays as
  * offsets) and an arena the arrays are cut from, never reused. An entry array is cut
- * once for the most entries there can be, and only its pages written take memory; another array that grows is copied to a new region, and a
- * region left (an old array, an id table grown out of) gives its pages back to the file
- * system (`fallocate` punching a hole), so only live arrays take memory. Every call holds the
+ * once for the most entries there can be, and only its pages written take memory;
+ * another array that grows is copied to a new region, and a region left (an old array,
+ * an id table grown out of) gives its pages back to the file system (`fallocate`
+ * punching a hole), so only live arrays take memory. Every call holds the
  * mutex: it reads the numbers and offsets into this process's view unless the view is
  * of the table's current version, works on the arrays, and a write stores them back as
  * a new version. The mutex is robust: when a process dies holding it, the
