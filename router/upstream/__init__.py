@@ -16,6 +16,7 @@
   usage.py       the token counts an answer reports (its `usage`), found by search
   rename.py      a renamed model's answer given back the client's name (`model_map`)
   retry.py       which failures may be retried on another backend, and how often
+  pages.py       GETs beside the path (scrapes, health checks, model polls), pooled apart
 
 May import: router.metrics, router.fleet and the vocabulary (config, errors, log).
 """
