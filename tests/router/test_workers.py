@@ -1079,9 +1079,15 @@ async def test_a_sessions_spill_in_one_worker_is_followed_by_the_others(tmp_path
             for sid in sids:
                 assert await served_by(on0, sid) == 0
             servers[0].behaviour.metrics = page.format(10)
+
+            async def saturated_in_worker_0() -> bool:
+                async with on0.get(r.url + "/debug/routing") as resp:
+                    return (await resp.json())["backends"]["b0"]["waiting"] == 10.0
+
+            await until(saturated_in_worker_0, 15, "worker 0 to see b0's queue")
             for sid in sids:
                 spilled = 0
-                for _ in range(100):  # until worker 0 saw it saturated and RANDOM moved it
+                for _ in range(100):  # until RANDOM moved it
                     spilled = await served_by(on0, sid)
                     if spilled != 0:
                         break
