@@ -15,6 +15,7 @@ from router.errors import UpstreamError
 from router.fleet.backend import Backend
 from router.upstream.failures import BackendBroke
 from router.upstream.pool import Upstreams
+from router.upstream.proxy import broke
 
 
 class Pages:
@@ -43,16 +44,14 @@ class Pages:
                 self._connect_timeout,
                 backend.tls,
             )
+            clean = False
+            try:
+                page = await body.read()
+                clean = True
+            finally:
+                conn.release(clean)
         except BackendBroke as exc:
-            raise UpstreamError(f"The backend broke off its answer ({exc!r}).") from exc
-        clean = False
-        try:
-            page = await body.read()
-            clean = True
-        except BackendBroke as exc:
-            raise UpstreamError(f"The backend broke off its answer ({exc!r}).") from exc
-        finally:
-            conn.release(clean)
+            raise UpstreamError(broke(exc, "answer")) from exc
         return answer.status, page
 
     async def get(self, backend: Backend, path: str) -> bytes | None:

@@ -172,7 +172,7 @@ class Upstream:
         try:
             body = await self._payload.read()
         except BackendBroke as exc:
-            raise UpstreamDisconnected(_broke(exc, "answer")) from exc
+            raise UpstreamDisconnected(broke(exc, "answer")) from exc
         self._clock.tail = body if self._rename is None else self._rename.whole(body)
         return self._clock.tail
 
@@ -211,7 +211,7 @@ class Upstream:
             try:
                 chunk = await payload.readany()
             except BackendBroke as exc:
-                raise UpstreamDisconnected(_broke(exc, "stream")) from exc
+                raise UpstreamDisconnected(broke(exc, "stream")) from exc
             if not chunk:  # clean end; a cut-off body raises above
                 if rename is not None and (rest := rename.rest()):
                     yield rest
@@ -293,10 +293,10 @@ async def open_upstream(
 
 
 def _stream_broke(exc: BackendBroke) -> UpstreamDisconnected:
-    return UpstreamDisconnected(_broke(exc, "stream"))
+    return UpstreamDisconnected(broke(exc, "stream"))
 
 
-def _broke(exc: BackendBroke, what: str) -> str:
+def broke(exc: BackendBroke, what: str) -> str:
     """How the backend failed the `what` it was sending, in the client's terms."""
     if isinstance(exc, Malformed):
         return _logged(f"The backend sent a malformed {what}.", exc)
