@@ -9,13 +9,17 @@
  * holders are a chain of entries from the newest; nothing else is kept per key (a record
  * per key, 16 bytes and an id table's slot, cost more than the key in each entry: most
  * keys have one holder). Three open-addressing tables of u32 ids (linear probing,
- * backward-shift deletion, so no tombstones) find an entry by (key, backend, kind), a
- * confirmed entry by (backend, engine hash), and a key's newest holder by key.
+ * backward-shift deletion, so no tombstones) find a key's newest holder by key, a
+ * confirmed entry by (backend, engine hash), and an entry of a *wide* key by (key,
+ * backend, kind). A key's entries are found by walking its chain while it has at most
+ * NARROW of them; past that (a system prompt every backend holds) each is put in the
+ * entry table, for as long as the key is held: most keys have a holder or two, and an
+ * entry table's slot for each cost ~8 bytes an entry.
  * Nothing grows in one go: an id table that fills starts a table twice its size beside
  * it and each put moves a few of the old one's ids over (a whole rehash held the caller
  * 38 ms at 800k keys, and a worker's event loop with it), and the shared file's arrays
  * of ids grow in place.
- * About 50-60 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
+ * About 40-50 bytes per (key, backend) pair all in, against ~240 in Python dicts, and nothing
  * here is a Python object: the garbage collector never walks it. A backend's id comes
  * from `member` (a hash of its name): the same in every process sharing the table.
  *
@@ -73,12 +77,18 @@
 #define MIGRATE 16
 #define CONF 0
 #define SPEC 1
+/* an entry's kind byte: its kind, and WIDE on each entry of a key found through the
+ * entry table */
+#define KIND 1
+#define WIDE 2
+/* the longest chain a key's entries are found by walking it; past it the key is wide */
+#define NARROW 4
 #define MAX_BACKENDS 65535
 /* the shared file's address range: what every array ever cut from the arena can take */
 #define ARENA_BYTES (1ULL << 40)
 #define PAGE 4096
 /* "kvrtab", and the layout's version in the top byte */
-#define MAGIC (0x6b7672746162ULL | 4ULL << 56)
+#define MAGIC (0x6b7672746162ULL | 5ULL << 56)
 
 typedef struct {
     uint32_t head, tail, len;
@@ -243,7 +253,7 @@ static inline uint64_t engine_hash(uint64_t engine, uint32_t backend) {
 
 /* the hash an id in each table was placed by */
 static inline uint64_t etab_home(Table *t, uint32_t e) {
-    return entry_hash(t->e_key[e], t->e_backend[e], t->e_kind[e]);
+    return entry_hash(t->e_key[e], t->e_backend[e], t->e_kind[e] & KIND);
 }
 static inline uint64_t gtab_home(Table *t, uint32_t e) {
     return engine_hash(t->e_val[e], t->e_backend[e]);
@@ -372,16 +382,27 @@ static uint32_t entry_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t
         uint32_t v = slot[j], e = v - 1;
         if (v == EMPTY) return NIL;
         if (v != GONE && t->e_key[e] == key && t->e_backend[e] == backend &&
-            t->e_kind[e] == kind)
+            (t->e_kind[e] & KIND) == kind)
             return e;
     }
 }
 
-static uint32_t entry_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+/* a wide key's entry for (backend, kind), from the entry table */
+static uint32_t wide_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
     itab_t *it = &t->etab;
     uint32_t e = entry_in(t, it->slot, it->mask, key, backend, kind);
     return e != NIL || it->old == NULL ? e
                                        : entry_in(t, it->old, it->old_mask, key, backend, kind);
+}
+
+/* the entry of (key, backend, kind): among a narrow key's few holders, walked from its
+ * chain's head, or a wide key's from the entry table */
+static uint32_t entry_find(Table *t, uint64_t key, uint32_t backend, uint32_t kind) {
+    uint32_t e = key_find(t, key);
+    if (e != NIL && t->e_kind[e] & WIDE) return wide_find(t, key, backend, kind);
+    for (; e != NIL; e = t->e_hnext[e])
+        if (t->e_backend[e] == backend && t->e_kind[e] == kind) return e;
+    return NIL;
 }
 
 static uint32_t engine_in(Table *t, const uint32_t *slot, uint32_t mask, uint64_t engine,
@@ -409,8 +430,17 @@ static inline uint32_t kind_find(Table *t, uint64_t key, uint32_t backend, uint3
     return list_of(t, backend, kind)->len ? entry_find(t, key, backend, kind) : NIL;
 }
 
+/* the backend holds `key`, of either kind: one walk of a narrow key's chain */
 static inline int held(Table *t, uint64_t key, uint32_t backend) {
-    return kind_find(t, key, backend, CONF) != NIL || kind_find(t, key, backend, SPEC) != NIL;
+    lru_t *l = list_of(t, backend, CONF);
+    if (l[CONF].len == 0 && l[SPEC].len == 0) return 0;
+    uint32_t e = key_find(t, key);
+    if (e != NIL && t->e_kind[e] & WIDE)
+        return (l[CONF].len && wide_find(t, key, backend, CONF) != NIL) ||
+               (l[SPEC].len && wide_find(t, key, backend, SPEC) != NIL);
+    for (; e != NIL; e = t->e_hnext[e])
+        if (t->e_backend[e] == backend) return 1;
+    return 0;
 }
 
 #define GROW(arr, old, cap) \
@@ -506,6 +536,32 @@ static void key_moved(Table *t, uint64_t key, uint32_t from, uint32_t to) {
     }
 }
 
+/* the key whose chain starts at `head` becomes wide: each of its entries goes into the
+ * entry table (all or none: -1 when out of memory) */
+static int widen(Table *t, uint32_t head) {
+    uint32_t e = head;
+    for (; e != NIL; e = t->e_hnext[e]) {
+        if (itab_put(t, ETAB, &t->etab, e, etab_home(t, e)) < 0) break;
+        t->e_kind[e] |= WIDE;
+    }
+    if (e == NIL) return 0;
+    for (uint32_t f = head; f != e; f = t->e_hnext[f]) {
+        itab_del(t, ETAB, &t->etab, f, etab_home(t, f));
+        t->e_kind[f] &= KIND;
+    }
+    return -1;
+}
+
+/* the key whose chain starts at `head` (NIL: none) takes a new entry in the entry table:
+ * it is wide, or its chain is as long as a narrow one gets and it becomes wide */
+static int goes_wide(Table *t, uint32_t head) {
+    if (head == NIL) return 0;
+    if (t->e_kind[head] & WIDE) return 1;
+    uint32_t n = 0;
+    for (uint32_t e = head; e != NIL && n < NARROW; e = t->e_hnext[e]) n++;
+    return n < NARROW ? 0 : widen(t, head) < 0 ? -1 : 1;
+}
+
 /* a new entry for (key, backend, kind), known to be absent, `head` being the key's newest
  * holder (NIL: the key is held nowhere); NIL when out of memory */
 static uint32_t entry_new(Table *t, uint64_t key, uint32_t head, uint32_t backend,
@@ -525,14 +581,15 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t head, uint32_t backen
     t->e_val[e] = val;
     t->e_backend[e] = (uint16_t)backend;
     t->e_kind[e] = (uint8_t)kind;
-    if (itab_put(t, ETAB, &t->etab, e, entry_hash(key, backend, kind)) < 0) {
+    int wide = goes_wide(t, head);
+    if (wide > 0) t->e_kind[e] |= WIDE;
+    if (wide < 0 || (wide && itab_put(t, ETAB, &t->etab, e, entry_hash(key, backend, kind)) < 0)) {
         t->e_next[e] = t->e_free;
         t->e_free = e;
         return NIL;
     }
     if (head == NIL) {
         if (itab_put(t, KTAB, &t->ktab, e, mix(key)) < 0) {
-            itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
             t->e_next[e] = t->e_free;
             t->e_free = e;
             return NIL;
@@ -549,11 +606,11 @@ static uint32_t entry_new(Table *t, uint64_t key, uint32_t head, uint32_t backen
 
 static void entry_free(Table *t, uint32_t e) {
     uint64_t key = t->e_key[e];
-    uint32_t backend = t->e_backend[e], kind = t->e_kind[e];
+    uint32_t backend = t->e_backend[e], kind = t->e_kind[e] & KIND;
     lru_unlink(t, list_of(t, backend, kind), e);
     if (kind == CONF) /* gone already when its engine hash went to another key */
         itab_del(t, GTAB, &t->gtab, e, engine_hash(t->e_val[e], backend));
-    itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
+    if (t->e_kind[e] & WIDE) itab_del(t, ETAB, &t->etab, e, entry_hash(key, backend, kind));
     uint32_t head = key_find(t, key), next = t->e_hnext[e];
     if (head != e) {
         uint32_t *link = &t->e_hnext[head];
@@ -1073,7 +1130,7 @@ static inline uint32_t holders_upto(Table *t, uint32_t e, uint32_t most) {
     uint32_t count = 0;
     for (; e != NIL && count <= most; e = t->e_hnext[e]) {
         uint32_t b = t->e_backend[e];
-        if (t->e_kind[e] == CONF || kind_find(t, t->e_key[e], b, CONF) == NIL) count++;
+        if ((t->e_kind[e] & KIND) == CONF || kind_find(t, t->e_key[e], b, CONF) == NIL) count++;
     }
     return count;
 }
@@ -1128,7 +1185,7 @@ static PyObject *do_holders(Table *t, PyObject *const *args, Py_ssize_t n) {
      * backend is skipped, so each backend is named once */
     for (uint32_t e = head; e != NIL; e = t->e_hnext[e]) {
         uint32_t b = t->e_backend[e];
-        if (t->e_kind[e] == SPEC && kind_find(t, key, b, CONF) != NIL) continue;
+        if ((t->e_kind[e] & KIND) == SPEC && kind_find(t, key, b, CONF) != NIL) continue;
         names[got++] = b;
     }
     Py_ssize_t take = got < (uint64_t)limit ? got : limit;
