@@ -1,6 +1,7 @@
 """Control: the processes, their roles, and how the config changes while they run.
 
   serve.py       run one process until SIGTERM (drain) or SIGINT; SIGHUP reloads
+  heap.py        the C heap keeps what a long prompt freed for the next (glibc's mallopt)
   worker.py      `Router`: a process that serves (its request path, the shared tables);
                  alone it is the whole router, telemetry in-process
   request_path.py

@@ -11,6 +11,7 @@ from router import log
 from router.config import Config
 from router.context import WorkerContext
 from router.control.collector import Collector
+from router.control.heap import keep_freed_memory
 from router.control.reload import ConfigSource
 from router.control.worker import Router
 
@@ -35,6 +36,7 @@ async def serve(
     """Run until SIGINT or SIGTERM, then drain (`shutdown`); SIGHUP reopens the access
     log and reloads. With a `context`, this process is the collector or one worker of
     several."""
+    keep_freed_memory()
     if context is not None and context.collector:
         node: Router | Collector = Collector(config, source, context)
     else:
