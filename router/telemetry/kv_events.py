@@ -25,6 +25,7 @@ block keys hashed there (`PrefixIndex.events`); any other event goes the per-eve
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -440,11 +441,19 @@ def kv_context() -> zmq.asyncio.Context:
 
 
 def drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
-    """Up to `limit` messages already queued on `sock` (a plain socket: no await each,
-    and no exception raised where none waits)."""
+    """Up to `limit` messages already queued on `sock` (a plain socket: no await each).
+    Each frame says whether more of its message follow: pyzmq's option reads (EVENTS
+    before each message, RCVMORE after each frame in `recv_multipart`) build an enum
+    member each, 9 µs a message against 3.6."""
     found: list[list[bytes]] = []
-    while len(found) < limit and sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
-        found.append(sock.recv_multipart(zmq.NOBLOCK))
+    with contextlib.suppress(zmq.Again):  # nothing more waits
+        while len(found) < limit:
+            frame = sock.recv(zmq.NOBLOCK, copy=False)
+            parts = [frame.bytes]
+            while frame.more:  # the rest of a message is there with its first frame
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                parts.append(frame.bytes)
+            found.append(parts)
     return found
 
 

@@ -13,7 +13,7 @@ from hashing._block_table import HASHES_STORES
 
 from hashing.blocks import chain, root_key
 from hashing.tiered_index import Tier, TieredIndex
-from router.telemetry.kv_events import EventApplier, as_uint64, kv_context
+from router.telemetry.kv_events import EventApplier, as_uint64, drain, kv_context
 
 MODEL = "m"
 IDS = list(range(32))
@@ -244,3 +244,30 @@ def test_the_table_hashes_the_stores_itself() -> None:
     without it every store would go the per-event Python way (a wheel that stopped
     exporting it would fail here, not slow the collector unseen)."""
     assert HASHES_STORES
+
+
+def test_drain_takes_whole_messages_up_to_its_limit_and_stops_when_none_wait() -> None:
+    ctx = zmq.Context()
+    sender, reader = ctx.socket(zmq.PAIR), ctx.socket(zmq.PAIR)
+    try:
+        port = sender.bind_to_random_port("tcp://127.0.0.1")
+        reader.connect(f"tcp://127.0.0.1:{port}")
+        assert drain(reader, 10) == []
+        sent = [[b"kv@b0", i.to_bytes(8, "big"), b"x" * i] for i in range(5)] + [[b"one"]]
+        for frames in sent:
+            sender.send_multipart(frames)
+        assert reader.poll(10_000) == zmq.POLLIN  # the first has arrived
+        got: list[list[bytes]] = []
+        for _ in range(1000):  # each at most 4, until all six are in
+            taken = drain(reader, 4)
+            assert len(taken) <= 4
+            got += taken
+            if len(got) == len(sent):
+                break
+            reader.poll(1000)
+        assert got == sent
+        assert drain(reader, 4) == []
+    finally:
+        sender.close(linger=0)
+        reader.close(linger=0)
+        ctx.term()
