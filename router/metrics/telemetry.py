@@ -20,6 +20,8 @@ KV_EVENT_KINDS = ("stored", "removed", "cleared")
 _COUNT_EVERY_S = 0.1
 #: what became of a message from the cluster's Redis (telemetry/cluster.py)
 CLUSTER_OUTCOMES = ("applied", "malformed", "foreign")
+#: where a message between the router's own processes can be skipped
+SKIPPED_AT = ("feed", "control")
 
 
 class TelemetryMetrics:
@@ -123,6 +125,16 @@ class TelemetryMetrics:
         )
         for outcome in CLUSTER_OUTCOMES:
             self.cluster_messages.labels(outcome)
+        self.feed_skipped = Counter(
+            "kvroute_feed_messages_skipped",
+            "Messages between the router's own processes that one could not read and "
+            "skipped (a process of another release, a bug): on a worker's feed from the "
+            "collector, or on the collector's control socket",
+            ["at"],
+            registry=r,
+        )
+        for at in SKIPPED_AT:
+            self.feed_skipped.labels(at)
 
     def _prime_telemetry(self, backends: Iterable[Backend]) -> None:
         """Create each backend's fallback and disagreement counters at 0 (the KV-events

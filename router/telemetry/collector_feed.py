@@ -213,6 +213,7 @@ class CollectorTelemetry(Telemetry):
             self._on_broadcast(payload)
         except Exception as exc:
             _skipped.warning("an edit on the control socket was skipped: %r", exc)
+            self._metrics.feed_skipped.labels("control").inc()
 
     async def _welcome(self, topic: bytes) -> None:
         """The answer to a worker's hello, on that worker's topic: `j` (its feed is

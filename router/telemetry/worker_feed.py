@@ -152,6 +152,7 @@ class WorkerTelemetry(Telemetry):
             self._received(kind, name.decode(), rest)
         except Exception as exc:  # the feed must outlive any one message
             _skipped.warning("a feed message (%r) was skipped: %r", frames[0][:16], exc)
+            self._metrics.feed_skipped.labels("feed").inc()
 
     async def _hello(self) -> None:
         """Say hello to the collector until its answer comes back on the feed."""

@@ -970,6 +970,13 @@ async def test_a_message_no_process_can_read_is_skipped_and_the_feed_goes_on(tmp
                 )
 
             await until(skipped, 15, "the collector and every worker to skip it")
+            async with aiohttp.ClientSession() as http:
+                name = "kvroute_feed_messages_skipped_total"
+
+                async def counted() -> bool:  # each worker's feed, the collector's relay
+                    return await metric(http, r.url, name) == WORKERS + 1
+
+                await until(counted, 15, "every skip counted")
             sessions = [await r.pinned(pid) for pid in r.workers()]
             auth = {"Authorization": "Bearer admin-secret-token-0123456789"}
             async with aiohttp.ClientSession(headers=auth) as http:
