@@ -10,7 +10,7 @@ import psutil
 
 from tests.router.test_workers import CHAT, backends, chat, multi_router, stubs
 
-WORDS = 100_000  # a ~600 KB body: each of its copies is past glibc's first mmap threshold
+WORDS = 100_000  # a ~500 KB body: each of its copies is past glibc's first mmap threshold
 
 
 def minor_faults(root: int) -> int:
