@@ -21,8 +21,9 @@ and then while new `--probe-tokens`-token prompts flow to the same worker back t
 the same difference straight to the backend (here the raw one, `--raw`, which does not
 parse bodies): what the machine's own contention adds. The process measured (the
 worker, or the raw backend) has the first CPU to itself meanwhile and the load (the
-probe's client, the sender, the backend) the others (`--no-pin`: the scheduler's
-choice), so that the difference is the loop's own waiting, not a core's time slices.
+probe's client, the sender, the backend) the others, the probe's client first in line
+there (SCHED_FIFO, where allowed; `--no-pin`: all the scheduler's choice), so that the
+difference is the loop's own waiting, not a core's time slices.
 
 Reproduces docs/performance.md, "New long prompts".
 
@@ -240,9 +241,28 @@ def pinned(measured: int, others: Sequence[int], pin: bool) -> Iterator[None]:
     _set_affinity([p for tree in trees for p in tree], set(cpus[1:]))
     _set_affinity(procstat.tree(measured), {cpus[0]})
     try:
-        yield
+        with _first_in_line():
+            yield
     finally:
         _set_affinity([p for tree in trees for p in tree], set(cpus))
+
+
+@contextlib.contextmanager
+def _first_in_line() -> Iterator[None]:
+    """This thread (the probe's client) runs before the load sharing its CPU
+    (SCHED_FIFO where this user may set it; children keep the default policy): the small
+    requests' times are then the router's and the backend's, not the client's own waits
+    behind the long prompts' sender."""
+    before = os.sched_getscheduler(0), os.sched_getparam(0)
+    try:
+        os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
+    except PermissionError:
+        yield
+        return
+    try:
+        yield
+    finally:
+        os.sched_setscheduler(0, *before)
 
 
 def _set_affinity(pids: Sequence[int], cpus: set[int]) -> None:
