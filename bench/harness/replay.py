@@ -19,6 +19,10 @@ ranks policies; `kvroute bench` measures routers. Measured against it on long-pr
 backends, 150 requests, seed 0): round robin P90 3,690 ms here, 3,769 there.
 
     python -m bench.harness.replay --workload long-prefix --backends 4 --requests 150 --seeds 0,1,2
+    python -m bench.harness.replay --workload long-prefix --requests 360 --groups 24 --tail 400
+
+`--tail MS` counts, per run, the requests whose first token took longer than MS, by
+cause (`Replay.slow_by_cause`): what a TTFT percentile on a cliff is made of.
 
 Cost: O(engine steps x running requests), plus tokenizing each prompt once: on one
 core about 650 requests a second of 1,100 tokens, 200 of 8,100 (64 backends).
@@ -51,6 +55,8 @@ from policies.registry import params_union
 __all__ = ["Replay", "policy_maker", "replay"]
 
 MODEL = "sim-llama-70b"
+#: why a first token was slow (`Replay.slow_by_cause`)
+CAUSES = ("cold", "own", "behind")
 
 
 @dataclass(eq=False)
@@ -81,13 +87,14 @@ class _Sent:
 @dataclass
 class Replay:
     """What one replay measured, by request index: when it was sent and finished, its
-    TTFT (simulated s), the backend that served it and its (prompt, cached) tokens; and
-    the fleet's cache hits and requests per backend."""
+    TTFT (simulated s), the backend that served it, its group and its (prompt, cached)
+    tokens; and the fleet's cache hits and requests per backend."""
 
     sent_at: dict[int, float] = field(default_factory=dict)
     finished_at: dict[int, float] = field(default_factory=dict)
     ttft: dict[int, float] = field(default_factory=dict)
     backend: dict[int, int] = field(default_factory=dict)
+    group: dict[int, int] = field(default_factory=dict)
     tokens: dict[int, tuple[int, int]] = field(default_factory=dict)
     cached_tokens: int = 0
     prompt_tokens: int = 0
@@ -103,6 +110,29 @@ class Replay:
 
     def quantile_ms(self, q: float) -> float:
         return 1000 * (percentile(list(self.ttft.values()), q) or 0.0)
+
+    def slow_by_cause(self, threshold_s: float) -> dict[str, int]:
+        """The requests whose first token took longer than `threshold_s`, by why: `cold`
+        (less than half its prompt was cached), `own` (sent before its group's first
+        request had its first token: its prefix was still being prefilled), `behind`
+        (cached, yet queued behind other prompts' prefills). A TTFT percentile that falls
+        among these moves with their count, not with how the cache was used."""
+        first: dict[int, int] = {}
+        for i in sorted(self.sent_at, key=self.sent_at.__getitem__):
+            first.setdefault(self.group[i], i)
+        causes = dict.fromkeys(CAUSES, 0)
+        for i, ttft in self.ttft.items():
+            if ttft <= threshold_s:
+                continue
+            prompt, cached = self.tokens[i]
+            lead = first[self.group[i]]
+            if cached < prompt / 2:
+                causes["cold"] += 1
+            elif self.sent_at[i] < self.sent_at[lead] + self.ttft[lead]:
+                causes["own"] += 1
+            else:
+                causes["behind"] += 1
+        return causes
 
 
 def replay(
@@ -186,6 +216,7 @@ class _Run:
         self.sent[sim.request_id] = _Sent(req, seen, queued, now)
         self.result.sent_at[req.index] = now
         self.result.backend[req.index] = index
+        self.result.group[req.index] = req.group
         self.result.served[index] += 1
         self.engines[index].scheduler.add(sim)
         self._start_step(index, now)
@@ -257,13 +288,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=50)
     parser.add_argument("--rate", type=float, default=6.0, help="arrivals per simulated s")
     parser.add_argument("--seeds", default="0", help="comma-separated, e.g. 0,1,2")
+    parser.add_argument(
+        "--tail",
+        type=float,
+        metavar="MS",
+        help="also count the requests whose TTFT passed MS simulated ms, by cause: cold "
+        "(under half the prompt cached), own (its prefix still being prefilled for an "
+        "earlier request of its group), behind (cached, queued behind other prefills)",
+    )
     args = parser.parse_args(argv)
     strategies = [s.strip().upper() for s in args.strategies.split(",")]
     unknown = [s for s in strategies if s not in names()]
     if unknown:
         parser.error(f"unknown strategies {unknown}; known: {', '.join(names())}")
     seeds = [int(s) for s in args.seeds.split(",")]
-    print(f"{'strategy':28} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'KV hit':>7} {'spread':>7}")
+    tail = "" if args.tail is None else f"  over {args.tail:g} ms: " + " / ".join(CAUSES)
+    print(f"{'strategy':28} {'p50 ms':>8} {'p90':>8} {'p99':>8} {'KV hit':>7} {'spread':>7}{tail}")
     for strategy in strategies:
         runs = [
             replay(
@@ -283,11 +323,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         cells = [statistics.mean(r.quantile_ms(q) for r in runs) for q in (0.5, 0.9, 0.99)]
         hit = statistics.mean(r.hit_rate for r in runs)
         spread = statistics.mean(r.spread for r in runs)
-        print(
+        row = (
             f"{strategy:28} {cells[0]:8.0f} {cells[1]:8.0f} {cells[2]:8.0f}"
             f" {hit:7.1%} {spread:7.2f}"
         )
+        if args.tail is not None:
+            slow = [r.slow_by_cause(args.tail / 1000) for r in runs]
+            means = [statistics.mean(s[c] for s in slow) for c in CAUSES]
+            row += "  " + " / ".join(f"{m:.1f}" for m in means)
+        print(row)
     print(f"means over seeds {args.seeds}; {args.backends} backends, {args.replicas} replicas")
+    if args.tail is not None:
+        print("over MS: requests a run whose TTFT passed it: cold / own / behind (--help)")
     return 0
 
 

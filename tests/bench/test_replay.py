@@ -62,3 +62,28 @@ def test_the_command_prints_a_row_per_strategy(capsys: pytest.CaptureFixture[str
     assert [line.split()[0] for line in out[1:3]] == ["KV_AWARE", "ROUND_ROBIN"]
     with pytest.raises(SystemExit):
         main(["--strategies", "FASTEST"])
+
+
+def test_slow_first_tokens_are_told_apart_by_cause() -> None:
+    """Each slow request has one cause: every document's first request is cold; one sent
+    while its document's first prefill ran waits on it (own); a cached one queued behind
+    another document's prefill is behind."""
+    spec = WorkloadSpec(shape="long-prefix", requests=48, groups=8, rate=40.0, seed=3)
+    result = replay(spec, policy_maker("KV_AWARE", 3), backends=2)
+    every = result.slow_by_cause(0.0)
+    assert sum(every.values()) == len(result.ttft) == 48
+    assert every["cold"] >= 8 and every["own"] > 0 and every["behind"] > 0, every
+    slowest = max(result.ttft.values())
+    assert result.slow_by_cause(slowest) == {"cold": 0, "own": 0, "behind": 0}
+    cold_floor = result.slow_by_cause(0.5)
+    assert cold_floor["cold"] >= 8  # an 8,000-token prefill takes more than 0.5 s
+
+
+def test_the_command_counts_the_tail_by_cause(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--requests", "24", "--groups", "4", "--strategies", "kv_aware", "--tail", "400"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "over 400 ms: cold / own / behind" in out
+    row = next(line for line in out.splitlines() if line.startswith("KV_AWARE"))
+    cold = float(row.split()[-5])
+    assert cold >= 4  # each of the 4 documents' first requests
