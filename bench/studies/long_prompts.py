@@ -256,13 +256,14 @@ def _first_in_line() -> Iterator[None]:
     before = os.sched_getscheduler(0), os.sched_getparam(0)
     try:
         os.sched_setscheduler(0, os.SCHED_FIFO | os.SCHED_RESET_ON_FORK, os.sched_param(1))
-    except PermissionError:
-        yield
-        return
+        moved = True
+    except PermissionError:  # not root, nor CAP_SYS_NICE: as before
+        moved = False
     try:
         yield
     finally:
-        os.sched_setscheduler(0, *before)
+        if moved:
+            os.sched_setscheduler(0, *before)
 
 
 def _set_affinity(pids: Sequence[int], cpus: set[int]) -> None:
