@@ -250,14 +250,39 @@ def json_lines(entries: list[Entry]) -> bytes:
 
 
 def text_lines(entries: list[Entry]) -> bytes:
-    """One logfmt line (`key=value ...`) per entry; "-" for what is not known."""
+    """One logfmt line (`key=value ...`) per entry, the JSON lines' fields in their
+    order; "-" for what is not known."""
     clock = _Clock()
-    lines = [" ".join(f"{k}={_logfmt(v)}" for k, v in _fields(e, clock).items()) for e in entries]
+    lines = [_text_line(e, clock) for e in entries]
     return ("\n".join(lines) + "\n").encode("utf-8", "backslashreplace")
 
 
-def _logfmt(value: object) -> str:
-    if value is None or value == "":
+def _text_line(e: Entry, clock: _Clock) -> str:
+    """One entry's line in one f-string: only the strings a client, a backend or an
+    error chose are checked for quoting; numbers and the clock never need it."""
+    return (
+        f"time={clock(e.at - e.seconds)} request_id={_logfmt(e.request_id)}"
+        f" tenant={_logfmt(e.tenant)} method={_logfmt(e.method)}"
+        f" path={_logfmt(_clip(e.path))} model={_logfmt(_clip(e.model))}"
+        f" status={_logfmt(e.status)} backend={_logfmt(e.backend)}"
+        f" reason={_logfmt(e.reason)} prefill={_logfmt(e.prefill)}"
+        f" strategy={_logfmt(e.strategy)} retries={e.retries}"
+        f" prompt_tokens={_count(e.prompt_tokens)} cached_tokens={_count(e.cached_tokens)}"
+        f" completion_tokens={_count(e.completion_tokens)} ttft_ms={_ms(e.ttft)}"
+        f" duration_ms={_ms(e.seconds)} error={_logfmt(e.error)}"
+        f" priority={_logfmt(e.priority)} queue_ms={_ms(e.queued)}"
+    )
+
+
+def _logfmt(value: str | None) -> str:
+    if not value:
         return "-"
-    text = str(value)
-    return text if _BARE.fullmatch(text) else orjson.dumps(text).decode()
+    return value if _BARE.fullmatch(value) else orjson.dumps(value).decode()
+
+
+def _count(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else str(round(seconds * 1000, 3))
