@@ -346,40 +346,26 @@ class EventSubscriber:
         self.last_seq: int | None = None
 
     async def run(self) -> None:
-        """Read the batches as they come: what waits on the socket at once, then a wait
-        on its file descriptor (no future or exception per message: at a thousand events a
-        second per backend, pyzmq's asyncio reads were half the collector's time)."""
+        """Read the batches as they come, in the socket's reader callback (`_Reading`),
+        until a read fails (raised here: `run_forever` subscribes again)."""
         sub = zmq.Context.shadow(self._ctx.underlying).socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
         sub.connect(self._endpoint)
-        loop = asyncio.get_running_loop()
-        readable = asyncio.Event()
-        fd = sub.getsockopt(zmq.FD)
-        loop.add_reader(fd, readable.set)
+        reading = _Reading(self, sub, asyncio.get_running_loop())
         try:
-            while True:
-                # ZMQ's descriptor only says the socket's state may have changed, once:
-                # `drain` ends on a read of the socket's events, which rearms it, so a
-                # wake-up from here on is for a message that came after that read
-                readable.clear()
-                messages = drain(sub, _DRAIN)
-                if messages:
-                    await self._on_batches(messages)
-                if len(messages) == _DRAIN:  # more may wait: the other backends' turn
-                    await asyncio.sleep(0)
-                else:
-                    await readable.wait()
+            await reading.failed
         finally:
-            loop.remove_reader(fd)
+            reading.stop()
             sub.close()
 
-    async def _on_batches(self, messages: Sequence[list[bytes]]) -> None:
-        """Batches in sequence go to the applier together; a restart or a gap (filled
-        from replay, or reset) first applies those before it, so order holds."""
+    def take(self, messages: Sequence[list[bytes]]) -> _Gap | None:
+        """Apply batches in sequence; a restart, or a gap with no replay to fill it, resets
+        first. The first gap a replay may fill is returned (for `filled`), with the
+        messages from it on: order holds, so nothing after it is applied meanwhile."""
         run: list[bytes] = []
         last = self.last_seq
-        for frames in messages:
+        for at, frames in enumerate(messages):
             if len(frames) != 3 or len(frames[1]) != 8:
                 continue
             seq = int.from_bytes(frames[1], "big")
@@ -388,11 +374,22 @@ class EventSubscriber:
                 run = []
                 if seq <= last:
                     self._reset("sequence went back (backend restarted)")
-                elif not await self._fill(last + 1, seq):
+                elif self._replay:
+                    return _Gap(last + 1, seq, messages[at:])
+                else:
                     self._reset(f"unrecoverable gap {last + 1}..{seq - 1}")
             run.append(frames[2])
             last = seq
         self._apply_run(run, last)
+        return None
+
+    async def filled(self, gap: _Gap) -> _Gap | None:
+        """The gap's batches from replay (a reset where they did not all come), then the
+        messages after it, up to the next gap."""
+        if not await self._fill(gap.start, gap.until):
+            self._reset(f"unrecoverable gap {gap.start}..{gap.until - 1}")
+        self.last_seq = gap.until - 1
+        return self.take(gap.rest)
 
     def _apply_run(self, run: Sequence[bytes], last: int | None) -> None:
         """Apply batches in sequence, up to `last`: the sequence moves on once they are
@@ -430,6 +427,71 @@ class EventSubscriber:
         if expected >= until:
             self._applier.stats.gaps_replayed += 1
         return expected >= until
+
+
+@dataclass(frozen=True, slots=True)
+class _Gap:
+    """Batches `start`..`until`-1 missed; `rest`: the messages from batch `until` on."""
+
+    start: int
+    until: int
+    rest: Sequence[list[bytes]]
+
+
+class _Reading:
+    """One subscription's reads, in its socket's reader callback: what waits is applied
+    before the loop moves on, with no task wake-up, future or exception a batch (at a
+    thousand events a second per backend, pyzmq's asyncio reads were half the collector's
+    time, and then a task woken by an asyncio.Event a tenth of it). A gap replay may fill
+    is the one wait: the reads stop until it is filled, so batches stay in order."""
+
+    def __init__(
+        self, subscriber: EventSubscriber, sub: zmq.Socket, loop: asyncio.AbstractEventLoop
+    ) -> None:
+        self._subscriber = subscriber
+        self._sub = sub
+        self._loop = loop
+        self._fd = sub.getsockopt(zmq.FD)
+        self._filling: asyncio.Task[None] | None = None
+        self._later: asyncio.Handle | None = None
+        #: set with the exception a read raised
+        self.failed: asyncio.Future[None] = loop.create_future()
+        loop.add_reader(self._fd, self.read)
+
+    def read(self) -> None:
+        """What waits on the socket, applied. ZMQ's descriptor only says the socket's
+        state may have changed, once: `drain` ends on the read of the socket's events that
+        finds none, which rearms it."""
+        if self.failed.done():
+            return
+        try:
+            messages = drain(self._sub, _DRAIN)
+            gap = self._subscriber.take(messages)
+        except Exception as exc:  # the subscription starts again: see run_forever
+            self.failed.set_exception(exc)
+            return
+        if gap is not None:
+            self._loop.remove_reader(self._fd)
+            self._filling = self._loop.create_task(self._fill(gap))
+        elif len(messages) == _DRAIN:  # more may wait: the other backends' turn first
+            self._later = self._loop.call_soon(self.read)
+
+    async def _fill(self, gap: _Gap | None) -> None:
+        try:
+            while gap is not None:
+                gap = await self._subscriber.filled(gap)
+        except Exception as exc:
+            if not self.failed.done():
+                self.failed.set_exception(exc)
+            return
+        self._loop.add_reader(self._fd, self.read)
+        self.read()  # what came meanwhile
+
+    def stop(self) -> None:
+        self._loop.remove_reader(self._fd)
+        for pending in (self._filling, self._later):
+            if pending is not None:
+                pending.cancel()
 
 
 def kv_context() -> zmq.asyncio.Context:

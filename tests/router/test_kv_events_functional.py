@@ -111,3 +111,38 @@ async def test_gap_is_filled_by_replay() -> None:
     finally:
         await fleet.stop()
         ctx.term()
+
+
+class _Failing(EventApplier):
+    def apply_payloads(self, payloads) -> None:
+        raise RuntimeError("the index refused a batch")
+
+
+async def test_a_batch_that_fails_ends_the_subscription_with_its_error_and_keeps_its_place() -> (
+    None
+):
+    """The reads run in the socket's callback: a failure there reaches `run` (whose
+    caller subscribes again), and the sequence stays before the batch, so it is read
+    again rather than lost."""
+    fleet = await start_fleet(1, sim_params("map"))
+    ctx = zmq.asyncio.Context()
+    backend = fleet.backends[0]
+    pub = backend.publisher
+    applier = _Failing("b0", TieredIndex(), 16, lambda: MODEL)
+    sub = EventSubscriber(ctx, applier, pub.endpoint, pub.replay_endpoint, "", pytest.fail)
+    task = asyncio.create_task(sub.run())
+    try:
+        for turn in range(100):  # until the SUB has connected and a batch came
+            await chat(backend.url, f"question {turn}")
+            done, _ = await asyncio.wait([task], timeout=0.1)
+            if done:
+                break
+        assert task.done()
+        with pytest.raises(RuntimeError, match="refused"):
+            await task
+        assert sub.last_seq is None
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await fleet.stop()
+        ctx.term()
