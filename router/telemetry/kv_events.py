@@ -472,11 +472,11 @@ class _Reading:
             return
         if gap is not None:
             self._loop.remove_reader(self._fd)
-            self._filling = self._loop.create_task(self._fill(gap))
+            self._filling = self._loop.create_task(self._fill_then_read(gap))
         elif len(messages) == _DRAIN:  # more may wait: the other backends' turn first
             self._later = self._loop.call_soon(self.read)
 
-    async def _fill(self, gap: _Gap | None) -> None:
+    async def _fill_then_read(self, gap: _Gap | None) -> None:
         try:
             while gap is not None:
                 gap = await self._subscriber.filled(gap)
