@@ -11,8 +11,9 @@ descriptor is rearmed:
 
 - the baseline, the reader of early 2026-12: frames read until `zmq.Again`, then the
   loop's second read (another `zmq.Again`) and its read of the socket's events;
-- router/telemetry/kv_events.py's `drain`, which asks for the events before each message
-  and ends on the read that finds none.
+- router/telemetry/kv_events.py's `drain`, which reads the first message at once and each
+  next one once the socket's events say it waits, ending on the events read that finds
+  none.
 
 Rounds of 1 message (a collector keeping up) and of 64 (one behind). Compare the
 ratios, not the times.
@@ -78,5 +79,5 @@ def test_baseline_frames_until_again(benchmark, pair, n) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 64])
-def test_drain_while_events_say_one_waits(benchmark, pair, n) -> None:
+def test_drain_reading_on_while_events_say_one_waits(benchmark, pair, n) -> None:
     assert benchmark(_round, pair, drain, n) == n

@@ -460,8 +460,8 @@ class _Reading:
 
     def read(self) -> None:
         """What waits on the socket, applied. ZMQ's descriptor only says the socket's
-        state may have changed, once: `drain` ends on the read of the socket's events that
-        finds none, which rearms it."""
+        state may have changed, once: `drain` ends on a read that finds nothing waiting,
+        which rearms it."""
         if self.failed.done():
             return
         try:
@@ -504,20 +504,27 @@ def kv_context() -> zmq.asyncio.Context:
 
 
 def drain(sock: zmq.Socket, limit: int) -> list[list[bytes]]:
-    """Up to `limit` messages already queued on `sock` (a plain socket: no await each),
-    each while the socket's events say one waits: the read that finds none is the one
-    that rearms ZMQ's descriptor. A message's frames are read as frames, each saying
-    whether more follow (pyzmq makes an enum member for every option read: RCVMORE after
-    each frame in `recv_multipart`). A backend's batches come one a wake-up, and asking
-    for the events costs half what a read ending on `zmq.Again` does (the exception)."""
+    """Up to `limit` messages already queued on `sock` (a plain socket: no await each).
+    A wake-up is for a message nearly always, so the first is read at once, and each
+    next one once the socket's events say it waits: the events read that finds none,
+    or the read that ends on `zmq.Again`, is what rearms ZMQ's descriptor. A message's
+    frames are read as frames, each saying whether more follow (pyzmq makes an enum
+    member for every option read: RCVMORE after each frame in `recv_multipart`). An
+    events read costs half what a `zmq.Again` does (the exception): one a message, and
+    one `zmq.Again` only when woken for none."""
     found: list[list[bytes]] = []
-    while len(found) < limit and sock.get(zmq.EVENTS) & _POLLIN:
-        frame = sock.recv(zmq.NOBLOCK, copy=False)
-        parts = [frame.bytes]
-        while frame.more:  # the rest of a message is there with its first frame
+    try:
+        while len(found) < limit:
             frame = sock.recv(zmq.NOBLOCK, copy=False)
-            parts.append(frame.bytes)
-        found.append(parts)
+            parts = [frame.bytes]
+            while frame.more:  # the rest of a message is there with its first frame
+                frame = sock.recv(zmq.NOBLOCK, copy=False)
+                parts.append(frame.bytes)
+            found.append(parts)
+            if not sock.get(zmq.EVENTS) & _POLLIN:
+                break
+    except zmq.Again:  # woken for no message
+        pass
     return found
 
 
