@@ -17,7 +17,7 @@ import aiohttp
 import openai
 import pytest
 
-from router.access_log import Entry, text_lines
+from router.access_log import Entry, json_lines, text_lines
 from router.config import build
 from router.control.worker import Router
 from tests.router.conftest import running, settle, until_tried_on
@@ -253,3 +253,22 @@ async def test_an_oversized_body_is_a_413_line_with_or_without_expect(tmp_path) 
     assert [line["status"] for line in lines] == ["413", "413"]
     assert {line["error"] for line in lines} == {"PayloadTooLarge"}
     assert not stub.received
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_a_text_line_has_the_json_lines_fields_in_their_order_and_values(known: bool) -> None:
+    """The text line is written field by field apart from the JSON line's dict: both
+    must name the same fields, in one order, with the same values."""
+    if known:
+        entry = Entry(1e9, 0.25, 0.0123456, "rid 1", "acme", "POST", "/v1/chat/completions",
+                      'm "q"', "KV_AWARE", "b0", "kv_hit", "p0", "200", 1, 120, 64, 7,
+                      "", "interactive", 0.002)  # fmt: skip
+    else:
+        entry = Entry(1e9, 0.5, None, "rid", None, "GET", "/v1/models", "", "RANDOM", "",
+                      "", "", "503", 0, None, None, None, "NoBackend")  # fmt: skip
+    (line,) = text_lines([entry]).decode().splitlines()
+    text = _text_fields(line)
+    whole = json.loads(json_lines([entry]))
+    assert list(text) == list(whole)
+    assert text == {k: None if v is None else v if isinstance(v, str) else str(v)
+                    for k, v in whole.items()}  # fmt: skip
