@@ -29,6 +29,7 @@ from router.fleet.backends import Fleet
 from router.fleet.breaker import Outcome, outcome
 from router.fleet.credentials import REFUSALS, routers_own
 from router.fleet.speeds import (
+    EARLY_MIN_TOKENS,
     EARLY_TOKENS,
     PREFILL_SHARE,
     SETTLE,
@@ -212,19 +213,20 @@ class Attempt(Verdict):
         loop = asyncio.get_running_loop()
         loop.call_later(SETTLE * step, self._settle, samples, now)
         if self.backend.learned_speed is None:
-            loop.call_later(
-                EARLY_TOKENS * step, self._decoding, prior, (0, 0.0, self.prefills_then)
-            )
+            loop.call_later(EARLY_TOKENS * step, self._decoding, prior, None)
 
     def _settle(self, samples: SpeedLearner, first: float) -> None:
         self.prefilled_after = samples.settle(first)
 
-    def _decoding(self, prior: Speed, since: tuple[int, float, float]) -> None:
-        """A decode sample of the stream's `EARLY_TOKENS` tokens `since` (its gaps,
-        seconds after its first token and the backend's prefilled tokens then), while
-        its backend has no speed of its own: a backend is learned as its first streams
-        decode, not as they end (a slow one's end last, and meanwhile it is judged at
-        the speed the faster ones set). Until it has them it is asked again while the
+    def _decoding(self, prior: Speed, since: tuple[int, float, float] | None) -> None:
+        """A decode sample of the tokens the stream had `EARLY_TOKENS` lent steps after
+        `since` (its chunks and seconds after its first then, and the backend's
+        prefilled tokens; None: `_from_second_chunk`), while its backend has no speed
+        of its own: a backend is learned as its first streams decode, not as they end
+        (a slow one's end last, and meanwhile it is judged at the speed the faster ones
+        set), and one slower than lent shows it with fewer tokens than `EARLY_TOKENS`
+        (a slow backend waiting for them took a new conversation every time it was
+        emptiest). With fewer than `EARLY_MIN_TOKENS` it is asked again while the
         stream runs; a span more than `PREFILL_SHARE` other prompts' prefills (their
         share of a step is taken off a gap at a rate not learned yet) is passed over."""
         backend, upstream = self.backend, self.upstream
@@ -233,17 +235,28 @@ class Attempt(Verdict):
         gaps, seconds = upstream.decoding()
         prefilled = backend.speed_samples.prefilled_total()
         speed = backend.lent_speed or prior
-        tokens, span = gaps - since[0], seconds - since[1]
-        beside = prefilled - since[2]
-        if beside / speed.prefill_tokens_per_s > span * PREFILL_SHARE:  # from here on
-            since = (gaps, seconds, prefilled)
-        elif tokens >= EARLY_TOKENS:
-            for learner in self._fleet.learners(backend):
-                learner.decoded(*self.decode_sample(tokens, span, beside))
-            self._fleet.relearn(backend, prior)
-            return
+        since = since or self._from_second_chunk(upstream)
+        if since is not None:
+            tokens, span = gaps - since[0], seconds - since[1]
+            beside = prefilled - since[2]
+            if beside / speed.prefill_tokens_per_s > span * PREFILL_SHARE:  # from here on
+                since = (gaps, seconds, prefilled)
+            elif tokens >= EARLY_MIN_TOKENS:
+                for learner in self._fleet.learners(backend):
+                    learner.decoded(*self.decode_sample(tokens, span, beside))
+                self._fleet.relearn(backend, prior)
+                return
         loop = asyncio.get_running_loop()
         loop.call_later(EARLY_TOKENS * speed.decode_step_s, self._decoding, prior, since)
+
+    def _from_second_chunk(self, upstream: Upstream) -> tuple[int, float, float] | None:
+        """Where an early decode sample starts: the stream's second chunk (its chunks
+        and seconds after its first then, None before it), and the backend's prefilled
+        tokens at its first token. Gaps from the first would count a chat stream's
+        opening event (its role, sent with the first token) as a step: a sample of a
+        few tokens a quarter short."""
+        second = upstream.second_chunk()
+        return None if second is None else (1, second, self.prefills_then)
 
     def decode_sample(
         self, tokens: int, seconds: float, prefilled: float

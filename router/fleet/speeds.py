@@ -95,8 +95,11 @@ MIN_SPREAD = 4.0
 #: a decode sample needs this many tokens after the first (a gap's mean, not one gap)
 MIN_DECODE_TOKENS = 8
 #: while a backend has no speed of its own, a stream's decode is sampled this many
-#: steps after its first token too (a slow backend's streams end last)
+#: steps (at the speed lent to it) after its first token too (a slow backend's streams
+#: end last), from the tokens that came by then if at least `EARLY_MIN_TOKENS`: one
+#: half as fast shows it with half the tokens, not twice as late
 EARLY_TOKENS = 16
+EARLY_MIN_TOKENS = 4
 #: a decode sample further off the first fit than this many median misses is left out
 _TRIM = 4.0
 #: a prefill sample whose rate is off the median by more than this factor is left out

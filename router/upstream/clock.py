@@ -49,6 +49,7 @@ class BodyClock:
         "_last_chunk_at",
         "_loop",
         "_on_first",
+        "_second_chunk_at",
         "_tally",
         "chunks",
         "first_chunk_at",
@@ -73,6 +74,7 @@ class BodyClock:
         self._idle_timer: asyncio.TimerHandle | None = None
         self._tally: Tally | None = None
         self._last_chunk_at = 0.0
+        self._second_chunk_at: float | None = None
         self.first_chunk_at: float | None = None
         #: chunks that came (a stream's events, about one a token)
         self.chunks = 0
@@ -104,6 +106,8 @@ class BodyClock:
             self._arm_idle_timer(self._idle)
         else:
             self._tally.observe(now - self._last_chunk_at)
+            if self.chunks == 2:
+                self._second_chunk_at = now
         self._last_chunk_at = now
         if len(chunk) > _TAIL_MIN:
             self.tail = chunk
@@ -115,6 +119,13 @@ class BodyClock:
         if self.first_chunk_at is None:
             return 0, 0.0
         return self.chunks - 1, self._last_chunk_at - self.first_chunk_at
+
+    def second_chunk(self) -> float | None:
+        """Seconds from the first chunk to the second (None before it). Gaps timed from
+        the second are one a decode step: a chat stream's first two events (its role,
+        its first token) come together, in one read or two."""
+        second = self._second_chunk_at
+        return None if second is None else second - self.first_chunk_at
 
     def stop(self) -> None:
         """The exchange ended: no more deadline, and the gaps go to the histogram."""

@@ -158,6 +158,10 @@ class Upstream:
         """The body's chunks after its first, and the seconds they took."""
         return self._clock.decoding()
 
+    def second_chunk(self) -> float | None:
+        """Seconds from the body's first chunk to its second (None before it)."""
+        return self._clock.second_chunk()
+
     def watch(self, deadline: asyncio.Timeout) -> None:
         """The timeout guarding the body; once chunks flow, it expires `idle` seconds
         after the last one (and at `end` at the latest)."""

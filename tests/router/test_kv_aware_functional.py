@@ -20,6 +20,7 @@ from bench.sim.params import SimParams
 from router.config import APPROXIMATE_BLOCK_SIZE, build
 from router.control.worker import Router
 from router.fleet.backends import UPKEEP_SLICE
+from router.fleet.speeds import EARLY_TOKENS
 from tests.router.chaos import until
 
 MODEL = "sim-llama-70b"
@@ -585,6 +586,37 @@ async def test_a_backend_is_learned_while_its_first_streams_still_decode() -> No
             assert step == pytest.approx(TRUE["slow"][1], rel=0.25)
         finally:
             await asyncio.gather(*streams)
+
+
+async def test_a_backend_slower_than_its_lent_speed_shows_it_before_its_early_tokens() -> None:
+    """A backend 8 times slower than the speed it is judged at: its first stream's
+    decode sample is what came in `EARLY_TOKENS` steps at that speed (a few tokens),
+    not `EARLY_TOKENS` tokens, which took it 8 times as long (meanwhile it looked fast
+    and took new conversations)."""
+    async with contextlib.AsyncExitStack() as stack:
+        routing = {"strategy": "KV_AWARE", "seed": 3, "decode_step_s": TRUE["slow"][1] / 8}
+        router = await one_simulated(stack, "slow", HALF, routing=routing)
+        async with AsyncOpenAI(
+            base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
+        ) as oai:
+            words = " ".join(f"w{k}" for k in range(600))
+            stream = await oai.chat.completions.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": words}],
+                max_tokens=200,  # ~5 s at ~25 ms of wall time a token
+                stream=True,
+            )
+            received, seen = 0, None
+            async with asyncio.timeout(30):
+                async for _ in stream:
+                    received += 1
+                    shown = (await debug_routing(router))["backends"]["slow"]
+                    if "decode_step_s" in shown["speed_learned_figures"]:
+                        seen = seen or (received, shown["speed"]["decode_step_s"])
+        assert seen is not None, "not learned while its stream ran"
+        tokens, step = seen
+        assert tokens < EARLY_TOKENS - 4, f"learned after {tokens} tokens"
+        assert step == pytest.approx(TRUE["slow"][1], rel=0.25)
 
 
 async def test_a_backend_is_learned_from_its_metrics_when_no_stream_passes_the_router() -> None:
