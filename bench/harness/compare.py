@@ -291,6 +291,18 @@ def _add_router_options(run: _Group) -> None:
         "start it again SECONDS later (real time), e.g. 8:10",
     )
     run.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        type=_setting,
+        dest="settings",
+        metavar="PATH=VALUE",
+        help="any other setting of kvroute's config file for every kvroute row, PATH "
+        "dotted, VALUE in YAML, e.g. --set flow.saturation.enabled=false or --set "
+        "telemetry.scrape_interval=2; repeatable. The bench sets the fleet, `listen`, "
+        "`workers`, `cluster` and `routing` itself (see --workers, --cluster, --param)",
+    )
+    run.add_argument(
         "--peers",
         action="store_true",
         help="add rows for sglang-router (cache_aware, round_robin) and vllm-router "
@@ -419,6 +431,51 @@ def _param(text: str) -> tuple[str, object]:
         raise argparse.ArgumentTypeError(f"{key}: not a YAML value: {exc}") from None
 
 
+#: config sections the bench writes itself, which --set may not
+_BENCH_OWNED = frozenset(
+    {"backends", "cluster", "discovery", "listen", "pools", "routing", "workers"}
+)
+
+
+def _setting(text: str) -> tuple[tuple[str, ...], object]:
+    """PATH=VALUE (--set): the dotted path's keys and the YAML value."""
+    path, sep, value = text.partition("=")
+    keys = tuple(k.strip() for k in path.split("."))
+    if not sep or not all(keys):
+        raise argparse.ArgumentTypeError(
+            f"expected PATH=VALUE, e.g. flow.enabled=false, got {text!r}"
+        )
+    if keys[0] in _BENCH_OWNED:
+        raise argparse.ArgumentTypeError(
+            f"{path}: the bench sets `{keys[0]}` itself (--workers, --cluster, --param)"
+        )
+    try:
+        return keys, yaml.safe_load(value)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"{path}: not a YAML value: {exc}") from None
+
+
+def _router_settings(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, object]:
+    """The --set settings as config sections (later ones win), checked against the
+    config's schema before any process starts."""
+    if args.settings and args.target:
+        raise ValueError("--set configures the routers the bench starts; not with --target")
+    settings: dict[str, object] = {}
+    for keys, value in args.settings:
+        section = settings
+        for key in keys[:-1]:
+            inner = section.get(key)
+            section[key] = inner = inner if isinstance(inner, dict) else {}
+            section = inner
+        section[keys[-1]] = value
+    for strategy in strategies:
+        try:
+            router_config(strategy, [{"url": "http://127.0.0.1:1"}], {}, settings=settings)
+        except ConfigError as exc:
+            raise ValueError(str(exc).removeprefix("kvroute bench: ")) from None
+    return settings
+
+
 def _routing_knobs(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, object]:
     """The routing parameters given, flags and --param alike; a --param key that none of
     `strategies` has is an error, not a silent no-op."""
@@ -535,6 +592,8 @@ class Options(NamedTuple):
     #: (prefill, decode) backends: each strategy also runs disaggregated
     pd: tuple[int, int] | None = None
     speeds: tuple[float, ...] | None = None  # each simulated backend's (a mixed fleet)
+    #: kvroute's other config settings (--set), as sections
+    settings: dict[str, object] | None = None
 
 
 class _Split(NamedTuple):
@@ -673,6 +732,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
         time_scale=args.time_scale or (1.0 if args.target else DEFAULT_TIME_SCALE),
         sim_args=args.sim_arg,
         routing=_routing_knobs(args, strategies),
+        settings=_router_settings(args, strategies) or None,
         target=args.target.rstrip("/") if args.target else None,
         model=args.model,
         concurrency=args.concurrency,
@@ -1020,7 +1080,9 @@ def _kvroute_router(
     replicas share through it (config `cluster`)."""
     knobs = {**options.routing, "seed": options.seed}
     prefill = split.prefill if split else None
-    config = router_config(strategy, backends, knobs, options.workers, prefill, redis)
+    config = router_config(
+        strategy, backends, knobs, options.workers, prefill, redis, options.settings
+    )
     cmd = processes.kvroute_serve(config, tmp / "router.yaml")
     setup = Setup(
         router="kvroute serve",
@@ -1033,6 +1095,7 @@ def _kvroute_router(
         cluster=config.cluster is not None,
         redis_outage=options.redis_outage if config.cluster is not None else None,
         pools=f"prefill {split.prefill} + decode {split.decode}" if split else None,
+        settings=options.settings,
     )
     return _Router(lambda port: [*cmd, "--port", str(port)], "/ready", setup)
 
@@ -1061,11 +1124,13 @@ def router_config(
     workers: int = 0,
     prefill: int | None = None,
     redis: str | None = None,
+    settings: dict[str, object] | None = None,
 ) -> Config:
     """A router on a free port of 127.0.0.1 with `strategy` and the knobs it has;
     `workers` 0 is one per usable core, as `kvroute serve` runs by default. `prefill`:
     the first that many backends are a prefill pool and the rest a decode pool. `redis`:
-    the URL its replicas share through (config `cluster`)."""
+    the URL its replicas share through (config `cluster`). `settings`: other config
+    sections (--set), under the bench's own keys."""
     fields = policies.policy_class(strategy).params_type.__struct_fields__
     routing = {"strategy": strategy, **{k: v for k, v in knobs.items() if k in fields}}
     fleet: dict[str, object] = {"backends": backends}
@@ -1080,11 +1145,12 @@ def router_config(
         }
     return build(
         {
+            "log_level": "warning",
+            **(settings or {}),
             "listen": {"host": "127.0.0.1", "port": 0},
             **fleet,
             "routing": routing,
             "workers": workers,
-            "log_level": "warning",
             **({"cluster": {"redis": {"url": redis}}} if redis else {}),
         },
         "kvroute bench",
@@ -1322,7 +1388,20 @@ def _described(setup: Setup, replica_requests: Sequence[float | None], seed: int
     head = f"kvroute serve, {workers} per replica, {replicas}, KV events {events}"
     if setup.pools:
         head += f", pools {setup.pools}"
+    if setup.settings:
+        head += ", config " + " ".join(_dotted(setup.settings))
     return "; ".join([head, " ".join(knobs)] if knobs else [head])
+
+
+def _dotted(settings: dict[str, object], prefix: str = "") -> list[str]:
+    """`settings` as the PATH=VALUE words --set took."""
+    words = []
+    for key, value in settings.items():
+        if isinstance(value, dict) and value:
+            words += _dotted(value, f"{prefix}{key}.")
+        else:
+            words.append(f"{prefix}{key}={_compact(value)}")
+    return words
 
 
 def _compact(value: object) -> str:

@@ -83,6 +83,7 @@ class Setup(msgspec.Struct, frozen=True, kw_only=True):
     cluster: bool = False  # kvroute's replicas share through Redis (config `cluster`)
     redis_outage: tuple[float, float] | None = None  # Redis down (after, for) seconds
     pools: str | None = None  # kvroute's prefill and decode pools (--pd), in words
+    settings: dict[str, object] | None = None  # kvroute's other config sections (--set)
 
 
 class Run(msgspec.Struct, kw_only=True):

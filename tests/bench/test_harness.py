@@ -241,6 +241,21 @@ def test_a_cpu_tier_adds_its_hit_rate_and_param_sets_any_routing_parameter(tmp_p
     assert 0 < doc["summaries"][0]["tier_hit_rate"] < 1
 
 
+def test_set_gives_every_kvroute_row_any_other_setting(tmp_path, capsys):
+    """--set reaches the router's config file: a body limit under the prompts' size
+    refuses every request (413: the bench exits 1 for failed requests), and the row's
+    configuration line names it."""
+    argv = [*TINY, "--strategies=RANDOM", "--set=limits.max_body_bytes=2048"]
+    argv += ["--set=log_level=error", f"--out={tmp_path}"]
+    assert harness.main(argv) == 1
+    out = capsys.readouterr().out
+    assert "config limits.max_body_bytes=2048 log_level=error" in " ".join(out.split())
+    doc = _results(tmp_path)
+    (run,) = doc["runs"]
+    assert run["setup"]["settings"] == {"limits": {"max_body_bytes": 2048}, "log_level": "error"}
+    assert {o["status"] for o in run["outcomes"]} == {413}
+
+
 def test_pd_runs_each_strategy_disaggregated_beside_the_same_backends_combined(tmp_path, capsys):
     """The P/D row's decode backend gets its prompts' KV from the prefill backend: vLLM's
     external prefix-cache counters show the transfer (tier hit), which the combined row
@@ -335,6 +350,10 @@ def test_knee_ramps_each_row_on_a_mixed_fleet_and_reports_its_last_step_under_th
         (["--param=miss_penalty"], "expected KEY=VALUE"),
         (["--strategies=RANDOM", "--param=tiers={}"], "--param tiers: no routing parameter"),
         (["--strategies=KV_AWARE", "--param=tiers=5"], "$.routing.tiers"),
+        (["--set=flow.saturation.enabled"], "expected PATH=VALUE"),
+        (["--set=routing.sample=0"], "the bench sets `routing` itself"),
+        (["--set=flow.saturation.nope=1"], "$.flow.saturation"),
+        (["--set=log_level=error", "--target=http://127.0.0.1:9"], "not with --target"),
         (["--pd=2"], "expected P:D with P, D >= 1"),
         (["--pd=0:1"], "expected P:D with P, D >= 1"),
         (["--pd=2:2", "--backends=3"], "--pd 2:2 is 4 backends, not --backends 3"),
