@@ -425,10 +425,14 @@ def _param(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key.strip():
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key.strip(), _yaml_value(key, value)
+
+
+def _yaml_value(name: str, value: str) -> object:
     try:
-        return key.strip(), yaml.safe_load(value)
+        return yaml.safe_load(value)
     except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"{key}: not a YAML value: {exc}") from None
+        raise argparse.ArgumentTypeError(f"{name}: not a YAML value: {exc}") from None
 
 
 #: config sections the bench writes itself, which --set may not
@@ -449,10 +453,7 @@ def _setting(text: str) -> tuple[tuple[str, ...], object]:
         raise argparse.ArgumentTypeError(
             f"{path}: the bench sets `{keys[0]}` itself (--workers, --cluster, --param)"
         )
-    try:
-        return keys, yaml.safe_load(value)
-    except yaml.YAMLError as exc:
-        raise argparse.ArgumentTypeError(f"{path}: not a YAML value: {exc}") from None
+    return keys, _yaml_value(path, value)
 
 
 def _router_settings(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, object]:
@@ -468,12 +469,19 @@ def _router_settings(args: argparse.Namespace, strategies: Sequence[str]) -> dic
             section[key] = inner = inner if isinstance(inner, dict) else {}
             section = inner
         section[keys[-1]] = value
+    _check_config(strategies, {}, settings)
+    return settings
+
+
+def _check_config(
+    strategies: Sequence[str], knobs: dict[str, object], settings: dict[str, object] | None
+) -> None:
+    """A bad value fails here, as a ValueError, before any process starts."""
     for strategy in strategies:
         try:
-            router_config(strategy, [{"url": "http://127.0.0.1:1"}], {}, settings=settings)
+            router_config(strategy, [{"url": "http://127.0.0.1:1"}], knobs, settings=settings)
         except ConfigError as exc:
             raise ValueError(str(exc).removeprefix("kvroute bench: ")) from None
-    return settings
 
 
 def _routing_knobs(args: argparse.Namespace, strategies: Sequence[str]) -> dict[str, object]:
@@ -493,11 +501,7 @@ def _routing_knobs(args: argparse.Namespace, strategies: Sequence[str]) -> dict[
             )
         knobs[key] = value
     given = {k: v for k, v in knobs.items() if v is not None}
-    for strategy in strategies:  # a bad value fails here, before any process starts
-        try:
-            router_config(strategy, [{"url": "http://127.0.0.1:1"}], given)
-        except ConfigError as exc:
-            raise ValueError(str(exc).removeprefix("kvroute bench: ")) from None
+    _check_config(strategies, given, None)
     return given
 
 
