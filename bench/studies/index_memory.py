@@ -3,7 +3,9 @@
 A router (`kvroute serve`, KV_AWARE, no KV events: approximate mode) in front of
 `--backends` ports of one instant backend (`bench.studies.instant_backend --sites`) learns where
 `--requests` new prompts of `--words` words went: each one's block keys (up to
-`max_prefix_tokens` worth) become speculative entries of the backend it chose. The
+`max_prefix_tokens` worth) become speculative entries of the backend it chose (each
+backend's /metrics shows a KV cache with room for every prompt, so the index, which keeps
+no more of a backend's blocks than its cache holds, keeps them all). The
 host's memory is measured before and after, over the supervisor and every child: the
 sum of their PSS (a page several processes map counts once, split between them: what
 the host really gives them; `memory` of psutil, from /proc/PID/smaps_rollup) and of
@@ -201,6 +203,14 @@ def _by_name(grown: dict[str, int]) -> str:
     return ", ".join(f"{name.removeprefix('kvroute: ')} {_mib(n)}" for name, n in grown.items())
 
 
+def kv_tokens(requests: int, words: int) -> int:
+    """The KV cache each backend shows: room for every prompt, were they all sent to it
+    (~1.6 tokens a word; 2 to spare). The router keeps no more of a backend's blocks in
+    its index than its cache holds, and a smaller cache would make the entries, and so
+    the memory measured, depend on how evenly the prompts spread."""
+    return requests * words * 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", type=int, default=64, help="backend names (default 64)")
@@ -214,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows = []
     backend = [sys.executable, "-m", "bench.studies.instant_backend", "--sites", str(args.backends)]
+    backend += ["--kv-tokens", str(kv_tokens(args.requests, args.words))]
     with tempfile.TemporaryDirectory() as tmp, process(backend) as instant:
         urls = [instant.stdout.readline().strip() for _ in range(args.backends)]
         for workers in (int(w) for w in args.workers.split(",")):

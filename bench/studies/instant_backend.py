@@ -18,7 +18,9 @@ A stream whose reader is slow is paused (transport flow control), never buffered
 without bound. `GET /debug/streams` counts the open streams per model.
 
 Both serve `GET /metrics`: a vLLM page (the simulator's series and histograms, at rest),
-so that a router scrapes and parses what it would in front of vLLM.
+so that a router scrapes and parses what it would in front of vLLM. Its KV cache size
+(`num_gpu_blocks`) is the simulator's, 384k tokens, unless `--kv-tokens` says otherwise:
+a router bounds what its index keeps per backend by it.
 
     python -m bench.studies.instant_backend --port 0     # prints the URL it listens on
     python -m bench.studies.instant_backend --raw --interval 0.01 --slow-interval 0.5
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 
 import orjson
@@ -63,11 +66,19 @@ _CHUNK = (
     b'"choices":[{"index":0,"delta":{"content":"x"},"finish_reason":null}]}\n\n'
 )
 _MODELS = orjson.dumps({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
-#: what a vLLM server's /metrics shows at rest
-METRICS_PAGE = SimMetrics(SimParams(model=MODEL)).render()
+#: the KV cache a backend shows by default: the simulator's
+KV_TOKENS = SimParams().num_gpu_blocks * SimParams().block_size
 
 
-def make_app(chunks: int) -> web.Application:
+def metrics_page(kv_tokens: int = KV_TOKENS) -> bytes:
+    """What a vLLM server's /metrics shows at rest, with a KV cache of `kv_tokens`."""
+    block = SimParams().block_size
+    return SimMetrics(SimParams(model=MODEL, num_gpu_blocks=max(2, kv_tokens // block))).render()
+
+
+def make_app(chunks: int, kv_tokens: int = KV_TOKENS) -> web.Application:
+    page = metrics_page(kv_tokens)
+
     async def generate(request: web.Request) -> web.StreamResponse:
         body = await request.read()
         if b'"stream":true' not in body.replace(b" ", b""):
@@ -83,7 +94,7 @@ def make_app(chunks: int) -> web.Application:
         return web.Response(body=_MODELS, content_type="application/json")
 
     async def metrics(request: web.Request) -> web.Response:
-        return web.Response(body=METRICS_PAGE, headers={"Content-Type": CONTENT_TYPE})
+        return web.Response(body=page, headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()
     app.add_routes(
@@ -98,9 +109,9 @@ def make_app(chunks: int) -> web.Application:
     return app
 
 
-async def serve(host: str, port: int, chunks: int, sites: int) -> None:
+async def serve(host: str, port: int, chunks: int, sites: int, kv_tokens: int) -> None:
     """Serve on `port` and `sites - 1` more free ports, printing each URL on a line."""
-    runner = web.AppRunner(make_app(chunks), access_log=None)
+    runner = web.AppRunner(make_app(chunks, kv_tokens), access_log=None)
     await runner.setup()
     for i in range(sites):
         await web.TCPSite(runner, host, port if i == 0 else 0, reuse_address=True).start()
@@ -127,7 +138,13 @@ def _http(status: bytes, body: bytes, ctype: bytes = b"application/json") -> byt
 _RAW_COMPLETION = _http(b"200 OK", _COMPLETION)
 _RAW_MODELS_OK = _http(b"200 OK", _RAW_MODELS)
 _RAW_HEALTH = _http(b"200 OK", b"", b"text/plain")
-_RAW_METRICS = _http(b"200 OK", METRICS_PAGE, CONTENT_TYPE.encode())
+
+
+@functools.cache
+def _raw_metrics(kv_tokens: int) -> bytes:
+    return _http(b"200 OK", metrics_page(kv_tokens), CONTENT_TYPE.encode())
+
+
 _RAW_NOT_FOUND = _http(b"404 Not Found", b'{"error":{"message":"no such path"}}')
 _RAW_BAD = _http(b"400 Bad Request", b"").replace(b"\r\n\r\n", b"\r\nConnection: close\r\n\r\n")
 _STREAM_HEAD = (
@@ -183,8 +200,9 @@ class Pace:
 class RawHTTP(asyncio.Protocol):
     """HTTP/1.1 keep-alive with just enough parsing for the routes above."""
 
-    def __init__(self, paces: dict[str, Pace], chunks: int) -> None:
+    def __init__(self, paces: dict[str, Pace], chunks: int, metrics: bytes = b"") -> None:
         self._paces, self._chunks = paces, chunks
+        self._metrics = metrics or _raw_metrics(KV_TOKENS)
         self._buf = bytearray()
         self._pace: Pace | None = None
         self._close = False
@@ -233,7 +251,7 @@ class RawHTTP(asyncio.Protocol):
         elif method == b"get" and path == b"/health":
             self._reply(_RAW_HEALTH)
         elif method == b"get" and path == b"/metrics":
-            self._reply(_RAW_METRICS)
+            self._reply(self._metrics)
         elif method == b"get" and path == b"/debug/streams":
             self._reply(_http(b"200 OK", orjson.dumps(stream_counts(self._paces))))
         elif method in (b"get", b"post"):
@@ -279,13 +297,16 @@ def stream_counts(paces: dict[str, Pace]) -> dict[str, int]:
     return {model: len(pace.streams) for model, pace in paces.items()}
 
 
-async def serve_raw(host: str, port: int, chunks: int, paces: dict[str, Pace], sites: int) -> None:
+async def serve_raw(
+    host: str, port: int, chunks: int, paces: dict[str, Pace], sites: int, kv_tokens: int
+) -> None:
     """Serve on `port` and `sites - 1` more free ports (their streams paced together),
     printing each URL on a line."""
     loop = asyncio.get_running_loop()
+    metrics = _raw_metrics(kv_tokens)
     for i in range(sites):
         server = await loop.create_server(
-            lambda: RawHTTP(paces, chunks),
+            lambda: RawHTTP(paces, chunks, metrics),
             host,
             port if i == 0 else 0,
             reuse_address=True,
@@ -322,15 +343,22 @@ def main(argv: list[str] | None = None) -> int:
         metavar="N",
         help="listen on N ports, a URL printed per line: N backends to a router",
     )
+    parser.add_argument(
+        "--kv-tokens",
+        type=int,
+        default=KV_TOKENS,
+        metavar="N",
+        help=f"the KV cache /metrics shows, in tokens (default {KV_TOKENS:,}, the simulator's)",
+    )
     args = parser.parse_args(argv)
     if args.raw:
         paces = {
             MODEL: Pace(args.interval, args.hold),
             SLOW_MODEL: Pace(args.slow_interval, args.slow_hold),
         }
-        uvloop.run(serve_raw(args.host, args.port, args.chunks, paces, args.sites))
+        uvloop.run(serve_raw(args.host, args.port, args.chunks, paces, args.sites, args.kv_tokens))
     else:
-        uvloop.run(serve(args.host, args.port, args.chunks, args.sites))
+        uvloop.run(serve(args.host, args.port, args.chunks, args.sites, args.kv_tokens))
     return 0
 
 
