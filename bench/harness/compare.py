@@ -39,8 +39,12 @@ tokenizing and KV event handling ran on the loop that timestamps every chunk, wh
 deployment does. What does distort results on a shared 2-core machine is everything
 else running: time_scale 0.25 inflated PREFIX_AWARE's cached TTFTs (P50 124-468 ms
 simulated against 64 at time_scale 1), while 0.5 (the default, ~25% of a core each)
-agreed with 1 within ~20 ms. The footer prints each process's CPU share and this event
-loop's lag, and warns when the lag is large in simulated time; compare a slower
+agreed with 1 within ~20 ms. Near a fleet's capacity 0.5 is too fast for such a host:
+the simulator's steps come twice as fast in wall time, and a 4-backend fleet's knee
+(about 30 requests per simulated second, 60 per wall second) took the harness, router
+and simulator 155% of its 200%, so --knee runs at 1 unless told. The footer prints each
+process's CPU share and this event loop's lag, and warns when the lag is large in
+simulated time or a replay's processes took 75% of the host's cores; compare a slower
 --time-scale when in doubt.
 
 Every run is bounded: --requests, --duration and --max-wall per row and seed.
@@ -117,6 +121,8 @@ CLUSTERED = "+cluster"
 DEFAULT_TIME_SCALE = 0.5
 _LAG_TICK = 0.01
 _LAG_WARNING = 0.05  # simulated seconds of event-loop lag (p99) that distort small TTFTs
+#: a replay whose processes took this share of the host's cores measured the host too
+_HOST_BUSY = 0.75
 _WARMUP_PAIRS = 5
 _HTTP_TIMEOUT = aiohttp.ClientTimeout(total=30)
 #: how long a replay whose requests failed waits for the process that caused it to be
@@ -222,7 +228,8 @@ def _add_fleet_options(run: _Group) -> None:
         "--time-scale",
         type=positive(float),
         help="simulated durations x this (0.5 = twice as fast as real hardware); default "
-        f"{DEFAULT_TIME_SCALE:g}, or 1 with --target (give a simulated target's own scale)",
+        f"{DEFAULT_TIME_SCALE:g}, or 1 with --target (give a simulated target's own scale) "
+        "and with --knee (at 0.5 a small host runs out of CPU below a fleet's capacity)",
     )
     run.add_argument(
         "--sim-arg",
@@ -733,7 +740,7 @@ def _from_args(args: argparse.Namespace) -> tuple[WorkloadSpec, Options]:
     options = Options(
         strategies=["target"] if args.target else strategies,
         backends=backends,
-        time_scale=args.time_scale or (1.0 if args.target else DEFAULT_TIME_SCALE),
+        time_scale=args.time_scale or (1.0 if args.target or args.knee else DEFAULT_TIME_SCALE),
         sim_args=args.sim_arg,
         routing=_routing_knobs(args, strategies),
         settings=_router_settings(args, strategies) or None,
@@ -1485,6 +1492,14 @@ def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]
         lines.append(
             f"A router's own added latency is real time, so it weighs {1 / options.time_scale:g}x "
             "in the latency columns: compare routers' overheads at --time-scale 1."
+        )
+    busiest = max((sum(r.cpu.values()) for r in runs), default=0.0)
+    cores = len(os.sched_getaffinity(0))
+    if options.target is None and busiest >= _HOST_BUSY * cores:
+        lines.append(
+            f"WARNING: the busiest replay's processes took {busiest:.0%} of a core, of the "
+            f"{cores} this host has: its latencies are the host's as much as the routers'; "
+            "use a larger --time-scale."
         )
     if lag / options.time_scale > _LAG_WARNING:
         lines.append(

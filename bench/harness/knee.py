@@ -16,6 +16,12 @@ The default start, 0.5 requests per simulated second for each backend at speed 1
 sum of --speeds over 2), is below every router's capacity on the default workloads, so
 the first step passes and the ramp finds the knee within a few steps.
 
+The rates that matter are high, so a step's first seconds weigh: every document is new
+then and its first prefills arrive together. With 16 documents and 240 requests that
+burst set the failing step's P90 on hot-prefix; with 1,200 it is 2% of the requests and
+the knee is the sustained rate's. The harness runs a ramp at time scale 1 unless told:
+at 0.5 a 2-core host ran out of CPU below a 4-backend fleet's knee.
+
 Cost: one fleet and router start per step; a step replays --requests requests, so its
 wall time is requests / rate x time_scale.
 """

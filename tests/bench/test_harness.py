@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import orjson
 import psutil
 import pytest
@@ -512,6 +513,26 @@ def test_summary_scales_to_simulated_time_and_reading_compares_to_baseline():
         "KV hit rate 25.0% → 80.0%, "
         "busy spread 1.00 → 1.50"
     ]
+
+
+def test_a_knee_runs_at_time_scale_1_unless_told_and_a_host_short_of_cores_is_named():
+    """At 0.5 the simulator's steps come twice as fast in wall time, and a small host ran
+    out of CPU below a 4-backend fleet's capacity: its top steps measured the host."""
+    parser = harness.build_parser()
+    bare = [a for a in TINY if not a.startswith(("--time-scale", "--rate"))]
+    scales = {}
+    for extra in ([], ["--knee"], ["--knee", "--time-scale=0.5"]):
+        _, options = harness._from_args(parser.parse_args([*bare, *extra]))
+        scales[" ".join(extra)] = options.time_scale
+    assert scales == {"": 0.5, "--knee": 1.0, "--knee --time-scale=0.5": 0.5}
+    cores = len(os.sched_getaffinity(0))
+    run = _run("RANDOM", [0.1], 0.0, [1.0])
+    quiet = msgspec.structs.replace(run, cpu={"harness": 0.1, "router": 0.1, "simulator": 0.1})
+    busy = msgspec.structs.replace(run, cpu={"harness": 0.25 * cores, "simulator": 0.5 * cores})
+    warning = f"of a core, of the {cores} this host has"
+    assert not any(warning in line for line in harness._machine([quiet], options))
+    (line,) = [x for x in harness._machine([quiet, busy], options) if warning in x]
+    assert f"took {0.75 * cores:.0%}" in line and "use a larger --time-scale" in line
 
 
 @pytest.mark.parametrize("knee", [False, True])
