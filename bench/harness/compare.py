@@ -94,7 +94,7 @@ from bench.harness.report import (
 )
 from bench.harness.workloads import SHAPES, RequestSpec, WorkloadSpec, generate
 from router.config import DEFAULT_STRATEGY, Config, ConfigError, build
-from router.control.supervisor import worker_count
+from router.control.supervisor import usable_cores, worker_count
 
 __all__ = [
     "Options",
@@ -1494,7 +1494,7 @@ def _machine(runs: Sequence[Run | knee.KneeStep], options: Options) -> list[str]
             "in the latency columns: compare routers' overheads at --time-scale 1."
         )
     busiest = max((sum(r.cpu.values()) for r in runs), default=0.0)
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     if options.target is None and busiest >= _HOST_BUSY * cores:
         lines.append(
             f"WARNING: the busiest replay's processes took {busiest:.0%} of a core, of the "

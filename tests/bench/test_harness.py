@@ -525,7 +525,7 @@ def test_a_knee_runs_at_time_scale_1_unless_told_and_a_host_short_of_cores_is_na
         _, options = harness._from_args(parser.parse_args([*bare, *extra]))
         scales[" ".join(extra)] = options.time_scale
     assert scales == {"": 0.5, "--knee": 1.0, "--knee --time-scale=0.5": 0.5}
-    cores = len(os.sched_getaffinity(0))
+    cores = usable_cores()
     run = _run("RANDOM", [0.1], 0.0, [1.0])
     quiet = msgspec.structs.replace(run, cpu={"harness": 0.1, "router": 0.1, "simulator": 0.1})
     busy = msgspec.structs.replace(run, cpu={"harness": 0.25 * cores, "simulator": 0.5 * cores})
