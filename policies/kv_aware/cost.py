@@ -24,7 +24,8 @@ c(b) x r its decode step with r requests in its batch:
 - queued_tokens(b) = uncached prompt tokens the router has sent to b whose first token
   has not come back yet (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
-  replica; 0 when stale);
+  replica; 0 when stale) less this router's requests there unanswered at the scrape
+  (`queued_tokens` counts those: a prompt queued behind ours was charged twice);
 - inflight(b) = this router's in-flight requests, all workers: the batch it decodes;
 - output_tokens = the request's `max_tokens`, else the median answer the router saw for
   its model, else `output_tokens`;
@@ -42,7 +43,7 @@ one longer step over every stream there, and a new prompt then often queued behi
 another's prefill to spare a backend with one or two more streams (no-sharing on 4
 simulated backends: TTFT P99 1.7x round robin's, for no gain in E2E P99). A first token
 is what a user waits on; one longer step mid-stream is not felt the same. At 0.5 that
-P99 is 1.1x round robin's, and the E2E tails of long-prefix and multi-turn do not move
+P99 is 1.1-1.2x round robin's, and the E2E tails of long-prefix and multi-turn do not move
 (docs/performance.md).
 The miss penalty is what it costs those that will queue behind its prefill (1.0: a
 backend that would prefill a prompt another holds must save more than the prefill it
@@ -84,6 +85,12 @@ def _attr(backend: BackendLike, name: str) -> float:
     return getattr(backend, name, 0) or 0
 
 
+def _others_waiting(backend: BackendLike) -> float:
+    """The requests vLLM's last scrape showed waiting on `backend` but this router's own
+    then unanswered ones (`queued_tokens` counts those until their first token)."""
+    return max(0, _attr(backend, "waiting") - _attr(backend, "unstarted_at_scrape"))
+
+
 class CostModel:
     def __init__(self, params: KvAwareParams, index: TieredIndex) -> None:
         self.params = params
@@ -120,7 +127,7 @@ class CostModel:
             + prefill
             + step
             + per_request * running
-            + p.waiting_s_per_request * _attr(backend, "waiting")
+            + p.waiting_s_per_request * _others_waiting(backend)
         )
         decode = output * (step + per_request * (running + 1))
         harm = running * (p.harm_weight * prefill + output * per_request / 2)
@@ -155,7 +162,7 @@ class CostModel:
         return (
             _attr(backend, "queued_tokens") / rate
             + per_request * backend.inflight
-            + p.waiting_s_per_request * _attr(backend, "waiting")
+            + p.waiting_s_per_request * _others_waiting(backend)
         )
 
     def _speed(self, backend: BackendLike) -> tuple[float, float, float]:

@@ -6,18 +6,20 @@ fleet a prefill), and equal holders go to the rendezvous-hash winner of the prom
 block that none of them holds (hashing/rendezvous.py).
 
 A prompt cached nowhere goes where it costs least, tied only within `tie_seconds` (every
-gap between cold candidates is load, so a wider tie would send it behind another
-prefill); among the ties, to the emptiest cache (the most `room` where answers proved a
-cache's bound, else the fewest blocks held: hashing/prefix_lookup.py `vacancy`), and
-exact ties to the rendezvous winner of its first block. On an idle fleet every cold
-prompt ties: by rendezvous alone, new documents fall on the backends unevenly (three of
-six on one of three), and an engine that keeps two prompts then evicts one document for
-another at each turn; the emptiest cache spreads them before any cache's size is known.
-Every worker sees the same load table and placements, so the workers of one router place
-a new prefix alike; replicas place it alike while their estimates tie and their indexes
-agree (an idle or evenly loaded fleet, with `cluster` or KV events) and otherwise each by
-its own view. A prompt with no block beyond what the ties hold draws among them at random
-(the policy's seeded generator).
+gap between cold candidates is load, so a wider tie would send it behind another prefill);
+among the ties, to those whose first token comes soonest (within `tie_seconds`: equal
+costs can hide a wait for another prompt's prefill against a stream more, and the user
+waits on the first token), and of them to the emptiest cache (the most `room` where
+answers proved a cache's bound, else the fewest blocks held: hashing/prefix_lookup.py
+`vacancy`), and exact ties to the rendezvous winner of its first block. On an idle fleet
+every cold prompt ties: by rendezvous alone, new documents fall on the backends unevenly
+(three of six on one of three), and an engine that keeps two prompts then evicts one
+document for another at each turn; the emptiest cache spreads them before any cache's size
+is known. Every worker sees the same load table and placements, so the workers of one
+router place a new prefix alike; replicas place it alike while their estimates tie and
+their indexes agree (an idle or evenly loaded fleet, with `cluster` or KV events) and
+otherwise each by its own view. A prompt with no block beyond what the ties hold draws
+among them at random (the policy's seeded generator).
 
 Cost: one vacancy and one rendezvous rank per tied candidate, O(1) each; the backends'
 identities are memoised.
@@ -69,11 +71,12 @@ class TieBreak:
         return [s for s in ties if s[1] == most]
 
     def _agreed(self, req: RouteRequest, ties: list[Scored]) -> Scored:
-        """The rendezvous winner of the first block the ties do not hold (of the emptiest
-        caches, for a prompt cached nowhere): the same on every worker and replica; a
-        prompt without such a block draws at random."""
+        """The rendezvous winner of the first block the ties do not hold (for a prompt
+        cached nowhere, of the emptiest caches of those answering soonest): the same on
+        every worker and replica; a prompt without such a block draws at random."""
         if len(ties) > 1 and not ties[0][1]:
-            ties = self._emptiest(ties)
+            soonest = min(s[5] for s in ties) + self.params.tie_seconds
+            ties = self._emptiest([s for s in ties if s[5] <= soonest])
         if len(ties) == 1:
             return ties[0]
         first_new = ties[0][1] // self.params.block_size
