@@ -24,8 +24,7 @@ c(b) x r its decode step with r requests in its batch:
 - queued_tokens(b) = uncached prompt tokens the router has sent to b whose first token
   has not come back yet (this router's, every worker's, exact: the fast signal);
 - waiting(b) = b's scraped `vllm:num_requests_waiting` (fleet-wide, shared by every router
-  replica; 0 when stale) less this router's requests there unanswered at the scrape
-  (`queued_tokens` counts those: a prompt queued behind ours was charged twice);
+  replica; 0 when stale);
 - inflight(b) = this router's in-flight requests, all workers: the batch it decodes;
 - output_tokens = the request's `max_tokens`, else the median answer the router saw for
   its model, else `output_tokens`;
@@ -85,12 +84,6 @@ def _attr(backend: BackendLike, name: str) -> float:
     return getattr(backend, name, 0) or 0
 
 
-def _others_waiting(backend: BackendLike) -> float:
-    """The requests vLLM's last scrape showed waiting on `backend` but this router's own
-    then unanswered ones (`queued_tokens` counts those until their first token)."""
-    return max(0, _attr(backend, "waiting") - _attr(backend, "unstarted_at_scrape"))
-
-
 class CostModel:
     def __init__(self, params: KvAwareParams, index: TieredIndex) -> None:
         self.params = params
@@ -127,7 +120,7 @@ class CostModel:
             + prefill
             + step
             + per_request * running
-            + p.waiting_s_per_request * _others_waiting(backend)
+            + p.waiting_s_per_request * _attr(backend, "waiting")
         )
         decode = output * (step + per_request * (running + 1))
         harm = running * (p.harm_weight * prefill + output * per_request / 2)
@@ -162,7 +155,7 @@ class CostModel:
         return (
             _attr(backend, "queued_tokens") / rate
             + per_request * backend.inflight
-            + p.waiting_s_per_request * _others_waiting(backend)
+            + p.waiting_s_per_request * _attr(backend, "waiting")
         )
 
     def _speed(self, backend: BackendLike) -> tuple[float, float, float]:

@@ -27,7 +27,6 @@ class B:
     queued_tokens: int = 0
     waiting: float = 0.0
     speed: Speed | None = None
-    unstarted_at_scrape: int | None = None
 
 
 def view(members: list[B]) -> FleetView:
@@ -450,26 +449,6 @@ def test_a_new_prompt_does_not_queue_behind_a_prefill_to_spare_a_stream() -> Non
     members = [B("queued", inflight=5, queued_tokens=1100), B("busier", inflight=6)]
     assert policy(harm_weight=1.0).pick(req, view(members)).backend.name == "queued"
     assert policy().pick(req, view(members)).backend.name == "busier"
-
-
-def _cost(member: B, req: RouteRequest) -> float:
-    """KV_AWARE's estimated cost of `req` on `member` alone."""
-    p = policy()
-    p.pick(req, view([member]))
-    return p.recent[-1]["scores"][member.name]["cost_s"]
-
-
-def test_the_routers_own_unanswered_requests_are_not_counted_twice() -> None:
-    """vLLM's scraped `waiting` includes the router's own requests that were waiting for
-    their first token then, which `queued_tokens` already counts: only the others' wait
-    adds `waiting_s_per_request` each."""
-    req = _new_prompt(1, 1100)
-    alone = _cost(B("a", queued_tokens=1100), req)
-    assert _cost(B("a", queued_tokens=1100, waiting=1, unstarted_at_scrape=1), req) == alone
-    other = _cost(B("a", queued_tokens=1100, waiting=2, unstarted_at_scrape=1), req)
-    assert other - alone == pytest.approx(KvAwareParams().waiting_s_per_request, abs=1e-5)
-    stale = _cost(B("a", queued_tokens=1100, waiting=1), req)  # no scrape to compare
-    assert stale - alone == pytest.approx(KvAwareParams().waiting_s_per_request, abs=1e-5)
 
 
 def test_of_tied_cold_candidates_the_sooner_first_token_wins() -> None:
