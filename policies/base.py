@@ -104,6 +104,8 @@ class RouteRequest(NamedTuple):
     block keys of the prompt's full blocks) and `prompt_tokens` for those with a
     `block_keys` describer. `output_tokens`: the tokens its answer is expected to have
     (its `max_tokens`, else what the router saw of the model's answers; 0: unknown).
+    `request_id`: the request's `X-Request-Id`, which a policy that keeps its decisions
+    shows beside each (what the access log and traces name it by).
     """
 
     model: str
@@ -111,6 +113,7 @@ class RouteRequest(NamedTuple):
     blocks: Sequence[int] = ()
     prompt_tokens: int = 0
     output_tokens: int = 0
+    request_id: str = ""
 
 
 class Speed(NamedTuple):

@@ -26,15 +26,19 @@ class Decisions:
     ) -> None:
         """Keep the decision as it stands; `recent` formats it only when someone asks."""
         media = tuple([tier.medium for tier, _ in reach]) if reach else ()
-        self._recent.append((time.time(), req.model, req.prompt_tokens, chosen.name, scored, media))
+        self._recent.append(
+            (time.time(), req.request_id, req.model, req.prompt_tokens, chosen.name, scored, media)
+        )
 
     def recent(self) -> list[dict[str, Any]]:
-        """The last decisions: per backend the cost (`cost_s`) and its TTFT estimate
-        (`ttft_s`), the prompt tokens it need not prefill (`cached`), and of those how many
-        are on its GPU and, per tier, how many more it reaches there (`tiers`)."""
+        """The last decisions, each with its request's id (`request_id`): per backend the
+        cost (`cost_s`) and its TTFT estimate (`ttft_s`), the prompt tokens it need not
+        prefill (`cached`), and of those how many are on its GPU and, per tier, how many
+        more it reaches there (`tiers`)."""
         return [
             {
                 "at": at,
+                "request_id": request_id,
                 "model": model,
                 "prompt_tokens": tokens,
                 "chosen": chosen,
@@ -43,7 +47,7 @@ class Decisions:
                     for cost, covered, b, gpu, reached, ttft, _ in scored
                 },
             }
-            for at, model, tokens, chosen, scored, media in self._recent
+            for at, request_id, model, tokens, chosen, scored, media in self._recent
         ]
 
 

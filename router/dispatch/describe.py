@@ -80,9 +80,8 @@ def _describe(fleet: Fleet, call: Call, model: str) -> RouteRequest:
     elif block_keys is not None:
         # block keys isolate exactly as vLLM does: by cache_salt alone
         blocks, tokens = _apply(block_keys, call, model, req.cache_salt) or ((), 0)
-    if block_keys is None:
-        return RouteRequest(model, fp, blocks, tokens)
-    return RouteRequest(model, fp, blocks, tokens, _output_tokens(req, fleet, model))
+    output = 0 if block_keys is None else _output_tokens(req, fleet, model)
+    return RouteRequest(model, fp, blocks, tokens, output, call.request_id)
 
 
 def _output_tokens(req: object, fleet: Fleet, model: str) -> int:

@@ -87,7 +87,9 @@ async def until_indexed(router: Router, backend: str, keys: int, tier: str | Non
             await asyncio.sleep(0.02)
 
 
-async def ask(router: Router, doc: str, question: str) -> tuple[str, int]:
+async def ask(
+    router: Router, doc: str, question: str, request_id: str | None = None
+) -> tuple[str, int]:
     async with AsyncOpenAI(
         base_url=router.url + "/v1", api_key="x", max_retries=0, timeout=20
     ) as oai:
@@ -95,6 +97,7 @@ async def ask(router: Router, doc: str, question: str) -> tuple[str, int]:
             model=MODEL,
             messages=[{"role": "system", "content": doc}, {"role": "user", "content": question}],
             max_tokens=2,
+            extra_headers={"X-Request-Id": request_id} if request_id else None,
         )
         usage = raw.parse().usage
         return raw.headers["x-kvroute-backend"], usage.prompt_tokens_details.cached_tokens
@@ -110,7 +113,7 @@ async def test_requests_follow_the_cache(encoding: str) -> None:
         for home in set(homes.values()):  # the BlockStored events arrive
             await until_indexed(router, home, 37 * list(homes.values()).count(home))
         for i in range(6):
-            backend, cached = await ask(router, document(i), "a follow-up question")
+            backend, cached = await ask(router, document(i), "a follow-up", f"follow-up-{i}")
             assert backend == homes[i]
             assert cached > 600  # the document's blocks were reused
         debug = await debug_routing(router)
@@ -123,6 +126,10 @@ async def test_requests_follow_the_cache(encoding: str) -> None:
             while not (await scraped()).get("prefix_cache_hit_rate"):
                 await asyncio.sleep(0.1)
         assert (await scraped())["block_size"] == 16
+        # each decision names its request, as the access log does
+        assert [d["request_id"] for d in debug["decisions"][-6:]] == [
+            f"follow-up-{i}" for i in range(6)
+        ]
         assert debug["decisions"][-1]["chosen"] == homes[5]
         text = router.metrics.render().decode()
         assert 'kvroute_cached_tokens_total{source="reported"}' in text
