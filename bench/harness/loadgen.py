@@ -6,8 +6,10 @@ first event with non-empty content; ITL the gaps between later content events th
 arrived in different reads (tokens that arrive together make one gap, as in vLLM's own
 benchmark); end-to-end the time to `[DONE]`. The usage chunk gives prompt, completion
 and cached tokens (`prompt_tokens_details.cached_tokens`); the `x-kvroute-backend`
-header names the backend when the target is kvroute. Bodies ask `ignore_eos` so that a
-real vLLM, like the simulator, produces exactly `max_tokens` tokens.
+header names the backend when the target is kvroute, and `X-Request-Id` the request as
+kvroute's access log and /debug/routing do (so `--out`'s slow requests can be looked up
+there). Bodies ask `ignore_eos` so that a real vLLM, like the simulator, produces
+exactly `max_tokens` tokens.
 
 A request fails on a non-200 status, an SSE error event, a stream that ends without
 `[DONE]`, a transport error, or the run's deadline; each failure keeps a short reason.
@@ -39,6 +41,7 @@ import orjson
 
 from bench.harness.workloads import RequestSpec
 from router.ingress.relay import BACKEND_HEADER
+from router.ingress.web import REQUEST_ID
 
 __all__ = ["Outcome", "chat_body", "has_content", "replay"]
 
@@ -60,6 +63,9 @@ class Outcome(msgspec.Struct, kw_only=True):
     error: str | None = None
     status: int | None = None
     backend: str | None = None
+    #: the answer's `X-Request-Id` (kvroute's: what its access log and /debug/routing
+    #: name the request by; the peers send none)
+    request_id: str | None = None
     sent: float | None = None  # from the start of the replay
     ttft: float | None = None
     itl: list[float] = []
@@ -177,6 +183,7 @@ async def _send(
         ) as resp:
             out.status = resp.status
             out.backend = resp.headers.get(BACKEND_HEADER)
+            out.request_id = resp.headers.get(REQUEST_ID)
             if resp.status != 200:
                 out.error = f"HTTP {resp.status}: {(await resp.text())[:_ERROR_CHARS]}"
                 return

@@ -97,6 +97,9 @@ def test_bench_compares_strategies_and_writes_json(tmp_path, capsys):
         assert setup["processes"] >= (cores + 2 if cores > 1 else 1)  # + supervisor, collector
         assert setup["kv_events"] is False
     assert doc["runs"][1]["setup"]["params"]["prefix_length"] == 256
+    # each request's id, as the router's access log and /debug/routing name it
+    ids = [out["request_id"] for run in doc["runs"] for out in run["outcomes"]]
+    assert len(ids) == 40 and len(set(ids)) == 40 and all(ids), ids
     assert f"PREFIX_AWARE: kvroute serve, {cores} worker" in out
     assert "KV events off; prefix_length=256 concurrency_threshold=32" in out
     prefix_aware = doc["summaries"][1]
